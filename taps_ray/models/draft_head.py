@@ -1,0 +1,202 @@
+"""The EAGLE draft head: fc over [token embedding; target feature] + one decoder layer of the target's shape.
+
+The head owns only its trainable weights. The target's embedding and LM head are passed in frozen, so a
+checkpoint holds no copy of them, and heads trained on different data can share one target in memory.
+The attention cache is explicit (a (key, value) tuple returned by `forward`), never a module attribute,
+so two heads can draft side by side without clobbering each other.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import LlamaConfig, PretrainedConfig
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+
+
+class DraftHeadConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    vocab_size: int
+    fc_bias: bool = True
+    hidden_act: str = "silu"
+    kind: str = "eagle2"
+    target: str = ""
+    trained_on: str = ""
+
+    @classmethod
+    def from_target(cls, config: PretrainedConfig, **extra: object) -> "DraftHeadConfig":
+        heads = config.num_attention_heads
+        rope = getattr(config, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        return cls(
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(config, "num_key_value_heads", heads),
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            rms_norm_eps=getattr(config, "rms_norm_eps", 1e-5),
+            rope_theta=float(theta),
+            max_position_embeddings=getattr(config, "max_position_embeddings", 4096),
+            vocab_size=config.vocab_size,
+            hidden_act=getattr(config, "hidden_act", "silu"),
+            **extra,
+        )
+
+    def llama_config(self) -> LlamaConfig:
+        return LlamaConfig(
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+            max_position_embeddings=self.max_position_embeddings,
+            vocab_size=self.vocab_size,
+            hidden_act=self.hidden_act,
+        )
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, config: DraftHeadConfig) -> None:
+        super().__init__()
+        d, h, kvh, hd = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, hd
+        self.q_proj = nn.Linear(d, h * hd, bias=False)
+        self.k_proj = nn.Linear(d, kvh * hd, bias=False)
+        self.v_proj = nn.Linear(d, kvh * hd, bias=False)
+        self.o_proj = nn.Linear(h * hd, d, bias=False)
+
+
+class DraftDecoderLayer(nn.Module):
+    """A Llama decoder layer without the input norm (EAGLE omits it on the head's only layer)."""
+
+    def __init__(self, config: DraftHeadConfig) -> None:
+        super().__init__()
+        self.self_attn = DraftAttention(config)
+        self.mlp = LlamaMLP(config.llama_config())
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+
+class DraftHead(nn.Module):
+    def __init__(self, config: DraftHeadConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=config.fc_bias)
+        self.layer = DraftDecoderLayer(config)
+        self.rotary = LlamaRotaryEmbedding(config.llama_config())
+
+    # The forward is split in three pieces so HASS training can attend over several feature versions.
+    def fuse(self, token_embeddings: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """[B,T,d] embeddings of the next tokens + [B,T,d] target features -> layer input."""
+        return self.fc(torch.cat([token_embeddings.to(features.dtype), features], dim=-1))
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated queries [B,h,T,hd], keys and values [B,kvh,T,hd] at the given positions [B,T]."""
+        attn = self.layer.self_attn
+        b, t, _ = x.shape
+        q = attn.q_proj(x).view(b, t, attn.num_heads, attn.head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(b, t, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(b, t, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
+        cos, sin = self.rotary(x, positions)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    def finish(self, residual: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """o_proj of the attention output [B,h,T,hd], residual, then the post-norm MLP block."""
+        b, _, t, _ = attended.shape
+        z = residual + self.layer.self_attn.o_proj(attended.transpose(1, 2).reshape(b, t, -1))
+        return z + self.layer.mlp(self.layer.post_attention_layernorm(z))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Scaled dot-product attention with grouped KV heads; `mask` is bool [B,1,T,S], True = may attend."""
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(q.shape[-1]))
+
+    def forward(
+        self,
+        token_embeddings: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        cache: KVCache | None = None,
+    ) -> tuple[torch.Tensor, KVCache]:
+        """Returns the predicted next features [B,T,d] and the cache extended by these T positions."""
+        x = self.fuse(token_embeddings, features)
+        q, k, v = self.project(x, positions)
+        if cache is not None:
+            k = torch.cat([cache[0], k], dim=2)
+            v = torch.cat([cache[1], v], dim=2)
+        return self.finish(x, self.attend(q, k, v, mask)), (k, v)
+
+    # --- persistence -------------------------------------------------------------------------------------
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("rotary.")}
+
+    def save(self, folder: str | Path) -> None:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.detach().contiguous().cpu() for k, v in self.trainable_state().items()}
+        save_file(tensors, str(folder / WEIGHTS_FILE))
+        (folder / CONFIG_FILE).write_text(self.config.model_dump_json(indent=2))
+
+    @classmethod
+    def load(cls, folder: str | Path, dtype: torch.dtype = torch.float32) -> "DraftHead":
+        folder = Path(folder)
+        if not (folder / CONFIG_FILE).is_file() or not (folder / WEIGHTS_FILE).is_file():
+            raise FileNotFoundError(
+                f"{folder} is not a draft-head checkpoint (needs {CONFIG_FILE} and {WEIGHTS_FILE}); "
+                "train one with `taps train` or point to an existing head"
+            )
+        config = DraftHeadConfig.model_validate_json((folder / CONFIG_FILE).read_text())
+        head = cls(config)
+        head.load_trainable(load_file(str(folder / WEIGHTS_FILE)))
+        return head.to(dtype)
+
+    def load_trainable(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Strict load of the trainable weights (a missing or unexpected key is an error, never ignored)."""
+        expected = set(self.trainable_state())
+        missing, unexpected = expected - set(tensors), set(tensors) - expected
+        if missing or unexpected:
+            raise ValueError(f"draft-head weights do not match: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+        self.load_state_dict(tensors, strict=False)
+
+
+def new_head(target_config: PretrainedConfig, dtype: torch.dtype = torch.float32, seed: int = 0, **extra: object) -> DraftHead:
+    """A freshly initialised head shaped after the target (Llama-style init, std = initializer_range)."""
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        head = DraftHead(DraftHeadConfig.from_target(target_config, **extra))
+        std = getattr(target_config, "initializer_range", 0.02)
+        for module in head.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+    finally:
+        torch.random.set_rng_state(generator_state)
+    return head.to(dtype)
