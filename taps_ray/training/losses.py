@@ -1,0 +1,271 @@
+"""EAGLE and HASS training objectives for the draft head (ALGORITHMS.md §1.3–1.4 and §2, CLEAN variants).
+
+One training sample is a conversation with tokens x_0..x_{L-1}, the target's post-norm features h_0..h_{L-1}
+and the target's top-K next-token probabilities. Draft position t receives (h_t + noise, x_{t+1}) and regresses
+h_{t+1}; through the frozen LM head it therefore predicts x_{t+2} (§1.3).
+
+Loss-mask alignment (§8.3 leaves it open). ``"predicted"`` (default): position t is trained when the token it
+predicts, x_{t+2}, is an assistant token. ``"ref"``: the reference's unshifted mask, m[t] = mask of x_t.
+Losses are normalised by the mask sum (+1e-5), never by B·T.
+
+HASS Harmonized Context Alignment uses an additive −inf mask (causal ∧ padding) with the version-selection
+rule of §2.3 — not the reference's leaky multiplicative masks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from taps_ray.models.draft_head import DraftHead
+
+MaskAlignment = Literal["predicted", "ref"]
+
+
+@dataclass
+class FrozenTarget:
+    """The target's frozen token embedding and LM head, as [V, d] matrices in the training dtype."""
+
+    embed: torch.Tensor
+    lm_head: torch.Tensor
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> "FrozenTarget":
+        embed = model.get_input_embeddings().weight.detach().to(dtype)
+        lm_head = model.get_output_embeddings().weight.detach().to(dtype)
+        return cls(embed=embed, lm_head=lm_head)
+
+    def embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.embed)
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        return features @ self.lm_head.T
+
+
+@dataclass
+class Batch:
+    """A right-padded batch of stored features. ``loss_mask`` is per token (x_t), unshifted."""
+
+    input_ids: torch.Tensor  # [B,T] long
+    loss_mask: torch.Tensor  # [B,T] float
+    hidden: torch.Tensor  # [B,T,d] any float dtype (cast to the head's dtype)
+    lengths: torch.Tensor  # [B] long
+    topk_probs: torch.Tensor | None = None  # [B,T,K] target probabilities for x_{t+1}
+    topk_ids: torch.Tensor | None = None  # [B,T,K] long
+
+    @property
+    def tokens(self) -> int:
+        return int(self.lengths.sum())
+
+
+@dataclass
+class Shifted:
+    """Model inputs and targets after the §1.3 shift."""
+
+    feat_in: torch.Tensor  # [B,T,d]
+    tok_in: torch.Tensor  # [B,T]
+    target: torch.Tensor  # [B,T,d]
+    mask: torch.Tensor  # [B,T] float loss mask aligned with the draft position
+    valid: torch.Tensor  # [B,T] bool, real (non-padding) positions
+    positions: torch.Tensor  # [B,T]
+    topk_probs: torch.Tensor | None = None  # [B,T,K] for the token position t predicts (x_{t+2})
+    topk_ids: torch.Tensor | None = None
+
+
+def uniform_noise(shape: torch.Size | tuple[int, ...], lengths: torch.Tensor, std: float,
+                  generator: torch.Generator | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(U[0,1) − 0.5) · std · 512 / L per sample (§1.4); ``lengths`` [B] are the samples' true lengths."""
+    u = torch.rand(shape, generator=generator, dtype=dtype)
+    scale = std * 512.0 / lengths.to(dtype).clamp(min=1)
+    return (u - 0.5) * scale.view(-1, *([1] * (len(shape) - 1)))
+
+
+def shift_batch(batch: Batch, noise_std: float = 0.0, generator: torch.Generator | None = None,
+                dtype: torch.dtype = torch.float32, mask_alignment: MaskAlignment = "predicted") -> Shifted:
+    hidden = batch.hidden.to(dtype)
+    b, t, _ = hidden.shape
+    ar = torch.arange(t)
+    valid = ar[None, :] < batch.lengths[:, None]
+    feat_in = hidden
+    if noise_std > 0:
+        feat_in = hidden + uniform_noise(hidden.shape, batch.lengths, noise_std, generator, dtype)
+    tok_in = torch.zeros_like(batch.input_ids)
+    tok_in[:, :-1] = batch.input_ids[:, 1:]
+    # x_{t+1} exists only for t < L-1; the last real position gets the pad token 0 (§1.3)
+    tok_in = torch.where(ar[None, :] < (batch.lengths[:, None] - 1), tok_in, torch.zeros_like(tok_in))
+    target = torch.zeros_like(hidden)
+    target[:, :-1] = hidden[:, 1:]
+    m = batch.loss_mask.to(dtype) * valid.to(dtype)
+    if mask_alignment == "predicted":
+        mask = torch.zeros_like(m)
+        mask[:, :-2] = m[:, 2:]
+    elif mask_alignment == "ref":
+        mask = m * (ar[None, :] < (batch.lengths[:, None] - 1)).to(dtype)
+    else:
+        raise ValueError(f"mask_alignment must be 'predicted' or 'ref', got {mask_alignment!r}")
+    topk_probs = topk_ids = None
+    if batch.topk_probs is not None and batch.topk_ids is not None:
+        topk_probs = torch.zeros_like(batch.topk_probs, dtype=dtype)
+        topk_probs[:, :-1] = batch.topk_probs[:, 1:].to(dtype)
+        topk_ids = torch.zeros_like(batch.topk_ids)
+        topk_ids[:, :-1] = batch.topk_ids[:, 1:]
+    positions = ar[None, :].expand(b, t)
+    return Shifted(feat_in, tok_in, target, mask, valid, positions, topk_probs, topk_ids)
+
+
+def causal_mask(valid: torch.Tensor) -> torch.Tensor:
+    """bool [B,1,T,T]: causal ∧ key padding (True = may attend)."""
+    t = valid.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    return causal[None, None] & valid[:, None, None, :]
+
+
+def version_index(t: int, n: int) -> torch.Tensor:
+    """[T,T] long: which feature version query row r reads at key column c (−1 where c > r), §2.3."""
+    r = torch.arange(t)[:, None]
+    c = torch.arange(t)[None, :]
+    delta = r - c
+    version = torch.where(delta <= n - 2, n - 1 - delta, torch.zeros_like(delta))
+    return torch.where(delta >= 0, version, torch.full_like(delta, -1))
+
+
+def hca_forward(head: DraftHead, token_embeddings: torch.Tensor, versions: list[torch.Tensor],
+                positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """HASS forward over n = len(versions) feature versions (versions[0] = F0, the true features).
+
+    Queries and the residual come from the newest version; at row r, key column c reads version
+    n−1−(r−c) when r−c <= n−2 and version 0 otherwise. The selection is a boolean mask over the keys of
+    all versions concatenated, so the softmax runs over exactly one version per causal column (−inf elsewhere).
+    """
+    n = len(versions)
+    t = token_embeddings.shape[1]
+    xs = [head.fuse(token_embeddings, v) for v in versions]
+    q, k_new, v_new = head.project(xs[-1], positions)
+    if n == 1:
+        return head.finish(xs[-1], head.attend(q, k_new, v_new, causal_mask(valid)))
+    keys, values = [], []
+    for i, x in enumerate(xs[:-1]):
+        _, k, v = head.project(x, positions)
+        keys.append(k)
+        values.append(v)
+    keys.append(k_new)
+    values.append(v_new)
+    sel = version_index(t, n)
+    key_ok = valid[:, None, None, :]  # [B,1,1,T]
+    mask = torch.cat([(sel == i)[None, None] & key_ok for i in range(n)], dim=-1)  # [B,1,T,n*T]
+    attended = head.attend(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), mask)
+    return head.finish(xs[-1], attended)
+
+
+@dataclass
+class LossSettings:
+    reg_weight: float = 1.0
+    cls_weight: float = 0.1
+    topk_weight: float = 0.0
+    passes: int = 1
+    noise_std: float = 0.2
+    mask_alignment: MaskAlignment = "predicted"
+
+    @classmethod
+    def for_kind(cls, kind: str, train: object) -> "LossSettings":
+        """EAGLE-2: regression + soft CE, one pass. HASS: + top-K distillation and ``train.hca_passes`` passes."""
+        if kind not in ("eagle2", "hass"):
+            raise ValueError(f"unknown head kind {kind!r}; use eagle2 or hass")
+        hass = kind == "hass"
+        return cls(
+            reg_weight=train.reg_weight,
+            cls_weight=train.cls_weight,
+            topk_weight=train.topk_weight if hass else 0.0,
+            passes=train.hca_passes if hass else 1,
+            noise_std=train.noise_std,
+            mask_alignment=getattr(train, "mask_alignment", "predicted"),
+        )
+
+
+@dataclass
+class TargetDistribution:
+    """The target side of the classification terms on the masked positions (computed once per batch)."""
+
+    index: tuple[torch.Tensor, torch.Tensor]  # (batch, time) of masked positions
+    weights: torch.Tensor  # [N] mask values
+    probs: torch.Tensor  # [N,V] softmax(lm_head(target))
+    argmax: torch.Tensor  # [N]
+    topk_probs: torch.Tensor | None  # [N,K]
+    topk_ids: torch.Tensor | None
+    norm: torch.Tensor  # sum(mask) + 1e-5
+
+    @classmethod
+    def build(cls, shifted: Shifted, frozen: FrozenTarget) -> "TargetDistribution":
+        index = torch.nonzero(shifted.mask, as_tuple=True)
+        with torch.no_grad():
+            logits = frozen.logits(shifted.target[index])
+            probs = torch.softmax(logits, dim=-1)
+            argmax = logits.argmax(-1)
+        tp = shifted.topk_probs[index] if shifted.topk_probs is not None else None
+        ti = shifted.topk_ids[index] if shifted.topk_ids is not None else None
+        return cls(index, shifted.mask[index], probs, argmax, tp, ti, shifted.mask.sum() + 1e-5)
+
+
+def loss_terms(pred: torch.Tensor, shifted: Shifted, dist: TargetDistribution, frozen: FrozenTarget,
+               with_topk: bool) -> dict[str, torch.Tensor]:
+    """Lreg (SmoothL1 β=1, mean over d), Lcls (soft CE), Ltopk (stored top-K, not renormalised), top-1 agreement."""
+    reg = F.smooth_l1_loss(pred, shifted.target, reduction="none", beta=1.0).mean(-1)
+    terms = {"reg": (reg * shifted.mask).sum() / dist.norm}
+    log_q = torch.log_softmax(frozen.logits(pred[dist.index]), dim=-1)
+    terms["cls"] = -((dist.probs * log_q).sum(-1) * dist.weights).sum() / dist.norm
+    if with_topk:
+        if dist.topk_probs is None:
+            raise ValueError("the HASS top-K loss needs stored target top-K probabilities in the batch")
+        picked = log_q.gather(-1, dist.topk_ids)
+        terms["topk"] = -((dist.topk_probs * picked).sum(-1) * dist.weights).sum() / dist.norm
+    with torch.no_grad():
+        agree = (log_q.argmax(-1) == dist.argmax).to(pred.dtype)
+        terms["acc"] = (agree * dist.weights).sum() / dist.norm
+    return terms
+
+
+@dataclass
+class StepResult:
+    loss: float  # sum over passes of the weighted loss
+    terms: dict[str, float] = field(default_factory=dict)  # pass-0 terms, plus acc_j for every pass j
+    mask_tokens: float = 0.0
+    tokens: int = 0
+
+
+def run_passes(head: DraftHead, batch: Batch, frozen: FrozenTarget, settings: LossSettings, *,
+               backward: bool, noise: bool = True, generator: torch.Generator | None = None,
+               passes: int | None = None) -> StepResult:
+    """EAGLE (passes=1) or HASS HCA (passes=J) on one batch; with ``backward`` gradients accumulate per pass.
+
+    The caller zeroes gradients before and clips/steps after. ``passes`` overrides the settings (evaluation
+    uses it to measure agreement at simulated draft depth j for any head).
+    """
+    dtype = next(head.parameters()).dtype
+    shifted = shift_batch(batch, settings.noise_std if noise else 0.0, generator, dtype, settings.mask_alignment)
+    dist = TargetDistribution.build(shifted, frozen)
+    emb = frozen.embeddings(shifted.tok_in).to(dtype)
+    n_passes = passes or settings.passes
+    with_topk = settings.topk_weight > 0
+    versions: list[torch.Tensor] = [shifted.feat_in]
+    total = 0.0
+    out: dict[str, float] = {}
+    for j in range(n_passes):
+        pred = hca_forward(head, emb, versions, shifted.positions, shifted.valid)
+        terms = loss_terms(pred, shifted, dist, frozen, with_topk)
+        loss = settings.reg_weight * terms["reg"] + settings.cls_weight * terms["cls"]
+        if with_topk:
+            loss = loss + settings.topk_weight * terms["topk"]
+        if backward:
+            loss.backward()
+        total += float(loss.detach())
+        if j == 0:
+            out.update({k: float(v.detach()) for k, v in terms.items()})
+            out["loss0"] = float(loss.detach())
+        out[f"acc_{j}"] = float(terms["acc"])
+        if j + 1 < n_passes:
+            prev = versions[-1]
+            versions.append(torch.cat([prev[:, :1], pred[:, :-1]], dim=1).detach())
+    return StepResult(loss=total, terms=out, mask_tokens=float(shifted.mask.sum()), tokens=batch.tokens)
