@@ -1,0 +1,152 @@
+"""The speculative decoding loop over a batch of sequences, with per-step records.
+
+draft (proposer, per sequence) -> verify (target, one batched forward) -> accept (per sequence) -> commit.
+Plain decoding is the same loop with `PlainDecoding`, so every speedup compares like with like.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel
+
+from taps_ray.spec.proposers import Proposer
+from taps_ray.spec.target_batch import TargetBatch
+from taps_ray.spec.tree import DraftTree
+from taps_ray.spec.verify import SamplingParams, Verdict, accept, sample_root
+
+
+@dataclass
+class StepRecord:
+    accepted: int  # drafted tokens accepted (a_k); the step commits a_k + 1 tokens
+    new_tokens: int  # tokens this step added to the output after trimming at stop / max_new_tokens
+    tree_size: int  # nodes verified, root included
+    draft_s: float
+    verify_s: float
+    head: int  # which head's tree was verified (routers), -1 for a merged tree
+    node_confidence: list[float]
+    node_entropy: list[float]
+    node_accepted: list[bool]
+    node_source: list[int]
+
+
+@dataclass
+class Generation:
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)  # generated tokens, cut after the first stop token
+    steps: list[StepRecord] = field(default_factory=list)
+    prefill_s: float = 0.0
+    wall_s: float = 0.0
+    finished_by: str = ""
+
+    @property
+    def tau(self) -> float:
+        """Spec-Bench #MAT: tokens per target verification step (the prefill's first token excluded)."""
+        return sum(s.new_tokens for s in self.steps) / len(self.steps) if self.steps else 0.0
+
+    @property
+    def tau_taps(self) -> float:
+        """The TAPS/EAGLE reference definition: untrimmed committed tokens over (steps - 1)."""
+        committed = sum(s.accepted + 1 for s in self.steps)
+        return committed / max(len(self.steps) - 1, 1)
+
+
+def record_step(tree: DraftTree, verdict: Verdict, new_tokens: int, draft_s: float, verify_s: float, head: int) -> StepRecord:
+    accepted = torch.zeros(tree.size, dtype=torch.bool)
+    accepted[verdict.nodes] = True
+    return StepRecord(
+        accepted=verdict.accepted,
+        new_tokens=new_tokens,
+        tree_size=tree.size,
+        draft_s=draft_s,
+        verify_s=verify_s,
+        head=head,
+        node_confidence=tree.confidence.tolist(),
+        node_entropy=tree.entropy.tolist(),
+        node_accepted=accepted[1:].tolist(),
+        node_source=tree.source.tolist(),
+    )
+
+
+def _extend(generation: Generation, new: list[int], stop_ids: set[int], max_new_tokens: int) -> int:
+    """Append new tokens, cut at the first stop token or at max_new_tokens; returns how many were kept."""
+    kept = 0
+    for token in new:
+        if generation.finished_by:
+            break
+        generation.tokens.append(token)
+        kept += 1
+        if token in stop_ids:
+            generation.finished_by = "stop"
+        elif len(generation.tokens) >= max_new_tokens:
+            generation.finished_by = "length"
+    return kept
+
+
+def chosen_head(state: object) -> int:
+    """Routers expose the head they used last as `state.last_head`; single heads are head 0."""
+    return getattr(state, "last_head", 0)
+
+
+@torch.no_grad()
+def generate(
+    model: PreTrainedModel,
+    proposer: Proposer,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    max_new_tokens: int,
+    stop_ids: list[int],
+    seeds: list[int] | None = None,
+) -> list[Generation]:
+    """Decode every prompt to a stop token or `max_new_tokens`; sequence b samples with its own seed."""
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be at least 1")
+    seeds = seeds if seeds is not None else list(range(len(prompts)))
+    generators = [torch.Generator().manual_seed(s) for s in seeds]
+    stops = set(stop_ids)
+    start = time.perf_counter()
+    batch = TargetBatch(model)
+    outputs = batch.prefill(prompts)
+    prefill_s = time.perf_counter() - start
+
+    generations = [Generation(prompt=list(p), prefill_s=prefill_s) for p in prompts]
+    states = [proposer.init_state() for _ in prompts]
+    trees: list[DraftTree | None] = [None] * len(prompts)
+    draft_times = [0.0] * len(prompts)
+    for b, (prompt, out) in enumerate(zip(prompts, outputs)):
+        root = sample_root(out.logits[-1], params, generators[b])
+        _extend(generations[b], [root], stops, max_new_tokens)
+        if not generations[b].finished_by:
+            t0 = time.perf_counter()
+            trees[b], states[b] = proposer.propose(states[b], out.hidden, torch.tensor(prompt[1:] + [root]))
+            draft_times[b] = time.perf_counter() - t0
+
+    while any(t is not None for t in trees):
+        t0 = time.perf_counter()
+        outputs = batch.verify(trees)
+        verdicts: list[Verdict | None] = [
+            None if tree is None else accept(tree, out.logits, params, generators[b])
+            for b, (tree, out) in enumerate(zip(trees, outputs))
+        ]
+        batch.commit([v.nodes if v is not None else [] for v in verdicts])
+        verify_s = time.perf_counter() - t0
+        for b, verdict in enumerate(verdicts):
+            if verdict is None:
+                continue
+            tree, generation = trees[b], generations[b]
+            kept = _extend(generation, verdict.tokens[1:] + [verdict.bonus], stops, max_new_tokens)
+            generation.steps.append(record_step(tree, verdict, kept, draft_times[b], verify_s, chosen_head(states[b])))
+            trees[b] = None
+            if generation.finished_by:
+                continue
+            t1 = time.perf_counter()
+            features = outputs[b].hidden[verdict.nodes]
+            next_tokens = torch.tensor(verdict.tokens[1:] + [verdict.bonus])
+            trees[b], states[b] = proposer.propose(states[b], features, next_tokens)
+            draft_times[b] = time.perf_counter() - t1
+    wall = time.perf_counter() - start
+    for generation in generations:
+        generation.wall_s = wall
+    return generations

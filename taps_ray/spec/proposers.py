@@ -1,0 +1,74 @@
+"""The proposer seam: every way of drafting looks the same to the decoding loop.
+
+A proposer is stateless; what it remembers about one sequence (its heads' stable caches, a routing
+choice) lives in an explicit state object that the loop passes in and gets back. That keeps two heads
+from sharing a cache and lets a Ray actor hold the states of many sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from taps_ray.config import TreeConfig
+from taps_ray.models.draft_head import DraftHead
+from taps_ray.spec.tree import DraftContext, DraftTree, HeadCache, draft_eagle2, root_only
+
+
+class Proposer(Protocol):
+    name: str
+    head_names: list[str]
+
+    def init_state(self) -> Any: ...
+
+    def propose(self, state: Any, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[DraftTree, Any]:
+        """Extend the proposer's context with committed (feature, next token) pairs and draft a tree.
+
+        `features` [m, d]: target features of the positions committed since the last call (the prompt on
+        the first call); `next_tokens` [m]: the token after each of them; the last one is the tree's root.
+        """
+        ...
+
+
+class PlainDecoding:
+    """No drafting: a root-only tree, so the loop degenerates into ordinary autoregressive decoding."""
+
+    name = "plain"
+    head_names: list[str] = []
+
+    def init_state(self) -> None:
+        return None
+
+    def propose(self, state: None, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[DraftTree, None]:
+        return root_only(int(next_tokens[-1])), None
+
+
+@dataclass
+class SingleHead:
+    """One EAGLE head drafting EAGLE-2 dynamic trees."""
+
+    name: str
+    head: DraftHead
+    context: DraftContext
+    tree: TreeConfig
+
+    @property
+    def head_names(self) -> list[str]:
+        return [self.name]
+
+    def init_state(self) -> HeadCache:
+        return HeadCache()
+
+    def propose(self, state: HeadCache, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[DraftTree, HeadCache]:
+        return draft_eagle2(
+            self.head,
+            self.context,
+            state,
+            features,
+            next_tokens,
+            total_token=self.tree.total_token,
+            depth=self.tree.depth,
+            top_k=self.tree.top_k,
+        )

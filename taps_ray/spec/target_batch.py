@@ -1,0 +1,111 @@
+"""The target side of decoding: a batch of sequences sharing one right-padded KV cache.
+
+Sequence b occupies cache slots 0..lengths[b]-1. A verification step appends every sequence's (padded)
+tree after the longest sequence, runs one forward with a per-sequence 4-D mask and positions, then moves
+each sequence's accepted slots down to its own length and crops the cache. Plain decoding is the same step
+with a one-node tree, so speedups compare like with like.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from taps_ray.spec.tree import DraftTree
+
+
+@dataclass
+class TreeOutput:
+    """What the target computed for one sequence's tree."""
+
+    logits: torch.Tensor  # [T, V]
+    hidden: torch.Tensor  # [T, d], post-norm features
+
+
+class TargetBatch:
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self.cache = DynamicCache()
+        self.lengths = torch.zeros(0, dtype=torch.long)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.lengths.numel())
+
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.model.model(
+            input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=self.cache, use_cache=True
+        )
+        hidden = out.last_hidden_state
+        return self.model.lm_head(hidden), hidden
+
+    @torch.no_grad()
+    def prefill(self, prompts: list[list[int]]) -> list[TreeOutput]:
+        """Encode right-padded prompts; returns each prompt's logits and features over its real tokens."""
+        if any(not p for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        lengths = torch.tensor([len(p) for p in prompts])
+        width = int(lengths.max())
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        for b, prompt in enumerate(prompts):
+            ids[b, : len(prompt)] = torch.tensor(prompt)
+        columns = torch.arange(width)
+        causal = columns[None, :] <= columns[:, None]
+        valid = columns[None, :] < lengths[:, None]  # [B, width]
+        mask = causal[None] & valid[:, None, :]
+        mask |= torch.eye(width, dtype=torch.bool)[None]  # padded rows attend to themselves: no NaN rows
+        self.cache = DynamicCache()
+        logits, hidden = self._forward(ids, columns.expand(len(prompts), -1), mask[:, None])
+        self.lengths = lengths
+        return [TreeOutput(logits[b, : len(p)], hidden[b, : len(p)]) for b, p in enumerate(prompts)]
+
+    @torch.no_grad()
+    def verify(self, trees: list[DraftTree | None]) -> list[TreeOutput | None]:
+        """One forward over every sequence's tree (None: the sequence sits this step out)."""
+        if len(trees) != self.batch_size:
+            raise ValueError(f"got {len(trees)} trees for a batch of {self.batch_size} sequences")
+        width = max((t.size for t in trees if t is not None), default=0)
+        if width == 0:
+            return [None] * len(trees)
+        past = self.cache.get_seq_length()
+        batch = len(trees)
+        ids = torch.zeros(batch, width, dtype=torch.long)
+        positions = torch.zeros(batch, width, dtype=torch.long)
+        mask = torch.zeros(batch, width, past + width, dtype=torch.bool)
+        context = torch.arange(past)[None, :] < self.lengths[:, None]
+        for b, tree in enumerate(trees):
+            mask[b, :, past:] = torch.eye(width, dtype=torch.bool)  # padding rows see only themselves
+            if tree is None:
+                continue
+            n = tree.size
+            ids[b, :n] = tree.tokens
+            positions[b, :n] = self.lengths[b] + tree.depth
+            mask[b, :n, :past] = context[b]
+            mask[b, :n, past : past + n] = tree.mask
+        logits, hidden = self._forward(ids, positions, mask[:, None])
+        return [
+            None if tree is None else TreeOutput(logits[b, : tree.size], hidden[b, : tree.size])
+            for b, tree in enumerate(trees)
+        ]
+
+    def commit(self, accepted_nodes: list[list[int]]) -> None:
+        """Keep each sequence's accepted tree slots (root first) right after its committed prefix."""
+        start = int(self.lengths.max())  # invariant: the committed region is as wide as the longest sequence
+        new_lengths = self.lengths + torch.tensor([len(n) for n in accepted_nodes])
+        low = int(self.lengths.min())
+        high = int(new_lengths.max())
+        index = torch.arange(low, high).repeat(self.batch_size, 1)  # identity for slots already committed
+        for b, nodes in enumerate(accepted_nodes):
+            first = int(self.lengths[b]) - low
+            if nodes:
+                index[b, first : first + len(nodes)] = start + torch.tensor(nodes)
+            index[b, first + len(nodes) :] = 0  # beyond the sequence: any slot, masked out later
+        for layer in self.cache.layers:
+            gather = index[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+            layer.keys = torch.cat([layer.keys[:, :, :low], layer.keys.gather(2, gather)], dim=2)
+            layer.values = torch.cat([layer.values[:, :, :low], layer.values.gather(2, gather)], dim=2)
+        self.lengths = new_lengths

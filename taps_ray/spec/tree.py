@@ -1,0 +1,216 @@
+"""Draft trees: the data every proposer hands to the verifier, and EAGLE-2 dynamic tree drafting.
+
+A tree is a handful of explicit tensors (tokens, parents, depths, ancestor mask, root-to-leaf retrieve rows,
+per-node confidence and entropy), so routers and merged trees are small functions over trees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from taps_ray.models.draft_head import DraftHead, KVCache
+
+
+@dataclass
+class DraftTree:
+    """Node 0 is the root (the token the target produced last, not yet in its cache)."""
+
+    tokens: torch.Tensor  # [T] long
+    parents: torch.Tensor  # [T] long, -1 for the root; parents precede children
+    depth: torch.Tensor  # [T] long, root = 0
+    mask: torch.Tensor  # [T, T] bool, ancestors and self
+    retrieve: torch.Tensor  # [L, Dmax] long, root-to-leaf node indices, right-padded with -1
+    confidence: torch.Tensor  # [T-1] float32, cumulative path probability of each drafted node
+    entropy: torch.Tensor  # [T-1] float32, entropy (nats) of the distribution each node was drawn from
+    source: torch.Tensor = field(default=None)  # [T-1] long, which head drafted each node (merged trees)
+
+    def __post_init__(self) -> None:
+        if self.source is None:
+            self.source = torch.zeros(self.size - 1, dtype=torch.long)
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.numel())
+
+    @property
+    def mean_confidence(self) -> float:
+        return float(self.confidence.mean()) if self.confidence.numel() else 0.0
+
+    @property
+    def mean_entropy(self) -> float:
+        return float(self.entropy.mean()) if self.entropy.numel() else 0.0
+
+
+def build_tree(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    confidence: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    source: torch.Tensor | None = None,
+) -> DraftTree:
+    """Derive depth, ancestor mask and retrieve rows from parent pointers (parents must precede children)."""
+    size = int(tokens.numel())
+    parent_list = parents.tolist()
+    if parent_list[0] != -1 or any(not (0 <= p < i) for i, p in enumerate(parent_list) if i):
+        raise ValueError(f"invalid tree: node 0 must be the root and every parent must precede its child: {parent_list}")
+    mask = torch.zeros(size, size, dtype=torch.bool)
+    depth = [0] * size
+    mask[0, 0] = True
+    for node in range(1, size):
+        parent = parent_list[node]
+        mask[node] = mask[parent]
+        mask[node, node] = True
+        depth[node] = depth[parent] + 1
+    is_parent = [False] * size
+    for node in range(1, size):
+        is_parent[parent_list[node]] = True
+    leaves = [n for n in range(size) if not is_parent[n]]
+    width = max(depth) + 1
+    rows = []
+    for leaf in leaves:
+        path = mask[leaf].nonzero().flatten().tolist()  # ancestors in index order = root-to-leaf order
+        rows.append(path + [-1] * (width - len(path)))
+    # Lexicographic row order (-1 last): the stochastic verifier then tries siblings in drafted-rank order.
+    rows.sort(key=lambda row: [r if r >= 0 else size for r in row])
+    empty = torch.zeros(size - 1, dtype=torch.float32)
+    return DraftTree(
+        tokens=tokens.long(),
+        parents=parents.long(),
+        depth=torch.tensor(depth, dtype=torch.long),
+        mask=mask,
+        retrieve=torch.tensor(rows, dtype=torch.long),
+        confidence=empty.clone() if confidence is None else confidence.float(),
+        entropy=empty.clone() if entropy is None else entropy.float(),
+        source=source,
+    )
+
+
+def root_only(root: int) -> DraftTree:
+    """The degenerate tree of plain autoregressive decoding: verify the root, accept nothing drafted."""
+    return build_tree(torch.tensor([root]), torch.tensor([-1]))
+
+
+def _entropy(log_probs: torch.Tensor) -> torch.Tensor:
+    return -(log_probs.exp() * log_probs).sum(-1)
+
+
+@dataclass
+class DraftContext:
+    """The frozen pieces of the target that a head drafts with."""
+
+    embed: torch.nn.Module
+    lm_head: torch.nn.Module
+
+    def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.log_softmax(self.lm_head(hidden.to(self.lm_head.weight.dtype)).float(), dim=-1)
+
+
+@dataclass
+class HeadCache:
+    """A head's stable cache: K/V for draft positions 0..length-1, built from committed target features only."""
+
+    kv: KVCache | None = None
+    length: int = 0
+
+
+def extend_context(
+    head: DraftHead, ctx: DraftContext, cache: HeadCache, features: torch.Tensor, next_tokens: torch.Tensor
+) -> tuple[torch.Tensor, HeadCache]:
+    """Step A: feed (h_p, x_{p+1}) pairs of newly committed positions; returns the last output and new cache."""
+    m = int(next_tokens.numel())
+    positions = torch.arange(cache.length, cache.length + m).unsqueeze(0)
+    mask = torch.ones(m, cache.length + m, dtype=torch.bool).tril(diagonal=cache.length)
+    dtype = next(head.parameters()).dtype
+    out, kv = head(
+        ctx.embed(next_tokens.unsqueeze(0)).to(dtype),
+        features.unsqueeze(0).to(dtype),
+        positions,
+        mask[None, None],
+        cache.kv,
+    )
+    return out[0, -1], HeadCache(kv=kv, length=cache.length + m)
+
+
+@torch.no_grad()
+def draft_eagle2(
+    head: DraftHead,
+    ctx: DraftContext,
+    cache: HeadCache,
+    features: torch.Tensor,
+    next_tokens: torch.Tensor,
+    total_token: int,
+    depth: int,
+    top_k: int,
+) -> tuple[DraftTree, HeadCache]:
+    """EAGLE-2 dynamic tree: expand the top_k best nodes per level, keep the total_token-1 best candidates.
+
+    `features` [m, d] are the target features of the newly committed positions and `next_tokens` [m] the
+    tokens that follow each of them; the last of these is the tree's root.
+    """
+    hidden, cache = extend_context(head, ctx, cache, features, next_tokens)
+    root = int(next_tokens[-1])
+    dtype = hidden.dtype
+    n_draft = total_token - 1
+    k = top_k
+
+    log_p = ctx.log_probs(hidden)
+    scores, tokens = log_p.topk(k)
+    cand_tokens, cand_scores = [tokens], [scores]
+    cand_entropy = [_entropy(log_p).expand(k)]
+    cand_parent = [torch.full((k,), -1, dtype=torch.long)]  # flat index of each candidate's parent
+
+    frontier_tokens, frontier_scores = tokens, scores
+    frontier_hidden = hidden.expand(k, -1)
+    frontier_flat = torch.arange(k)
+    ancestors = torch.eye(k, dtype=torch.bool)
+    tree_kv = cache.kv
+    position = cache.length
+    passes = depth if n_draft > k else 0  # a tree no wider than one level needs no expansion
+    for level in range(passes):
+        mask = torch.cat([torch.ones(k, cache.length, dtype=torch.bool), ancestors], dim=1)
+        out, tree_kv = head(
+            ctx.embed(frontier_tokens.unsqueeze(0)).to(dtype),
+            frontier_hidden.unsqueeze(0),
+            torch.full((1, k), position + level),
+            mask[None, None],
+            tree_kv,
+        )
+        log_p = ctx.log_probs(out[0])  # [k, V]
+        child_scores, child_tokens = log_p.topk(k, dim=-1)
+        cumulative = (child_scores + frontier_scores[:, None]).flatten()
+        offset = k + level * k * k
+        cand_tokens.append(child_tokens.flatten())
+        cand_scores.append(cumulative)
+        cand_entropy.append(_entropy(log_p).repeat_interleave(k))
+        cand_parent.append(frontier_flat.repeat_interleave(k))
+        best_scores, best = cumulative.topk(k)
+        rows = best // k
+        frontier_tokens = child_tokens.flatten()[best]
+        frontier_hidden = out[0, rows]
+        frontier_scores = best_scores
+        frontier_flat = offset + best
+        ancestors = torch.cat([ancestors[rows], torch.eye(k, dtype=torch.bool)], dim=1)
+
+    all_tokens = torch.cat(cand_tokens)
+    all_scores = torch.cat(cand_scores)
+    all_parents = torch.cat(cand_parent)
+    all_entropy = torch.cat(cand_entropy)
+    # Stable descending sort: on equal scores the lower flat index (a parent before its child) wins.
+    order = torch.sort(-all_scores, stable=True).indices[:n_draft]
+    selected = order.sort().values
+    node_of_flat = torch.full((all_tokens.numel(),), -1, dtype=torch.long)
+    node_of_flat[selected] = torch.arange(1, selected.numel() + 1)
+    parent_flat = all_parents[selected]
+    parents = torch.where(parent_flat < 0, 0, node_of_flat[parent_flat.clamp(min=0)])
+    if (parents < 0).any():
+        raise AssertionError("EAGLE-2 selection kept a node without its parent")
+    tree = build_tree(
+        torch.cat([torch.tensor([root]), all_tokens[selected]]),
+        torch.cat([torch.tensor([-1]), parents]),
+        confidence=all_scores[selected].exp(),
+        entropy=all_entropy[selected],
+    )
+    return tree, cache

@@ -1,0 +1,130 @@
+"""Acceptance rules: which drafted path the target keeps, and the bonus token it adds.
+
+Greedy keeps the longest path that matches the target's argmax. Sampling uses multi-candidate recursive
+rejection with the draft as a point mass (q = 1): each committed token is an exact sample from the
+processed target distribution whatever the tree was (ALGORITHMS.md §4.4, §4.8).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from taps_ray.spec.tree import DraftTree
+
+
+class SamplingParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float = Field(0.0, ge=0.0, description="0 means greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 keeps the whole vocabulary")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """softmax(proc(logits)) in fp32: temperature, then top-k, then top-p (nucleus) filtering."""
+    scores = logits.float() / params.temperature
+    if params.top_k and params.top_k < scores.shape[-1]:
+        kth = scores.topk(params.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_scores, order = scores.sort(dim=-1, descending=True)
+        cumulative = sorted_scores.softmax(-1).cumsum(-1)
+        drop_sorted = cumulative - sorted_scores.softmax(-1) >= params.top_p  # keep the token that crosses top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    return scores.softmax(-1)
+
+
+@dataclass
+class Verdict:
+    """The outcome of verifying one tree: accepted node indices (root first) and the bonus token."""
+
+    nodes: list[int]
+    tokens: list[int]
+    bonus: int
+
+    @property
+    def accepted(self) -> int:
+        return len(self.nodes) - 1
+
+
+def _candidates(tree: DraftTree) -> torch.Tensor:
+    padded = torch.cat([tree.tokens, torch.tensor([-1])])
+    return padded[tree.retrieve]  # -1 index picks the pad slot
+
+
+def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
+    """Longest root-to-leaf prefix whose tokens equal the target's argmax; ties go to the first row."""
+    target_next = logits.argmax(-1)
+    candidates = _candidates(tree)
+    predicted = target_next[tree.retrieve.clamp(min=0)]
+    match = (candidates[:, 1:] == predicted[:, :-1]) & (tree.retrieve[:, 1:] >= 0)
+    accepted = match.int().cumprod(dim=1).sum(dim=1)
+    best = int(accepted.argmax())
+    nodes = tree.retrieve[best, : int(accepted[best]) + 1].tolist()
+    return Verdict(nodes=nodes, tokens=tree.tokens[nodes].tolist(), bonus=int(target_next[nodes[-1]]))
+
+
+def _remove(probs: torch.Tensor, token: int) -> torch.Tensor:
+    probs = probs.clone()
+    probs[token] = 0.0
+    total = probs.sum()
+    if total <= 1e-12:  # only reachable through rounding: the rejected token held all the mass
+        raise FloatingPointError("residual distribution vanished after a rejection")
+    return probs / total
+
+
+def accept_stochastic(
+    tree: DraftTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> Verdict:
+    """Recursive rejection over sibling candidates; duplicates (same token value) are tried once."""
+    candidates = _candidates(tree).tolist()
+    retrieve = tree.retrieve.tolist()
+    alive = list(range(len(retrieve)))
+    nodes = [0]
+    residual = None
+    for column in range(1, len(retrieve[0])):
+        probs = processed_probs(logits[nodes[-1]], params)
+        tried: set[int] = set()
+        taken = None
+        for row in alive:
+            token = candidates[row][column]
+            if token < 0 or token in tried:
+                continue
+            tried.add(token)
+            if float(torch.rand((), generator=generator)) < float(probs[token]):
+                taken = (row, token)
+                break
+            probs = _remove(probs, token)
+        if taken is None:
+            residual = probs
+            break
+        row, token = taken
+        nodes.append(retrieve[row][column])
+        alive = [r for r in alive if candidates[r][column] == token]
+    if residual is None:
+        residual = processed_probs(logits[nodes[-1]], params)
+    bonus = int(torch.multinomial(residual, 1, generator=generator))
+    return Verdict(nodes=nodes, tokens=tree.tokens[nodes].tolist(), bonus=bonus)
+
+
+def accept(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> Verdict:
+    if params.greedy:
+        return accept_greedy(tree, logits)
+    if generator is None:
+        raise ValueError("sampling (temperature > 0) needs a seeded torch.Generator")
+    return accept_stochastic(tree, logits, params, generator)
+
+
+def sample_root(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """The first generated token, from the prefill's last logits."""
+    if params.greedy:
+        return int(logits.argmax())
+    return int(torch.multinomial(processed_probs(logits, params), 1, generator=generator))

@@ -1,0 +1,58 @@
+"""Shared fixtures: offline environment, the tiny random target, one Ray cluster per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+from taps_ray.config import StudyConfig, load_config
+from taps_ray.models.target import Target, load_target
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    return Path(os.environ.get("TAPS_DATA_DIR", SHARED_DATA))
+
+
+@pytest.fixture(scope="session")
+def tiny_config(tmp_path_factory: pytest.TempPathFactory) -> StudyConfig:
+    config = load_config(REPO / "configs" / "tiny.yaml")
+    work = tmp_path_factory.mktemp("tiny-work")
+    return config.model_copy(update={"work_dir": str(work), "reports_dir": str(work / "reports")})
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_config: StudyConfig) -> Target:
+    return load_target(tiny_config.target)
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32() -> Target:
+    from taps_ray.config import TargetConfig
+
+    return load_target(TargetConfig(name="smollm2-135m-instruct", dtype="float32"))
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray cluster for the whole test session, loopback only, no dashboard."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    yield ray
+    ray.shutdown()

@@ -1,0 +1,69 @@
+"""Test proposers that know the target: they make acceptance paths non-trivial on random models."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from taps_ray.spec.tree import DraftTree, build_tree
+
+
+@dataclass
+class OracleState:
+    history: list[int] = field(default_factory=list)
+    step: int = 0
+
+
+@dataclass
+class GreedyOracle:
+    """Drafts the target's true greedy chain, wrong from a per-step depth on, with a wrong sibling per level.
+
+    `first_token` is the prompt's first token (the loop only passes the tokens after it).
+    """
+
+    model: torch.nn.Module
+    first_token: int
+    depth: int = 4
+    name: str = "oracle"
+    head_names: list[str] = field(default_factory=lambda: ["oracle"])
+
+    def init_state(self) -> OracleState:
+        return OracleState(history=[self.first_token])
+
+    def propose(self, state: OracleState, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[DraftTree, OracleState]:
+        history = state.history + next_tokens.tolist()
+        chain, ids = [], torch.tensor([history])
+        for _ in range(self.depth):
+            token = int(self.model(ids).logits[0, -1].argmax())
+            chain.append(token)
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+        correct = state.step % (self.depth + 1)  # 0..depth correct tokens, cycling over steps
+        vocab = self.model.config.vocab_size
+        tokens, parents = [history[-1]], [-1]
+        parent = 0
+        for level, token in enumerate(chain):
+            drafted = token if level < correct else (token + 1) % vocab
+            sibling = (token + 2 + level) % vocab
+            tokens += [drafted, sibling]
+            parents += [parent, parent]
+            parent = len(tokens) - 2
+        tree = build_tree(torch.tensor(tokens), torch.tensor(parents), confidence=torch.rand(len(tokens) - 1))
+        return tree, OracleState(history=history, step=state.step + 1)
+
+
+@dataclass
+class FixedTree:
+    """Always proposes the same token tree under the current root (duplicates allowed, as merged trees have)."""
+
+    tokens: list[int]
+    parents: list[int]
+    name: str = "fixed"
+    head_names: list[str] = field(default_factory=lambda: ["fixed"])
+
+    def init_state(self) -> None:
+        return None
+
+    def propose(self, state: None, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[DraftTree, None]:
+        tokens = torch.tensor([int(next_tokens[-1])] + self.tokens)
+        return build_tree(tokens, torch.tensor([-1] + self.parents)), None

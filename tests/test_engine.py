@@ -1,0 +1,261 @@
+"""The decoding engine: tree invariants, tree verification, lossless greedy and sampled decoding, batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy import stats
+
+from taps_ray.config import TargetConfig, TinyTargetConfig, TreeConfig
+from taps_ray.models.draft_head import new_head
+from taps_ray.models.target import load_target
+from taps_ray.spec.generate import generate
+from taps_ray.spec.proposers import PlainDecoding, SingleHead
+from taps_ray.spec.target_batch import TargetBatch
+from taps_ray.spec.tree import DraftContext, HeadCache, build_tree, draft_eagle2, extend_context
+from taps_ray.spec.verify import SamplingParams, accept_greedy, accept_stochastic, processed_probs
+
+from oracles import FixedTree, GreedyOracle
+
+GREEDY = SamplingParams()
+
+
+def _hf_greedy(model, prompt: list[int], n: int, stop_ids: list[int]) -> list[int]:
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=stop_ids, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def _random_head_proposer(target, tree: TreeConfig, seed: int = 0) -> SingleHead:
+    head = new_head(target.model.config, seed=seed)
+    context = DraftContext(target.model.get_input_embeddings(), target.model.lm_head)
+    return SingleHead("random", head, context, tree)
+
+
+# --- trees ---------------------------------------------------------------------------------------------------
+
+
+def test_worked_example_tree_mask_positions_retrieve():
+    tree = build_tree(torch.tensor([7, 1, 2, 3]), torch.tensor([-1, 0, 1, 1]))
+    assert tree.mask.int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 0, 1]]
+    assert tree.depth.tolist() == [0, 1, 2, 2]
+    assert tree.retrieve.tolist() == [[0, 1, 2], [0, 1, 3]]
+
+
+def test_build_tree_rejects_child_before_parent():
+    with pytest.raises(ValueError, match="parent must precede"):
+        build_tree(torch.tensor([1, 2, 3]), torch.tensor([-1, 2, 0]))
+
+
+def test_eagle2_tree_invariants(tiny_target):
+    proposer = _random_head_proposer(tiny_target, TreeConfig(total_token=20, depth=4, top_k=3))
+    prompt = tiny_target.tokenizer.encode("The quick brown fox")
+    features = tiny_target.model.model(torch.tensor([prompt])).last_hidden_state[0]
+    tree, cache = proposer.propose(HeadCache(), features, torch.tensor(prompt[1:] + [42]))
+    assert tree.size == 20 and int(tree.tokens[0]) == 42 and cache.length == len(prompt)
+    parents = tree.parents.tolist()
+    assert all(0 <= parents[j] < j for j in range(1, tree.size))
+    for j in range(tree.size):
+        ancestors = {j}
+        node = j
+        while parents[node] >= 0:
+            node = parents[node]
+            ancestors.add(node)
+        assert set(tree.mask[j].nonzero().flatten().tolist()) == ancestors
+        assert int(tree.depth[j]) == len(ancestors) - 1
+    on_rows = set(tree.retrieve[tree.retrieve >= 0].tolist())
+    assert on_rows == set(range(tree.size))
+    for row in tree.retrieve.tolist():
+        path = [n for n in row if n >= 0]
+        assert all(parents[c] == p for p, c in zip(path, path[1:]))
+    # confidences are cumulative probabilities: a child is never more confident than its parent
+    conf = torch.cat([torch.ones(1), tree.confidence])
+    assert all(conf[j] <= conf[parents[j]] + 1e-6 for j in range(1, tree.size))
+    assert (tree.entropy >= 0).all()
+
+
+def test_tree_verified_logits_equal_sequential_logits(tiny_target):
+    model = tiny_target.model
+    prompt = tiny_target.tokenizer.encode("Tree attention must equal sequential decoding")
+    tree = build_tree(torch.tensor([11, 12, 13, 14, 15, 16]), torch.tensor([-1, 0, 0, 1, 1, 2]))
+    batch = TargetBatch(model)
+    batch.prefill([prompt])
+    out = batch.verify([tree])[0]
+    for node in range(tree.size):
+        path = tree.mask[node].nonzero().flatten()
+        sequential = model(torch.tensor([prompt + tree.tokens[path].tolist()])).logits[0, -1]
+        torch.testing.assert_close(out.logits[node], sequential, atol=1e-4, rtol=1e-4)
+
+
+def test_draft_stable_cache_equals_fresh_prefill(tiny_target):
+    head = new_head(tiny_target.model.config, seed=1)
+    context = DraftContext(tiny_target.model.get_input_embeddings(), tiny_target.model.lm_head)
+    features = torch.randn(9, head.config.hidden_size)
+    tokens = torch.randint(0, 1000, (9,))
+    _, cache = draft_eagle2(head, context, HeadCache(), features[:5], tokens[:5], total_token=6, depth=2, top_k=2)
+    _, cache = draft_eagle2(head, context, cache, features[5:], tokens[5:], total_token=6, depth=2, top_k=2)
+    _, fresh = extend_context(head, context, HeadCache(), features, tokens)
+    torch.testing.assert_close(cache.kv[0], fresh.kv[0])
+    torch.testing.assert_close(cache.kv[1], fresh.kv[1])
+    assert cache.length == fresh.length == 9
+
+
+# --- lossless greedy -----------------------------------------------------------------------------------------
+
+
+def test_greedy_equals_hf_generate_random_head_batch(tiny_target):
+    model, tok = tiny_target.model, tiny_target.tokenizer
+    prompts = [tok.encode("Hello there, how are you"), tok.encode("x"), list(range(100, 180)), tok.encode("2+2=")]
+    proposer = _random_head_proposer(tiny_target, TreeConfig(total_token=8, depth=3, top_k=3))
+    stops = tiny_target.stop_token_ids
+    batched = generate(model, proposer, prompts, GREEDY, 24, stops)
+    for prompt, generation in zip(prompts, batched):
+        assert generation.tokens == _hf_greedy(model, prompt, 24, stops)
+
+
+def test_greedy_oracle_accepts_and_stays_lossless_batch_and_alone(tiny_target):
+    model, tok = tiny_target.model, tiny_target.tokenizer
+    bos = tok.encode("<|im_start|>")[0]
+    prompts = [[bos] + tok.encode(t) for t in ("a long prompt about numbers 1 2 3 4 5 6 7 8", "hi", "math: 12*7=")]
+    oracle = GreedyOracle(model, first_token=bos, depth=4)
+    plain = generate(model, PlainDecoding(), prompts, GREEDY, 30, [])
+    batched = generate(model, oracle, prompts, GREEDY, 30, [])
+    for b, prompt in enumerate(prompts):
+        alone = generate(model, oracle, [prompt], GREEDY, 30, [])[0]
+        expected = _hf_greedy(model, prompt, 30, [])
+        assert plain[b].tokens == expected
+        assert batched[b].tokens == expected
+        assert alone.tokens == expected
+        assert [s.accepted for s in alone.steps] == [s.accepted for s in batched[b].steps]
+        assert max(s.accepted for s in alone.steps) == 4  # full chains were accepted
+        assert alone.tau > 1.5
+
+
+def test_stop_token_inside_accepted_block_cuts_output(tiny_target):
+    model, tok = tiny_target.model, tiny_target.tokenizer
+    bos = tok.encode("<|im_start|>")[0]
+    prompt = [bos] + tok.encode("stop me somewhere")
+    expected = _hf_greedy(model, prompt, 30, [])
+    stop = expected[5]  # a token the target will emit mid-tree
+    oracle = GreedyOracle(model, first_token=bos, depth=4)
+    generation = generate(model, oracle, [prompt], GREEDY, 30, [stop])[0]
+    assert generation.finished_by == "stop"
+    assert generation.tokens == expected[: expected.index(stop) + 1]
+    assert generation.tokens == _hf_greedy(model, prompt, 30, [stop])
+
+
+@pytest.mark.slow
+def test_greedy_lossless_on_smollm2_fp32(smollm2_fp32):
+    target = smollm2_fp32
+    tok = target.tokenizer
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, return_dict=True)[
+            "input_ids"
+        ]
+        for q in ("What is 15 + 27? Answer briefly.", "Name three colours.")
+    ]
+    oracle = GreedyOracle(target.model, first_token=prompts[0][0], depth=3)
+    random_head = _random_head_proposer(target, TreeConfig(total_token=8, depth=3, top_k=3))
+    for proposer in (oracle, random_head):
+        generations = generate(target.model, proposer, prompts, GREEDY, 24, target.stop_token_ids)
+        for prompt, generation in zip(prompts, generations):
+            assert generation.tokens == _hf_greedy(target.model, prompt, 24, target.stop_token_ids)
+
+
+# --- lossless sampling ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_vocab_target():
+    config = TargetConfig(
+        name="tiny-random-llama",
+        dtype="float32",
+        tiny=TinyTargetConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                              num_key_value_heads=1, vocab_size=5, seed=3),
+    )
+    target = load_target(config)
+    with torch.no_grad():  # moderate, non-degenerate next-token distributions
+        target.model.model.embed_tokens.weight.mul_(0.25)
+    return target
+
+
+def _exact_pair_distribution(model, prompt: list[int], params: SamplingParams) -> torch.Tensor:
+    """P(x2, x3) after the prompt, marginalised over x1, from the target's processed distributions."""
+    vocab = model.config.vocab_size
+    p1 = processed_probs(model(torch.tensor([prompt])).logits[0, -1], params)
+    joint = torch.zeros(vocab, vocab)
+    for x1 in range(vocab):
+        p2 = processed_probs(model(torch.tensor([prompt + [x1]])).logits[0, -1], params)
+        for x2 in range(vocab):
+            p3 = processed_probs(model(torch.tensor([prompt + [x1, x2]])).logits[0, -1], params)
+            joint[x2] += p1[x1] * p2[x2] * p3
+    return joint
+
+
+def _sampled_pairs(model, proposer, prompt, params, runs: int) -> torch.Tensor:
+    counts = torch.zeros(model.config.vocab_size, model.config.vocab_size)
+    for seed in range(runs):
+        tokens = generate(model, proposer, [prompt], params, 3, [], seeds=[seed])[0].tokens
+        counts[tokens[1], tokens[2]] += 1
+    return counts
+
+
+def _chi_square_pvalue(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
+    expected = expected_probs.flatten() * counts.sum()
+    keep = expected > 0
+    return float(stats.chisquare(counts.flatten()[keep], expected[keep] * counts.sum() / expected[keep].sum()).pvalue)
+
+
+# A tree with duplicate siblings (as a merged tree has) and depth 2 under the root.
+DUPLICATE_TREE = FixedTree(tokens=[0, 1, 0, 2, 3, 1], parents=[0, 0, 0, 1, 1, 2])
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9)])
+def test_sampling_is_lossless_chi_square(small_vocab_target, params):
+    model = small_vocab_target.model
+    prompt = [1, 2, 3]
+    exact = _exact_pair_distribution(model, prompt, params)
+    counts = _sampled_pairs(model, DUPLICATE_TREE, prompt, params, runs=1500)
+    assert _chi_square_pvalue(counts, exact) > 1e-3
+
+
+def test_chi_square_detects_a_broken_acceptance_rule(small_vocab_target, monkeypatch):
+    """The distribution test has power: always accepting the first candidate must fail it."""
+    import taps_ray.spec.verify as verify
+
+    model = small_vocab_target.model
+    prompt = [1, 2, 3]
+    params = SamplingParams(temperature=1.0)
+    monkeypatch.setattr(verify, "_remove", lambda probs, token: probs)  # no residual renormalisation
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor(0.0))  # accept whatever is drafted
+    counts = _sampled_pairs(model, DUPLICATE_TREE, prompt, params, runs=300)
+    monkeypatch.undo()
+    assert _chi_square_pvalue(counts, _exact_pair_distribution(model, prompt, params)) < 1e-6
+
+
+def test_stochastic_acceptance_single_step_matches_target():
+    """One tree, fixed logits: the committed first token is distributed exactly as the target says."""
+    logits = torch.tensor([[1.0, 0.5, -0.5, 0.0], [0.2, 0.1, 0.0, 2.0], [0.0, 0.0, 0.0, 0.0], [3.0, 0, 0, 0]])
+    tree = build_tree(torch.tensor([0, 3, 0, 3]), torch.tensor([-1, 0, 0, 0]))  # duplicate sibling 3
+    params = SamplingParams(temperature=1.0)
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.zeros(4)
+    for _ in range(4000):
+        verdict = accept_stochastic(tree, logits, params, generator)
+        first = verdict.tokens[1] if verdict.accepted else verdict.bonus
+        counts[first] += 1
+    expected = processed_probs(logits[0], params) * 4000
+    assert stats.chisquare(counts, expected).pvalue > 1e-3
+
+
+def test_greedy_acceptance_picks_longest_path_first_row_on_ties():
+    vocab = 6
+    tree = build_tree(torch.tensor([0, 1, 2, 3, 1]), torch.tensor([-1, 0, 1, 0, 0]))
+    logits = torch.full((5, vocab), -5.0)
+    logits[0, 1] = 5  # root -> 1
+    logits[1, 2] = 5  # 1 -> 2
+    logits[2, 4] = 5  # bonus after 2
+    logits[4, 5] = 5
+    verdict = accept_greedy(tree, logits)
+    assert verdict.nodes == [0, 1, 2] and verdict.bonus == 4
