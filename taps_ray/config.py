@@ -83,6 +83,7 @@ class FeatureConfig(_Strict):
         False, description="replace assistant turns by the target's own greedy answers before extraction"
     )
     regenerate_max_new_tokens: int = Field(192, gt=0)
+    shard_size: int = Field(64, gt=0, description="conversations per feature shard (a killed run redoes only missing shards)")
 
 
 class TrainConfig(_Strict):
@@ -102,6 +103,13 @@ class TrainConfig(_Strict):
     hca_passes: int = Field(3, ge=1, description="HASS harmonized-context-alignment forward passes")
     heldout_fraction: float = Field(0.05, gt=0, lt=0.5)
     seed: int = 0
+    mask_alignment: Literal["predicted", "ref"] = Field(
+        "predicted",
+        description="predicted: position t is trained when the token it predicts (x_{t+2}) is an assistant token; "
+        "ref: the reference's unshifted mask of x_t (ALGORITHMS.md §8.3)",
+    )
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine decay floor, as a fraction of lr")
+    eval_batch_size: int = Field(8, gt=0)
 
 
 class TreeConfig(_Strict):

@@ -200,3 +200,67 @@ def new_head(target_config: PretrainedConfig, dtype: torch.dtype = torch.float32
     finally:
         torch.random.set_rng_state(generator_state)
     return head.to(dtype)
+
+
+# --- checkpoints of the reference implementations (SafeAILab/EAGLE, HASS, TAPS) -----------------------------------
+
+_EAGLE_DROPPED = ("embed_tokens.weight",)
+
+
+def eagle_key(key: str) -> str | None:
+    """Our parameter name for a key of an EAGLE/HASS draft checkpoint, or None for keys the head does not own.
+
+    The reference head stores its single decoder layer as ``layers.0.*`` and carries a frozen copy of the
+    target embedding (``embed_tokens.weight``) and sometimes RoPE buffers; those are dropped.
+    """
+    for prefix in ("model.", "ea_layer.", "module."):
+        if key.startswith(prefix):
+            key = key[len(prefix):]
+    if key in _EAGLE_DROPPED or key.endswith("rotary_emb.inv_freq") or key.startswith("lm_head."):
+        return None
+    if key.startswith("layers.0."):
+        return "layer." + key[len("layers.0."):]
+    if key.startswith("layers."):
+        raise ValueError(f"checkpoint key {key!r}: the draft head has exactly one decoder layer (layers.0)")
+    return key
+
+
+def _read_state_dict(source: str | Path) -> dict[str, torch.Tensor]:
+    path = Path(source)
+    if path.is_dir():
+        for name in ("model.safetensors", "pytorch_model.bin", "model.pt"):
+            if (path / name).is_file():
+                path = path / name
+                break
+        else:
+            raise FileNotFoundError(f"{source} holds no model.safetensors or pytorch_model.bin")
+    if path.suffix == ".safetensors":
+        return load_file(str(path))
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load_eagle_checkpoint(
+    path_or_state_dict: str | Path | dict[str, torch.Tensor],
+    target_config: PretrainedConfig,
+    dtype: torch.dtype = torch.float32,
+    **extra: object,
+) -> DraftHead:
+    """A DraftHead from an EAGLE-1/2 or HASS draft checkpoint (file, folder or state dict), loaded strictly.
+
+    ``fc.bias`` is read from the checkpoint itself (the reference's training and inference disagree about it,
+    ALGORITHMS.md §8.21); shapes must match a head built from `target_config`.
+    """
+    raw = path_or_state_dict if isinstance(path_or_state_dict, dict) else _read_state_dict(path_or_state_dict)
+    tensors: dict[str, torch.Tensor] = {}
+    for key, value in raw.items():
+        ours = eagle_key(key)
+        if ours is not None:
+            tensors[ours] = value
+    head = DraftHead(DraftHeadConfig.from_target(target_config, fc_bias="fc.bias" in tensors, **extra))
+    expected = head.trainable_state()
+    wrong = {k: (tuple(v.shape), tuple(expected[k].shape)) for k, v in tensors.items()
+             if k in expected and v.shape != expected[k].shape}
+    if wrong:
+        raise ValueError(f"checkpoint shapes do not match the target's head (got, expected): {wrong}")
+    head.load_trainable({k: v.to(torch.float32) for k, v in tensors.items()})
+    return head.to(dtype)

@@ -1,0 +1,59 @@
+"""Held-out next-token agreement of a trained head with the target, per evaluation domain.
+
+Agreement = top-1 of the head's draft (``lm_head(head(h_t, x_{t+1}))``) equals the target's own top-1 for
+the same token (``lm_head(h_{t+1})``), over the assistant tokens of the held-out conversations of each
+mixture (by default ``math`` and ``chat``), with true target features as input (the first draft step).
+``acc_j`` for j >= 1 repeats it with the HASS harmonized context of j earlier draft predictions, i.e. the
+agreement one would see at draft depth j+1 — reported for both head kinds, so HASS's gain is visible.
+
+The held-out rule (trainer.split_examples) is the same for every mixture, so no head was trained on any
+conversation scored here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from taps_ray.config import StudyConfig
+from taps_ray.models.draft_head import DraftHead
+from taps_ray.models.target import Target, load_target
+from taps_ray.training.features import extract_features
+from taps_ray.training.losses import FrozenTarget, LossSettings
+from taps_ray.training.trainer import configure_threads, evaluate, split_examples
+
+DEFAULT_DOMAINS = ("math", "chat")
+
+
+def heldout_examples(cfg: StudyConfig, mixture_name: str, target: Target | None = None, progress: bool = False):
+    features = extract_features(cfg, mixture_name, target=target, progress=progress)
+    _, held = split_examples(features.load(), cfg.train.heldout_fraction, cfg.train.seed)
+    return held
+
+
+def evaluate_agreement(cfg: StudyConfig, head_path: str | Path, corpus_mixture: str | Sequence[str] = DEFAULT_DOMAINS,
+                       *, target: Target | None = None, passes: int | None = None, progress: bool = False) -> dict:
+    """{mixture: {"acc": top-1 agreement, "acc_j": at simulated depth j+1, "loss": EAGLE loss, "tokens": n}}
+    for each held-out mixture in `corpus_mixture` (a name or a list of names)."""
+    configure_threads()
+    domains = [corpus_mixture] if isinstance(corpus_mixture, str) else list(corpus_mixture)
+    if target is None:
+        target = load_target(cfg.target)
+    head = DraftHead.load(head_path, torch.float32)
+    frozen = FrozenTarget.from_model(target.model, torch.float32)
+    settings = LossSettings.for_kind("eagle2", cfg.train)
+    n_passes = passes if passes is not None else max(1, cfg.train.hca_passes)
+    out: dict = {"head": str(head_path), "kind": head.config.kind, "trained_on": head.config.trained_on}
+    for name in domains:
+        held = heldout_examples(cfg, name, target, progress)
+        result = evaluate(head, held, frozen, settings, cfg.train.eval_batch_size, passes=n_passes)
+        out[name] = {
+            "acc": result.get("acc"),
+            **{f"acc_{j}": result.get(f"acc_{j}") for j in range(n_passes)},
+            "loss": result.get("loss0"),
+            "tokens": int(result.get("scored_tokens", 0)),
+            "conversations": len(held),
+        }
+    return out

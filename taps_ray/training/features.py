@@ -1,0 +1,343 @@
+"""Extract and cache the frozen target's features for a training mixture (ALGORITHMS.md §7.2, CLEAN).
+
+Per conversation we store: ``input_ids`` [L], ``loss_mask`` [L] (assistant content + closing end-of-turn),
+``hidden`` [L, d] = ``hidden_states[-1]`` (after the final norm, the vector the LM head reads) in the target
+dtype, and the target's top-K next-token probabilities and token ids [L, K] (for the HASS top-K loss).
+
+The target runs on right-padded batches whose attention mask is built from the sequence lengths (never from
+``ids != pad``, §8.12). Conversations are cut into shards of ``features.shard_size``, each written atomically
+(temporary file + ``os.replace``) as one safetensors file, so a killed run redoes only the missing shards.
+``manifest.json``, also written atomically, marks the whole set complete; a later call with the same key reuses it.
+
+The cache key hashes everything that changes the stored tensors: the target (name, tiny settings, dtype),
+the mixture (corpora and ratios, size, seed), max_len, top_k and the answer-regeneration settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from taps_ray.config import StudyConfig
+from taps_ray.models.target import Target, load_target
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+@dataclass
+class Example:
+    """The stored features of one conversation."""
+
+    id: str
+    input_ids: torch.Tensor  # [L] long
+    loss_mask: torch.Tensor  # [L] float32
+    hidden: torch.Tensor  # [L, d] target dtype
+    topk_probs: torch.Tensor  # [L, K] float32
+    topk_ids: torch.Tensor  # [L, K] long
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+@dataclass
+class FeatureSet:
+    folder: Path
+    manifest: dict[str, Any]
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        return self.manifest["key"]
+
+    @property
+    def ids(self) -> list[str]:
+        return [i for shard in self.manifest["shards"] for i in shard["ids"]]
+
+    def shard_paths(self) -> list[Path]:
+        return [self.folder / shard["file"] for shard in self.manifest["shards"]]
+
+    def iter_examples(self) -> Iterator[Example]:
+        for path in self.shard_paths():
+            yield from read_shard(path)
+
+    def load(self, ids: set[str] | None = None) -> list[Example]:
+        return [ex for ex in self.iter_examples() if ids is None or ex.id in ids]
+
+
+# --- keys and paths --------------------------------------------------------------------------------------------
+
+def feature_spec(cfg: StudyConfig, mixture_name: str) -> dict[str, Any]:
+    if mixture_name not in cfg.mixtures:
+        raise KeyError(f"mixture {mixture_name!r} is not defined in config {cfg.name!r}; known: {sorted(cfg.mixtures)}")
+    f = cfg.features
+    spec: dict[str, Any] = {
+        "format": FORMAT_VERSION,
+        "target": cfg.target.name,
+        "tiny": cfg.target.tiny.model_dump() if cfg.target.tiny is not None else None,
+        "dtype": cfg.target.dtype,
+        "mixture": cfg.mixtures[mixture_name].model_dump(),
+        "max_len": f.max_len,
+        "top_k": f.top_k,
+        "regenerate": {"max_new_tokens": f.regenerate_max_new_tokens} if f.regenerate_answers else None,
+    }
+    return spec
+
+
+def features_key(cfg: StudyConfig, mixture_name: str) -> str:
+    spec = feature_spec(cfg, mixture_name)
+    digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+    return f"{mixture_name}-{digest}"
+
+
+def features_folder(cfg: StudyConfig, mixture_name: str) -> Path:
+    return cfg.work_path("features", features_key(cfg, mixture_name))
+
+
+def _write_json_atomic(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
+
+
+# --- shards ----------------------------------------------------------------------------------------------------
+
+def write_shard(path: Path, examples: Sequence[Example], meta: dict[str, Any]) -> None:
+    lengths = [len(ex) for ex in examples]
+    offsets = torch.tensor([0, *torch.tensor(lengths, dtype=torch.long).cumsum(0).tolist()], dtype=torch.long)
+    tensors = {
+        "offsets": offsets,
+        "input_ids": torch.cat([ex.input_ids for ex in examples]).to(torch.int32),
+        "loss_mask": torch.cat([ex.loss_mask for ex in examples]).to(torch.uint8),
+        "hidden": torch.cat([ex.hidden for ex in examples]).contiguous(),
+        "topk_probs": torch.cat([ex.topk_probs for ex in examples]).to(torch.float32),
+        "topk_ids": torch.cat([ex.topk_ids for ex in examples]).to(torch.int32),
+    }
+    metadata = {"ids": json.dumps([ex.id for ex in examples]), "meta": json.dumps(meta)}
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_file(tensors, str(tmp), metadata=metadata)
+    os.replace(tmp, path)
+
+
+def read_shard_meta(path: Path) -> tuple[list[str], dict[str, Any]]:
+    with safe_open(str(path), "pt") as f:
+        metadata = f.metadata()
+    return json.loads(metadata["ids"]), json.loads(metadata["meta"])
+
+
+def read_shard(path: Path) -> list[Example]:
+    with safe_open(str(path), "pt") as f:
+        ids = json.loads(f.metadata()["ids"])
+        t = {name: f.get_tensor(name) for name in f.keys()}
+    offsets = t["offsets"].tolist()
+    out = []
+    for i, conv_id in enumerate(ids):
+        a, b = offsets[i], offsets[i + 1]
+        out.append(Example(
+            id=conv_id,
+            input_ids=t["input_ids"][a:b].long(),
+            loss_mask=t["loss_mask"][a:b].float(),
+            hidden=t["hidden"][a:b],
+            topk_probs=t["topk_probs"][a:b],
+            topk_ids=t["topk_ids"][a:b].long(),
+        ))
+    return out
+
+
+# --- the target side -------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def target_features(target: Target, sequences: Sequence[Sequence[int]], top_k: int) -> list[tuple[torch.Tensor, ...]]:
+    """One right-padded forward of the target over `sequences`: per sequence (hidden [L,d], top-K probs, ids)."""
+    model = target.model
+    lengths = torch.tensor([len(s) for s in sequences])
+    t = int(lengths.max())
+    pad = target.tokenizer.pad_token_id or 0
+    ids = torch.full((len(sequences), t), pad, dtype=torch.long)
+    for i, s in enumerate(sequences):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    attention = (torch.arange(t)[None, :] < lengths[:, None]).long()
+    hidden = model.model(input_ids=ids, attention_mask=attention).last_hidden_state  # post final norm
+    lm_head = model.get_output_embeddings()
+    out = []
+    for i, n in enumerate(lengths.tolist()):
+        h = hidden[i, :n]
+        probs = torch.softmax(lm_head(h).float(), dim=-1)
+        top = probs.topk(top_k, dim=-1)
+        out.append((h.clone(), top.values.clone(), top.indices.clone()))
+    return out
+
+
+def _ids_digest(conversations: Sequence[Any]) -> str:
+    return hashlib.sha256("\n".join(str(c.id) for c in conversations).encode()).hexdigest()[:16]
+
+
+def _shard_done(path: Path, conversations: Sequence[Any]) -> bool:
+    """A complete shard (written atomically) built from these very conversations."""
+    if not path.is_file():
+        return False
+    try:
+        _, meta = read_shard_meta(path)
+    except Exception:  # unreadable: redo it
+        return False
+    return meta.get("source") == _ids_digest(conversations)
+
+
+def _length_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    return [order[i: i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+@torch.no_grad()
+def regenerate_answers(target: Target, conversations: Sequence[Any], batch_size: int, max_new_tokens: int,
+                       max_prompt_len: int) -> list[Any]:
+    """Replace each conversation by [first user turn, the target's greedy answer to it] (batched, left-padded).
+
+    Only the first turn is kept: later user turns were written against the human answers. Conversations
+    whose prompt is longer than `max_prompt_len` or whose answer comes out empty are dropped.
+    """
+    from taps_ray.data.chat import render_ids  # the data layer owns the chat template
+
+    tok = target.tokenizer
+    stops = set(target.stop_token_ids)
+    prompts, kept = [], []
+    for conv in conversations:
+        first_user = next((m for m in conv.messages if m["role"] == "user" and m["content"].strip()), None)
+        if first_user is None:
+            continue
+        ids = render_ids(tok, [first_user], add_generation_prompt=True)
+        if len(ids) > max_prompt_len:
+            continue
+        prompts.append(ids)
+        kept.append((conv, first_user))
+    results: list[Any] = [None] * len(kept)
+    pad = tok.pad_token_id or 0
+    for batch in _length_batches([len(p) for p in prompts], batch_size):
+        t = max(len(prompts[i]) for i in batch)
+        ids = torch.full((len(batch), t), pad, dtype=torch.long)
+        attention = torch.zeros((len(batch), t), dtype=torch.long)
+        for row, i in enumerate(batch):
+            p = prompts[i]
+            ids[row, t - len(p):] = torch.tensor(p)
+            attention[row, t - len(p):] = 1
+        generated = target.model.generate(
+            input_ids=ids, attention_mask=attention, max_new_tokens=max_new_tokens, do_sample=False,
+            pad_token_id=pad, eos_token_id=sorted(stops), temperature=None, top_p=None, top_k=None,
+        )[:, t:]
+        for row, i in enumerate(batch):
+            new = generated[row].tolist()
+            cut = next((k for k, token in enumerate(new) if token in stops), len(new))
+            answer = tok.decode(new[:cut], skip_special_tokens=True).strip()
+            if answer:
+                conv, first_user = kept[i]
+                messages = [dict(first_user), {"role": "assistant", "content": answer}]
+                results[i] = dataclasses.replace(conv, messages=messages)
+    return [r for r in results if r is not None]
+
+
+# --- the extraction driver -------------------------------------------------------------------------------------
+
+def _extract_shard(target: Target, conversations: Sequence[Any], cfg: StudyConfig, bar: tqdm | None) -> tuple[list[Example], dict]:
+    from taps_ray.data.chat import tokenize_conversation
+
+    f = cfg.features
+    start = time.perf_counter()
+    meta: dict[str, Any] = {"input": len(conversations), "source": _ids_digest(conversations)}
+    if f.regenerate_answers:
+        conversations = regenerate_answers(target, conversations, f.batch_size, f.regenerate_max_new_tokens,
+                                           max_prompt_len=f.max_len - 8)
+        meta["regenerated"] = len(conversations)
+        meta["regenerate_s"] = time.perf_counter() - start
+    samples = []
+    for conv in conversations:
+        ids, mask = tokenize_conversation(target.tokenizer, conv.messages, f.max_len)
+        if len(ids) >= 2 and sum(mask) > 0:
+            samples.append((conv.id, ids, mask))
+    meta["skipped"] = len(conversations) - len(samples)
+    extract_start = time.perf_counter()
+    results: list[Example | None] = [None] * len(samples)
+    for batch in _length_batches([len(s[1]) for s in samples], f.batch_size):
+        outs = target_features(target, [samples[i][1] for i in batch], f.top_k)
+        for i, (h, p, k) in zip(batch, outs):
+            conv_id, ids, mask = samples[i]
+            results[i] = Example(conv_id, torch.tensor(ids), torch.tensor(mask, dtype=torch.float32), h, p, k)
+        if bar is not None:
+            bar.update(sum(len(samples[i][1]) for i in batch))
+    meta["tokens"] = sum(len(s[1]) for s in samples)
+    meta["extract_s"] = time.perf_counter() - extract_start
+    return [r for r in results if r is not None], meta
+
+
+def extract_features(cfg: StudyConfig, mixture_name: str, target: Target | None = None,
+                     progress: bool = True) -> FeatureSet:
+    """The cached features of `mixture_name`, extracting the missing shards first. Returns the set with stats:
+    conversations, tokens, tokens_per_s (of the extraction that produced them), reused (nothing was extracted now)."""
+    folder = features_folder(cfg, mixture_name)
+    manifest_path = folder / MANIFEST
+    if manifest_path.is_file():
+        manifest = json.loads(manifest_path.read_text())
+        return FeatureSet(folder, manifest, {**manifest["stats"], "reused": True, "extracted_shards": 0})
+
+    from taps_ray.data.mixtures import build_mixture
+
+    folder.mkdir(parents=True, exist_ok=True)
+    spec = feature_spec(cfg, mixture_name)
+    _write_json_atomic(folder / "spec.json", spec)
+    conversations = build_mixture(cfg.mixtures[mixture_name], data_dir=cfg.resolved_data_dir())
+    size = cfg.features.shard_size
+    chunks = [conversations[i: i + size] for i in range(0, len(conversations), size)]
+    shard_files = [f"shard-{i:05d}.safetensors" for i in range(len(chunks))]
+    missing = [i for i, name in enumerate(shard_files) if not _shard_done(folder / name, chunks[i])]
+    run_start = time.perf_counter()
+    extracted_tokens = 0
+    if missing:
+        if target is None:
+            target = load_target(cfg.target)
+        log.info("features %s: extracting %d of %d shards", folder.name, len(missing), len(chunks))
+        bar = tqdm(total=None, desc=f"features {mixture_name}", unit="tok", unit_scale=True, disable=not progress)
+        try:
+            for i in missing:
+                examples, meta = _extract_shard(target, chunks[i], cfg, bar)
+                write_shard(folder / shard_files[i], examples, meta)
+                extracted_tokens += meta["tokens"]
+                elapsed = time.perf_counter() - run_start
+                bar.set_postfix(shard=f"{i + 1}/{len(chunks)}", tok_s=f"{extracted_tokens / max(elapsed, 1e-9):.0f}")
+        finally:
+            bar.close()
+    shards, tokens, seconds, regen_s, n = [], 0, 0.0, 0.0, 0
+    for name in shard_files:
+        ids, meta = read_shard_meta(folder / name)
+        shards.append({"file": name, "ids": ids, "tokens": meta["tokens"]})
+        tokens += meta["tokens"]
+        seconds += meta["extract_s"]
+        regen_s += meta.get("regenerate_s", 0.0)
+        n += len(ids)
+    stats = {
+        "conversations": n,
+        "source_conversations": len(conversations),
+        "tokens": tokens,
+        "extract_s": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else None,
+        "regenerate_s": round(regen_s, 3) if cfg.features.regenerate_answers else None,
+        "torch_threads": torch.get_num_threads(),
+    }
+    manifest = {"key": folder.name, "spec": spec, "shards": shards, "stats": stats, "created": time.time()}
+    _write_json_atomic(manifest_path, manifest)
+    log.info("features %s: %d conversations, %d tokens, %.0f tokens/s", folder.name, n, tokens,
+             stats["tokens_per_s"] or 0)
+    return FeatureSet(folder, manifest, {**stats, "reused": False, "extracted_shards": len(missing),
+                                         "extracted_tokens": extracted_tokens})

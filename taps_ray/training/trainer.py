@@ -1,0 +1,372 @@
+"""Train one draft head (EAGLE-2 or HASS) on the cached target features of one mixture.
+
+AdamW (β = 0.9, 0.95), gradient clipping by value, linear warm-up then cosine decay, in fp32 on the CPU (or
+wherever the head lives). The budget is ``train.epochs`` epochs, cut short by ``train.max_tokens`` trained
+tokens when set; the schedule is planned for the exact number of steps that budget gives.
+
+Held-out split: a conversation is held out when a hash of (train.seed, its id) falls below
+``train.heldout_fraction``. The rule depends only on the id, so a conversation held out of one mixture is held
+out of every mixture that contains it: no head ever trains on another mixture's held-out data, which makes
+the cross-domain agreement table (``agreement.py``) clean.
+
+Checkpoints: ``heads/<kind>-<mixture>/epoch-N`` after every epoch (head weights + config.json, state.json
+with the metrics history, and optimizer.pt with the optimizer and scheduler state — kept in the newest
+epoch only). Each is written into a temporary folder and renamed, so a folder that exists is complete.
+A restarted run resumes from the newest complete epoch when the run fingerprint (features, kind and train
+settings) matches, and starts afresh otherwise. ``final`` is a copy of the last epoch's weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from taps_ray.config import StudyConfig
+from taps_ray.models.draft_head import DraftHead, new_head
+from taps_ray.models.target import Target, load_target
+from taps_ray.training.features import Example, FeatureSet, extract_features
+from taps_ray.training.losses import Batch, FrozenTarget, LossSettings, run_passes
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "state.json"
+OPTIMIZER_FILE = "optimizer.pt"
+METRICS_FILE = "metrics.json"
+Report = Callable[[dict], None]
+
+
+def configure_threads() -> int:
+    """Use the cores this process may run on (OMP_NUM_THREADS wins, e.g. inside a Ray task)."""
+    wanted = os.environ.get("OMP_NUM_THREADS")
+    try:
+        n = int(wanted) if wanted else len(os.sched_getaffinity(0))
+    except (ValueError, AttributeError):
+        n = os.cpu_count() or 1
+    n = max(1, n)
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    return n
+
+
+# --- data ------------------------------------------------------------------------------------------------------
+
+def is_heldout(conv_id: str, fraction: float, seed: int) -> bool:
+    digest = hashlib.sha256(f"{seed}:{conv_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def split_examples(examples: Sequence[Example], fraction: float, seed: int) -> tuple[list[Example], list[Example]]:
+    """(train, heldout) by the id-hash rule; at least one of each when there are two or more examples."""
+    train = [e for e in examples if not is_heldout(e.id, fraction, seed)]
+    held = [e for e in examples if is_heldout(e.id, fraction, seed)]
+    if len(examples) >= 2 and (not held or not train):
+        def rank(e: Example) -> bytes:
+            return hashlib.sha256(f"{seed}:{e.id}".encode()).digest()
+
+        if not held:
+            pick = min(train, key=rank)
+            train, held = [e for e in train if e is not pick], [pick]
+        else:
+            pick = max(held, key=rank)
+            train, held = [pick], [e for e in held if e is not pick]
+    return train, held
+
+
+def collate(examples: Sequence[Example]) -> Batch:
+    lengths = torch.tensor([len(e) for e in examples])
+    b, t = len(examples), int(lengths.max())
+    d, k = examples[0].hidden.shape[1], examples[0].topk_probs.shape[1]
+    ids = torch.zeros(b, t, dtype=torch.long)
+    mask = torch.zeros(b, t)
+    hidden = torch.zeros(b, t, d, dtype=examples[0].hidden.dtype)
+    probs = torch.zeros(b, t, k)
+    top_ids = torch.zeros(b, t, k, dtype=torch.long)
+    for i, e in enumerate(examples):
+        n = len(e)
+        ids[i, :n], mask[i, :n], hidden[i, :n] = e.input_ids, e.loss_mask, e.hidden
+        probs[i, :n], top_ids[i, :n] = e.topk_probs, e.topk_ids
+    return Batch(ids, mask, hidden, lengths, probs, top_ids)
+
+
+def epoch_batches(examples: Sequence[Example], batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    """Seeded shuffle, then length-grouped batches (sorted within pools of 8 batches) in shuffled order."""
+    rng = random.Random(f"{seed}:{epoch}")
+    order = list(range(len(examples)))
+    rng.shuffle(order)
+    pool = batch_size * 8
+    batches = []
+    for start in range(0, len(order), pool):
+        chunk = sorted(order[start: start + pool], key=lambda i: len(examples[i]))
+        batches.extend(chunk[i: i + batch_size] for i in range(0, len(chunk), batch_size))
+    rng.shuffle(batches)
+    return batches
+
+
+@dataclass
+class Plan:
+    epochs: int
+    steps: int
+    steps_per_epoch: list[int]
+
+
+def plan_budget(examples: Sequence[Example], cfg: StudyConfig) -> Plan:
+    """Exact number of optimizer steps of the budget: train.epochs, stopped early at train.max_tokens."""
+    t = cfg.train
+    tokens, per_epoch = 0, []
+    for epoch in range(1, t.epochs + 1):
+        steps = 0
+        for batch in epoch_batches(examples, t.batch_size, t.seed, epoch):
+            steps += 1
+            tokens += sum(len(examples[i]) for i in batch)
+            if t.max_tokens is not None and tokens >= t.max_tokens:
+                break
+        per_epoch.append(steps)
+        if t.max_tokens is not None and tokens >= t.max_tokens:
+            break
+    return Plan(epochs=len(per_epoch), steps=sum(per_epoch), steps_per_epoch=per_epoch)
+
+
+def lr_lambda(total_steps: int, warmup_ratio: float, min_ratio: float) -> Callable[[int], float]:
+    warmup = max(1, round(warmup_ratio * total_steps)) if warmup_ratio > 0 else 0
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+# --- evaluation ------------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def evaluate(head: DraftHead, examples: Sequence[Example], frozen: FrozenTarget, settings: LossSettings,
+             batch_size: int, passes: int | None = None) -> dict[str, float]:
+    """Mask-weighted held-out loss (pass 0) and top-1 agreement with the target (acc_j: simulated depth j+1)."""
+    was_training = head.training
+    head.eval()
+    sums: dict[str, float] = {}
+    weight = 0.0
+    tokens = 0
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i]))
+    for start in range(0, len(order), batch_size):
+        batch = collate([examples[i] for i in order[start: start + batch_size]])
+        result = run_passes(head, batch, frozen, settings, backward=False, noise=False, passes=passes)
+        w = result.mask_tokens
+        for name, value in result.terms.items():
+            sums[name] = sums.get(name, 0.0) + value * w
+        weight += w
+        tokens += batch.tokens
+    head.train(was_training)
+    out = {name: value / max(weight, 1e-9) for name, value in sums.items()}
+    out["scored_tokens"] = weight
+    out["tokens"] = tokens
+    return out
+
+
+# --- checkpoints -----------------------------------------------------------------------------------------------
+
+def head_dir(cfg: StudyConfig, kind: str, mixture_name: str) -> Path:
+    return cfg.work_path("heads", f"{kind}-{mixture_name}")
+
+
+def run_fingerprint(cfg: StudyConfig, kind: str, features: FeatureSet) -> str:
+    data = {"kind": kind, "features": features.key, "train": cfg.train.model_dump(exclude={"kinds", "mixtures"})}
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _replace_dir(staging: Path, final: Path) -> None:
+    """Move a fully written folder into place (the old one, if any, is removed afterwards)."""
+    old = None
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{os.getpid()}-{time.time_ns()}")
+        os.replace(final, old)
+    os.replace(staging, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _staging(folder: Path, name: str) -> Path:
+    path = folder / f".{name}.tmp-{os.getpid()}-{time.time_ns()}"
+    path.mkdir(parents=True)
+    return path
+
+
+def save_epoch(folder: Path, epoch: int, head: DraftHead, optimizer, scheduler, state: dict) -> Path:
+    staging = _staging(folder, f"epoch-{epoch}")
+    head.save(staging)
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, staging / OPTIMIZER_FILE)
+    (staging / STATE_FILE).write_text(json.dumps(state, indent=2))
+    target = folder / f"epoch-{epoch}"
+    _replace_dir(staging, target)
+    for older in folder.glob("epoch-*"):  # optimizer state only in the newest epoch
+        if older != target and (older / OPTIMIZER_FILE).exists():
+            (older / OPTIMIZER_FILE).unlink()
+    return target
+
+
+def write_final(folder: Path, epoch_dir: Path, state: dict) -> Path:
+    staging = _staging(folder, "final")
+    for name in ("model.safetensors", "config.json"):
+        shutil.copy2(epoch_dir / name, staging / name)
+    (staging / METRICS_FILE).write_text(json.dumps(state, indent=2))
+    final = folder / "final"
+    _replace_dir(staging, final)
+    return final
+
+
+def latest_checkpoint(folder: Path, fingerprint: str) -> tuple[Path, dict] | None:
+    """The newest complete epoch of this run, or None. Checkpoints of another run are removed."""
+    found = []
+    for path in folder.glob("epoch-*"):
+        try:
+            state = json.loads((path / STATE_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        found.append((state.get("epoch", -1), path, state))
+    stale = [p for _, p, s in found if s.get("fingerprint") != fingerprint]
+    if stale:
+        log.warning("%s holds checkpoints of other settings; starting afresh", folder)
+        for path in [*stale, folder / "final"]:
+            shutil.rmtree(path, ignore_errors=True)
+    usable = sorted((e, p, s) for e, p, s in found if s.get("fingerprint") == fingerprint and (p / OPTIMIZER_FILE).is_file())
+    if not usable:
+        return None
+    _, path, state = usable[-1]
+    return path, state
+
+
+# --- training --------------------------------------------------------------------------------------------------
+
+def train_head(cfg: StudyConfig, kind: str, mixture_name: str, report: Report | None = None, *,
+               target: Target | None = None, progress: bool = True, stop_after_epochs: int | None = None) -> Path:
+    """Train (or resume, or reuse) the `kind` head on `mixture_name`; returns the ``final`` checkpoint folder.
+
+    ``report(metrics)`` is called after every epoch's checkpoint is written. ``stop_after_epochs`` ends the
+    run early after that many epochs of this call, as a kill would (for tests); no ``final`` is written then.
+    """
+    if kind not in ("eagle2", "hass"):
+        raise ValueError(f"unknown head kind {kind!r}; use eagle2 or hass")
+    threads = configure_threads()
+    t = cfg.train
+    if target is None:
+        target = load_target(cfg.target)
+    features = extract_features(cfg, mixture_name, target=target, progress=progress)
+    examples = features.load()
+    train_ex, held_ex = split_examples(examples, t.heldout_fraction, t.seed)
+    if not train_ex:
+        raise ValueError(f"mixture {mixture_name!r} has no usable training conversations")
+    frozen = FrozenTarget.from_model(target.model, torch.float32)
+    settings = LossSettings.for_kind(kind, t)
+    eval_passes = max(1, t.hca_passes)
+    plan = plan_budget(train_ex, cfg)
+    folder = head_dir(cfg, kind, mixture_name)
+    folder.mkdir(parents=True, exist_ok=True)
+    fingerprint = run_fingerprint(cfg, kind, features)
+
+    head = new_head(target.model.config, torch.float32, seed=t.seed, kind=kind, target=cfg.target.name,
+                    trained_on=mixture_name)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=t.lr, betas=(0.9, 0.95), weight_decay=t.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(plan.steps, t.warmup_ratio, t.min_lr_ratio))
+    state: dict = {
+        "fingerprint": fingerprint, "kind": kind, "mixture": mixture_name, "features": features.key,
+        "epoch": 0, "step": 0, "tokens": 0, "train_seconds": 0.0, "planned_epochs": plan.epochs,
+        "planned_steps": plan.steps, "train_conversations": len(train_ex), "heldout_conversations": len(held_ex),
+        "feature_stats": {k: v for k, v in features.stats.items() if k != "reused"}, "history": [],
+        "threads": threads,
+    }
+    resumed = latest_checkpoint(folder, fingerprint)
+    if resumed is not None:
+        path, saved = resumed
+        head.load_trainable(DraftHead.load(path).trainable_state())
+        opt = torch.load(path / OPTIMIZER_FILE, weights_only=False)
+        optimizer.load_state_dict(opt["optimizer"])
+        scheduler.load_state_dict(opt["scheduler"])
+        state = saved
+        log.info("%s: resuming after epoch %d", folder.name, state["epoch"])
+    if state["epoch"] >= plan.epochs:
+        final = folder / "final"
+        if not (final / "model.safetensors").is_file() or json.loads((final / METRICS_FILE).read_text()).get(
+                "fingerprint") != fingerprint:
+            final = write_final(folder, folder / f"epoch-{state['epoch']}", state)
+        return final
+
+    head.train()
+    bar = tqdm(total=plan.steps, initial=state["step"], desc=f"train {kind}-{mixture_name}", unit="step",
+               disable=not progress)
+    epochs_this_call = 0
+    last_dir = None
+    try:
+        for epoch in range(state["epoch"] + 1, plan.epochs + 1):
+            generator = torch.Generator().manual_seed(t.seed * 100003 + epoch)
+            batches = epoch_batches(train_ex, t.batch_size, t.seed, epoch)[: plan.steps_per_epoch[epoch - 1]]
+            sums: dict[str, float] = {}
+            weight, epoch_tokens, start = 0.0, 0, time.perf_counter()
+            for batch_idx in batches:
+                batch = collate([train_ex[i] for i in batch_idx])
+                optimizer.zero_grad(set_to_none=True)
+                result = run_passes(head, batch, frozen, settings, backward=True, generator=generator)
+                torch.nn.utils.clip_grad_value_(head.parameters(), t.grad_clip_value)
+                optimizer.step()
+                scheduler.step()
+                for name, value in result.terms.items():
+                    sums[name] = sums.get(name, 0.0) + value * result.mask_tokens
+                weight += result.mask_tokens
+                epoch_tokens += batch.tokens
+                state["step"] += 1
+                elapsed = time.perf_counter() - start
+                bar.update(1)
+                bar.set_postfix(loss=f"{result.terms['loss0']:.3f}", acc=f"{result.terms['acc']:.3f}",
+                                tok_s=f"{epoch_tokens / max(elapsed, 1e-9):.0f}")
+            seconds = time.perf_counter() - start
+            state["tokens"] += epoch_tokens
+            state["train_seconds"] += seconds
+            eval_start = time.perf_counter()
+            held = evaluate(head, held_ex, frozen, settings, t.eval_batch_size, passes=eval_passes) if held_ex else {}
+            metrics = {
+                "epoch": epoch,
+                "step": state["step"],
+                "tokens": state["tokens"],
+                "epoch_tokens": epoch_tokens,
+                "epoch_seconds": round(seconds, 3),
+                "tokens_per_s": round(epoch_tokens / max(seconds, 1e-9), 1),
+                "lr": scheduler.get_last_lr()[0],
+                "train_loss": sums.get("loss0", 0.0) / max(weight, 1e-9),
+                "train_acc": sums.get("acc", 0.0) / max(weight, 1e-9),
+                "heldout_loss": held.get("loss0"),
+                "heldout_acc": held.get("acc"),
+                **{f"heldout_acc_{j}": held.get(f"acc_{j}") for j in range(eval_passes)},
+                "heldout_tokens": held.get("scored_tokens"),
+                "eval_seconds": round(time.perf_counter() - eval_start, 3),
+            }
+            state["epoch"] = epoch
+            state["history"].append(metrics)
+            last_dir = save_epoch(folder, epoch, head, optimizer, scheduler, state)
+            log.info("%s epoch %d: %s", folder.name, epoch, json.dumps(metrics))
+            if report is not None:
+                report({**metrics, "kind": kind, "mixture": mixture_name, "checkpoint": str(last_dir)})
+            epochs_this_call += 1
+            if stop_after_epochs is not None and epochs_this_call >= stop_after_epochs and epoch < plan.epochs:
+                return last_dir
+    finally:
+        bar.close()
+    assert last_dir is not None
+    return write_final(folder, last_dir, state)
+
+
+def load_final_metrics(head_path: str | Path) -> dict:
+    path = Path(head_path) / METRICS_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}

@@ -1,0 +1,235 @@
+"""Feature caching, training, checkpoint resume and checkpoint loading, on the tiny random target."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from taps_ray.config import load_config
+from taps_ray.data.chat import tokenize_conversation
+from taps_ray.data.mixtures import build_mixture
+from taps_ray.models.draft_head import DraftHead, load_eagle_checkpoint, new_head
+from taps_ray.models.target import load_target
+from taps_ray.training import features as features_mod
+from taps_ray.training.agreement import evaluate_agreement
+from taps_ray.training.commands import cmd_agreement_report
+from taps_ray.training.features import extract_features, features_folder, read_shard
+from taps_ray.training.losses import causal_mask
+from taps_ray.training.trainer import head_dir, split_examples, train_head
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "configs" / "tiny.yaml"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _env():
+    saved_threads = torch.get_num_threads()
+    saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "TAPS_DATA_DIR", "HF_HUB_OFFLINE")}
+    os.environ["OMP_NUM_THREADS"] = "1"  # tiny tensors: one thread beats two busy-waiting ones
+    os.environ.setdefault("TAPS_DATA_DIR", str(REPO.parent / "shared" / "data"))
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    torch.set_num_threads(saved_threads)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    work = tmp_path_factory.mktemp("work")
+    cfg = load_config(TINY).model_copy(update={"work_dir": str(work)})
+    cfg.features.shard_size = 8
+    target = load_target(cfg.target)
+    for name in ("math", "chat"):
+        extract_features(cfg, name, target=target, progress=False)
+    return cfg, target
+
+
+def fresh(base, tmp_path, **train_updates):
+    """A config with its own work dir that shares the module's extracted features."""
+    cfg, target = base
+    cfg = cfg.model_copy(deep=True, update={"work_dir": str(tmp_path)})
+    for key, value in train_updates.items():
+        setattr(cfg.train, key, value)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    os.symlink(Path(base[0].work_dir) / "features", tmp_path / "features")
+    return cfg, target
+
+
+def test_features_content_matches_the_target(base):
+    cfg, target = base
+    fs = extract_features(cfg, "math", target=target, progress=False)
+    assert fs.stats["reused"] and fs.stats["conversations"] > 0
+    examples = fs.load()
+    convs = {c.id: c for c in build_mixture(cfg.mixtures["math"], cfg.resolved_data_dir())}
+    ex = examples[0]
+    ids, mask = tokenize_conversation(target.tokenizer, convs[ex.id].messages, cfg.features.max_len)
+    assert ex.input_ids.tolist() == ids and ex.loss_mask.tolist() == mask
+    with torch.no_grad():
+        out = target.model(input_ids=ex.input_ids[None], output_hidden_states=True)
+    assert torch.allclose(ex.hidden, out.hidden_states[-1][0], atol=1e-4)
+    probs = torch.softmax(out.logits[0].float(), -1).topk(cfg.features.top_k, -1)
+    assert torch.allclose(ex.topk_probs, probs.values, atol=1e-4)
+    assert torch.equal(ex.topk_ids[:, 0], probs.indices[:, 0])
+    assert ex.hidden.dtype == torch.float32 and ex.topk_probs.shape[1] == cfg.features.top_k
+
+
+def test_features_reused_and_killed_run_redoes_only_missing_shards(base, tmp_path, monkeypatch):
+    cfg, target = base
+    cfg = cfg.model_copy(deep=True, update={"work_dir": str(tmp_path)})
+    calls = []
+    real = features_mod.target_features
+    monkeypatch.setattr(features_mod, "target_features", lambda *a, **k: calls.append(1) or real(*a, **k))
+    first = extract_features(cfg, "chat", target=target, progress=False)
+    n_calls = len(calls)
+    assert n_calls > 0 and not first.stats["reused"] and first.stats["extracted_shards"] >= 2
+    folder = features_folder(cfg, "chat")
+    shards = sorted(folder.glob("shard-*.safetensors"))
+    mtimes = {p: p.stat().st_mtime_ns for p in shards}
+
+    again = extract_features(cfg, "chat", target=target, progress=False)
+    assert again.stats["reused"] and len(calls) == n_calls
+    assert again.ids == first.ids
+
+    # a killed run: the manifest was never written and the last shard is missing
+    (folder / "manifest.json").unlink()
+    shards[-1].unlink()
+    redo = extract_features(cfg, "chat", target=target, progress=False)
+    assert redo.stats["extracted_shards"] == 1 and not redo.stats["reused"]
+    assert all(p.stat().st_mtime_ns == mtimes[p] for p in shards[:-1])
+    assert redo.ids == first.ids and redo.stats["tokens"] == first.stats["tokens"]
+    assert len(read_shard(shards[-1])) > 0
+
+    other = cfg.model_copy(deep=True)
+    other.features.max_len = 80
+    assert features_folder(other, "chat") != folder  # the key follows the settings
+
+
+def test_heldout_split_is_per_id_and_consistent_across_mixtures(base):
+    cfg, _ = base
+    math = extract_features(cfg, "math", progress=False).load()
+    train, held = split_examples(math, 0.3, 0)
+    assert held and train and len(train) + len(held) == len(math)
+    again_train, again_held = split_examples(list(reversed(math)), 0.3, 0)
+    assert {e.id for e in again_held} == {e.id for e in held}
+
+
+def test_train_one_epoch_writes_checkpoint(base, tmp_path):
+    cfg, target = fresh(base, tmp_path)
+    reports = []
+    final = train_head(cfg, "hass", "math", report=reports.append, target=target, progress=False)
+    folder = head_dir(cfg, "hass", "math")
+    assert final == folder / "final" and (folder / "epoch-1" / "model.safetensors").is_file()
+    assert (folder / "epoch-1" / "optimizer.pt").is_file()
+    assert len(reports) == 1
+    m = reports[0]
+    for key in ("epoch", "train_loss", "heldout_loss", "heldout_acc", "tokens_per_s", "checkpoint"):
+        assert key in m and m[key] is not None, key
+    assert 0.0 <= m["heldout_acc"] <= 1.0 and m["tokens_per_s"] > 0
+    head = DraftHead.load(final)
+    assert head.config.kind == "hass" and head.config.trained_on == "math"
+    metrics = json.loads((final / "metrics.json").read_text())
+    assert metrics["epoch"] == 1 and metrics["history"][0]["epoch"] == 1
+    # a finished run is reused, not retrained
+    assert train_head(cfg, "hass", "math", report=reports.append, target=target, progress=False) == final
+    assert len(reports) == 1
+
+
+def test_resume_after_kill_continues_from_last_epoch(base, tmp_path):
+    cfg, target = fresh(base, tmp_path / "a", epochs=3)
+    reports = []
+    out = train_head(cfg, "eagle2", "math", report=reports.append, target=target, progress=False, stop_after_epochs=1)
+    folder = head_dir(cfg, "eagle2", "math")
+    assert out == folder / "epoch-1" and not (folder / "final").exists()
+    # simulate the kill landing mid-way through writing epoch 2: a leftover staging folder
+    (folder / ".epoch-2.tmp-123").mkdir()
+    final = train_head(cfg, "eagle2", "math", report=reports.append, target=target, progress=False)
+    assert [r["epoch"] for r in reports] == [1, 2, 3]  # epoch 1 was not redone
+    assert not (folder / "epoch-1" / "optimizer.pt").exists() and (folder / "epoch-3" / "optimizer.pt").exists()
+    state = json.loads((final / "metrics.json").read_text())
+    assert [h["epoch"] for h in state["history"]] == [1, 2, 3]
+
+    # the resumed run ends where an uninterrupted one does
+    cfg_b, _ = fresh(base, tmp_path / "b", epochs=3)
+    straight = train_head(cfg_b, "eagle2", "math", target=target, progress=False)
+    a, b = DraftHead.load(final).trainable_state(), DraftHead.load(straight).trainable_state()
+    for key in a:
+        assert torch.allclose(a[key], b[key], atol=1e-6), key
+
+    # changed settings: the old checkpoints are not resumed
+    cfg.train.lr = 5e-4
+    reports.clear()
+    train_head(cfg, "eagle2", "math", report=reports.append, target=target, progress=False)
+    assert [r["epoch"] for r in reports] == [1, 2, 3]
+
+
+def test_max_tokens_budget(base, tmp_path):
+    cfg, target = fresh(base, tmp_path, epochs=5, max_tokens=1)
+    final = train_head(cfg, "eagle2", "chat", target=target, progress=False)
+    state = json.loads((final / "metrics.json").read_text())
+    assert state["epoch"] == 1 and state["step"] == 1
+
+
+def _eagle_state(head: DraftHead, vocab: int) -> dict[str, torch.Tensor]:
+    out = {}
+    for key, value in head.trainable_state().items():
+        out[key.replace("layer.", "layers.0.", 1) if key.startswith("layer.") else key] = value.clone()
+    out["embed_tokens.weight"] = torch.randn(vocab, head.config.hidden_size)
+    return out
+
+
+def test_eagle_checkpoint_keys_load(base, tmp_path):
+    _, target = base
+    config = target.model.config
+    head = new_head(config, seed=3)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    state = _eagle_state(head, config.vocab_size)
+    assert {"fc.weight", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.gate_proj.weight",
+            "layers.0.post_attention_layernorm.weight", "embed_tokens.weight"} <= set(state)
+    loaded = load_eagle_checkpoint(state, config)
+    for key, value in head.trainable_state().items():
+        assert torch.equal(loaded.trainable_state()[key], value), key
+    # from a file too, and the forward matches
+    from safetensors.torch import save_file
+    save_file(state, str(tmp_path / "model.safetensors"))
+    from_file = load_eagle_checkpoint(tmp_path, config)
+    x, f = torch.randn(1, 5, config.hidden_size), torch.randn(1, 5, config.hidden_size)
+    pos, valid = torch.arange(5)[None], torch.ones(1, 5, dtype=torch.bool)
+    assert torch.allclose(from_file(x, f, pos, causal_mask(valid))[0], head(x, f, pos, causal_mask(valid))[0])
+    # a checkpoint without fc.bias builds a bias-free fc; a missing weight is an error, never ignored
+    no_bias = {k: v for k, v in state.items() if k != "fc.bias"}
+    assert load_eagle_checkpoint(no_bias, config).fc.bias is None
+    broken = {k: v for k, v in state.items() if k != "layers.0.mlp.up_proj.weight"}
+    with pytest.raises(ValueError, match="missing"):
+        load_eagle_checkpoint(broken, config)
+
+
+def test_save_load_round_trip(base, tmp_path):
+    _, target = base
+    head = new_head(target.model.config, seed=1, kind="hass", trained_on="math")
+    head.save(tmp_path / "h")
+    again = DraftHead.load(tmp_path / "h")
+    assert again.config == head.config
+    for key, value in head.trainable_state().items():
+        assert torch.equal(again.trainable_state()[key], value)
+
+
+def test_agreement_and_report(base, tmp_path):
+    cfg, target = fresh(base, tmp_path)
+    path = cmd_agreement_report(cfg, output=tmp_path / "reports")
+    text = path.read_text()
+    assert "eagle2-math" in text and "hass-chat" in text and "tokens/s" in text
+    summary = json.loads((tmp_path / "reports" / "heads.json").read_text())
+    assert len(summary["heads"]) == 4
+    result = evaluate_agreement(cfg, summary["heads"][0]["path"], ["math", "chat"], target=target)
+    for domain in ("math", "chat"):
+        assert 0.0 <= result[domain]["acc"] <= 1.0 and result[domain]["tokens"] > 0
