@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from transformers import PreTrainedModel
 
 from taps_ray.spec.proposers import Proposer
-from taps_ray.spec.target_batch import TargetBatch
+from taps_ray.spec.target_batch import Committed, TargetBatch
 from taps_ray.spec.tree import DraftTree
-from taps_ray.spec.verify import SamplingParams, Verdict, accept, sample_root
+from taps_ray.spec.verify import SamplingParams, Verdict
 
 
 @dataclass
@@ -90,9 +91,17 @@ def chosen_head(state: object) -> int:
     return getattr(state, "last_head", 0)
 
 
+class Verifier(Protocol):
+    """The target side of the loop: in-process `TargetBatch`, or a proxy to a Ray target worker."""
+
+    def start(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Committed]: ...
+
+    def step(self, trees: list[DraftTree | None]) -> list[Committed | None]: ...
+
+
 @torch.no_grad()
-def generate(
-    model: PreTrainedModel,
+def run_loop(
+    verifier: Verifier,
     proposer: Proposer,
     prompts: list[list[int]],
     params: SamplingParams,
@@ -104,49 +113,54 @@ def generate(
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be at least 1")
     seeds = seeds if seeds is not None else list(range(len(prompts)))
-    generators = [torch.Generator().manual_seed(s) for s in seeds]
     stops = set(stop_ids)
     start = time.perf_counter()
-    batch = TargetBatch(model)
-    outputs = batch.prefill(prompts)
+    started = verifier.start(prompts, params, seeds)
     prefill_s = time.perf_counter() - start
 
     generations = [Generation(prompt=list(p), prefill_s=prefill_s) for p in prompts]
     states = [proposer.init_state() for _ in prompts]
     trees: list[DraftTree | None] = [None] * len(prompts)
     draft_times = [0.0] * len(prompts)
-    for b, (prompt, out) in enumerate(zip(prompts, outputs)):
-        root = sample_root(out.logits[-1], params, generators[b])
-        _extend(generations[b], [root], stops, max_new_tokens)
+
+    def draft(b: int, committed: Committed) -> None:
+        t0 = time.perf_counter()
+        trees[b], states[b] = proposer.propose(states[b], committed.features, committed.next_tokens)
+        draft_times[b] = time.perf_counter() - t0
+
+    for b, committed in enumerate(started):
+        _extend(generations[b], committed.tokens, stops, max_new_tokens)
         if not generations[b].finished_by:
-            t0 = time.perf_counter()
-            trees[b], states[b] = proposer.propose(states[b], out.hidden, torch.tensor(prompt[1:] + [root]))
-            draft_times[b] = time.perf_counter() - t0
+            draft(b, committed)
 
     while any(t is not None for t in trees):
         t0 = time.perf_counter()
-        outputs = batch.verify(trees)
-        verdicts: list[Verdict | None] = [
-            None if tree is None else accept(tree, out.logits, params, generators[b])
-            for b, (tree, out) in enumerate(zip(trees, outputs))
-        ]
-        batch.commit([v.nodes if v is not None else [] for v in verdicts])
+        results = verifier.step(trees)
         verify_s = time.perf_counter() - t0
-        for b, verdict in enumerate(verdicts):
-            if verdict is None:
+        for b, committed in enumerate(results):
+            if committed is None:
                 continue
-            tree, generation = trees[b], generations[b]
-            kept = _extend(generation, verdict.tokens[1:] + [verdict.bonus], stops, max_new_tokens)
-            generation.steps.append(record_step(tree, verdict, kept, draft_times[b], verify_s, chosen_head(states[b])))
+            generation = generations[b]
+            kept = _extend(generation, committed.tokens, stops, max_new_tokens)
+            step = record_step(trees[b], committed.verdict, kept, draft_times[b], verify_s, chosen_head(states[b]))
+            generation.steps.append(step)
             trees[b] = None
-            if generation.finished_by:
-                continue
-            t1 = time.perf_counter()
-            features = outputs[b].hidden[verdict.nodes]
-            next_tokens = torch.tensor(verdict.tokens[1:] + [verdict.bonus])
-            trees[b], states[b] = proposer.propose(states[b], features, next_tokens)
-            draft_times[b] = time.perf_counter() - t1
+            if not generation.finished_by:
+                draft(b, committed)
     wall = time.perf_counter() - start
     for generation in generations:
         generation.wall_s = wall
     return generations
+
+
+def generate(
+    model: PreTrainedModel,
+    proposer: Proposer,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    max_new_tokens: int,
+    stop_ids: list[int],
+    seeds: list[int] | None = None,
+) -> list[Generation]:
+    """In-process decoding: one `TargetBatch` verifies every sequence's tree in one forward per step."""
+    return run_loop(TargetBatch(model), proposer, prompts, params, max_new_tokens, stop_ids, seeds)

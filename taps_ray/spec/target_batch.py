@@ -14,6 +14,17 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from taps_ray.spec.tree import DraftTree
+from taps_ray.spec.verify import SamplingParams, Verdict, accept, sample_root
+
+
+@dataclass
+class Committed:
+    """What one sequence gained in a step, and what its proposer needs next."""
+
+    tokens: list[int]  # output tokens produced: accepted drafts + bonus (the first token at start)
+    features: torch.Tensor  # [m, d] target features of the newly committed positions
+    next_tokens: torch.Tensor  # [m] the token after each of those positions; the last is the next root
+    verdict: Verdict | None = None
 
 
 @dataclass
@@ -29,6 +40,39 @@ class TargetBatch:
         self.model = model
         self.cache = DynamicCache()
         self.lengths = torch.zeros(0, dtype=torch.long)
+        self.params = SamplingParams()
+        self.generators: list[torch.Generator] = []
+
+    def start(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Committed]:
+        """Prefill and pick each sequence's first token; sequence b samples with its own seeded generator."""
+        self.params = params
+        self.generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+        outputs = self.prefill(prompts)
+        started = []
+        for prompt, out, generator in zip(prompts, outputs, self.generators):
+            root = sample_root(out.logits[-1], params, generator)
+            started.append(Committed([root], out.hidden, torch.tensor(prompt[1:] + [root])))
+        return started
+
+    def step(self, trees: list[DraftTree | None]) -> list[Committed | None]:
+        """Verify every tree in one forward, accept, and commit the accepted tokens to the cache."""
+        outputs = self.verify(trees)
+        verdicts = [
+            None if tree is None else accept(tree, out.logits, self.params, generator)
+            for tree, out, generator in zip(trees, outputs, self.generators)
+        ]
+        self.commit([v.nodes if v is not None else [] for v in verdicts])
+        return [
+            None
+            if verdict is None
+            else Committed(
+                tokens=verdict.tokens[1:] + [verdict.bonus],
+                features=out.hidden[verdict.nodes],
+                next_tokens=torch.tensor(verdict.tokens[1:] + [verdict.bonus]),
+                verdict=verdict,
+            )
+            for verdict, out in zip(verdicts, outputs)
+        ]
 
     @property
     def batch_size(self) -> int:
