@@ -1,9 +1,21 @@
-"""`taps` command line. Subcommands are added here as the project grows; `taps data list|show` exists now."""
+"""`taps` command line: data, features, train, eval, generate (and more as the study grows).
+
+Every command that takes `--config` gets a validated StudyConfig; known user errors (bad config, missing
+data, missing model or head, unknown proposer) print one line and exit 2 instead of a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from collections.abc import Callable
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def _add_config(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="study config, e.g. configs/cpu.yaml")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,38 +33,128 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("-n", type=int, default=3, help="number of examples (default 3)")
 
     features = commands.add_parser("features", help="extract and cache the target's features of training mixtures")
-    features.add_argument("--config", required=True, help="study config, e.g. configs/cpu.yaml")
+    _add_config(features)
     features.add_argument("--mixture", default=None, help="one mixture (default: every mixture in train.mixtures)")
+
     train = commands.add_parser("train", help="train (or resume) one draft head on one mixture")
-    train.add_argument("--config", required=True, help="study config, e.g. configs/cpu.yaml")
+    _add_config(train)
     train.add_argument("--kind", choices=("eagle2", "hass"), required=True)
     train.add_argument("--mixture", required=True, help="a mixture name from the config (math, chat, mixed, ...)")
+
+    evaluate = commands.add_parser("eval", help="evaluate proposers × benchmarks × temperatures (resumable)")
+    _add_config(evaluate)
+    evaluate.add_argument("--kinds", nargs="+", choices=("eagle2", "hass"), help="default: train.kinds")
+    evaluate.add_argument("--proposers", nargs="+", help="default: eval.proposers")
+    evaluate.add_argument("--benchmarks", nargs="+", help="default: every benchmark in eval.benchmarks")
+    evaluate.add_argument("--temperatures", nargs="+", type=float, help="default: eval.temperatures")
+
+    gen = commands.add_parser("generate", help="decode one prompt with a proposer; prints tau and the speedup")
+    _add_config(gen)
+    gen.add_argument("--proposer", default="math", help="plain, a head (math, chat, ...) or a combination")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--kind", choices=("eagle2", "hass"), default="eagle2")
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None, help="default: the config's")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--json", action="store_true", help="print one JSON object")
+
+    serve_cmd = commands.add_parser("serve", help="OpenAI-compatible HTTP service of the target and heads (Ray Serve)")
+    _add_config(serve_cmd)
+    serve_cmd.add_argument("--host", default=None, help="listen address (default: serve.host, 127.0.0.1)")
+    serve_cmd.add_argument("--port", type=int, default=None, help="port (default: serve.port, 8000)")
+    serve_cmd.add_argument("--head-kind", choices=("eagle2", "hass"), default=None, help="default: serve.head_kind")
     return parser
+
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", None: None}
+
+
+def _data(args: argparse.Namespace) -> int:
+    from taps_ray.data.commands import cmd_list, cmd_show
+
+    if args.data_command == "list":
+        return cmd_list(args.data_dir)
+    return cmd_show(args.name, args.n, args.data_dir)
+
+
+def _features(args: argparse.Namespace) -> int:
+    from taps_ray.training.commands import cmd_features
+
+    cmd_features(_config(args), args.mixture)
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from taps_ray.training.commands import cmd_train
+
+    cmd_train(_config(args), args.kind, args.mixture)
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from taps_ray.eval.commands import cmd_eval, plan_cells
+
+    config = _config(args)
+    cells = plan_cells(config, args.kinds, args.proposers, args.benchmarks, args.temperatures)
+    return cmd_eval(config, cells)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from taps_ray.eval.commands import cmd_generate
+
+    if args.temperature < 0 or args.max_new_tokens < 1:
+        raise ValueError("--temperature must be >= 0 and --max-new-tokens >= 1")
+    return cmd_generate(
+        _config(args), args.proposer, args.prompt, args.kind, args.temperature, args.max_new_tokens,
+        DTYPES[args.dtype], args.json, args.seed,
+    )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from taps_ray.cluster.serve import cmd_serve
+
+    config = _config(args)
+    if args.head_kind:
+        config = config.model_copy(update={"serve": config.serve.model_copy(update={"head_kind": args.head_kind})})
+    cmd_serve(config, args.host, args.port, blocking=True)
+    return 0
+
+
+HANDLERS: dict[str, Handler] = {
+    "data": _data,
+    "features": _features,
+    "train": _train,
+    "eval": _eval,
+    "generate": _generate,
+    "serve": _serve,
+}
+
+
+def _config(args: argparse.Namespace):
+    from taps_ray.config import load_config
+
+    if args.data_dir:
+        os.environ["TAPS_DATA_DIR"] = args.data_dir
+    return load_config(args.config)
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from taps_ray.config import ConfigError
+    from taps_ray.data.sources import DataUnavailable
+    from taps_ray.models.target import ModelUnavailable
+    from taps_ray.spec.registry import UnknownProposer
+
+    return (ConfigError, DataUnavailable, ModelUnavailable, UnknownProposer, FileNotFoundError, ValueError)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "data":
-        from taps_ray.data.commands import cmd_list, cmd_show
-
-        if args.data_command == "list":
-            return cmd_list(args.data_dir)
-        return cmd_show(args.name, args.n, args.data_dir)
-    if args.command in ("features", "train"):
-        import os
-
-        from taps_ray.config import load_config
-        from taps_ray.training.commands import cmd_features, cmd_train
-
-        if args.data_dir:
-            os.environ["TAPS_DATA_DIR"] = args.data_dir
-        cfg = load_config(args.config)
-        if args.command == "features":
-            cmd_features(cfg, args.mixture)
-        else:
-            cmd_train(cfg, args.kind, args.mixture)
-        return 0
-    return 2  # unreachable: argparse requires a command
+    try:
+        return HANDLERS[args.command](args)
+    except _user_errors() as error:
+        print(f"taps {args.command}: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

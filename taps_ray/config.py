@@ -135,6 +135,7 @@ class EvalConfig(_Strict):
     )
     temperatures: list[float] = Field(default_factory=lambda: [0.0, 1.0])
     max_new_tokens: int = Field(128, gt=0)
+    batch_size: int = Field(4, gt=0, description="questions decoded together (one batched target forward per step)")
     proposers: list[str] = Field(default_factory=lambda: ["math", "chat", "confidence-routed", "merged"])
     dtype: DType | None = Field(None, description="overrides target.dtype during evaluation")
     seed: int = 0
@@ -180,6 +181,10 @@ class ServeConfig(_Strict):
     batch_wait_timeout_s: float = Field(0.01, ge=0)
     max_prompt_tokens: int = Field(1024, gt=0)
     max_tokens_limit: int = Field(512, gt=0)
+    default_max_tokens: int = Field(128, gt=0, description="max_tokens of a request that sets none (capped by max_tokens_limit)")
+    head_kind: HeadKind = Field("eagle2", description="which trained heads the service loads (<work_dir>/heads/<kind>-<mixture>)")
+    max_ongoing_requests: int = Field(32, gt=0, description="requests one replica holds at once (queued + decoding)")
+    replica_num_cpus: float = Field(1.0, gt=0, description="CPUs Ray reserves per replica (also its torch threads)")
 
 
 class StudyConfig(_Strict):

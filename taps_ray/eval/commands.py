@@ -1,0 +1,141 @@
+"""`taps eval` (the evaluation matrix, in-process, resumable) and `taps generate` (one prompt, with speedup)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+
+from tqdm import tqdm
+
+from taps_ray.config import StudyConfig
+from taps_ray.eval.metrics import PLAIN, summarize
+from taps_ray.eval.runner import eval_dtype, run_cell
+from taps_ray.eval.store import Cell, ResultsStore, atomic_write_parquet
+from taps_ray.models.target import load_target
+from taps_ray.spec.generate import generate
+from taps_ray.spec.registry import build_proposer, load_heads
+from taps_ray.spec.verify import SamplingParams
+
+NO_HEAD = "none"
+
+
+def plan_cells(
+    config: StudyConfig,
+    kinds: list[str] | None = None,
+    proposers: list[str] | None = None,
+    benchmarks: list[str] | None = None,
+    temperatures: list[float] | None = None,
+) -> list[Cell]:
+    """Plain decoding once per benchmark and temperature, then every proposer of every head kind."""
+    kinds = kinds or config.train.kinds
+    proposers = [p for p in (proposers or config.eval.proposers) if p != PLAIN]
+    benchmarks = benchmarks or list(config.eval.benchmarks)
+    temperatures = temperatures if temperatures is not None else config.eval.temperatures
+    cells = [Cell(NO_HEAD, PLAIN, b, t) for t in temperatures for b in benchmarks]
+    cells += [Cell(k, p, b, t) for k in kinds for t in temperatures for p in proposers for b in benchmarks]
+    return cells
+
+
+def results_store(config: StudyConfig) -> ResultsStore:
+    return ResultsStore(config.work_path("results"))
+
+
+def refresh_summary(config: StudyConfig, store: ResultsStore) -> None:
+    atomic_write_parquet(store.root / "summary.parquet", summarize(store.questions()))
+
+
+def cmd_eval(config: StudyConfig, cells: list[Cell]) -> int:
+    """Evaluate every unfinished cell in-process; a failing cell is recorded and the rest go on."""
+    store = results_store(config)
+    todo = [c for c in cells if not store.is_done(c)]
+    print(f"{len(cells) - len(todo)} of {len(cells)} cells already in {store.root}; {len(todo)} to run")
+    if not todo:
+        refresh_summary(config, store)
+        return 0
+    target = load_target(config.target, dtype=config.eval.dtype)
+    heads_by_kind = {
+        kind: load_heads(config, kind, eval_dtype(config)) for kind in sorted({c.head_kind for c in todo} - {NO_HEAD})
+    }
+    answers = sum(_answers_per_cell(config, c) for c in todo)
+    failed = 0
+    with tqdm(total=answers, desc="eval", unit="answer") as bar:
+        for cell in todo:
+            bar.set_postfix_str(cell.id)
+            try:
+                steps, questions = run_cell(config, cell, target, heads_by_kind.get(cell.head_kind, {}), progress=bar.update)
+            except Exception as error:  # recorded, and the sweep goes on
+                failed += 1
+                store.write_failure(cell, f"{type(error).__name__}: {error}\n{traceback.format_exc()}", attempts=1)
+                print(f"cell {cell.id} failed: {error}", file=sys.stderr)
+                continue
+            store.write_cell(cell, steps, questions, meta={"target": config.target.name, "dtype": str(eval_dtype(config))})
+    refresh_summary(config, store)
+    return 1 if failed else 0
+
+
+def _answers_per_cell(config: StudyConfig, cell: Cell) -> int:
+    n = config.eval.benchmarks[cell.benchmark]
+    return 2 * n if cell.benchmark == "mt_bench" else n
+
+
+def cmd_generate(
+    config: StudyConfig,
+    proposer_name: str,
+    prompt: str,
+    kind: str,
+    temperature: float,
+    max_new_tokens: int,
+    dtype: str | None,
+    as_json: bool,
+    seed: int = 0,
+) -> int:
+    """Decode one chat prompt with plain decoding and with the proposer; report tau and the speedup."""
+    from taps_ray.data.chat import build_prompt_ids
+
+    target = load_target(config.target, dtype=dtype)
+    heads = {} if proposer_name == PLAIN else load_heads(config, kind, target.dtype, _needed_heads(config, proposer_name))
+    proposer = build_proposer(proposer_name, target, heads, config.tree)
+    prompt_ids = build_prompt_ids(target.tokenizer, [prompt], [], config.eval.system_prompt)
+    params = SamplingParams(temperature=temperature)
+    runs = {}
+    for name, candidate in (("plain", build_proposer(PLAIN, target, {}, config.tree)), (proposer_name, proposer)):
+        start = time.perf_counter()
+        generation = generate(target.model, candidate, [prompt_ids], params, max_new_tokens, target.stop_token_ids, [seed])[0]
+        runs[name] = (generation, time.perf_counter() - start)
+    generation, wall = runs[proposer_name]
+    plain_generation, plain_wall = runs["plain"]
+    tokens_per_s = len(generation.tokens) / wall
+    plain_tokens_per_s = len(plain_generation.tokens) / plain_wall
+    result = {
+        "proposer": proposer_name,
+        "text": target.tokenizer.decode(generation.tokens, skip_special_tokens=True).strip(),
+        "tokens": generation.tokens,
+        "tau": generation.tau,
+        "tau_taps": generation.tau_taps,
+        "steps": len(generation.steps),
+        "tokens_per_s": tokens_per_s,
+        "plain_tokens_per_s": plain_tokens_per_s,
+        "speedup": tokens_per_s / plain_tokens_per_s,
+        "identical_to_plain": generation.tokens == plain_generation.tokens,
+        "temperature": temperature,
+        "dtype": str(target.dtype).removeprefix("torch."),
+    }
+    if as_json:
+        print(json.dumps(result))
+    else:
+        print(result["text"])
+        print(
+            f"\n[{proposer_name}] tau {result['tau']:.2f} over {result['steps']} steps · {tokens_per_s:.1f} tok/s · "
+            f"plain {plain_tokens_per_s:.1f} tok/s · speedup {result['speedup']:.2f}× · "
+            f"identical to plain: {result['identical_to_plain']}"
+        )
+    return 0
+
+
+def _needed_heads(config: StudyConfig, proposer_name: str) -> list[str]:
+    """A single head needs only itself; combinations need the first two specialised heads (or all)."""
+    if proposer_name in config.train.mixtures:
+        return [proposer_name]
+    return list(config.train.mixtures)

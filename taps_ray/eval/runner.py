@@ -1,0 +1,103 @@
+"""Evaluate one cell (proposer × benchmark × temperature) into step and question records.
+
+Questions are decoded in batches, turn by turn (MT-Bench turn 2 sees the answer to turn 1). The loop is
+the engine's `run_loop`; the caller chooses where the target side runs (in-process or a Ray worker).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable
+
+import pandas as pd
+import torch
+
+from taps_ray.config import StudyConfig
+from taps_ray.data.chat import build_prompt_ids
+from taps_ray.data.sources import Question, load_questions
+from taps_ray.eval.store import Cell
+from taps_ray.models.draft_head import DraftHead
+from taps_ray.models.target import Target
+from taps_ray.spec.generate import Generation, Verifier, run_loop
+from taps_ray.spec.registry import build_proposer
+from taps_ray.spec.target_batch import TargetBatch
+from taps_ray.spec.verify import SamplingParams
+
+VerifierFactory = Callable[[], Verifier]
+
+
+def question_seed(base: int, question_id: object, turn: int) -> int:
+    """A seed per (question, turn) so a question samples the same way alone, in a batch, or through Ray."""
+    digest = hashlib.sha256(f"{base}:{question_id}:{turn}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
+def _batches(items: list, size: int) -> Iterable[list]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def answer_text(target: Target, generation: Generation) -> str:
+    return target.tokenizer.decode(generation.tokens, skip_special_tokens=True).strip()
+
+
+def run_cell(
+    config: StudyConfig,
+    cell: Cell,
+    target: Target,
+    heads: dict[str, DraftHead],
+    verifier_factory: VerifierFactory | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Returns (steps, questions) frames for the cell; `progress(n)` is called after each batch of n answers."""
+    evaluation = config.eval
+    questions = load_questions(cell.benchmark, config.resolved_data_dir(), limit=evaluation.benchmarks[cell.benchmark])
+    proposer = build_proposer(cell.proposer, target, heads, config.tree)
+    params = SamplingParams(temperature=cell.temperature)
+    make_verifier = verifier_factory or (lambda: TargetBatch(target.model))
+    answers: dict[object, list[str]] = {q.question_id: [] for q in questions}
+    step_rows: list[dict] = []
+    question_rows: list[dict] = []
+    turns = max(len(q.turns) for q in questions)
+    for turn in range(turns):
+        todo: list[Question] = [q for q in questions if len(q.turns) > turn]
+        for batch in _batches(todo, evaluation.batch_size):
+            prompts = [
+                build_prompt_ids(target.tokenizer, q.turns[: turn + 1], answers[q.question_id], evaluation.system_prompt)
+                for q in batch
+            ]
+            seeds = [question_seed(evaluation.seed, q.question_id, turn) for q in batch]
+            generations = run_loop(
+                make_verifier(), proposer, prompts, params, evaluation.max_new_tokens, target.stop_token_ids, seeds
+            )
+            batch_tokens = sum(len(g.tokens) for g in generations) or 1
+            for question, generation in zip(batch, generations):
+                answers[question.question_id].append(answer_text(target, generation))
+                base = {**cell.as_dict(), "question_id": str(question.question_id), "turn": turn}
+                question_rows.append(_question_row(base, generation, batch_tokens))
+                step_rows.extend({**base, "step": i, **vars(step)} for i, step in enumerate(generation.steps))
+            if progress is not None:
+                progress(len(batch))
+    return pd.DataFrame(step_rows), pd.DataFrame(question_rows)
+
+
+def _question_row(base: dict, generation: Generation, batch_tokens: int) -> dict:
+    steps = len(generation.steps)
+    return {
+        **base,
+        "prompt_tokens": len(generation.prompt),
+        "tokens": list(generation.tokens),
+        "n_tokens": len(generation.tokens),
+        "new_tokens": sum(s.new_tokens for s in generation.steps),
+        "committed": sum(s.accepted + 1 for s in generation.steps),
+        "steps": steps,
+        "taps_steps": max(steps - 1, 1),
+        "tau": generation.tau,
+        # a batch's wall time is shared out by tokens, so Σ wall over a cell is the time it took
+        "wall_s": generation.wall_s * len(generation.tokens) / batch_tokens,
+        "finished_by": generation.finished_by,
+    }
+
+
+def eval_dtype(config: StudyConfig) -> torch.dtype:
+    return getattr(torch, config.eval.dtype or config.target.dtype)

@@ -1,0 +1,102 @@
+"""The parquet results store: one folder per evaluated cell, written atomically, so sweeps resume safely.
+
+A cell's folder holds `steps.parquet` (one row per decoding step) and `questions.parquet` (one row per
+question and turn); `done.json` is written last and is what marks the cell finished. A cell that failed
+for good leaves `failed.json` with its error. Readers only ever see complete files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pandas as pd
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One evaluation: a proposer of one head kind on one benchmark at one temperature."""
+
+    head_kind: str
+    proposer: str
+    benchmark: str
+    temperature: float
+
+    @property
+    def id(self) -> str:
+        return f"{self.head_kind}__{self.proposer}__{self.benchmark}__T{self.temperature:g}"
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_parquet(path: Path, frame: pd.DataFrame) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        frame.to_parquet(tmp, index=False)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class ResultsStore:
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+
+    def cell_dir(self, cell: Cell) -> Path:
+        return self.root / "cells" / cell.id
+
+    def is_done(self, cell: Cell) -> bool:
+        return (self.cell_dir(cell) / "done.json").is_file()
+
+    def write_cell(self, cell: Cell, steps: pd.DataFrame, questions: pd.DataFrame, meta: dict | None = None) -> None:
+        folder = self.cell_dir(cell)
+        atomic_write_parquet(folder / "steps.parquet", steps)
+        atomic_write_parquet(folder / "questions.parquet", questions)
+        (folder / "failed.json").unlink(missing_ok=True)
+        atomic_write_text(folder / "done.json", json.dumps({**cell.as_dict(), **(meta or {})}, indent=2))
+
+    def write_failure(self, cell: Cell, error: str, attempts: int) -> None:
+        record = {**cell.as_dict(), "error": error, "attempts": attempts}
+        atomic_write_text(self.cell_dir(cell) / "failed.json", json.dumps(record, indent=2))
+
+    def failures(self) -> list[dict]:
+        return [json.loads(p.read_text()) for p in sorted(self.root.glob("cells/*/failed.json"))]
+
+    def _done_dirs(self) -> list[Path]:
+        return sorted(p.parent for p in self.root.glob("cells/*/done.json"))
+
+    def _concat(self, name: str) -> pd.DataFrame:
+        frames = [pd.read_parquet(folder / name) for folder in self._done_dirs()]
+        frames = [f for f in frames if not f.empty]
+        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+    def questions(self) -> pd.DataFrame:
+        return self._concat("questions.parquet")
+
+    def steps(self) -> pd.DataFrame:
+        return self._concat("steps.parquet")
