@@ -233,3 +233,43 @@ def test_agreement_and_report(base, tmp_path):
     result = evaluate_agreement(cfg, summary["heads"][0]["path"], ["math", "chat"], target=target)
     for domain in ("math", "chat"):
         assert 0.0 <= result[domain]["acc"] <= 1.0 and result[domain]["tokens"] > 0
+
+
+def test_greedy_answers_batched_match_unbatched_generate(base):
+    cfg, target = base
+    from taps_ray.data.chat import render_ids
+
+    convs = build_mixture(cfg.mixtures["chat"], cfg.resolved_data_dir())[:3]
+    prompts = [render_ids(target.tokenizer, c.messages[:1], add_generation_prompt=True)[:40] for c in convs]
+    batched = features_mod.greedy_answers(target, prompts, batch_size=3, max_new_tokens=5)
+    for prompt, answer in zip(prompts, batched):
+        x = torch.tensor([prompt])
+        ref = target.model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=5, do_sample=False,
+                                    pad_token_id=target.tokenizer.pad_token_id)[0, len(prompt):].tolist()
+        stops = set(target.stop_token_ids)
+        cut = next((k for k, tok in enumerate(ref) if tok in stops), len(ref))
+        assert answer == ref[:cut]
+
+
+def test_regenerate_answers_replaces_the_first_turn_answer(base, monkeypatch):
+    cfg, target = base
+    convs = build_mixture(cfg.mixtures["chat"], cfg.resolved_data_dir())[:3]
+    words = target.tokenizer.encode(" the answer is four", add_special_tokens=False)
+    monkeypatch.setattr(features_mod, "greedy_answers", lambda t, prompts, b, m: [words, [], words][: len(prompts)])
+    out = features_mod.regenerate_answers(target, convs, batch_size=3, max_new_tokens=6, max_prompt_len=10_000)
+    assert [c.id for c in out] == [convs[0].id, convs[2].id]  # the empty answer is dropped
+    for c, original in zip(out, (convs[0], convs[2])):
+        assert c.messages == [original.messages[0], {"role": "assistant", "content": "the answer is four"}]
+
+
+def test_extract_with_regenerated_answers(base, tmp_path, monkeypatch):
+    cfg, target = base
+    cfg = cfg.model_copy(deep=True, update={"work_dir": str(tmp_path)})
+    cfg.features.regenerate_answers = True
+    words = target.tokenizer.encode(" the answer is four", add_special_tokens=False)
+    monkeypatch.setattr(features_mod, "greedy_answers", lambda t, prompts, b, m: [words] * len(prompts))
+    fs = extract_features(cfg, "chat", target=target, progress=False)
+    assert fs.folder != features_folder(base[0], "chat") and fs.stats["conversations"] > 0
+    for ex in fs.load():
+        masked = ex.input_ids[ex.loss_mask.bool()].tolist()
+        assert target.tokenizer.decode(masked).startswith("the answer is four")

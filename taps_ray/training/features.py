@@ -213,7 +213,6 @@ def regenerate_answers(target: Target, conversations: Sequence[Any], batch_size:
     from taps_ray.data.chat import render_ids  # the data layer owns the chat template
 
     tok = target.tokenizer
-    stops = set(target.stop_token_ids)
     prompts, kept = [], []
     for conv in conversations:
         first_user = next((m for m in conv.messages if m["role"] == "user" and m["content"].strip()), None)
@@ -224,15 +223,30 @@ def regenerate_answers(target: Target, conversations: Sequence[Any], batch_size:
             continue
         prompts.append(ids)
         kept.append((conv, first_user))
-    results: list[Any] = [None] * len(kept)
-    pad = tok.pad_token_id or 0
+    answers = greedy_answers(target, prompts, batch_size, max_new_tokens)
+    results: list[Any] = []
+    for (conv, first_user), tokens in zip(kept, answers):
+        answer = tok.decode(tokens, skip_special_tokens=True).strip()
+        if answer:
+            messages = [dict(first_user), {"role": "assistant", "content": answer}]
+            results.append(dataclasses.replace(conv, messages=messages))
+    return results
+
+
+@torch.no_grad()
+def greedy_answers(target: Target, prompts: Sequence[Sequence[int]], batch_size: int,
+                   max_new_tokens: int) -> list[list[int]]:
+    """The target's greedy continuation of each prompt, cut before the first stop token (batched, left-padded)."""
+    stops = set(target.stop_token_ids)
+    pad = target.tokenizer.pad_token_id or 0
+    results: list[list[int]] = [[] for _ in prompts]
     for batch in _length_batches([len(p) for p in prompts], batch_size):
         t = max(len(prompts[i]) for i in batch)
         ids = torch.full((len(batch), t), pad, dtype=torch.long)
         attention = torch.zeros((len(batch), t), dtype=torch.long)
         for row, i in enumerate(batch):
             p = prompts[i]
-            ids[row, t - len(p):] = torch.tensor(p)
+            ids[row, t - len(p):] = torch.tensor(list(p))
             attention[row, t - len(p):] = 1
         generated = target.model.generate(
             input_ids=ids, attention_mask=attention, max_new_tokens=max_new_tokens, do_sample=False,
@@ -241,11 +255,7 @@ def regenerate_answers(target: Target, conversations: Sequence[Any], batch_size:
         for row, i in enumerate(batch):
             new = generated[row].tolist()
             cut = next((k for k, token in enumerate(new) if token in stops), len(new))
-            answer = tok.decode(new[:cut], skip_special_tokens=True).strip()
-            if answer:
-                conv, first_user = kept[i]
-                messages = [dict(first_user), {"role": "assistant", "content": answer}]
-                results[i] = dataclasses.replace(conv, messages=messages)
+            results[i] = new[:cut]
     return [r for r in results if r is not None]
 
 

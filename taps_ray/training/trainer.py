@@ -346,7 +346,9 @@ def train_head(cfg: StudyConfig, kind: str, mixture_name: str, report: Report | 
                 "lr": scheduler.get_last_lr()[0],
                 "train_loss": sums.get("loss0", 0.0) / max(weight, 1e-9),
                 "train_acc": sums.get("acc", 0.0) / max(weight, 1e-9),
-                "heldout_loss": held.get("loss0"),
+                # the EAGLE loss (regression + soft CE), comparable across head kinds; HASS adds its top-K term
+                "heldout_loss": (t.reg_weight * held["reg"] + t.cls_weight * held["cls"]) if held else None,
+                "heldout_topk": held.get("topk"),
                 "heldout_acc": held.get("acc"),
                 **{f"heldout_acc_{j}": held.get(f"acc_{j}") for j in range(eval_passes)},
                 "heldout_tokens": held.get("scored_tokens"),
