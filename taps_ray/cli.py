@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--json", action="store_true", help="print one JSON object")
 
+    report = commands.add_parser("report", help="regenerate the report (tables, plots, findings) from the results store")
+    _add_config(report)
+
     serve_cmd = commands.add_parser("serve", help="OpenAI-compatible HTTP service of the target and heads (Ray Serve)")
     _add_config(serve_cmd)
     serve_cmd.add_argument("--host", default=None, help="listen address (default: serve.host, 127.0.0.1)")
@@ -111,6 +114,14 @@ def _generate(args: argparse.Namespace) -> int:
     )
 
 
+def _report(args: argparse.Namespace) -> int:
+    from taps_ray.report import build_report
+
+    path = build_report(_config(args), command=f"taps report --config {args.config}")
+    print(f"report written to {path}")
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     from taps_ray.cluster.serve import cmd_serve
 
@@ -128,6 +139,7 @@ HANDLERS: dict[str, Handler] = {
     "eval": _eval,
     "generate": _generate,
     "serve": _serve,
+    "report": _report,
 }
 
 

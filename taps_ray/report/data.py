@@ -1,0 +1,169 @@
+"""Everything the report shows, derived from the results store alone (no model, no torch).
+
+`load_report_data` reads the store and computes the per-cell summary (taps_ray.eval.metrics), the
+accepted-vs-rejected entropy of drafted nodes and the routing fractions (taps_ray.eval.diagnostics).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from taps_ray.config import BENCHMARKS, StudyConfig
+from taps_ray.eval.diagnostics import accepted_vs_rejected, routing_fractions
+from taps_ray.eval.metrics import PLAIN, summarize
+from taps_ray.eval.store import ResultsStore
+
+BENCH_LABELS = {"mt_bench": "MT-Bench", "gsm8k": "GSM8K", "math_500": "MATH-500", "svamp": "SVAMP"}
+KIND_LABELS = {"eagle2": "EAGLE-2", "hass": "HASS", "none": "none"}
+OURS = ("merged-dedup", "merged-budget")
+COMBINED = ("averaged", "confidence-routed", "entropy-routed", "merged", *OURS)
+_AVERAGED_W = re.compile(r"^averaged-w(\d+(?:\.\d+)?)$")
+
+
+def averaged_weight(proposer: str) -> float | None:
+    """w (weight of the math head A) of an `averaged-w{w}` proposer; `averaged` is 0.5; None otherwise."""
+    if proposer == "averaged":
+        return 0.5
+    match = _AVERAGED_W.match(proposer)
+    return float(match.group(1)) if match else None
+
+
+@dataclass
+class ReportData:
+    config: StudyConfig
+    summary: pd.DataFrame  # one row per cell (metrics.summarize)
+    entropy: pd.DataFrame  # head_kind, proposer, temperature, entropy_accepted/rejected, delta_entropy, n_*
+    routing: pd.DataFrame  # head_kind, proposer, benchmark, temperature, head, fraction, unit
+    failures: list[dict] = field(default_factory=list)
+    meta: list[dict] = field(default_factory=list)  # done.json of every finished cell
+    questions: pd.DataFrame = field(default_factory=pd.DataFrame)
+    steps: pd.DataFrame = field(default_factory=pd.DataFrame)
+    store_root: Path | None = None
+
+    @property
+    def head_names(self) -> list[str]:
+        """Index of `StepRecord.head` -> head (mixture) name: heads are loaded in `train.mixtures` order."""
+        return list(self.config.train.mixtures)
+
+    def specialist(self, corpus: str) -> str | None:
+        """The single head trained only on `corpus` (math: mathinstruct, chat: sharegpt)."""
+        for name in self.config.train.mixtures:
+            if set(self.config.mixtures[name].mixture) == {corpus}:
+                return name
+        return None
+
+    @property
+    def mixture_heads(self) -> list[str]:
+        """Heads trained on more than one corpus."""
+        return [n for n, m in self.config.mixtures.items() if len(m.mixture) > 1]
+
+    @property
+    def single_heads(self) -> list[str]:
+        return list(dict.fromkeys([*self.config.train.mixtures, *self.config.mixtures]))
+
+    @property
+    def kinds(self) -> list[str]:
+        present = set(self.summary["head_kind"]) - {"none"} if not self.summary.empty else set()
+        return [k for k in ("eagle2", "hass") if k in present] + sorted(present - {"eagle2", "hass"})
+
+    @property
+    def temperatures(self) -> list[float]:
+        return sorted(set(self.summary["temperature"])) if not self.summary.empty else []
+
+    @property
+    def benchmarks(self) -> list[str]:
+        """The four TAPS benchmarks in paper order, then any other measured ones."""
+        present = set(self.summary["benchmark"]) if not self.summary.empty else set()
+        return list(BENCHMARKS) + sorted(present - set(BENCHMARKS))
+
+    @functools.cached_property
+    def _cells(self) -> dict[tuple, dict]:
+        return {(r["head_kind"], r["proposer"], r["benchmark"], float(r["temperature"])): r
+                for r in self.summary.to_dict("records")}
+
+    def value(self, kind: str, proposer: str, benchmark: str, temperature: float, column: str = "tau") -> float:
+        """One number of one cell (plain decoding is stored under head kind "none"); nan when missing."""
+        row = self._cells.get(("none" if proposer == PLAIN else kind, proposer, benchmark, float(temperature)))
+        value = row.get(column) if row else None
+        return math.nan if value is None or pd.isna(value) else float(value)
+
+    def sweep(self, kind: str) -> list[tuple[float, str]]:
+        """(w, proposer) of the averaging sweep, when `averaged-w{w}` cells exist. The math head is w = 1 and the
+        chat head w = 0 (averaged-w1 / -w0 share their weights), used as the end points unless measured as such."""
+        cells = {averaged_weight(p): p for p in self.proposers(kind) if averaged_weight(p) is not None}
+        if not any(p != "averaged" for p in cells.values()):
+            return []
+        for w, corpus in ((1.0, "mathinstruct"), (0.0, "sharegpt")):
+            head = self.specialist(corpus)
+            if w not in cells and head in self.proposers(kind):
+                cells[w] = head
+        return sorted(cells.items())
+
+    def proposers(self, kind: str) -> list[str]:
+        if self.summary.empty:
+            return []
+        return sorted(set(self.summary.loc[self.summary["head_kind"] == kind, "proposer"]))
+
+
+def load_report_data(config: StudyConfig, store: ResultsStore | None = None) -> ReportData:
+    store = store or ResultsStore(config.work_path("results"))
+    questions = store.questions()
+    steps = store.steps()
+    meta = [json.loads(p.read_text()) for p in sorted(store.root.glob("cells/*/done.json"))]
+    return ReportData(
+        config=config,
+        summary=summarize(questions),
+        entropy=entropy_table(steps),
+        routing=routing_table(steps, list(config.train.mixtures)),
+        failures=store.failures(),
+        meta=meta,
+        questions=questions,
+        steps=steps,
+        store_root=store.root,
+    )
+
+
+def entropy_table(steps: pd.DataFrame) -> pd.DataFrame:
+    """Accepted vs rejected drafted-node entropy per head kind × proposer × temperature (pooled over benchmarks)."""
+    columns = ["head_kind", "proposer", "temperature", "entropy_accepted", "entropy_rejected", "delta_entropy",
+               "n_accepted", "n_rejected"]
+    if steps.empty or "node_entropy" not in steps:
+        return pd.DataFrame(columns=columns)
+    rows = []
+    drafted = steps[steps["proposer"] != PLAIN]
+    for (kind, proposer, temperature), group in drafted.groupby(["head_kind", "proposer", "temperature"], sort=True):
+        stats = accepted_vs_rejected(group.itertuples(index=False))
+        if stats["n_accepted"] + stats["n_rejected"] == 0:
+            continue
+        rows.append({"head_kind": kind, "proposer": proposer, "temperature": temperature,
+                     **{k: stats[k] for k in columns[3:]}})
+    return pd.DataFrame(rows, columns=columns)
+
+
+def routing_table(steps: pd.DataFrame, head_names: list[str]) -> pd.DataFrame:
+    """Which head drafted: confidence-routed per verification step, entropy-routed per sequence (question × turn)."""
+    columns = ["head_kind", "proposer", "benchmark", "temperature", "head", "fraction", "unit"]
+    if steps.empty:
+        return pd.DataFrame(columns=columns)
+    rows = []
+    routed = steps[steps["proposer"].isin(["confidence-routed", "entropy-routed"])]
+    for (kind, proposer, bench, temperature), group in routed.groupby(
+        ["head_kind", "proposer", "benchmark", "temperature"], sort=True
+    ):
+        if proposer == "entropy-routed":  # the head chosen by the first step drafts the whole sequence
+            group = group.sort_values("step").groupby(["question_id", "turn"], sort=False).head(1)
+            unit = "question turns"
+        else:
+            unit = "steps"
+        names = head_names if max(group["head"], default=0) < len(head_names) else None
+        for head, fraction in routing_fractions(group.itertuples(index=False), names).items():
+            rows.append({"head_kind": kind, "proposer": proposer, "benchmark": bench, "temperature": temperature,
+                         "head": str(head), "fraction": fraction, "unit": unit})
+    return pd.DataFrame(rows, columns=columns)

@@ -1,0 +1,184 @@
+"""The report's figures (matplotlib, Agg). Each function writes one PNG, or returns a reason to skip it."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from taps_ray.eval.metrics import PLAIN  # noqa: E402
+from taps_ray.report.data import BENCH_LABELS, KIND_LABELS, ReportData, averaged_weight  # noqa: E402
+from taps_ray.report.tables import layout_rows  # noqa: E402
+
+Plot = Callable[[ReportData, Path], "list[Path] | str"]
+
+
+def _bench_label(bench: str) -> str:
+    return BENCH_LABELS.get(bench, bench)
+
+
+def _grouped_bars(ax, groups: list[str], series: dict[str, list[float]], ylabel: str, title: str) -> None:
+    width = 0.8 / max(len(series), 1)
+    x = np.arange(len(groups))
+    for i, (name, values) in enumerate(series.items()):
+        heights = [0.0 if math.isnan(v) else v for v in values]
+        bars = ax.bar(x + (i - (len(series) - 1) / 2) * width, heights, width, label=name)
+        for bar, value in zip(bars, values):
+            if math.isnan(value):  # say "not measured" instead of drawing a zero
+                ax.text(bar.get_x() + bar.get_width() / 2, 0, "–", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(x, groups)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(axis="y", alpha=0.3)
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _measured(data: ReportData, kind: str, proposers: list[str], column: str) -> tuple[list[str], list[str]]:
+    benches = [b for b in data.benchmarks if any(
+        not math.isnan(data.value(kind, p, b, t, column)) for p in proposers for t in data.temperatures)]
+    keep = [p for p in proposers if any(
+        not math.isnan(data.value(kind, p, b, t, column)) for b in benches for t in data.temperatures)]
+    return benches, keep
+
+
+def _per_kind_bars(data: ReportData, out: Path, stem: str, column: str, ylabel: str, title: str,
+                   include_plain: bool = False, baseline: float | None = None) -> list[Path] | str:
+    paths = []
+    for kind in data.kinds:
+        rows = [p for p in layout_rows(data, kind) if p in data.proposers(kind)]
+        benches, rows = _measured(data, kind, ([PLAIN] if include_plain else []) + rows, column)
+        if not rows:
+            continue
+        temps = data.temperatures
+        width = max(5.5, 0.22 * len(benches) * len(rows) + 2)
+        fig, axes = plt.subplots(1, len(temps), figsize=(width * len(temps) + 1.5, 4.5), squeeze=False, sharey=True)
+        for ax, temperature in zip(axes[0], temps):
+            series = {p: [data.value(kind, p, b, temperature, column) for b in benches] for p in rows}
+            _grouped_bars(ax, [_bench_label(b) for b in benches], series, ylabel,
+                          f"{title} — {KIND_LABELS.get(kind, kind)}, T = {temperature:g}")
+            if baseline is not None:
+                ax.axhline(baseline, color="black", linewidth=0.8, linestyle="--", label="plain decoding = 1×")
+        axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), title="proposer")
+        paths.append(_save(fig, out / f"{stem}_{kind}.png"))
+    return paths or "no cells measured"
+
+
+def plot_tau(data: ReportData, out: Path) -> list[Path] | str:
+    return _per_kind_bars(data, out, "tau", "tau", "acceptance length τ (tokens / step)", "Acceptance length")
+
+
+def plot_speedup(data: ReportData, out: Path) -> list[Path] | str:
+    if data.summary.empty or data.summary["speedup"].isna().all():
+        return "no plain-decoding baseline to compare with"
+    return _per_kind_bars(data, out, "speedup", "speedup", "speedup over plain decoding (×)", "Speedup", baseline=1.0)
+
+
+def plot_averaging(data: ReportData, out: Path) -> list[Path] | str:
+    paths = []
+    for kind in data.kinds:
+        sweep = data.sweep(kind)
+        if not sweep:
+            continue
+        temps = [t for t in data.temperatures
+                 if any(not math.isnan(data.value(kind, p, b, t)) for _, p in sweep for b in data.benchmarks)]
+        fig, axes = plt.subplots(1, len(temps), figsize=(5.5 * len(temps), 4.2), squeeze=False)
+        for ax, temperature in zip(axes[0], temps):
+            for bench in data.benchmarks:
+                points = [(w, data.value(kind, p, bench, temperature)) for w, p in sweep]
+                points = [(w, v) for w, v in points if not math.isnan(v)]
+                if points:
+                    ax.plot(*zip(*points), marker="o", label=_bench_label(bench))
+            ax.set_xlabel("w = weight of the math head (w = 1: math head, w = 0: chat head)")
+            ax.set_ylabel("acceptance length τ (tokens / step)")
+            ax.set_title(f"Weight averaging sweep — {KIND_LABELS.get(kind, kind)}, T = {temperature:g}")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8, title="benchmark")
+        paths.append(_save(fig, out / f"averaging_{kind}.png"))
+    return paths or "no averaged-w{w} cells (the interpolation sweep was not run)"
+
+
+def plot_routing(data: ReportData, out: Path) -> list[Path] | str:
+    frame = data.routing
+    if frame.empty:
+        return "no confidence-routed or entropy-routed cells"
+    paths = []
+    for kind in data.kinds:
+        part = frame[frame["head_kind"] == kind]
+        routers = [r for r in ("confidence-routed", "entropy-routed") if r in set(part["proposer"])]
+        if not routers:
+            continue
+        fig, axes = plt.subplots(1, len(routers), figsize=(6.5 * len(routers), 4.5), squeeze=False)
+        for ax, router in zip(axes[0], routers):
+            rows = part[part["proposer"] == router]
+            groups = [(b, t) for t in sorted(set(rows["temperature"])) for b in data.benchmarks
+                      if not rows[(rows["benchmark"] == b) & (rows["temperature"] == t)].empty]
+            heads = list(dict.fromkeys(rows["head"]))
+            bottom = np.zeros(len(groups))
+            for head in heads:
+                values = np.array([rows[(rows["benchmark"] == b) & (rows["temperature"] == t) & (rows["head"] == head)]
+                                   ["fraction"].sum() for b, t in groups])
+                bars = ax.bar(range(len(groups)), values, 0.6, bottom=bottom, label=f"{head} head")
+                for bar, value, base in zip(bars, values, bottom):
+                    if value >= 0.06:
+                        ax.text(bar.get_x() + bar.get_width() / 2, base + value / 2, f"{value:.0%}", ha="center",
+                                va="center", fontsize=8, color="white")
+                bottom += values
+            unit = rows["unit"].iloc[0]
+            ax.set_xticks(range(len(groups)), [f"{_bench_label(b)}\nT={t:g}" for b, t in groups], fontsize=8)
+            ax.set_ylim(0, 1)
+            ax.set_xlim(-0.75, max(len(groups), 2) - 0.25)
+            ax.set_ylabel(f"fraction of {unit} drafted by each head")
+            ax.set_title(f"{router} ({'per step' if unit == 'steps' else 'per question turn'}) — {KIND_LABELS.get(kind, kind)}")
+            ax.legend(fontsize=8, title="head", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        paths.append(_save(fig, out / f"routing_{kind}.png"))
+    return paths or "no routed cells"
+
+
+def plot_entropy(data: ReportData, out: Path) -> list[Path] | str:
+    frame = data.entropy
+    if frame.empty:
+        return "no drafted nodes in the store"
+    paths = []
+    for kind in data.kinds:
+        part = frame[frame["head_kind"] == kind]
+        if part.empty:
+            continue
+        temps = sorted(set(part["temperature"]))
+        order = [p for p in layout_rows(data, kind) if p in set(part["proposer"])]
+        order += sorted(set(part["proposer"]) - set(order), key=lambda p: (averaged_weight(p) is None, p))
+        fig, axes = plt.subplots(1, len(temps), figsize=(max(7, 0.9 * len(order)) * len(temps) / 1.3, 4.5),
+                                 squeeze=False, sharey=True)
+        for ax, temperature in zip(axes[0], temps):
+            rows = part[part["temperature"] == temperature].set_index("proposer")
+            series = {
+                group: [float(rows.loc[p, f"entropy_{group}"]) if p in rows.index else math.nan for p in order]
+                for group in ("accepted", "rejected")
+            }
+            _grouped_bars(ax, order, series, "mean draft-node entropy (nats)",
+                          f"Accepted vs rejected draft tokens — {KIND_LABELS.get(kind, kind)}, T = {temperature:g}")
+            ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+            ax.set_ylim(top=1.25 * max([v for s in series.values() for v in s if not math.isnan(v)] + [0.1]))
+            ax.legend(fontsize=8, title="draft nodes", loc="upper center", ncol=2)
+        paths.append(_save(fig, out / f"entropy_{kind}.png"))
+    return paths or "no drafted nodes in the store"
+
+
+PLOTS: dict[str, tuple[str, Plot]] = {
+    "tau": ("Acceptance length by proposer and benchmark", plot_tau),
+    "averaging": ("Weight-averaging interpolation curve", plot_averaging),
+    "routing": ("Routing fractions", plot_routing),
+    "entropy": ("Accepted vs rejected draft-token entropy", plot_entropy),
+    "speedup": ("Speedup over plain decoding", plot_speedup),
+}

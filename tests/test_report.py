@@ -1,0 +1,156 @@
+"""The report from a synthetic results store: tables, summary.json, plots, findings, failures, missing cells."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from taps_ray.config import parse_config
+from taps_ray.eval.store import Cell, ResultsStore
+from taps_ray.report import build_report
+from taps_ray.report.data import load_report_data
+from taps_ray.report.findings import FAILS, HOLDS, UNMEASURED, findings
+
+ACC_ENTROPY, REJ_ENTROPY = 0.5, 2.0  # nats; every synthetic step has this gap, so Δ = 1.5
+
+
+def _config(tmp_path):
+    return parse_config({
+        "name": "synthetic",
+        "mixtures": {
+            "math": {"mixture": {"mathinstruct": 1.0}, "size": 8},
+            "chat": {"mixture": {"sharegpt": 1.0}, "size": 8},
+            "mixed": {"mixture": {"mathinstruct": 0.5, "sharegpt": 0.5}, "size": 8},
+        },
+        "train": {"kinds": ["eagle2"], "mixtures": ["math", "chat", "mixed"]},
+        "eval": {"benchmarks": {"mt_bench": 2, "gsm8k": 2}, "temperatures": [0.0]},
+        "work_dir": str(tmp_path / "work"),
+        "reports_dir": str(tmp_path / "reports"),
+    })
+
+
+def _write(store: ResultsStore, kind: str, proposer: str, bench: str, accepts: list[list[int]],
+           heads: list[list[int]] | None = None, wall_per_token: float = 0.01) -> None:
+    """One cell: `accepts[q]` = accepted drafts per step of question q; `heads[q]` = head index per step."""
+    cell = Cell(kind, proposer, bench, 0.0)
+    steps, questions = [], []
+    for q, per_step in enumerate(accepts):
+        base = {**cell.as_dict(), "question_id": str(q), "turn": 0}
+        drafted = proposer != "plain"
+        for i, a in enumerate(per_step):
+            n_nodes = 4 if drafted else 0
+            steps.append({
+                **base, "step": i, "accepted": a, "new_tokens": a + 1, "tree_size": n_nodes + 1,
+                "draft_s": 0.001, "verify_s": 0.001, "head": heads[q][i] if heads else (-1 if "merged" in proposer else 0),
+                "node_confidence": [0.9 if j < a else 0.1 for j in range(n_nodes)],
+                "node_entropy": [ACC_ENTROPY if j < a else REJ_ENTROPY for j in range(n_nodes)],
+                "node_accepted": [j < a for j in range(n_nodes)],
+                "node_source": [0] * n_nodes,
+            })
+        n = sum(a + 1 for a in per_step)
+        questions.append({
+            **base, "prompt_tokens": 10, "tokens": list(range(n)), "n_tokens": n, "new_tokens": n, "committed": n,
+            "steps": len(per_step), "taps_steps": max(len(per_step) - 1, 1), "tau": n / len(per_step),
+            "wall_s": n * wall_per_token, "finished_by": "max_new_tokens",
+        })
+    store.write_cell(cell, pd.DataFrame(steps), pd.DataFrame(questions))
+
+
+def _tau(accepts: list[list[int]]) -> float:
+    return sum(a + 1 for q in accepts for a in q) / sum(len(q) for q in accepts)
+
+
+GOOD, BAD = [[3, 3, 2], [3, 1]], [[0, 1, 0], [1, 0]]  # tau 3.40 and 1.40
+MIXED = [[3, 3], [3]]  # tau 4.00: the best single head on GSM8K
+
+
+def _store(tmp_path, specialised: bool = True) -> tuple:
+    config = _config(tmp_path)
+    store = ResultsStore(config.work_path("results"))
+    math_gsm, chat_gsm = (GOOD, BAD) if specialised else (BAD, GOOD)
+    math_mt, chat_mt = (BAD, GOOD) if specialised else (GOOD, BAD)
+    for bench in ("gsm8k", "mt_bench"):
+        _write(store, "none", "plain", bench, [[0] * 8, [0] * 6], wall_per_token=0.02)
+    _write(store, "eagle2", "math", "gsm8k", math_gsm)
+    _write(store, "eagle2", "chat", "gsm8k", chat_gsm)
+    _write(store, "eagle2", "math", "mt_bench", math_mt)
+    _write(store, "eagle2", "chat", "mt_bench", chat_mt)
+    _write(store, "eagle2", "mixed", "gsm8k", MIXED)  # MT-Bench missing: shown as "–"
+    _write(store, "eagle2", "averaged", "gsm8k", [[0, 0], [1]])
+    _write(store, "eagle2", "averaged", "mt_bench", [[0, 0], [0]])
+    _write(store, "eagle2", "averaged-w0.25", "gsm8k", [[1, 1], [1]])
+    _write(store, "eagle2", "merged", "gsm8k", [[3, 3], [3]])
+    _write(store, "eagle2", "merged", "mt_bench", [[2, 2], [2]])
+    # confidence routing: GSM8K 3 of 4 steps by the math head (0), MT-Bench 3 of 4 by the chat head (1)
+    _write(store, "eagle2", "confidence-routed", "gsm8k", [[2, 2, 2], [2]], heads=[[0, 0, 1], [0]])
+    _write(store, "eagle2", "confidence-routed", "mt_bench", [[2, 2], [2, 2]], heads=[[1, 1], [1, 0]])
+    _write(store, "eagle2", "entropy-routed", "gsm8k", [[1, 1], [1]], heads=[[0, 0], [1]])
+    store.write_failure(Cell("eagle2", "merged-budget", "gsm8k", 0.0), "RuntimeError: out of memory\nTraceback ...", 2)
+    return config, store
+
+
+def test_report_tables_json_plots_and_findings(tmp_path):
+    config, _ = _store(tmp_path)
+    readme_path = build_report(config)
+    readme = readme_path.read_text()
+    out = readme_path.parent
+
+    # tau recomputed from the rows; the average covers the benchmarks measured in the table (MT-Bench, GSM8K)
+    math_row = f"| math head (mathinstruct 100%) | {_tau(BAD):.2f} | {_tau(GOOD):.2f} | – | – | {(_tau(BAD) + _tau(GOOD)) / 2:.2f} |"
+    assert math_row in readme
+    assert f"| mixed head (mathinstruct 50% + sharegpt 50%) | – | {_tau(MIXED):.2f} | – | – | – |" in readme
+    assert "| merged-dedup (ours, not in TAPS) | – | – | – | – | – |" in readme
+    # averaging sweep table, the single heads as its end points
+    assert "| w = 0 (chat head) |" in readme and "| w = 0.25 |" in readme and "| w = 1 (math head) |" in readme
+    # TAPS tau: Σ committed / Σ (steps − 1), e.g. math on GSM8K: 17 tokens / (2 + 1)
+    assert f"| math head (mathinstruct 100%) | {7 / 3:.2f} | {17 / 3:.2f} |" in readme
+    assert "Moe-Zbeeb/TAPS" in readme and "5.02 / 5.04" in readme  # the paper's own table, with its source
+    assert "`RuntimeError: out of memory`" in readme and "Traceback" not in readme
+    # speed: plain runs at 50 tok/s, math at 100 tok/s (2.00×); 1 of its 2 GSM8K answers equals plain's
+    assert "| math | 100.0 (2.00×) · 0% | 100.0 (2.00×) · 50% |" in readme and "| plain | 50.0 (1.00×) · 100% |" in readme
+
+    summary = json.loads((out / "summary.json").read_text())
+    keys = {"head_kind", "proposer", "benchmark", "temperature", "tau", "tau_taps", "steps", "n_questions",
+            "tokens_per_s", "speedup", "greedy_match"}
+    assert all(keys <= set(row) for row in summary)
+    math_gsm = next(r for r in summary if r["proposer"] == "math" and r["benchmark"] == "gsm8k")
+    assert math_gsm["tau"] == pytest.approx(_tau(GOOD)) and math_gsm["n_questions"] == 2 and math_gsm["steps"] == 5
+    for name in ("summary.parquet", "questions.parquet", "steps.parquet"):
+        assert (out / "results" / name).stat().st_size > 0
+
+    for png in ("tau_eagle2.png", "speedup_eagle2.png", "routing_eagle2.png", "entropy_eagle2.png", "averaging_eagle2.png"):
+        assert (out / png).stat().st_size > 1000, png
+        assert f"({png})" in readme
+
+    for key in "abcdef":
+        assert f"- **({key}) " in readme
+    assert "The math head beats the chat head on GSM8K, MATH-500 and SVAMP, and the chat head beats the math head on " \
+           "MT-Bench: HOLDS**" in readme
+    assert "Δ from +1.500 nats" in readme
+    assert "GSM8K 75% of steps to math" in readme and "MT-Bench 75% of steps to chat" in readme
+
+
+def test_findings_follow_the_numbers(tmp_path):
+    config, store = _store(tmp_path / "fwd", specialised=True)
+    verdicts = {f.key: f.verdict for f in findings(load_report_data(config, store))}
+    assert verdicts == {"a": HOLDS, "b": HOLDS, "c": HOLDS, "d": HOLDS, "e": HOLDS, "f": HOLDS}
+
+    config, store = _store(tmp_path / "rev", specialised=False)
+    result = {f.key: f for f in findings(load_report_data(config, store))}
+    assert result["a"].verdict == FAILS
+    assert "GSM8K math 1.40 vs chat 3.40 ✗" in result["a"].evidence[0]
+
+
+def test_unmeasured_claims_and_empty_store(tmp_path):
+    config = _config(tmp_path)
+    store = ResultsStore(config.work_path("results"))
+    _write(store, "eagle2", "math", "gsm8k", GOOD)
+    result = {f.key: f.verdict for f in findings(load_report_data(config, store))}
+    assert result == dict.fromkeys("abcdf", UNMEASURED) | {"e": HOLDS}
+
+    empty = _config(tmp_path / "empty")
+    readme = build_report(empty).read_text()
+    assert readme.count(UNMEASURED) == 6 and "*skipped*" in readme
+    assert json.loads((tmp_path / "empty" / "reports" / "summary.json").read_text()) == []
