@@ -259,3 +259,21 @@ def test_greedy_acceptance_picks_longest_path_first_row_on_ties():
     logits[4, 5] = 5
     verdict = accept_greedy(tree, logits)
     assert verdict.nodes == [0, 1, 2] and verdict.bonus == 4
+
+
+def test_reduced_draft_vocabulary_drafts_only_its_ids_and_stays_lossless(tiny_target):
+    from taps_ray.spec.draft_vocab import frequent_tokens
+
+    model, tok = tiny_target.model, tiny_target.tokenizer
+    texts = ["The answer is 42.", "Let us add 3 and 4 to get 7.", "Hello! How can I help you today?"] * 3
+    vocab = frequent_tokens(tok, texts, size=20, always=tiny_target.stop_token_ids)
+    assert vocab.numel() == 20 and set(tiny_target.stop_token_ids) <= set(vocab.tolist())
+    head = new_head(model.config, seed=2)
+    context = DraftContext(model.get_input_embeddings(), model.lm_head, vocab)
+    proposer = SingleHead("reduced", head, context, TreeConfig(total_token=8, depth=3, top_k=3))
+    prompt = tok.encode("The answer is")
+    features = model.model(torch.tensor([prompt])).last_hidden_state[0]
+    tree, _ = proposer.propose(HeadCache(), features, torch.tensor(prompt[1:] + [5]))
+    assert set(tree.tokens[1:].tolist()) <= set(vocab.tolist())
+    generation = generate(model, proposer, [prompt], GREEDY, 20, tiny_target.stop_token_ids)[0]
+    assert generation.tokens == _hf_greedy(model, prompt, 20, tiny_target.stop_token_ids)

@@ -99,13 +99,28 @@ def _entropy(log_probs: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class DraftContext:
-    """The frozen pieces of the target that a head drafts with."""
+    """The frozen pieces of the target that a head drafts with.
+
+    `vocab` (optional) restricts drafting to a subset of token ids (EAGLE-3's reduced draft vocabulary): the
+    draft LM head is then a slice of the target's, which is most of a draft step's cost on a CPU. Drafted ids
+    are mapped back to the full vocabulary, so verification, and therefore losslessness, is unchanged.
+    """
 
     embed: torch.nn.Module
     lm_head: torch.nn.Module
+    vocab: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        weight = self.lm_head.weight
+        self._weight = weight if self.vocab is None else weight[self.vocab].contiguous()
 
     def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.log_softmax(self.lm_head(hidden.to(self.lm_head.weight.dtype)).float(), dim=-1)
+        """Draft log-probabilities over the draft vocabulary (fp32)."""
+        return F.log_softmax(F.linear(hidden.to(self._weight.dtype), self._weight).float(), dim=-1)
+
+    def token_ids(self, index: torch.Tensor) -> torch.Tensor:
+        """Map draft-vocabulary indices to target token ids."""
+        return index if self.vocab is None else self.vocab[index]
 
 
 @dataclass
@@ -157,7 +172,8 @@ def draft_eagle2(
     k = top_k
 
     log_p = ctx.log_probs(hidden)
-    scores, tokens = log_p.topk(k)
+    scores, index = log_p.topk(k)
+    tokens = ctx.token_ids(index)
     cand_tokens, cand_scores = [tokens], [scores]
     cand_entropy = [_entropy(log_p).expand(k)]
     cand_parent = [torch.full((k,), -1, dtype=torch.long)]  # flat index of each candidate's parent
@@ -179,7 +195,8 @@ def draft_eagle2(
             tree_kv,
         )
         log_p = ctx.log_probs(out[0])  # [k, V]
-        child_scores, child_tokens = log_p.topk(k, dim=-1)
+        child_scores, child_index = log_p.topk(k, dim=-1)
+        child_tokens = ctx.token_ids(child_index)
         cumulative = (child_scores + frontier_scores[:, None]).flatten()
         offset = k + level * k * k
         cand_tokens.append(child_tokens.flatten())

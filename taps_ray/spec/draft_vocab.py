@@ -1,0 +1,63 @@
+"""The reduced draft vocabulary: the most frequent assistant tokens of the training corpora (EAGLE-3 style).
+
+Built once per (work dir, size) from the study's training mixtures, cached as safetensors, and shared by all
+heads of a study so routers and merged trees draft over the same ids. Stop tokens are always included.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+import os
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from taps_ray.config import StudyConfig
+from taps_ray.data.mixtures import build_mixture
+
+SAMPLE_PER_MIXTURE = 2000
+
+
+def frequent_tokens(tokenizer, texts: list[str], size: int, always: list[int]) -> torch.Tensor:
+    """The `size` most frequent token ids in `texts` (plus `always`), sorted ascending."""
+    counts: Counter[int] = Counter()
+    for start in range(0, len(texts), 256):
+        for ids in tokenizer(texts[start : start + 256], add_special_tokens=False)["input_ids"]:
+            counts.update(ids)
+    chosen = set(always)
+    for token, _ in counts.most_common():
+        if len(chosen) >= size:
+            break
+        chosen.add(token)
+    return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
+def _assistant_texts(config: StudyConfig) -> list[str]:
+    texts = []
+    for name in config.train.mixtures:
+        mixture = config.mixtures[name]
+        sample = mixture.model_copy(update={"size": min(mixture.size, SAMPLE_PER_MIXTURE)})
+        for conversation in build_mixture(sample, config.resolved_data_dir()):
+            texts += [m["content"] for m in conversation.messages if m["role"] == "assistant"]
+    return texts
+
+
+_LOADED: dict[str, torch.Tensor] = {}
+
+
+def draft_vocabulary(config: StudyConfig, tokenizer, stop_ids: list[int]) -> torch.Tensor | None:
+    """The study's draft vocabulary, or None when `tree.draft_vocab_size` is unset (full vocabulary)."""
+    size = config.tree.draft_vocab_size
+    if size is None or size >= len(tokenizer):
+        return None
+    file = config.work_path("draft_vocab", f"{size}.safetensors")
+    key = str(file.resolve())
+    if key not in _LOADED:
+        if not file.is_file():
+            vocab = frequent_tokens(tokenizer, _assistant_texts(config), size, stop_ids)
+            file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = file.with_name(f".{file.name}.tmp")
+            save_file({"vocab": vocab}, str(tmp))
+            os.replace(tmp, file)  # atomic: a reader never sees half a file
+        _LOADED[key] = load_file(str(file))["vocab"]
+    return _LOADED[key]
