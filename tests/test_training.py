@@ -273,3 +273,12 @@ def test_extract_with_regenerated_answers(base, tmp_path, monkeypatch):
     for ex in fs.load():
         masked = ex.input_ids[ex.loss_mask.bool()].tolist()
         assert target.tokenizer.decode(masked).startswith("the answer is four")
+
+
+def test_mixed_features_copy_single_domain_conversations(base, tmp_path):
+    cfg, target = fresh(base, tmp_path)
+    mixed = extract_features(cfg, "mixed", target=target, progress=False)
+    assert mixed.stats["copied_conversations"] == mixed.stats["conversations"] > 0  # nothing recomputed but skips
+    for ex in mixed.load()[:3]:
+        (h, _, k), = features_mod.target_features(target, [ex.input_ids.tolist()], cfg.features.top_k)
+        assert torch.allclose(ex.hidden, h, atol=1e-4) and torch.equal(ex.topk_ids[:, 0], k[:, 0])

@@ -11,6 +11,8 @@ The target runs on right-padded batches whose attention mask is built from the s
 
 The cache key hashes everything that changes the stored tensors: the target (name, tiny settings, dtype),
 the mixture (corpora and ratios, size, seed), max_len, top_k and the answer-regeneration settings.
+A conversation already extracted for another mixture under the same settings (same id and same messages) is
+copied from that set instead of being run through the target again.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from taps_ray.models.target import Target, load_target
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 
 
@@ -261,35 +263,92 @@ def greedy_answers(target: Target, prompts: Sequence[Sequence[int]], batch_size:
 
 # --- the extraction driver -------------------------------------------------------------------------------------
 
-def _extract_shard(target: Target, conversations: Sequence[Any], cfg: StudyConfig, bar: tqdm | None) -> tuple[list[Example], dict]:
+def conversation_digest(conversation: Any) -> str:
+    """Digest of a source conversation's messages: features are reused across mixtures only when it matches."""
+    return hashlib.sha256(json.dumps(conversation.messages, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class _Donors:
+    """Finished feature sets with the same spec except the mixture: their conversations need no new forward pass.
+
+    Mixtures drawn with the same seed share conversations (``mixed`` holds the heads of the ``math`` and
+    ``chat`` samples), so a mixed set mostly copies the single-domain features instead of recomputing them.
+    """
+
+    def __init__(self, root: Path, spec: dict[str, Any], exclude: Path) -> None:
+        self.index: dict[str, tuple[Path, str]] = {}
+        self._cache: dict[Path, dict[str, Example]] = {}
+        same = {k: v for k, v in spec.items() if k != "mixture"}
+        for manifest_path in sorted(root.glob(f"*/{MANIFEST}")):
+            if manifest_path.parent == exclude:
+                continue
+            try:
+                manifest = json.loads(manifest_path.read_text())
+            except (OSError, ValueError):
+                continue
+            if {k: v for k, v in manifest.get("spec", {}).items() if k != "mixture"} != same:
+                continue
+            for shard in manifest["shards"]:
+                for conv_id, digest in zip(shard["ids"], shard.get("digests", [])):
+                    self.index.setdefault(conv_id, (manifest_path.parent / shard["file"], digest))
+
+    def get(self, conv_id: str, digest: str) -> Example | None:
+        hit = self.index.get(conv_id)
+        if hit is None or hit[1] != digest or not hit[0].is_file():
+            return None
+        path = hit[0]
+        if path not in self._cache:
+            if len(self._cache) >= 4:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[path] = {e.id: e for e in read_shard(path)}
+        return self._cache[path].get(conv_id)
+
+
+def _extract_shard(target: Target, conversations: Sequence[Any], cfg: StudyConfig, bar: tqdm | None,
+                   donors: _Donors | None = None) -> tuple[list[Example], dict]:
     from taps_ray.data.chat import tokenize_conversation
 
     f = cfg.features
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     meta: dict[str, Any] = {"input": len(conversations), "source": _ids_digest(conversations)}
-    if f.regenerate_answers:
-        conversations = regenerate_answers(target, conversations, f.batch_size, f.regenerate_max_new_tokens,
-                                           max_prompt_len=f.max_len - 8)
-        meta["regenerated"] = len(conversations)
+    digests = {c.id: conversation_digest(c) for c in conversations}
+    copied: dict[str, Example] = {}
+    if donors is not None:
+        for conv in conversations:
+            example = donors.get(conv.id, digests[conv.id])
+            if example is not None:
+                copied[conv.id] = example
+    todo = [c for c in conversations if c.id not in copied]
+    if f.regenerate_answers and todo:
+        todo = regenerate_answers(target, todo, f.batch_size, f.regenerate_max_new_tokens, max_prompt_len=f.max_len - 8)
+        meta["regenerated"] = len(todo)
         meta["regenerate_s"] = time.perf_counter() - start
     samples = []
-    for conv in conversations:
+    for conv in todo:
         ids, mask = tokenize_conversation(target.tokenizer, conv.messages, f.max_len)
         if len(ids) >= 2 and sum(mask) > 0:
             samples.append((conv.id, ids, mask))
-    meta["skipped"] = len(conversations) - len(samples)
-    extract_start = time.perf_counter()
-    results: list[Example | None] = [None] * len(samples)
+    meta["skipped"] = len(conversations) - len(samples) - len(copied)
+    extract_start, extract_cpu = time.perf_counter(), time.process_time()
+    computed: dict[str, Example] = {}
     for batch in _length_batches([len(s[1]) for s in samples], f.batch_size):
         outs = target_features(target, [samples[i][1] for i in batch], f.top_k)
         for i, (h, p, k) in zip(batch, outs):
             conv_id, ids, mask = samples[i]
-            results[i] = Example(conv_id, torch.tensor(ids), torch.tensor(mask, dtype=torch.float32), h, p, k)
+            computed[conv_id] = Example(conv_id, torch.tensor(ids), torch.tensor(mask, dtype=torch.float32), h, p, k)
         if bar is not None:
             bar.update(sum(len(samples[i][1]) for i in batch))
-    meta["tokens"] = sum(len(s[1]) for s in samples)
+    examples = [computed.get(c.id) or copied.get(c.id) for c in conversations]
+    examples = [e for e in examples if e is not None]
+    meta["digests"] = [digests[e.id] for e in examples]
+    meta["tokens"] = sum(len(e) for e in examples)
+    meta["computed_tokens"] = sum(len(s[1]) for s in samples)
+    meta["copied"] = len(copied)
     meta["extract_s"] = time.perf_counter() - extract_start
-    return [r for r in results if r is not None], meta
+    meta["extract_cpu_s"] = time.process_time() - extract_cpu
+    meta["total_s"] = time.perf_counter() - start
+    meta["total_cpu_s"] = time.process_time() - cpu_start
+    return examples, meta
 
 
 def extract_features(cfg: StudyConfig, mixture_name: str, target: Target | None = None,
@@ -317,37 +376,45 @@ def extract_features(cfg: StudyConfig, mixture_name: str, target: Target | None 
     if missing:
         if target is None:
             target = load_target(cfg.target)
-        log.info("features %s: extracting %d of %d shards", folder.name, len(missing), len(chunks))
+        donors = _Donors(folder.parent, spec, folder)
+        log.info("features %s: extracting %d of %d shards (%d conversations available from other mixtures)",
+                 folder.name, len(missing), len(chunks), len(donors.index))
         bar = tqdm(total=None, desc=f"features {mixture_name}", unit="tok", unit_scale=True, disable=not progress)
         try:
             for i in missing:
-                examples, meta = _extract_shard(target, chunks[i], cfg, bar)
+                examples, meta = _extract_shard(target, chunks[i], cfg, bar, donors)
                 write_shard(folder / shard_files[i], examples, meta)
-                extracted_tokens += meta["tokens"]
+                extracted_tokens += meta["computed_tokens"]
                 elapsed = time.perf_counter() - run_start
                 bar.set_postfix(shard=f"{i + 1}/{len(chunks)}", tok_s=f"{extracted_tokens / max(elapsed, 1e-9):.0f}")
         finally:
             bar.close()
-    shards, tokens, seconds, regen_s, n = [], 0, 0.0, 0.0, 0
+    shards, n = [], 0
+    totals = {"tokens": 0, "computed_tokens": 0, "copied": 0, "extract_s": 0.0, "extract_cpu_s": 0.0,
+              "regenerate_s": 0.0}
     for name in shard_files:
         ids, meta = read_shard_meta(folder / name)
-        shards.append({"file": name, "ids": ids, "tokens": meta["tokens"]})
-        tokens += meta["tokens"]
-        seconds += meta["extract_s"]
-        regen_s += meta.get("regenerate_s", 0.0)
+        shards.append({"file": name, "ids": ids, "digests": meta["digests"], "tokens": meta["tokens"]})
+        for key in totals:
+            totals[key] += meta.get(key, 0)
         n += len(ids)
+    seconds, cpu = totals["extract_s"], totals["extract_cpu_s"]
     stats = {
         "conversations": n,
         "source_conversations": len(conversations),
-        "tokens": tokens,
+        "tokens": totals["tokens"],
+        "computed_tokens": totals["computed_tokens"],
+        "copied_conversations": totals["copied"],
         "extract_s": round(seconds, 3),
-        "tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else None,
-        "regenerate_s": round(regen_s, 3) if cfg.features.regenerate_answers else None,
+        "extract_cpu_s": round(cpu, 3),
+        "tokens_per_s": round(totals["computed_tokens"] / seconds, 1) if seconds > 0 else None,
+        "tokens_per_cpu_s": round(totals["computed_tokens"] / cpu, 1) if cpu > 0 else None,
+        "regenerate_s": round(totals["regenerate_s"], 3) if cfg.features.regenerate_answers else None,
         "torch_threads": torch.get_num_threads(),
     }
     manifest = {"key": folder.name, "spec": spec, "shards": shards, "stats": stats, "created": time.time()}
     _write_json_atomic(manifest_path, manifest)
-    log.info("features %s: %d conversations, %d tokens, %.0f tokens/s", folder.name, n, tokens,
-             stats["tokens_per_s"] or 0)
+    log.info("features %s: %d conversations, %d tokens (%d computed), %.0f tokens/s", folder.name, n,
+             stats["tokens"], stats["computed_tokens"], stats["tokens_per_s"] or 0)
     return FeatureSet(folder, manifest, {**stats, "reused": False, "extracted_shards": len(missing),
                                          "extracted_tokens": extracted_tokens})

@@ -314,7 +314,7 @@ def train_head(cfg: StudyConfig, kind: str, mixture_name: str, report: Report | 
             generator = torch.Generator().manual_seed(t.seed * 100003 + epoch)
             batches = epoch_batches(train_ex, t.batch_size, t.seed, epoch)[: plan.steps_per_epoch[epoch - 1]]
             sums: dict[str, float] = {}
-            weight, epoch_tokens, start = 0.0, 0, time.perf_counter()
+            weight, epoch_tokens, start, cpu_start = 0.0, 0, time.perf_counter(), time.process_time()
             for batch_idx in batches:
                 batch = collate([train_ex[i] for i in batch_idx])
                 optimizer.zero_grad(set_to_none=True)
@@ -331,9 +331,10 @@ def train_head(cfg: StudyConfig, kind: str, mixture_name: str, report: Report | 
                 bar.update(1)
                 bar.set_postfix(loss=f"{result.terms['loss0']:.3f}", acc=f"{result.terms['acc']:.3f}",
                                 tok_s=f"{epoch_tokens / max(elapsed, 1e-9):.0f}")
-            seconds = time.perf_counter() - start
+            seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
             state["tokens"] += epoch_tokens
             state["train_seconds"] += seconds
+            state["train_cpu_seconds"] = state.get("train_cpu_seconds", 0.0) + cpu_seconds
             eval_start = time.perf_counter()
             held = evaluate(head, held_ex, frozen, settings, t.eval_batch_size, passes=eval_passes) if held_ex else {}
             metrics = {
@@ -343,6 +344,8 @@ def train_head(cfg: StudyConfig, kind: str, mixture_name: str, report: Report | 
                 "epoch_tokens": epoch_tokens,
                 "epoch_seconds": round(seconds, 3),
                 "tokens_per_s": round(epoch_tokens / max(seconds, 1e-9), 1),
+                "epoch_cpu_seconds": round(cpu_seconds, 3),
+                "tokens_per_cpu_s": round(epoch_tokens / max(cpu_seconds, 1e-9), 1),
                 "lr": scheduler.get_last_lr()[0],
                 "train_loss": sums.get("loss0", 0.0) / max(weight, 1e-9),
                 "train_acc": sums.get("acc", 0.0) / max(weight, 1e-9),
