@@ -60,6 +60,10 @@ def _b(bench: str) -> str:
     return BENCH_LABELS.get(bench, bench)
 
 
+def _mark(ok: bool, tie: bool) -> str:
+    return "✓" + (" (tie)" if tie else "") if ok else "✗" + (" (tie)" if tie else "")
+
+
 def _common_average(data: ReportData, kind: str, temperature: float, proposers: list[str]) -> tuple[list[str], dict[str, float]]:
     """Mean τ of each proposer over the benchmarks where all of them were measured."""
     benches = [b for b in data.benchmarks if all(not math.isnan(data.value(kind, p, b, temperature)) for p in proposers)]
@@ -85,7 +89,7 @@ def specialisation(data: ReportData) -> Finding:
             if math.isnan(m) or math.isnan(c):
                 continue
             ok = c > m if bench == "mt_bench" else m > c
-            checks.append((ok, f"{_b(bench)} math {m:.2f} vs chat {c:.2f} {'✓' if ok else '✗'}"))
+            checks.append((ok, f"{_b(bench)} math {m:.2f} vs chat {c:.2f} {_mark(ok, m == c)}"))
         if checks:
             finding.add(kind, temperature, all(ok for ok, _ in checks), "; ".join(text for _, text in checks))
     return finding.decide("math and chat heads not evaluated on a common benchmark")
@@ -123,7 +127,8 @@ def _pairwise(data: ReportData, finding: Finding, winners: list[str], loser: str
                 continue
             ok = averages[winner] > averages[loser] if strict else averages[winner] >= averages[loser]
             checks.append((ok, f"{winner} {averages[winner]:.2f} vs {loser} {averages[loser]:.2f} "
-                               f"(average over {', '.join(map(_b, benches))}) {'✓' if ok else '✗'}"))
+                               f"(average over {', '.join(map(_b, benches))}) "
+                               f"{_mark(ok, averages[winner] == averages[loser])}"))
         if checks:
             finding.add(kind, temperature, all(ok for ok, _ in checks), "; ".join(text for _, text in checks))
     return finding.decide(f"{' / '.join(winners)} and {loser} not evaluated on a common benchmark")

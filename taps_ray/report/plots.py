@@ -124,12 +124,14 @@ def plot_routing(data: ReportData, out: Path) -> list[Path] | str:
             rows = part[part["proposer"] == router]
             groups = [(b, t) for t in sorted(set(rows["temperature"])) for b in data.benchmarks
                       if not rows[(rows["benchmark"] == b) & (rows["temperature"] == t)].empty]
-            heads = list(dict.fromkeys(rows["head"]))
+            names = [*data.head_names, "merged"]  # a fixed colour per head across subplots and figures
+            heads = sorted(set(rows["head"]), key=lambda h: (names.index(h) if h in names else len(names), h))
+            colours = {h: f"C{names.index(h) if h in names else len(names) + i}" for i, h in enumerate(heads)}
             bottom = np.zeros(len(groups))
             for head in heads:
                 values = np.array([rows[(rows["benchmark"] == b) & (rows["temperature"] == t) & (rows["head"] == head)]
                                    ["fraction"].sum() for b, t in groups])
-                bars = ax.bar(range(len(groups)), values, 0.6, bottom=bottom, label=f"{head} head")
+                bars = ax.bar(range(len(groups)), values, 0.6, bottom=bottom, label=f"{head} head", color=colours[head])
                 for bar, value, base in zip(bars, values, bottom):
                     if value >= 0.06:
                         ax.text(bar.get_x() + bar.get_width() / 2, base + value / 2, f"{value:.0%}", ha="center",
