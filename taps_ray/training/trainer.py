@@ -285,6 +285,7 @@ def train_head(cfg: StudyConfig, kind: str, mixture_name: str, report: Report | 
         "fingerprint": fingerprint, "kind": kind, "mixture": mixture_name, "features": features.key,
         "epoch": 0, "step": 0, "tokens": 0, "train_seconds": 0.0, "planned_epochs": plan.epochs,
         "planned_steps": plan.steps, "train_conversations": len(train_ex), "heldout_conversations": len(held_ex),
+        "epoch_size_tokens": sum(len(e) for e in train_ex),
         "feature_stats": {k: v for k, v in features.stats.items() if k != "reused"}, "history": [],
         "threads": threads,
     }
