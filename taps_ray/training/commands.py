@@ -120,7 +120,7 @@ def render_report(s: dict, domains: Sequence[str]) -> str:
     lines = [
         f"# Draft heads — `{s['config']}` config",
         "",
-        f"Target `{s['target']}` ({s['dtype']}), heads trained in fp32 on {s['threads']} threads "
+        f"Target `{s['target']}` ({s['dtype']}), heads trained in fp32 on {s['threads']} thread(s) "
         f"({s['machine']}). Regenerate with "
         f"`python -m taps_ray.training.commands report --config configs/{s['config']}.yaml`.",
         "",
