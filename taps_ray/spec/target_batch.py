@@ -8,6 +8,7 @@ with a one-node tree, so speedups compare like with like.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,7 @@ class TargetBatch:
         self.lengths = torch.zeros(0, dtype=torch.long)
         self.params = SamplingParams()
         self.generators: list[torch.Generator] = []
+        self.timings = {"forward": 0.0, "accept": 0.0, "commit": 0.0}  # seconds, summed over steps (profiling)
 
     def start(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Committed]:
         """Prefill and pick each sequence's first token; sequence b samples with its own seeded generator."""
@@ -56,12 +58,18 @@ class TargetBatch:
 
     def step(self, trees: list[DraftTree | None]) -> list[Committed | None]:
         """Verify every tree in one forward, accept, and commit the accepted tokens to the cache."""
+        t0 = time.perf_counter()
         outputs = self.verify(trees)
+        t1 = time.perf_counter()
         verdicts = [
             None if tree is None else accept(tree, out.logits, self.params, generator)
             for tree, out, generator in zip(trees, outputs, self.generators)
         ]
+        t2 = time.perf_counter()
         self.commit([v.nodes if v is not None else [] for v in verdicts])
+        t3 = time.perf_counter()
+        for key, seconds in (("forward", t1 - t0), ("accept", t2 - t1), ("commit", t3 - t2)):
+            self.timings[key] += seconds
         return [
             None
             if verdict is None
