@@ -62,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     report = commands.add_parser("report", help="regenerate the report (tables, plots, findings) from the results store")
     _add_config(report)
 
+    sweep = commands.add_parser("sweep", help="the whole study on Ray: data, features, train (Tune), eval, report")
+    from taps_ray.cluster.sweep import add_arguments as _sweep_arguments
+
+    _sweep_arguments(sweep)
+
     serve_cmd = commands.add_parser("serve", help="OpenAI-compatible HTTP service of the target and heads (Ray Serve)")
     _add_config(serve_cmd)
     serve_cmd.add_argument("--host", default=None, help="listen address (default: serve.host, 127.0.0.1)")
@@ -122,6 +127,14 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sweep(args: argparse.Namespace) -> int:
+    from taps_ray.cluster.sweep import cmd_sweep
+
+    if args.data_dir:
+        os.environ["TAPS_DATA_DIR"] = args.data_dir
+    return cmd_sweep(args)
+
+
 def _serve(args: argparse.Namespace) -> int:
     from taps_ray.cluster.serve import cmd_serve
 
@@ -139,6 +152,7 @@ HANDLERS: dict[str, Handler] = {
     "eval": _eval,
     "generate": _generate,
     "serve": _serve,
+    "sweep": _sweep,
     "report": _report,
 }
 

@@ -168,9 +168,20 @@ class RayConfig(_Strict):
     drafter_num_gpus: float = Field(0.0, ge=0)
     trial_cpus: float = Field(1.0, gt=0)
     trial_gpus: float = Field(0.0, ge=0)
-    max_batch: int = Field(8, gt=0)
-    max_wait_ms: float = Field(5.0, ge=0)
+    max_batch: int = Field(8, gt=0, description="sequences one target worker verifies in one forward (sessions merge up to this)")
+    max_wait_ms: float = Field(5.0, ge=0, description="how long a worker holds submitted trees for other sequences' trees")
     max_cell_retries: int = Field(2, ge=0)
+    target_num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves per target worker")
+    drafter_num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves per drafter actor")
+    torch_threads: int | None = Field(
+        None, gt=0, description="torch threads of target workers, drafters and the features task (None: their CPUs)"
+    )
+    actor_max_restarts: int = Field(3, ge=-1, description="Ray restarts a dead worker or drafter this often (-1: always)")
+    session_ttl_s: float = Field(600.0, gt=0, description="a worker drops a sequence group idle for this long")
+    storage_path: str | None = Field(
+        None, description="Ray Tune storage (None: <work_dir>/tune); shared storage or s3:// on a multi-node cluster"
+    )
+    max_trial_failures: int = Field(1, ge=0, description="Tune restarts a failed training trial this often")
 
 
 class ServeConfig(_Strict):

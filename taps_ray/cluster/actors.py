@@ -1,0 +1,226 @@
+"""Ray actors around the engine; thin on purpose: decoding is `taps_ray.spec`, batching is `cluster.pool`.
+
+* `TargetWorker` (async actor): holds the target and a `VerificationPool` of sessions; drafters call
+  `start` / `step` / `close` on it, and it verifies the trees of many sessions in one batched forward.
+* `DrafterActor`: holds the draft heads (shipped by the driver, so it needs no shared disk) and the
+  target's embeddings and LM head (the draft context); it runs `eval.runner.run_cell` with a
+  `WorkerVerifier` — the engine's `Verifier` seam — that forwards start/step to its target worker. The
+  loop, the proposers and the acceptance rule are the in-process ones, so tokens are the same.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+
+from taps_ray.cluster.pool import VerificationPool
+from taps_ray.config import StudyConfig, parse_config
+from taps_ray.spec.target_batch import Committed
+from taps_ray.spec.tree import DraftTree
+from taps_ray.spec.verify import SamplingParams
+
+# What a remote process must see as the driver does (offline switches, local data, caches).
+ENV_KEYS = (
+    "HF_HUB_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+    "HF_DATASETS_OFFLINE",
+    "HF_HOME",
+    "TAPS_DATA_DIR",
+    "TAPS_CACHE",
+    "TOKENIZERS_PARALLELISM",
+)
+
+
+def runtime_env_vars() -> dict[str, str]:
+    return {key: os.environ[key] for key in ENV_KEYS if key in os.environ}
+
+
+def prepare_process(env: dict[str, str], threads: int | None, num_cpus: float) -> int:
+    """Apply the driver's environment and pin torch's thread count (Ray sets OMP_NUM_THREADS to the CPUs)."""
+    os.environ.update(env)
+    n = threads or max(1, math.ceil(num_cpus))
+    torch.set_num_threads(n)
+    return n
+
+
+def _config(payload: str) -> StudyConfig:
+    return parse_config(json.loads(payload), "<driver>")
+
+
+# --- heads travel through the object store ------------------------------------------------------------------
+
+
+def pack_heads(config: StudyConfig, kinds: list[str]) -> dict[str, dict[str, dict[str, bytes]]]:
+    """kind -> mixture -> {file name: bytes} of every trained head the evaluation needs."""
+    from taps_ray.spec.registry import head_dir
+
+    packed: dict[str, dict[str, dict[str, bytes]]] = {}
+    for kind in kinds:
+        packed[kind] = {}
+        for mixture in config.train.mixtures:
+            folder = head_dir(config, kind, mixture)
+            if folder.is_dir():
+                packed[kind][mixture] = {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+    return packed
+
+
+def unpack_heads(config: StudyConfig, kind: str, packed: dict, dtype: torch.dtype, scratch: Path) -> dict:
+    from taps_ray.models.draft_head import DraftHead
+    from taps_ray.spec.registry import load_heads
+
+    files = packed.get(kind)
+    if not files:  # nothing shipped: read the (shared) work dir, as the in-process path does
+        return load_heads(config, kind, dtype)
+    missing = [m for m in config.train.mixtures if m not in files]
+    if missing:
+        raise FileNotFoundError(f"no trained {kind} head for mixtures {missing}; run the train stage first")
+    heads = {}
+    for mixture in config.train.mixtures:
+        folder = scratch / kind / mixture
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, data in files[mixture].items():
+            (folder / name).write_bytes(data)
+        heads[mixture] = DraftHead.load(folder, dtype=dtype).eval()
+    return heads
+
+
+# --- the verifier proxy ---------------------------------------------------------------------------------------
+
+
+class WorkerVerifier:
+    """The engine's `Verifier`, backed by a session on a `TargetWorker`."""
+
+    def __init__(self, worker: Any, owner: str) -> None:
+        self.worker = worker
+        self.owner = owner
+        self.sid: str | None = None
+
+    def start(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Committed]:
+        self.sid, committed = ray.get(self.worker.start.remote(prompts, params, seeds, self.owner))
+        return committed
+
+    def step(self, trees: list[DraftTree | None]) -> list[Committed | None]:
+        return ray.get(self.worker.step.remote(self.sid, trees))
+
+    def close(self, quiet: bool = False) -> None:
+        if self.sid is None:
+            return
+        sid, self.sid = self.sid, None
+        try:
+            ray.get(self.worker.close.remote(sid))
+        except Exception:
+            if not quiet:
+                raise
+
+
+# --- actors -------------------------------------------------------------------------------------------------
+
+
+@ray.remote
+class TargetWorker:
+    """The target model plus per-session KV caches; verifies drafters' trees in batched forwards."""
+
+    def __init__(self, payload: str, env: dict[str, str]) -> None:
+        from taps_ray.models.target import load_target
+
+        config = _config(payload)
+        self.threads = prepare_process(env, config.ray.torch_threads, config.ray.target_num_cpus)
+        self.target = load_target(config.target, dtype=config.eval.dtype)
+        r = config.ray
+        self.pool = VerificationPool(self.target.model, r.max_batch, r.max_wait_ms, r.session_ttl_s)
+        self.started = time.time()
+
+    async def start(self, prompts, params, seeds, owner: str = "") -> tuple[str, list[Committed]]:
+        return await self.pool.start(prompts, params, seeds, owner)
+
+    async def step(self, sid: str, trees: list) -> list:
+        return await self.pool.step(sid, trees)
+
+    async def close(self, sid: str) -> None:
+        await self.pool.close(sid)
+
+    async def drop_owner(self, owner: str) -> int:
+        return await self.pool.drop_owner(owner)
+
+    async def stats(self) -> dict:
+        return {**self.pool.describe(), "threads": self.threads, "pid": os.getpid(), "node": socket.gethostname()}
+
+    async def ping(self) -> int:
+        return os.getpid()
+
+
+@ray.remote
+class DrafterActor:
+    """Draft heads + the draft side of the loop; evaluates whole cells against its target worker."""
+
+    def __init__(self, payload: str, worker: Any, name: str, heads: dict, env: dict[str, str]) -> None:
+        from taps_ray.models.target import load_target
+
+        self.config = _config(payload)
+        self.threads = prepare_process(env, self.config.ray.torch_threads, self.config.ray.drafter_num_cpus)
+        self.worker = worker
+        self.name = name
+        self.packed = heads
+        self.heads: dict[str, dict] = {}
+        self.scratch = Path(tempfile.mkdtemp(prefix="taps-heads-"))
+        # The draft side needs only the target's tokenizer, embeddings and LM head: drop its decoder layers.
+        self.target = load_target(self.config.target, dtype=self.config.eval.dtype)
+        self.target.model.model.layers = torch.nn.ModuleList()
+        try:  # a restarted drafter clears the sessions its previous life left on the worker
+            ray.get(self.worker.drop_owner.remote(self.name), timeout=600)
+        except Exception:
+            pass
+
+    def _heads(self, kind: str) -> dict:
+        from taps_ray.eval.runner import eval_dtype
+
+        if kind not in self.heads:
+            self.heads[kind] = unpack_heads(self.config, kind, self.packed, eval_dtype(self.config), self.scratch / "heads")
+        return self.heads[kind]
+
+    def run_cell(self, cell: dict) -> tuple[Any, Any, dict]:
+        """One cell through the worker: (steps, questions, info) exactly as `run_cell` returns them in-process."""
+        from taps_ray.eval.commands import NO_HEAD
+        from taps_ray.eval.runner import run_cell
+        from taps_ray.eval.store import Cell
+
+        the_cell = Cell(**cell)
+        heads = {} if the_cell.head_kind == NO_HEAD else self._heads(the_cell.head_kind)
+        sessions: list[WorkerVerifier] = []
+
+        def verifier() -> WorkerVerifier:
+            if sessions:  # run_cell asks for a verifier per batch; the previous batch is finished
+                sessions[-1].close()
+            sessions.append(WorkerVerifier(self.worker, self.name))
+            return sessions[-1]
+
+        start = time.perf_counter()
+        try:
+            steps, questions = run_cell(self.config, the_cell, self.target, heads, verifier_factory=verifier)
+        finally:
+            if sessions:
+                sessions[-1].close(quiet=True)
+        info = {
+            "seconds": time.perf_counter() - start,
+            "tokens": int(questions["n_tokens"].sum()) if len(questions) else 0,
+            "drafter": self.name,
+            "node": socket.gethostname(),
+            "path": "ray",
+        }
+        return steps, questions, info
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def __del__(self) -> None:
+        shutil.rmtree(getattr(self, "scratch", ""), ignore_errors=True)

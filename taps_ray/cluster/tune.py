@@ -1,0 +1,218 @@
+"""The training stage on Ray Tune: one trial per (head kind × mixture), each running the trainer.
+
+Resources per trial come from the config (`ray.trial_cpus`, `ray.trial_gpus`, via `tune.with_resources`).
+The trainer's per-epoch `report(metrics)` callback becomes `tune.report(metrics, checkpoint=<that epoch's
+folder>)`, and a last report carries the `final` head.
+
+Resuming happens at three levels, cheapest first:
+
+1. finished heads are skipped before Tune starts (their `final` checkpoint exists and was trained with
+   today's settings — the trainer's run fingerprint);
+2. an interrupted experiment (same heads to train) is restored with `Tuner.restore` from its storage
+   (`ray.storage_path`, default `<work_dir>/tune`): finished trials stay finished, the others restart;
+3. a restarted trial continues from the trainer's own newest epoch checkpoint in the work dir; on a
+   cluster without a shared work dir it first copies Tune's last checkpoint of the trial back into it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from taps_ray.config import StudyConfig, parse_config
+
+log = logging.getLogger(__name__)
+
+EXPERIMENT_PREFIX = "train"
+
+
+def _trainer():
+    from taps_ray.training import trainer
+
+    return trainer
+
+
+def head_pairs(cfg: StudyConfig) -> list[tuple[str, str]]:
+    return [(kind, mixture) for mixture in cfg.train.mixtures for kind in cfg.train.kinds]
+
+
+def expected_fingerprint(cfg: StudyConfig, kind: str, mixture: str) -> str:
+    from taps_ray.training.features import features_key
+
+    return _trainer().run_fingerprint(cfg, kind, SimpleNamespace(key=features_key(cfg, mixture)))
+
+
+def head_finished(cfg: StudyConfig, kind: str, mixture: str) -> bool:
+    """The head's `final` checkpoint exists and was trained with the current settings."""
+    trainer = _trainer()
+    final = trainer.head_dir(cfg, kind, mixture) / "final"
+    try:
+        metrics = json.loads((final / trainer.METRICS_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return (final / "model.safetensors").is_file() and metrics.get("fingerprint") == expected_fingerprint(cfg, kind, mixture)
+
+
+def _numeric(metrics: dict) -> dict[str, float]:
+    return {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def _copy_in(source: Path, target: Path) -> None:
+    """Copy a checkpoint folder into place atomically (a folder that exists is complete)."""
+    if target.exists():
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.with_name(f".{target.name}.restore-{os.getpid()}-{time.time_ns()}")
+    shutil.copytree(source, staging)
+    try:
+        os.replace(staging, target)
+    except OSError:  # someone else put it there first
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def restore_checkpoint(cfg: StudyConfig, kind: str, mixture: str, folder: Path) -> str | None:
+    """Put a Tune checkpoint of this head (an epoch or the final head) back into the work dir if missing."""
+    trainer = _trainer()
+    heads = trainer.head_dir(cfg, kind, mixture)
+    if (folder / trainer.STATE_FILE).is_file():
+        epoch = json.loads((folder / trainer.STATE_FILE).read_text()).get("epoch")
+        target = heads / f"epoch-{epoch}"
+    elif (folder / trainer.METRICS_FILE).is_file():
+        target = heads / "final"
+    else:
+        return None
+    if target.exists():
+        return None
+    _copy_in(folder, target)
+    return target.name
+
+
+def _trial(config: dict) -> None:
+    """One Tune trial: train (or resume) one head, reporting every epoch with its checkpoint."""
+    from ray import tune
+
+    os.environ.update(config["env"])
+    cfg = parse_config(config["study"], "<tune trial>")
+    kind, mixture = config["head"]
+    checkpoint = tune.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as folder:
+            restored = restore_checkpoint(cfg, kind, mixture, Path(folder))
+            if restored:
+                log.info("%s-%s: restored %s from Tune's checkpoint", kind, mixture, restored)
+    epochs_reported = []
+
+    def report(metrics: dict) -> None:
+        epochs_reported.append(metrics.get("epoch"))
+        tune.report(_numeric(metrics), checkpoint=tune.Checkpoint.from_directory(metrics["checkpoint"]))
+
+    final = _trainer().train_head(cfg, kind, mixture, report=report, progress=False)
+    state = json.loads((final / _trainer().METRICS_FILE).read_text())
+    last = state["history"][-1] if state.get("history") else {}
+    tune.report(
+        {**_numeric(last), "final": 1, "epochs_this_run": len(epochs_reported)},
+        checkpoint=tune.Checkpoint.from_directory(str(final)),
+    )
+
+
+def experiment_name(cfg: StudyConfig, todo: list[tuple[str, str]]) -> str:
+    """Same heads to train with the same settings -> same experiment, so a rerun restores it."""
+    fingerprints = [(k, m, expected_fingerprint(cfg, k, m)) for k, m in todo]
+    digest = hashlib.sha256(json.dumps(fingerprints).encode()).hexdigest()[:10]
+    return f"{EXPERIMENT_PREFIX}-{digest}"
+
+
+def storage_path(cfg: StudyConfig) -> str:
+    if cfg.ray.storage_path:
+        return cfg.ray.storage_path
+    return str(cfg.work_path("tune").expanduser().resolve())
+
+
+def run_training(
+    cfg: StudyConfig, env: dict[str, str] | None = None, log_line: Callable[[str], None] = print
+) -> dict[str, Any]:
+    """Train every missing head of train.kinds × train.mixtures with Ray Tune; returns what happened."""
+    from ray import tune
+
+    trainer = _trainer()
+    pairs = head_pairs(cfg)
+    todo = [p for p in pairs if not head_finished(cfg, *p)]
+    summary: dict[str, Any] = {"heads": len(pairs), "skipped": [f"{k}-{m}" for k, m in pairs if (k, m) not in todo]}
+    if not todo:
+        log_line(f"train: all {len(pairs)} heads already trained; nothing to do")
+        return {**summary, "trained": [], "failed": [], "restored_experiment": False, "seconds": 0.0}
+    start = time.perf_counter()
+    storage = storage_path(cfg)
+    name = experiment_name(cfg, todo)
+    path = f"{storage.rstrip('/')}/{name}"
+    if "://" not in storage:
+        Path(storage).mkdir(parents=True, exist_ok=True)
+    param_space = {
+        "head": tune.grid_search([list(p) for p in todo]),
+        "study": cfg.model_dump(mode="json"),
+        "env": env or {},
+    }
+    trainable = tune.with_resources(_trial, {"cpu": cfg.ray.trial_cpus, "gpu": cfg.ray.trial_gpus})
+    restored = tune.Tuner.can_restore(path)
+    if restored:
+        log_line(f"train: restoring the interrupted Tune experiment {path}")
+        tuner = tune.Tuner.restore(path, trainable, resume_unfinished=True, resume_errored=True, param_space=param_space)
+    else:
+        log_line(f"train: {len(todo)} trials ({', '.join(f'{k}-{m}' for k, m in todo)}) -> {path}")
+        tuner = tune.Tuner(
+            trainable,
+            param_space=param_space,
+            tune_config=tune.TuneConfig(
+                trial_name_creator=_trial_name, trial_dirname_creator=_trial_name, max_concurrent_trials=None
+            ),
+            run_config=tune.RunConfig(
+                name=name,
+                storage_path=storage,
+                checkpoint_config=tune.CheckpointConfig(num_to_keep=1),
+                failure_config=tune.FailureConfig(max_failures=cfg.ray.max_trial_failures),
+                verbose=1,
+            ),
+        )
+    results = tuner.fit()
+    trained, failed = [], []
+    for result in results:
+        kind, mixture = result.config["head"]
+        label = f"{kind}-{mixture}"
+        if result.error is not None:
+            failed.append(label)
+            log_line(f"train: {label} FAILED: {str(result.error)[:300]}")
+            continue
+        if not head_finished(cfg, kind, mixture) and result.checkpoint is not None:
+            with result.checkpoint.as_directory() as folder:  # a trial on another node without shared disk
+                restore_checkpoint(cfg, kind, mixture, Path(folder))
+        if head_finished(cfg, kind, mixture):
+            trained.append(label)
+            metrics = result.metrics or {}
+            log_line(
+                f"train: {label} done (held-out agreement {metrics.get('heldout_acc', float('nan')):.3f}, "
+                f"{metrics.get('epochs_this_run', '?')} epoch(s) this run) -> {trainer.head_dir(cfg, kind, mixture) / 'final'}"
+            )
+        else:
+            failed.append(label)
+            log_line(f"train: {label} finished without a usable final head")
+    return {
+        **summary,
+        "trained": trained,
+        "failed": failed,
+        "experiment": path,
+        "restored_experiment": restored,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def _trial_name(trial) -> str:
+    kind, mixture = trial.config["head"]
+    return f"{kind}-{mixture}-{trial.trial_id}"
