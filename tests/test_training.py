@@ -152,6 +152,7 @@ def test_resume_after_kill_continues_from_last_epoch(base, tmp_path):
     (folder / ".epoch-2.tmp-123").mkdir()
     final = train_head(cfg, "eagle2", "math", report=reports.append, target=target, progress=False)
     assert [r["epoch"] for r in reports] == [1, 2, 3]  # epoch 1 was not redone
+    assert not list(folder.glob(".*.tmp-*"))
     assert not (folder / "epoch-1" / "optimizer.pt").exists() and (folder / "epoch-3" / "optimizer.pt").exists()
     state = json.loads((final / "metrics.json").read_text())
     assert [h["epoch"] for h in state["history"]] == [1, 2, 3]

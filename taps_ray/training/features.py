@@ -364,6 +364,8 @@ def extract_features(cfg: StudyConfig, mixture_name: str, target: Target | None 
     from taps_ray.data.mixtures import build_mixture
 
     folder.mkdir(parents=True, exist_ok=True)
+    for leftover in folder.glob(".*.tmp-*"):  # half-written files of a killed run
+        leftover.unlink(missing_ok=True)
     spec = feature_spec(cfg, mixture_name)
     _write_json_atomic(folder / "spec.json", spec)
     conversations = build_mixture(cfg.mixtures[mixture_name], data_dir=cfg.resolved_data_dir())

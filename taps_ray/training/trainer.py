@@ -275,6 +275,8 @@ def train_head(cfg: StudyConfig, kind: str, mixture_name: str, report: Report | 
     plan = plan_budget(train_ex, cfg)
     folder = head_dir(cfg, kind, mixture_name)
     folder.mkdir(parents=True, exist_ok=True)
+    for leftover in folder.glob(".*.tmp-*"):  # staging folders of a killed run
+        shutil.rmtree(leftover, ignore_errors=True)
     fingerprint = run_fingerprint(cfg, kind, features)
 
     head = new_head(target.model.config, torch.float32, seed=t.seed, kind=kind, target=cfg.target.name,
