@@ -109,7 +109,11 @@ def cmd_agreement_report(cfg: StudyConfig, domains: Sequence[str] = DEFAULT_DOMA
     folder = Path(output) if output else Path(cfg.reports_dir)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "heads.json").write_text(json.dumps(summary, indent=2))
-    path = folder / "heads.md"
+    return write_report(summary, folder, domains)
+
+
+def write_report(summary: dict, folder: str | Path, domains: Sequence[str] = DEFAULT_DOMAINS) -> Path:
+    path = Path(folder) / "heads.md"
     path.write_text(render_report(summary, domains))
     print(f"wrote {path}")
     return path
@@ -206,7 +210,23 @@ def render_report(s: dict, domains: Sequence[str]) -> str:
               "## Run", "",
               f"Whole report run {s['wall_seconds'] / 60:.1f} min (features, training of missing heads, evaluation); "
               f"load average before {s['load_average_before']}, after {s['load_average_after']} "
-              "(other processes on the machine slow every figure here).", ""]
+              "(other processes on the machine slow every figure here).", "",
+              "## How these heads are trained", "",
+              "* Features: `hidden_states[-1]` of the target (after its final norm) and its top-K next-token "
+              "probabilities, from right-padded batches with the attention mask built from the lengths; "
+              "assistant content plus its closing end-of-turn token carry the loss mask (ALGORITHMS.md §7, CLEAN).",
+              "* Position t gets (h_t + uniform noise · std · 512 / L, x_{t+1}) and regresses h_{t+1}; it is trained "
+              "when the token it predicts, x_{t+2}, is an assistant token (`mask_alignment: predicted`; the "
+              "reference's unshifted mask is `ref`). Losses are normalised by the mask sum.",
+              "* EAGLE-2: SmoothL1 regression + 0.1 · soft cross-entropy against softmax(lm_head(h_{t+1})). HASS adds "
+              "the top-K distillation term (stored target probabilities, not renormalised) and harmonized context "
+              "alignment over the HCA passes, with a proper −inf mask (the CLEAN variant of §2.3), gradients "
+              "accumulated across passes.",
+              "* Held-out: a conversation is held out when a hash of (seed, id) falls under the held-out fraction, "
+              "the same rule in every mixture, so no head trained on any conversation scored above.",
+              "* Answers are the corpora's own (human / GSM8K-train) answers; `features.regenerate_answers: true` "
+              "trains on the target's greedy answers instead (higher agreement in the prototype, but it costs a "
+              "batched generation pass).", ""]
     return "\n".join(lines)
 
 
@@ -223,6 +243,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.add_argument("--kind", choices=("eagle2", "hass"), required=True)
         if name == "report":
             p.add_argument("--output", default=None, help="folder for heads.md (default: the config's reports_dir)")
+            p.add_argument("--render-only", action="store_true",
+                           help="only re-render heads.md from the heads.json of an earlier run")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     cfg = load_config(args.config)
@@ -232,6 +254,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         cmd_features(cfg, args.mixture)
     elif args.command == "train":
         cmd_train(cfg, args.kind, args.mixture)
+    elif args.render_only:
+        folder = Path(args.output) if args.output else Path(cfg.reports_dir)
+        write_report(json.loads((folder / "heads.json").read_text()), folder)
     else:
         cmd_agreement_report(cfg, output=args.output)
     return 0
