@@ -64,8 +64,4 @@ def build_proposer(name: str, target: Target, heads: dict[str, DraftHead], tree:
 
 
 def _load_combinations() -> None:
-    try:  # registers the combination proposers on import
-        import taps_ray.spec.combine  # noqa: F401
-    except ModuleNotFoundError as error:
-        if error.name != "taps_ray.spec.combine":
-            raise
+    import taps_ray.spec.combine  # noqa: F401  (registers the combination proposers; imported late, it imports us)

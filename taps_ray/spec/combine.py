@@ -1,0 +1,476 @@
+"""TAPS combinations of specialised draft heads (ALGORITHMS.md §6), registered by name in `COMBINATIONS`.
+
+Head A is the first head of the config (math), head B the second (chat).
+
+* `averaged`, `averaged-w{w}`: one head whose weights are w·A + (1−w)·B (§6.1); `averaged` is w = 0.5.
+* `confidence-routed`: both heads draft every step; the tree with the higher mean confidence is verified (§6.2).
+* `entropy-routed`: every head drafts once at the start of a sequence; the lowest mean entropy head then
+  drafts alone for the rest of it (§6.4).
+* `merged`: both trees under one shared root, verified together (§6.5, the reference method).
+* `merged-dedup` (ours, a change to the method): a trie merge; a node that repeats a path already in the tree
+  is drafted once, so the same continuations cost fewer verified nodes.
+* `merged-budget` (ours): one tree of the single-head size (total_token−1 drafted nodes) split between the
+  heads in proportion to their mean confidence, each head's share its most confident nodes, trie-merged.
+
+Combinations are built over sub-proposers (one `SingleHead` per head), so each head keeps its own stable
+cache in an explicit state and the heads can never clobber each other (§8.20). The routed and merged
+proposers accept any `Proposer` parts, which lets tests combine oracle drafters with real heads.
+
+A routed state exposes `last_head` (the index of the part whose tree was verified; -1 for a merged tree),
+which the decoding loop copies into `StepRecord.head`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from taps_ray.config import TreeConfig
+from taps_ray.models.draft_head import DraftHead
+from taps_ray.spec.proposers import Proposer, SingleHead
+from taps_ray.spec.registry import COMBINATIONS
+from taps_ray.spec.tree import DraftContext, DraftTree, build_tree
+
+# --- checkpoint averaging (§6.1) ----------------------------------------------------------------------------
+
+
+def average_heads(a: DraftHead, b: DraftHead, w: float) -> DraftHead:
+    """A new head with weights w·A + (1−w)·B, computed in fp32 and cast back to A's dtype.
+
+    Both heads must have identical parameter names and shapes (the same target and the same `fc` bias).
+    """
+    if not (0.0 <= w <= 1.0) or math.isnan(w):
+        raise ValueError(f"averaging weight w={w} must lie in [0, 1] (w is the weight of head A)")
+    state_a, state_b = a.trainable_state(), b.trainable_state()
+    only_a, only_b = sorted(set(state_a) - set(state_b)), sorted(set(state_b) - set(state_a))
+    if only_a or only_b:
+        raise ValueError(
+            "cannot average draft heads with different parameters: "
+            f"only in head A {only_a}, only in head B {only_b} (heads must share the target and the fc bias setting)"
+        )
+    shapes = {k: (tuple(v.shape), tuple(state_b[k].shape)) for k, v in state_a.items() if v.shape != state_b[k].shape}
+    if shapes:
+        raise ValueError(f"cannot average draft heads with different shapes (A, B): {shapes}")
+    dtype = next(a.parameters()).dtype
+    device = next(a.parameters()).device
+    averaged = {k: (w * v.float() + (1.0 - w) * state_b[k].float().to(v.device)).to(v.dtype) for k, v in state_a.items()}
+    trained_on = f"{w:g}*[{a.config.trained_on or 'A'}]+{1 - w:g}*[{b.config.trained_on or 'B'}]"
+    head = DraftHead(a.config.model_copy(update={"trained_on": trained_on}))
+    head.load_trainable(averaged)
+    return head.to(device=device, dtype=dtype).eval()
+
+
+def averaged_name(w: float) -> str:
+    return "averaged" if w == 0.5 else f"averaged-w{w:g}"
+
+
+_AVERAGED = re.compile(r"^averaged-w(\d+(?:\.\d+)?)$")
+
+
+def parse_averaged(name: str) -> float | None:
+    """The weight of head A encoded in an `averaged-w{w}` name (`averaged` is 0.5), None for other names."""
+    if name == "averaged":
+        return 0.5
+    match = _AVERAGED.match(name)
+    return float(match.group(1)) if match else None
+
+
+def register_averaged(w: float) -> str:
+    """Register `averaged-w{w}` (w = weight of head A) and return its name; idempotent."""
+    if not (0.0 <= w <= 1.0):
+        raise ValueError(f"averaging weight w={w} must lie in [0, 1]")
+    name = averaged_name(w)
+
+    def build(heads: dict[str, DraftHead], context: DraftContext, tree: TreeConfig) -> Proposer:
+        (_, a), (_, b) = _first_two(heads, name)
+        if w in (0.0, 1.0):  # the average is exactly one of the heads: share its weights instead of copying
+            return SingleHead(name, a if w == 1.0 else b, context, tree)
+        return SingleHead(name, average_heads(a, b, w), context, tree)
+
+    COMBINATIONS.setdefault(name, build)
+    return name
+
+
+# --- per-step and per-sequence routing (§6.2, §6.4) ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RouterState:
+    """Per-sequence state of a router or merger: every part's own state plus what was chosen last."""
+
+    parts: tuple[Any, ...]  # each part's state; None for a part that no longer drafts (entropy routing)
+    last_head: int = 0  # part whose tree was verified last; -1 for a merged tree
+    chosen: int | None = None  # entropy routing: the head picked for this sequence
+    confidences: tuple[float, ...] = ()  # mean node confidence of each part's last tree (nan if it did not draft)
+    entropies: tuple[float, ...] = ()  # mean node entropy of each part's last tree (nan if it did not draft)
+    shares: tuple[int, ...] = ()  # merged-budget: nodes allotted to each part
+
+
+def _draft_all(parts: Sequence[Proposer], states: Sequence[Any], features: torch.Tensor, next_tokens: torch.Tensor):
+    trees, new_states = [], []
+    for part, state in zip(parts, states):
+        tree, new_state = part.propose(state, features, next_tokens)
+        trees.append(tree)
+        new_states.append(new_state)
+    return trees, tuple(new_states)
+
+
+@dataclass
+class ConfidenceRouted:
+    """Every part drafts from the same inputs each step; the tree with the highest mean confidence is verified.
+
+    Ties go to the earlier part (head A). Every part's stable cache advances every step, so switching heads
+    between steps is free.
+    """
+
+    parts: list[Proposer]
+    name: str = "confidence-routed"
+
+    @property
+    def head_names(self) -> list[str]:
+        return [n for p in self.parts for n in p.head_names]
+
+    def init_state(self) -> RouterState:
+        return RouterState(parts=tuple(p.init_state() for p in self.parts))
+
+    def propose(
+        self, state: RouterState, features: torch.Tensor, next_tokens: torch.Tensor
+    ) -> tuple[DraftTree, RouterState]:
+        trees, states = _draft_all(self.parts, state.parts, features, next_tokens)
+        confidences = tuple(t.mean_confidence for t in trees)
+        best = max(range(len(trees)), key=lambda i: (confidences[i], -i))  # ties -> lowest index
+        return trees[best], RouterState(
+            parts=states,
+            last_head=best,
+            confidences=confidences,
+            entropies=tuple(t.mean_entropy for t in trees),
+        )
+
+
+@dataclass
+class EntropyRouted:
+    """Per sequence: every part drafts the first tree; the lowest mean node entropy part then drafts alone.
+
+    Ties go to the earlier part. Unlike the reference probe (§8.17), the probe costs no extra target prefill
+    and consumes no extra randomness: it is the sequence's first drafting step, from the root the loop sampled.
+    """
+
+    parts: list[Proposer]
+    name: str = "entropy-routed"
+
+    @property
+    def head_names(self) -> list[str]:
+        return [n for p in self.parts for n in p.head_names]
+
+    def init_state(self) -> RouterState:
+        return RouterState(parts=tuple(p.init_state() for p in self.parts))
+
+    def propose(
+        self, state: RouterState, features: torch.Tensor, next_tokens: torch.Tensor
+    ) -> tuple[DraftTree, RouterState]:
+        if state.chosen is None:
+            trees, states = _draft_all(self.parts, state.parts, features, next_tokens)
+            entropies = tuple(t.mean_entropy for t in trees)
+            chosen = min(range(len(trees)), key=lambda i: (entropies[i], i))
+            kept = tuple(s if i == chosen else None for i, s in enumerate(states))  # drop the others' caches
+            return trees[chosen], RouterState(
+                parts=kept,
+                last_head=chosen,
+                chosen=chosen,
+                confidences=tuple(t.mean_confidence for t in trees),
+                entropies=entropies,
+            )
+        chosen = state.chosen
+        tree, part_state = self.parts[chosen].propose(state.parts[chosen], features, next_tokens)
+        parts = tuple(part_state if i == chosen else None for i in range(len(self.parts)))
+        nan = float("nan")
+        return tree, RouterState(
+            parts=parts,
+            last_head=chosen,
+            chosen=chosen,
+            confidences=tuple(tree.mean_confidence if i == chosen else nan for i in range(len(self.parts))),
+            entropies=tuple(tree.mean_entropy if i == chosen else nan for i in range(len(self.parts))),
+        )
+
+
+# --- merged trees (§6.5 and our variants) -------------------------------------------------------------------
+
+
+def merge_trees(trees: Sequence[DraftTree], dedup: bool = False) -> DraftTree:
+    """All trees under one shared root; node order root | tree 0 nodes | tree 1 nodes | ...
+
+    Without `dedup` this is the reference merge: tree i's nodes are copied as they are (duplicates of other
+    trees' nodes stay, and are verified twice), and tree i's rows see the root and their own ancestors only.
+    With `dedup` it is a trie merge: a node whose (parent, token) already exists reuses that node, so a path
+    repeated by a later tree costs nothing. A node keeps the statistics and `source` of the first tree that
+    drafted it. `source` is the index of that tree in `trees`.
+    """
+    if not trees:
+        raise ValueError("merge_trees needs at least one tree")
+    root = int(trees[0].tokens[0])
+    if any(int(t.tokens[0]) != root for t in trees):
+        raise ValueError(f"merged trees must share the root; got roots {[int(t.tokens[0]) for t in trees]}")
+    tokens, parents = [root], [-1]
+    confidence: list[float] = []
+    entropy: list[float] = []
+    source: list[int] = []
+    existing: dict[tuple[int, int], int] = {}
+    for index, tree in enumerate(trees):
+        node_of = [0] * tree.size
+        tree_tokens, tree_parents = tree.tokens.tolist(), tree.parents.tolist()
+        tree_conf, tree_ent = tree.confidence.tolist(), tree.entropy.tolist()
+        for j in range(1, tree.size):
+            key = (node_of[tree_parents[j]], tree_tokens[j])
+            if dedup and key in existing:
+                node_of[j] = existing[key]
+                continue
+            node_of[j] = len(tokens)
+            existing.setdefault(key, node_of[j])
+            tokens.append(tree_tokens[j])
+            parents.append(key[0])
+            confidence.append(tree_conf[j - 1])
+            entropy.append(tree_ent[j - 1])
+            source.append(index)
+    return build_tree(
+        torch.tensor(tokens),
+        torch.tensor(parents),
+        confidence=torch.tensor(confidence, dtype=torch.float32),
+        entropy=torch.tensor(entropy, dtype=torch.float32),
+        source=torch.tensor(source, dtype=torch.long),
+    )
+
+
+def ranked_nodes(tree: DraftTree) -> list[int]:
+    """Drafted node indices, most confident first; any prefix of this list is a closed subtree.
+
+    The score of a node is the smallest confidence on its path (its own for EAGLE trees, whose cumulative
+    confidences never grow with depth), ties broken by lower index, so a parent always ranks before its child.
+    """
+    parents = tree.parents.tolist()
+    score = [math.inf] * tree.size
+    conf = tree.confidence.tolist()
+    for j in range(1, tree.size):
+        score[j] = min(conf[j - 1], score[parents[j]])
+    return sorted(range(1, tree.size), key=lambda j: (-score[j], j))
+
+
+def prune_tree(tree: DraftTree, n: int) -> DraftTree:
+    """The subtree of the n most confident drafted nodes (see `ranked_nodes`), in the original node order."""
+    keep = sorted(ranked_nodes(tree)[: max(n, 0)])
+    return _subtree(tree, keep)
+
+
+def _subtree(tree: DraftTree, keep: list[int]) -> DraftTree:
+    nodes = [0] + sorted(keep)
+    new_index = {old: new for new, old in enumerate(nodes)}
+    parents = tree.parents.tolist()
+    drafted = torch.tensor(nodes[1:], dtype=torch.long) - 1
+    return build_tree(
+        tree.tokens[nodes],
+        torch.tensor([-1] + [new_index[parents[j]] for j in nodes[1:]]),
+        confidence=tree.confidence[drafted],
+        entropy=tree.entropy[drafted],
+        source=tree.source[drafted],
+    )
+
+
+def split_budget(budget: int, weights: Sequence[float]) -> list[int]:
+    """Split `budget` nodes in proportion to `weights`, at least 1 each when budget allows (largest remainder).
+
+    Ties go to the earlier part. Non-positive or non-finite total weight splits evenly.
+    """
+    n = len(weights)
+    w = [max(float(x), 0.0) if math.isfinite(x) else 0.0 for x in weights]
+    if sum(w) <= 0:
+        w = [1.0] * n
+    order = sorted(range(n), key=lambda i: (-w[i], i))
+    if budget < n:
+        shares = [0] * n
+        for i in order[:budget]:
+            shares[i] = 1
+        return shares
+    rest = budget - n
+    raw = [rest * x / sum(w) for x in w]
+    shares = [1 + int(math.floor(r)) for r in raw]
+    left = budget - sum(shares)
+    by_fraction = sorted(range(n), key=lambda i: (-(raw[i] - math.floor(raw[i])), i))
+    for i in by_fraction[:left]:
+        shares[i] += 1
+    return shares
+
+
+def budget_merge(trees: Sequence[DraftTree], budget: int, shares: Sequence[int]) -> DraftTree:
+    """A trie-merged tree of exactly min(budget, distinct nodes) drafted nodes.
+
+    Tree i contributes its most confident nodes until it has added shares[i] nodes not already present
+    (a node repeating an earlier tree's path is shared and costs nothing). Budget left over (a tree ran out)
+    is filled round-robin from the trees' next most confident nodes. Each tree's contribution is a prefix of
+    its `ranked_nodes`, hence a closed subtree.
+    """
+    ranked = [ranked_nodes(t) for t in trees]
+    paths = [_paths(t) for t in trees]
+    taken = [0] * len(trees)
+    present: set[tuple[int, ...]] = set()
+
+    def take(i: int) -> bool:
+        """Take tree i's next node; True if it added a new path."""
+        path = paths[i][ranked[i][taken[i]]]
+        taken[i] += 1
+        if path in present:
+            return False
+        present.add(path)
+        return True
+
+    for i in range(len(trees)):
+        added = 0
+        while added < shares[i] and taken[i] < len(ranked[i]) and len(present) < budget:
+            added += take(i)
+    while len(present) < budget and any(taken[i] < len(ranked[i]) for i in range(len(trees))):
+        for i in range(len(trees)):
+            if len(present) < budget and taken[i] < len(ranked[i]):
+                take(i)
+    pruned = [_subtree(t, ranked[i][: taken[i]]) for i, t in enumerate(trees)]
+    return merge_trees(pruned, dedup=True)
+
+
+def _paths(tree: DraftTree) -> list[tuple[int, ...]]:
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    paths: list[tuple[int, ...]] = [()]
+    for j in range(1, tree.size):
+        paths.append(paths[parents[j]] + (tokens[j],))
+    return paths
+
+
+@dataclass
+class Merged:
+    """Every part drafts from the same inputs; their trees are verified together as one tree (last_head = -1).
+
+    mode: "concat" (the reference `_merge_trees`), "dedup" (trie merge) or "budget" (one single-tree budget of
+    `budget` drafted nodes split by mean confidence, then trie-merged).
+    """
+
+    parts: list[Proposer]
+    mode: str = "concat"
+    budget: int | None = None
+    name: str = "merged"
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("concat", "dedup", "budget"):
+            raise ValueError(f"unknown merge mode {self.mode!r}; use concat, dedup or budget")
+        if self.mode == "budget" and (self.budget is None or self.budget < 1):
+            raise ValueError("merge mode 'budget' needs a node budget of at least 1")
+
+    @property
+    def head_names(self) -> list[str]:
+        return [n for p in self.parts for n in p.head_names]
+
+    def init_state(self) -> RouterState:
+        return RouterState(parts=tuple(p.init_state() for p in self.parts), last_head=-1)
+
+    def propose(
+        self, state: RouterState, features: torch.Tensor, next_tokens: torch.Tensor
+    ) -> tuple[DraftTree, RouterState]:
+        trees, states = _draft_all(self.parts, state.parts, features, next_tokens)
+        confidences = tuple(t.mean_confidence for t in trees)
+        shares: tuple[int, ...] = ()
+        if self.mode == "budget":
+            shares = tuple(split_budget(self.budget, confidences))
+            tree = budget_merge(trees, self.budget, shares)
+        else:
+            tree = merge_trees(trees, dedup=self.mode == "dedup")
+        return tree, RouterState(
+            parts=states,
+            last_head=-1,
+            confidences=confidences,
+            entropies=tuple(t.mean_entropy for t in trees),
+            shares=shares,
+        )
+
+
+# --- post-hoc per-question router (§6.3) --------------------------------------------------------------------
+
+
+def per_question_confidence_choice(
+    records_by_head: dict[str, list[Any]], eps: float = 0.01, fallback: str | None = "mixed"
+) -> str:
+    """The head a per-question confidence router picks from complete single-head generations of one question.
+
+    records_by_head: head name -> that head's `StepRecord`s for the question (all turns). A head's score is
+    the mean confidence over every drafted node of every step. The fallback head (if present in the dict) is
+    not a candidate; when the two best candidates' scores differ by less than `eps`, the fallback is chosen
+    (the reference chooses Mixed), or the first candidate when `fallback` is None. Otherwise the highest score
+    wins, ties to the earlier head. An analysis tool: it needs every head's full generation (oracle-like).
+    """
+    candidates = [name for name in records_by_head if name != fallback]
+    if not candidates:
+        raise ValueError(f"no candidate heads besides the fallback {fallback!r}")
+    scores = {}
+    for name in candidates:
+        values = [c for record in records_by_head[name] for c in record.node_confidence]
+        scores[name] = sum(values) / len(values) if values else 0.0
+    ranked = sorted(candidates, key=lambda n: (-scores[n], candidates.index(n)))
+    if len(ranked) >= 2 and abs(scores[ranked[0]] - scores[ranked[1]]) < eps:
+        return fallback if fallback is not None else candidates[0]
+    return ranked[0]
+
+
+# --- registration -------------------------------------------------------------------------------------------
+
+
+def _first_two(heads: dict[str, DraftHead], name: str) -> list[tuple[str, DraftHead]]:
+    if len(heads) < 2:
+        raise ValueError(
+            f"proposer {name!r} combines two heads (A = first, B = second in config order) but got "
+            f"{len(heads)}: {list(heads)}; train at least two mixtures (train.mixtures)"
+        )
+    return list(heads.items())[:2]
+
+
+def _single_heads(pairs: Sequence[tuple[str, DraftHead]], context: DraftContext, tree: TreeConfig) -> list[Proposer]:
+    return [SingleHead(name, head, context, tree) for name, head in pairs]
+
+
+def _register(name: str) -> Callable:
+    def decorator(builder: Callable) -> Callable:
+        COMBINATIONS[name] = builder
+        return builder
+
+    return decorator
+
+
+AVERAGED_SWEEP = (0.0, 0.25, 0.5, 0.75, 1.0)
+for _w in AVERAGED_SWEEP:
+    register_averaged(_w)
+
+
+@_register("confidence-routed")
+def _confidence_routed(heads: dict[str, DraftHead], context: DraftContext, tree: TreeConfig) -> Proposer:
+    return ConfidenceRouted(_single_heads(_first_two(heads, "confidence-routed"), context, tree))
+
+
+@_register("entropy-routed")
+def _entropy_routed(heads: dict[str, DraftHead], context: DraftContext, tree: TreeConfig) -> Proposer:
+    if not heads:
+        raise ValueError("proposer 'entropy-routed' needs at least one head")
+    return EntropyRouted(_single_heads(list(heads.items()), context, tree))
+
+
+@_register("merged")
+def _merged(heads: dict[str, DraftHead], context: DraftContext, tree: TreeConfig) -> Proposer:
+    return Merged(_single_heads(_first_two(heads, "merged"), context, tree), mode="concat", name="merged")
+
+
+@_register("merged-dedup")
+def _merged_dedup(heads: dict[str, DraftHead], context: DraftContext, tree: TreeConfig) -> Proposer:
+    return Merged(_single_heads(_first_two(heads, "merged-dedup"), context, tree), mode="dedup", name="merged-dedup")
+
+
+@_register("merged-budget")
+def _merged_budget(heads: dict[str, DraftHead], context: DraftContext, tree: TreeConfig) -> Proposer:
+    parts = _single_heads(_first_two(heads, "merged-budget"), context, tree)
+    return Merged(parts, mode="budget", budget=tree.total_token - 1, name="merged-budget")
