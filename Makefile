@@ -12,6 +12,7 @@ export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 export TAPS_DATA_DIR ?= $(DATA)
 export TOKENIZERS_PARALLELISM ?= false
+export OMP_WAIT_POLICY ?= PASSIVE
 
 .PHONY: install test test-fast sweep sweep-quick report bench clean-venv
 

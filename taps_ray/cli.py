@@ -72,6 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cmd.add_argument("--host", default=None, help="listen address (default: serve.host, 127.0.0.1)")
     serve_cmd.add_argument("--port", type=int, default=None, help="port (default: serve.port, 8000)")
     serve_cmd.add_argument("--head-kind", choices=("eagle2", "hass"), default=None, help="default: serve.head_kind")
+    bench = commands.add_parser("bench", help="wall-clock speed vs plain decoding, HF greedy, prompt lookup, assisted")
+    _add_config(bench)
+    bench.add_argument("--kind", choices=("eagle2", "hass"), default="eagle2")
+    bench.add_argument("--proposers", nargs="+", default=["math", "chat", "confidence-routed", "merged"])
+    bench.add_argument("--per-benchmark", type=int, default=10, help="GSM8K and MT-Bench first turns each")
+    bench.add_argument("--max-new-tokens", type=int, default=96)
+    bench.add_argument("--repetitions", type=int, default=2)
+    bench.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None)
     return parser
 
 
@@ -145,6 +153,16 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from taps_ray.bench import cmd_bench
+
+    command = "taps " + " ".join(sys.argv[1:]) if sys.argv[1:] else "taps bench --config configs/cpu.yaml"
+    return cmd_bench(
+        _config(args), args.kind, args.proposers, args.per_benchmark, args.max_new_tokens, args.repetitions,
+        DTYPES[args.dtype], command,
+    )
+
+
 HANDLERS: dict[str, Handler] = {
     "data": _data,
     "features": _features,
@@ -154,6 +172,7 @@ HANDLERS: dict[str, Handler] = {
     "serve": _serve,
     "sweep": _sweep,
     "report": _report,
+    "bench": _bench,
 }
 
 

@@ -116,6 +116,9 @@ class TreeConfig(_Strict):
     total_token: int = Field(16, gt=1, description="tree size including the root")
     depth: int = Field(4, gt=0)
     top_k: int = Field(4, gt=0)
+    draft_vocab_size: int | None = Field(
+        None, gt=0, description="draft over the N most frequent training tokens (EAGLE-3 style); None = full vocabulary"
+    )
 
     @model_validator(mode="after")
     def _fits(self) -> "TreeConfig":

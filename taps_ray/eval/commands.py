@@ -14,6 +14,7 @@ from taps_ray.eval.metrics import PLAIN, summarize
 from taps_ray.eval.runner import eval_dtype, run_cell
 from taps_ray.eval.store import Cell, ResultsStore, atomic_write_parquet
 from taps_ray.models.target import load_target
+from taps_ray.spec.draft_vocab import draft_vocabulary
 from taps_ray.spec.generate import generate
 from taps_ray.spec.registry import build_proposer, load_heads
 from taps_ray.spec.verify import SamplingParams
@@ -96,7 +97,8 @@ def cmd_generate(
 
     target = load_target(config.target, dtype=dtype)
     heads = {} if proposer_name == PLAIN else load_heads(config, kind, target.dtype, _needed_heads(config, proposer_name))
-    proposer = build_proposer(proposer_name, target, heads, config.tree)
+    vocab = draft_vocabulary(config, target.tokenizer, target.stop_token_ids)
+    proposer = build_proposer(proposer_name, target, heads, config.tree, vocab)
     prompt_ids = build_prompt_ids(target.tokenizer, [prompt], [], config.eval.system_prompt)
     params = SamplingParams(temperature=temperature)
     runs = {}

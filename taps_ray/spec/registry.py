@@ -50,9 +50,12 @@ def proposer_names(config: StudyConfig) -> list[str]:
     return ["plain", *config.train.mixtures, *COMBINATIONS]
 
 
-def build_proposer(name: str, target: Target, heads: dict[str, DraftHead], tree: TreeConfig) -> Proposer:
+def build_proposer(
+    name: str, target: Target, heads: dict[str, DraftHead], tree: TreeConfig, vocab: torch.Tensor | None = None
+) -> Proposer:
+    """`vocab`: the reduced draft vocabulary (see draft_vocab.py), or None to draft over the full vocabulary."""
     _load_combinations()
-    context = DraftContext(target.model.get_input_embeddings(), target.model.lm_head)
+    context = DraftContext(target.model.get_input_embeddings(), target.model.lm_head, vocab)
     if name == "plain":
         return PlainDecoding()
     if name in heads:
