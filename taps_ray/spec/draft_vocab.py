@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from taps_ray.config import StudyConfig
-from taps_ray.data.mixtures import build_mixture
+from taps_ray.data.sources import load_conversations
 
-SAMPLE_PER_MIXTURE = 2000
+SAMPLE_PER_CORPUS = 4000
 
 
 def frequent_tokens(tokenizer, texts: list[str], size: int, always: list[int]) -> torch.Tensor:
@@ -33,11 +33,11 @@ def frequent_tokens(tokenizer, texts: list[str], size: int, always: list[int]) -
 
 
 def _assistant_texts(config: StudyConfig) -> list[str]:
+    """Assistant turns of the first SAMPLE_PER_CORPUS conversations of every corpus the study trains on."""
+    corpora = sorted({c for name in config.train.mixtures for c in config.mixtures[name].mixture})
     texts = []
-    for name in config.train.mixtures:
-        mixture = config.mixtures[name]
-        sample = mixture.model_copy(update={"size": min(mixture.size, SAMPLE_PER_MIXTURE)})
-        for conversation in build_mixture(sample, config.resolved_data_dir()):
+    for corpus in corpora:
+        for conversation in load_conversations(corpus, config.resolved_data_dir(), limit=SAMPLE_PER_CORPUS):
             texts += [m["content"] for m in conversation.messages if m["role"] == "assistant"]
     return texts
 
