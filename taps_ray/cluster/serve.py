@@ -59,6 +59,8 @@ ALIASES = {"routed": "confidence-routed"}
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MAX_SEED = 2**63 - 1
 MAX_STOP = 4
+MIN_TEMPERATURE = 1e-6
+MIN_TOP_P = 1e-6
 
 # --- request and response schemas (OpenAI-compatible subset) -------------------------------------------------
 
@@ -110,6 +112,10 @@ class _Sampling(_Body):
 
 
 class CompletionRequest(_Sampling):
+    model_config = ConfigDict(
+        json_schema_extra={"examples": [{"model": "routed", "prompt": "Question: what is 12 * 7?\nAnswer:", "temperature": 0,
+                                         "max_tokens": 16}]}
+    )
     prompt: str | list[int] = Field(
         ..., description="text, or token ids of the target's tokenizer; must not be empty", examples=["2+2="]
     )
@@ -138,6 +144,10 @@ class ChatMessage(_Body):
 
 
 class ChatCompletionRequest(_Sampling):
+    model_config = ConfigDict(
+        json_schema_extra={"examples": [{"model": "routed", "messages": [{"role": "user", "content": "What is 12 * 7?"}],
+                                         "temperature": 0, "max_tokens": 16}]}
+    )
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=256)
     max_completion_tokens: int | None = Field(None, ge=1, description="alias of max_tokens (newer OpenAI name)")
 
@@ -553,7 +563,12 @@ class TapsService:
                 "invalid_value",
             )
         seed = body.seed if body.seed is not None else random.getrandbits(63)
-        return Job(proposer, body.temperature, body.top_p, body.top_k, prompt, max_tokens, seed)
+        # Numerical floors (the engine samples in float32): logits / T overflows for T below ~1e-37 and a top_p
+        # below float32's smallest value rounds to 0 and drops every token. top_p < 1e-6 keeps only the most
+        # likely token exactly like 1e-6 does (its probability is >= 1/vocab > 1e-6); T < 1e-6 is as sharp.
+        temperature = body.temperature if body.temperature == 0 else max(body.temperature, MIN_TEMPERATURE)
+        top_p = max(body.top_p, MIN_TOP_P)
+        return Job(proposer, temperature, top_p, body.top_k, prompt, max_tokens, seed)
 
     def _completion_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

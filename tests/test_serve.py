@@ -1,0 +1,404 @@
+"""The Ray Serve app over HTTP on loopback: endpoints, greedy equality with HF, SSE, batching, 4xx, fuzzing.
+
+One Serve instance for the module (tiny random target, random eagle2 heads for math and chat), on the
+session's Ray cluster; `serve.shutdown()` at the end of the module, never `ray.shutdown()`.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+import schemathesis
+import torch
+import yaml
+from hypothesis import HealthCheck, settings
+from schemathesis.checks import not_a_server_error
+
+from taps_ray.cluster.serve import AppArgs, app_builder, build_app
+from taps_ray.data.chat import render_ids
+from taps_ray.models.draft_head import new_head
+from taps_ray.spec.registry import head_dir
+
+REPO = Path(__file__).resolve().parents[1]
+MAX_TOKENS_LIMIT = 32
+MAX_PROMPT_TOKENS = 96
+TIMEOUT = httpx.Timeout(120.0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve_config(tiny_config, work: Path, **serve_update):
+    update = dict(
+        max_batch_size=4,
+        batch_wait_timeout_s=0.1,
+        max_prompt_tokens=MAX_PROMPT_TOKENS,
+        max_tokens_limit=MAX_TOKENS_LIMIT,
+        default_max_tokens=16,
+        replica_num_cpus=0.5,
+        num_replicas=1,
+    )
+    update.update(serve_update)
+    return tiny_config.model_copy(update={"work_dir": str(work), "serve": tiny_config.serve.model_copy(update=update)})
+
+
+def _wait_healthy(url: str, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            response = httpx.get(f"{url}/healthz", timeout=5.0)
+            if response.status_code == 200:
+                return response.json()
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{url}/healthz did not answer within {timeout}s")
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def service(ray_session, tiny_config, tiny_target, tmp_path_factory):
+    from ray import serve
+
+    cfg = _serve_config(tiny_config, tmp_path_factory.mktemp("serve-work"))
+    for seed, mixture in enumerate(("math", "chat"), start=1):
+        new_head(tiny_target.model.config, seed=seed).save(head_dir(cfg, "eagle2", mixture))
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(build_app(cfg), name="taps-test", route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        health = _wait_healthy(url)
+        yield SimpleNamespace(url=url, cfg=cfg, health=health, serve=serve)
+    finally:
+        serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(service) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{service.url}/v1", api_key="x", max_retries=0, timeout=120.0)
+
+
+def _text(tokenizer, tokens: list[int], stop_ids: list[int]) -> str:
+    if tokens and tokens[-1] in stop_ids:
+        tokens = tokens[:-1]
+    return tokenizer.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def _hf_greedy(target, prompt: list[int], n: int) -> list[int]:
+    stop_ids = target.stop_token_ids
+    out = target.model.generate(
+        torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=stop_ids, pad_token_id=0,
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+    )
+    tokens = out[0, len(prompt) :].tolist()
+    for i, token in enumerate(tokens):
+        if token in stop_ids:
+            return tokens[: i + 1]
+    return tokens
+
+
+def _expected_chat(target, content: str, n: int) -> str:
+    prompt = render_ids(target.tokenizer, [{"role": "user", "content": content}], add_generation_prompt=True)
+    return _text(target.tokenizer, _hf_greedy(target, prompt, n), target.stop_token_ids)
+
+
+def _spec_models(service) -> list[str]:
+    models = service.health["models"]
+    return [m for m in ("math", "chat", "routed", "merged") if m in models]
+
+
+# --- endpoints -----------------------------------------------------------------------------------------------
+
+
+def test_healthz_and_models(service):
+    health = httpx.get(f"{service.url}/healthz").json()
+    assert health["status"] == "ok" and health["heads"] == ["chat", "math"] and health["missing_heads"] == []
+    listed = httpx.get(f"{service.url}/v1/models").json()
+    assert listed["object"] == "list"
+    ids = [card["id"] for card in listed["data"]]
+    assert ids[:3] == ["plain", "math", "chat"]
+    from taps_ray.spec.registry import COMBINATIONS, proposer_names
+
+    proposer_names(service.cfg)  # loads the combinations that exist in this checkout
+    if "confidence-routed" in COMBINATIONS:
+        card = next(c for c in listed["data"] if c["id"] == "routed")
+        assert card["proposer"] == "confidence-routed" and card["heads"] == ["math", "chat"]
+    if "merged" in COMBINATIONS:
+        assert "merged" in ids
+
+
+def test_chat_completion_greedy_equals_hf_for_every_proposer(service, client, tiny_target):
+    question = "What is 7 times 6? Explain briefly."
+    expected = _expected_chat(tiny_target, question, 24)
+    for model in ["plain", *_spec_models(service)]:
+        response = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": question}], temperature=0, max_tokens=24
+        )
+        choice = response.choices[0]
+        assert choice.message.content == expected, model
+        assert choice.finish_reason in ("stop", "length")
+        assert response.usage.completion_tokens >= 1
+        assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
+        spec = response.model_extra["speculative"]
+        assert spec["tau"] >= 1.0 and spec["steps"] >= 1 and spec["batch_size"] >= 1
+        if model == "plain":
+            assert spec["head_fractions"] == {}
+        else:
+            assert abs(sum(spec["head_fractions"].values()) - 1.0) < 1e-3
+            if model in ("math", "chat"):
+                assert spec["head_fractions"] == {model: 1.0}
+
+
+def test_completions_endpoint_greedy_and_token_prompt(service, tiny_target):
+    text = "The capital of France is"
+    prompt = tiny_target.tokenizer.encode(text)
+    expected = _text(tiny_target.tokenizer, _hf_greedy(tiny_target, prompt, 12), tiny_target.stop_token_ids)
+    for body_prompt in (text, prompt):
+        response = httpx.post(
+            f"{service.url}/v1/completions",
+            json={"model": "math", "prompt": body_prompt, "temperature": 0, "max_tokens": 12},
+            timeout=TIMEOUT,
+        )
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert body["object"] == "text_completion" and body["choices"][0]["text"] == expected
+        assert body["usage"]["prompt_tokens"] == len(prompt)
+
+
+def test_streaming_chunks_concatenate_to_the_same_text(service, client):
+    messages = [{"role": "user", "content": "Write a short poem about the sea."}]
+    for model in ("plain", *_spec_models(service)[:1]):
+        full = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=24)
+        stream = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=24, stream=True)
+        chunks = list(stream)
+        pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+        assert "".join(pieces) == full.choices[0].message.content
+        assert len(pieces) >= 2, "expected one chunk per verification step"
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+        assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+        assert chunks[-1].model_extra["speculative"]["steps"] == full.model_extra["speculative"]["steps"]
+
+
+def test_raw_sse_and_stop_strings(service):
+    body = {"model": "plain", "prompt": "Hello", "temperature": 0, "max_tokens": 16}
+    full = httpx.post(f"{service.url}/v1/completions", json=body, timeout=TIMEOUT).json()["choices"][0]["text"]
+    assert len(full) >= 4
+    stop = full[2:4]  # cut inside the generated text
+    plain = httpx.post(f"{service.url}/v1/completions", json={**body, "stop": [stop]}, timeout=TIMEOUT).json()
+    cut = plain["choices"][0]
+    assert cut["text"] == full[: full.find(stop)] and cut["finish_reason"] == "stop"
+    with httpx.stream("POST", f"{service.url}/v1/completions", json={**body, "stop": stop, "stream": True}, timeout=TIMEOUT) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
+    events = [json.loads(line[6:]) for line in lines[:-1]]
+    assert "".join(e["choices"][0]["text"] for e in events) == cut["text"]
+    assert events[-1]["choices"][0]["finish_reason"] == "stop" and "usage" in events[-1]
+
+
+def test_sampling_is_reproducible_with_a_seed(service, client):
+    kwargs = dict(model="plain", messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=16)
+    first = client.chat.completions.create(temperature=0.9, seed=7, **kwargs).choices[0].message.content
+    again = client.chat.completions.create(temperature=0.9, seed=7, **kwargs).choices[0].message.content
+    assert first == again
+
+
+def test_extreme_but_valid_sampling_values_work(service):
+    """Found by the fuzzer: float32 sampling broke on T=1e-300 or top_p=5e-324; the service floors both."""
+    for temperature, top_p in ((1e-300, 1.0), (1.0, 5e-324), (2.0, 1e-300)):
+        body = {"model": "plain", "prompt": "2+2=", "temperature": temperature, "top_p": top_p, "max_tokens": 4, "seed": 0}
+        response = httpx.post(f"{service.url}/v1/completions", json=body, timeout=TIMEOUT)
+        assert response.status_code == 200, (temperature, top_p, response.text)
+
+
+def test_concurrent_requests_share_batched_verification(service, tiny_target):
+    """Same model + sampling params: one generate() over several prompts; each output still equals HF greedy."""
+    model = "routed" if "routed" in service.health["models"] else "math"
+    questions = ["What is 2+2?", "Name a color.", "Who wrote Hamlet?", "Count to five.", "Say hi.", "What is pi?"]
+    limits = [8, 16, 24, 12, 20, 10]  # different max_tokens share a group; each output is cut at its own
+
+    def ask(i: int) -> dict:
+        body = {"model": model, "messages": [{"role": "user", "content": questions[i]}], "temperature": 0,
+                "max_tokens": limits[i]}
+        response = httpx.post(f"{service.url}/v1/chat/completions", json=body, timeout=TIMEOUT)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    with ThreadPoolExecutor(len(questions)) as pool:
+        results = list(pool.map(ask, range(len(questions))))
+    for i, result in enumerate(results):
+        assert result["choices"][0]["message"]["content"] == _expected_chat(tiny_target, questions[i], limits[i])
+        assert result["usage"]["completion_tokens"] <= limits[i]
+    sizes = [r["speculative"]["batch_size"] for r in results]
+    assert max(sizes) >= 2, f"no request shared a batch: {sizes}"
+    assert max(sizes) <= service.cfg.serve.max_batch_size
+
+
+def test_concurrent_different_models_are_grouped_apart(service, tiny_target):
+    question = "What is the boiling point of water?"
+    expected = _expected_chat(tiny_target, question, 12)
+    models = ["plain", "math", "plain", "math"]
+
+    def ask(model: str) -> dict:
+        body = {"model": model, "messages": [{"role": "user", "content": question}], "temperature": 0, "max_tokens": 12}
+        return httpx.post(f"{service.url}/v1/chat/completions", json=body, timeout=TIMEOUT).json()
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(ask, models))
+    for model, result in zip(models, results):
+        assert result["choices"][0]["message"]["content"] == expected
+        assert result["speculative"]["proposer"] == model
+        assert result["speculative"]["batch_size"] <= 2  # never batched with the other model
+
+
+# --- bad input: always 4xx, with what is wrong and how to fix it ----------------------------------------------
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+HI = [{"role": "user", "content": "Hi"}]
+BAD_INPUTS = [
+    ("malformed json", CHAT, '{"model": "plain", "messages": [', 400, "not valid JSON"),
+    ("body not an object", CHAT, "[1, 2]", 422, "must be a JSON object"),
+    ("empty body", COMPLETIONS, "", 422, None),
+    ("no messages", CHAT, {"model": "plain", "messages": []}, 422, "messages"),
+    ("empty messages", CHAT, {"model": "plain", "messages": [{"role": "user", "content": "  "}]}, 422, "every message is empty"),
+    ("empty prompt", COMPLETIONS, {"model": "plain", "prompt": ""}, 422, "prompt: is empty"),
+    ("over-long prompt", COMPLETIONS, {"model": "plain", "prompt": "word " * 400}, 400, "max_prompt_tokens"),
+    ("over-long chat", CHAT, {"model": "plain", "messages": [{"role": "user", "content": "word " * 400}]}, 400, "at most 96"),
+    ("negative temperature", CHAT, {"model": "plain", "messages": HI, "temperature": -0.1}, 422, "temperature"),
+    ("temperature above 2", CHAT, {"model": "plain", "messages": HI, "temperature": 2.5}, 422, "from 0 (greedy) to 2"),
+    ("top_p zero", CHAT, {"model": "plain", "messages": HI, "top_p": 0}, 422, "top_p"),
+    ("top_p above 1", COMPLETIONS, {"model": "plain", "prompt": "a", "top_p": 1.5}, 422, "(0, 1]"),
+    ("max_tokens zero", CHAT, {"model": "plain", "messages": HI, "max_tokens": 0}, 422, "max_tokens"),
+    ("max_tokens too large", CHAT, {"model": "plain", "messages": HI, "max_tokens": MAX_TOKENS_LIMIT + 1}, 422,
+     f"1..{MAX_TOKENS_LIMIT}"),
+    ("unknown model", CHAT, {"model": "gpt-4", "messages": HI}, 404, "choose one of: plain"),
+    ("missing model", COMPLETIONS, {"prompt": "a"}, 422, "model: required field is missing"),
+    ("temperature wrong type", CHAT, {"model": "plain", "messages": HI, "temperature": "hot"}, 422, "temperature"),
+    ("messages wrong type", CHAT, {"model": "plain", "messages": "hi"}, 422, "messages"),
+    ("bad role", CHAT, {"model": "plain", "messages": [{"role": "robot", "content": "x"}]}, 422, "role"),
+    ("unknown field", CHAT, {"model": "plain", "messages": HI, "temprature": 0}, 422, "temprature: unknown field"),
+    ("n > 1", CHAT, {"model": "plain", "messages": HI, "n": 2}, 422, "only n=1"),
+    ("token id out of vocab", COMPLETIONS, {"model": "plain", "prompt": [1, 10**9]}, 422, "outside the vocabulary"),
+    ("negative token id", COMPLETIONS, {"model": "plain", "prompt": [-1]}, 422, "outside the vocabulary"),
+    ("too many stops", COMPLETIONS, {"model": "plain", "prompt": "a", "stop": list("abcde")}, 422, "at most 4"),
+    ("seed negative", CHAT, {"model": "plain", "messages": HI, "seed": -1}, 422, "seed"),
+    ("wrong method", "/v1/models", None, 405, "not allowed"),
+    ("no route", "/v2/nothing", {}, 404, "no route"),
+]
+
+
+@pytest.mark.parametrize("name,path,body,status,reason", BAD_INPUTS, ids=[case[0] for case in BAD_INPUTS])
+def test_bad_input_is_a_4xx_with_the_reason(service, name, path, body, status, reason):
+    url = f"{service.url}{path}"
+    if isinstance(body, str):
+        response = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=TIMEOUT)
+    else:
+        response = httpx.post(url, json=body, timeout=TIMEOUT)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+    if reason:
+        assert reason in error["message"], error["message"]
+
+
+def test_openai_client_sees_the_reason(client):
+    with pytest.raises(openai.UnprocessableEntityError, match="from 0 \\(greedy\\) to 2"):
+        client.chat.completions.create(model="plain", messages=HI, temperature=3)
+    with pytest.raises(openai.NotFoundError, match="unknown model"):
+        client.chat.completions.create(model="nope", messages=HI)
+
+
+def test_openapi_schema_publishes_live_limits(service):
+    schema = httpx.get(f"{service.url}/openapi.json").json()
+    request = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert request["model"]["enum"] == service.health["models"]
+    maxima = [o.get("maximum") for o in request["max_tokens"]["anyOf"] if o.get("type") == "integer"]
+    assert maxima == [MAX_TOKENS_LIMIT]
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/healthz"} <= set(schema["paths"])
+
+
+# --- a service without heads still starts ---------------------------------------------------------------------
+
+
+def test_missing_heads_serve_plain_only(service, tiny_config, tmp_path):
+    serve = service.serve
+    cfg = _serve_config(tiny_config, tmp_path / "no-heads")
+    serve.run(build_app(cfg), name="taps-noheads", route_prefix="/noheads")
+    try:
+        health = _wait_healthy(f"{service.url}/noheads")
+        assert health["models"] == ["plain"] and health["missing_heads"] == ["math", "chat"]
+        models = httpx.get(f"{service.url}/noheads/v1/models").json()
+        assert [card["id"] for card in models["data"]] == ["plain"]
+        response = httpx.post(f"{service.url}/noheads/v1/chat/completions", json={"model": "routed", "messages": HI})
+        assert response.status_code == 404 and "taps train" in response.json()["error"]["message"]
+        ok = httpx.post(
+            f"{service.url}/noheads/v1/chat/completions",
+            json={"model": "plain", "messages": HI, "temperature": 0, "max_tokens": 4},
+            timeout=TIMEOUT,
+        )
+        assert ok.status_code == 200, ok.text
+    finally:
+        serve.delete("taps-noheads")
+
+
+# --- the three ways to build it --------------------------------------------------------------------------------
+
+
+def test_serve_yaml_and_app_builder():
+    from ray.serve.deployment import Application
+    from ray.serve.schema import ServeDeploySchema
+
+    deploy = ServeDeploySchema.model_validate(yaml.safe_load((REPO / "configs" / "serve.yaml").read_text()))
+    assert deploy.http_options.host == "127.0.0.1"
+    (app,) = deploy.applications
+    assert app.import_path == "taps_ray.cluster.serve:app_builder"
+    assert set(app.args) <= set(AppArgs.model_fields)
+    assert isinstance(app_builder(dict(app.args)), Application)
+    assert isinstance(app_builder({"config": "configs/tiny.yaml", "num_replicas": "2"}), Application)
+    with pytest.raises(ValueError, match="known args"):
+        app_builder({"config": "configs/tiny.yaml", "bogus": "1"})
+
+
+def test_cli_has_serve():
+    from taps_ray.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--config", "configs/tiny.yaml", "--port", "8123"])
+    assert args.command == "serve" and args.port == 8123 and args.host is None
+
+
+# --- fuzzing from the app's own OpenAPI schema -------------------------------------------------------------------
+
+
+FUZZ_STATUSES: Counter = Counter()
+
+
+@pytest.fixture(scope="module")
+def api_schema(service):
+    yield schemathesis.openapi.from_url(f"{service.url}/openapi.json")
+    if FUZZ_STATUSES:  # shown with `pytest -s`: which statuses the fuzzer's cases got, per operation
+        print("\nfuzz statuses:", dict(sorted(FUZZ_STATUSES.items())))
+
+
+fuzz_schema = schemathesis.pytest.from_fixture("api_schema")
+
+
+@fuzz_schema.parametrize()
+@settings(max_examples=30, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+def test_fuzz_never_a_server_error(case):
+    response = case.call_and_validate(checks=[not_a_server_error], timeout=120)
+    FUZZ_STATUSES[f"{case.operation.label} {response.status_code}"] += 1
