@@ -277,3 +277,9 @@ def test_reduced_draft_vocabulary_drafts_only_its_ids_and_stays_lossless(tiny_ta
     assert set(tree.tokens[1:].tolist()) <= set(vocab.tolist())
     generation = generate(model, proposer, [prompt], GREEDY, 20, tiny_target.stop_token_ids)[0]
     assert generation.tokens == _hf_greedy(model, prompt, 20, tiny_target.stop_token_ids)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1e-300), SamplingParams(temperature=1.0, top_p=5e-324)])
+def test_processed_probs_stay_finite_at_extreme_settings(params):
+    probs = processed_probs(torch.tensor([2.0, 1.0, 0.5, -1.0]), params)
+    assert torch.isfinite(probs).all() and abs(float(probs.sum()) - 1) < 1e-5 and int(probs.argmax()) == 0

@@ -15,6 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from taps_ray.spec.tree import DraftTree
 
 
+MIN_TEMPERATURE = 1e-5
+
+
 class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -29,7 +32,8 @@ class SamplingParams(BaseModel):
 
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """softmax(proc(logits)) in fp32: temperature, then top-k, then top-p (nucleus) filtering."""
-    scores = logits.float() / params.temperature
+    # Below 1e-5 the distribution is one-hot to fp32 precision; the floor keeps logits/T finite.
+    scores = logits.float() / max(params.temperature, MIN_TEMPERATURE)
     if params.top_k and params.top_k < scores.shape[-1]:
         kth = scores.topk(params.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -37,6 +41,7 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         sorted_scores, order = scores.sort(dim=-1, descending=True)
         cumulative = sorted_scores.softmax(-1).cumsum(-1)
         drop_sorted = cumulative - sorted_scores.softmax(-1) >= params.top_p  # keep the token that crosses top_p
+        drop_sorted[..., 0] = False  # the most likely token always survives, however small top_p is
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         scores = scores.masked_fill(drop, float("-inf"))
     return scores.softmax(-1)
