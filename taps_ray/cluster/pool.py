@@ -391,13 +391,14 @@ class EvalPool:
     def __init__(self, config, heads: dict | None = None, env: dict[str, str] | None = None) -> None:
         import ray
 
-        from taps_ray.cluster.actors import DrafterActor, TargetWorker, runtime_env_vars
+        from taps_ray.cluster.actors import DrafterActor, TargetWorker, process_runtime_env, runtime_env_vars
 
         self.config = config
         r = config.ray
         env = {**runtime_env_vars(), **(env or {})}
         payload = config.model_dump_json()
-        restarts = dict(max_restarts=r.actor_max_restarts, max_task_retries=0)
+        restarts = dict(max_restarts=r.actor_max_restarts, max_task_retries=0, runtime_env=process_runtime_env())
+        self._restarts = restarts
         self.workers = [
             TargetWorker.options(num_cpus=r.target_num_cpus, num_gpus=r.target_num_gpus, max_concurrency=1000, **restarts).remote(
                 payload, env
@@ -537,7 +538,7 @@ class EvalPool:
         index = self.drafters.index(drafter)
         r = self.config.ray
         replacement = DrafterActor.options(
-            num_cpus=r.drafter_num_cpus, num_gpus=r.drafter_num_gpus, max_restarts=r.actor_max_restarts, max_task_retries=0
+            num_cpus=r.drafter_num_cpus, num_gpus=r.drafter_num_gpus, **self._restarts
         ).remote(*self._drafter_args[index])
         self.drafters[index] = replacement
         return replacement

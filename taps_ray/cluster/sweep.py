@@ -107,6 +107,7 @@ def init_ray(cfg: StudyConfig, address: str | None = None) -> None:
 
     if ray.is_initialized():
         return
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # inherited by a local Ray's workers (Tune trials too)
     address = address or cfg.ray.address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address)
@@ -168,7 +169,11 @@ def stage_features(cfg: StudyConfig, env: dict[str, str], log: Callable[[str], N
         log(f"features: all {len(names)} feature sets cached; nothing to do")
         return {"extracted": [], "cached": names}
     log(f"features: extracting {missing} (cached: {[n for n in names if n not in missing]})")
-    task = _features_remote().options(num_cpus=cfg.ray.target_num_cpus, num_gpus=cfg.ray.target_num_gpus)
+    from taps_ray.cluster.actors import process_runtime_env
+
+    task = _features_remote().options(
+        num_cpus=cfg.ray.target_num_cpus, num_gpus=cfg.ray.target_num_gpus, runtime_env=process_runtime_env()
+    )
     stats = ray.get(task.remote(cfg.model_dump_json(), missing, env))
     for name, s in stats.items():
         log(f"features {name}: {s.get('conversations')} conversations, {s.get('tokens')} tokens, "
