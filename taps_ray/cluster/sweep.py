@@ -32,6 +32,7 @@ from typing import Any
 from taps_ray.config import StudyConfig, load_config
 
 STAGES = ("data", "features", "train", "eval", "report")
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray's single-machine mode, everything on 127.0.0.1
 QUICK_COMBINATIONS = ("confidence-routed", "merged")
 
 
@@ -103,15 +104,23 @@ def remote_env(cfg: StudyConfig) -> dict[str, str]:
 def init_ray(cfg: StudyConfig, address: str | None = None) -> None:
     """Join a cluster when an address is given (or RAY_ADDRESS is set, as under `ray job submit`);
     otherwise start a local Ray on loopback with the config's CPUs."""
+    address = address or cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    if not address:
+        # A single-machine Ray: Ray then takes 127.0.0.1 as the node address, and every listener (GCS, raylet,
+        # workers, agents) binds to loopback; `_node_ip_address` alone leaves the gRPC ports on 0.0.0.0.
+        os.environ.setdefault(LOOPBACK_ENV, "0")
     import ray
 
     if ray.is_initialized():
         return
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # inherited by a local Ray's workers (Tune trials too)
-    address = address or cfg.ray.address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address)
     else:
+        if os.environ.get(LOOPBACK_ENV) == "0":
+            from ray._private import ray_constants  # read when ray was first imported: it may predate us
+
+            ray_constants.ENABLE_RAY_CLUSTER = False
         ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1")
 
 

@@ -95,12 +95,12 @@ def restore_checkpoint(cfg: StudyConfig, kind: str, mixture: str, folder: Path) 
     return target.name
 
 
-def _trial(config: dict) -> None:
+def _trial(config: dict, study: str = "", env: dict | None = None) -> None:
     """One Tune trial: train (or resume) one head, reporting every epoch with its checkpoint."""
     from ray import tune
 
-    os.environ.update(config["env"])
-    cfg = parse_config(config["study"], "<tune trial>")
+    os.environ.update(env or {})
+    cfg = parse_config(json.loads(study), "<tune trial>")
     kind, mixture = config["head"]
     checkpoint = tune.get_checkpoint()
     if checkpoint is not None:
@@ -155,12 +155,11 @@ def run_training(
     path = f"{storage.rstrip('/')}/{name}"
     if "://" not in storage:
         Path(storage).mkdir(parents=True, exist_ok=True)
-    param_space = {
-        "head": tune.grid_search([list(p) for p in todo]),
-        "study": cfg.model_dump(mode="json"),
-        "env": env or {},
-    }
-    trainable = tune.with_resources(_trial, {"cpu": cfg.ray.trial_cpus, "gpu": cfg.ray.trial_gpus})
+    param_space = {"head": tune.grid_search([list(p) for p in todo])}
+    trainable = tune.with_resources(
+        tune.with_parameters(_trial, study=cfg.model_dump_json(), env=env or {}),
+        {"cpu": cfg.ray.trial_cpus, "gpu": cfg.ray.trial_gpus},
+    )
     restored = tune.Tuner.can_restore(path)
     if restored:
         log_line(f"train: restoring the interrupted Tune experiment {path}")
