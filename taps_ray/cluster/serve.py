@@ -465,6 +465,7 @@ class TapsService:
         import torch
 
         from taps_ray.models.target import load_target
+        from taps_ray.spec.draft_vocab import draft_vocabulary
         from taps_ray.spec.registry import build_proposer, proposer_names
 
         self.cfg = parse_config(config, "<serve deployment>")
@@ -476,15 +477,16 @@ class TapsService:
         self.vocab_size = int(self.target.model.get_input_embeddings().weight.shape[0])
         self.kind = serve_cfg.head_kind
         self.heads, self.missing = self._load_heads()
+        vocab = draft_vocabulary(self.cfg, self.tokenizer, self.stop_ids) if self.heads else None
         self.proposers: dict[str, Any] = {"plain": build_proposer("plain", self.target, {}, self.cfg.tree)}
         for name in self.heads:
-            self.proposers[name] = build_proposer(name, self.target, self.heads, self.cfg.tree)
+            self.proposers[name] = build_proposer(name, self.target, self.heads, self.cfg.tree, vocab)
         mixtures = self.cfg.train.mixtures
         combinations = [n for n in proposer_names(self.cfg) if n != "plain" and n not in mixtures]
         if all(m in self.heads for m in mixtures[:2]) and len(mixtures) >= 2:
             for name in combinations:
                 try:
-                    self.proposers[name] = build_proposer(name, self.target, self.heads, self.cfg.tree)
+                    self.proposers[name] = build_proposer(name, self.target, self.heads, self.cfg.tree, vocab)
                 except Exception as error:  # a combination that cannot use these heads is left out, not fatal
                     logger.warning("combination %r left out: %s", name, error)
         self.max_tokens_limit = serve_cfg.max_tokens_limit
