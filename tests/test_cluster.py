@@ -135,7 +135,8 @@ class _Proxy:
         return self.runner.call(self.pool.step(self.sid, trees))
 
 
-def test_worker_gathers_sessions_into_one_forward(tiny_target, cfg):
+@pytest.mark.parametrize("wait_ms", [200.0, 0.0], ids=["gathered", "partial"])
+def test_worker_gathers_sessions_into_one_forward(tiny_target, cfg, wait_ms):
     heads = load_heads(cfg, "eagle2", torch.float32)
     proposer = lambda: build_proposer("math", tiny_target, heads, cfg.tree)  # noqa: E731
     stops = tiny_target.stop_token_ids
@@ -144,7 +145,7 @@ def test_worker_gathers_sessions_into_one_forward(tiny_target, cfg):
     expected = [[g.tokens for g in generate(tiny_target.model, proposer(), p, params, 8, stops)] for p in prompt_sets]
 
     runner = _LoopThread()
-    pool = VerificationPool(tiny_target.model, max_batch=4, max_wait_ms=200.0)
+    pool = VerificationPool(tiny_target.model, max_batch=4, max_wait_ms=wait_ms)
     try:
         results: list = [None, None]
 
@@ -161,7 +162,30 @@ def test_worker_gathers_sessions_into_one_forward(tiny_target, cfg):
         runner.stop()
     assert results == expected
     assert stats["merged_sessions"] == 1  # the second drafter's session joined the first one's cache
-    assert stats["batch_histogram"].get(4, 0) > 0  # and their trees were verified in one forward
+    if wait_ms:  # waiting long enough gathers both sessions' trees into one forward
+        assert stats["batch_histogram"].get(4, 0) > 0
+
+
+def test_stepping_some_rows_leaves_the_others_untouched(tiny_target, cfg):
+    from taps_ray.cluster.pool import step_rows
+
+    heads = load_heads(cfg, "eagle2", torch.float32)
+    proposer = build_proposer("math", tiny_target, heads, cfg.tree)
+    params = SamplingParams(temperature=1.0)
+    prompts = [[1, 5, 9, 14, 3], [1, 7, 2], [1, 22, 8, 8]]
+    shared, alone = TargetBatch(tiny_target.model), TargetBatch(tiny_target.model)
+    started = shared.start(prompts, params, [0, 1, 2])
+    alone.start(prompts[1:2], params, [1])
+    tree, _ = proposer.propose(proposer.init_state(), started[1].features, started[1].next_tokens)
+    before = [layer.keys[[0, 2]].clone() for layer in shared.cache.layers]
+    got = step_rows(shared, [1], [tree])[0]
+    want = alone.step([tree])[0]
+    assert got.tokens == want.tokens
+    torch.testing.assert_close(got.features, want.features)
+    assert shared.lengths.tolist() == [5, int(alone.lengths[0]), 4]
+    for layer, old in zip(shared.cache.layers, before):
+        torch.testing.assert_close(layer.keys[[0, 2], :, : old.shape[2]], old)
+        assert layer.keys.shape[2] == int(shared.lengths.max())
 
 
 def test_merge_and_select_keep_each_sequence(tiny_target):

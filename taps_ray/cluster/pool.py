@@ -10,8 +10,9 @@ scheduler runs ONE `TargetBatch.step` over a group as soon as
   * the submitted sequences reach `max_batch`, or
   * the oldest queued request of the group has waited `max_wait_ms`;
 
-sessions that did not submit in time sit that step out with tree None (the engine's own "nothing to
-verify" case, which leaves their cache, lengths and sampling generators untouched). A new session is
+sessions that did not submit in time sit that step out: the submitted sessions' rows are copied out of the
+shared cache, stepped as a batch of their own and written back (`step_rows`), so a late session costs no
+padded rows in the forward and its cache, length and sampling generator stay untouched. A new session is
 prefilled alone, then merged into a group with room (caches padded to one width and concatenated along the
 batch); a closed or idle session is evicted (its rows dropped, the cache cropped). One forward runs at a
 time per worker, in a worker thread, so requests keep arriving while the target computes.
@@ -87,6 +88,51 @@ def select_rows(batch: TargetBatch, keep: list[int]) -> None:
     batch.generators = [batch.generators[i] for i in keep]
 
 
+def take_rows(batch: TargetBatch, rows: list[int]) -> TargetBatch:
+    """A new batch holding copies of the caches of `rows` (their generators are shared, not copied)."""
+    from transformers import DynamicCache
+
+    index = torch.tensor(rows, dtype=torch.long)
+    lengths = batch.lengths[index]
+    width = int(lengths.max())
+    sub = TargetBatch(batch.model)
+    sub.params = batch.params
+    sub.cache = DynamicCache(ddp_cache_data=[(l.keys[index, :, :width], l.values[index, :, :width]) for l in batch.cache.layers])
+    sub.lengths = lengths.clone()
+    sub.generators = [batch.generators[i] for i in rows]
+    return sub
+
+
+def put_rows(batch: TargetBatch, rows: list[int], sub: TargetBatch) -> None:
+    """Write a stepped sub-batch (from `take_rows`) back into its rows; the other rows keep their caches."""
+    index = torch.tensor(rows, dtype=torch.long)
+    lengths = batch.lengths.clone()
+    lengths[index] = sub.lengths
+    width = int(lengths.max())
+    sub_width = sub.cache.get_seq_length()
+    for mine, theirs in zip(batch.cache.layers, sub.cache.layers, strict=True):
+        for name in ("keys", "values"):
+            full = _pad_width(getattr(mine, name), width)  # the width only grows: rows only gain tokens
+            full[index, :, :sub_width] = getattr(theirs, name)
+            setattr(mine, name, full)
+    batch.lengths = lengths
+
+
+def step_rows(batch: TargetBatch, rows: list[int], trees: list[DraftTree | None]) -> list[Committed | None]:
+    """`batch.step` for the sequences `rows` only (trees in the same order); the others are not computed at all.
+
+    Sitting out with tree None would still cost each of those sequences a padded row in the forward; here the
+    submitted rows are copied out, stepped as their own batch and written back.
+    """
+    with torch.no_grad():
+        if rows == list(range(batch.batch_size)):
+            return batch.step(trees)
+        sub = take_rows(batch, rows)
+        out = sub.step(trees)
+        put_rows(batch, rows, sub)
+        return out
+
+
 def params_key(params: SamplingParams) -> str:
     return json.dumps(params.model_dump(), sort_keys=True)
 
@@ -123,7 +169,7 @@ class PoolStats:
     prefills: int = 0
     sessions: int = 0
     sequences_verified: int = 0  # sequences with a tree, summed over forwards
-    rows_forwarded: int = 0  # batch rows of those forwards (sequences sitting out included)
+    rows_forwarded: int = 0  # batch rows of those forwards (finished sequences of a session included)
     tree_tokens: int = 0  # tree nodes verified
     committed_tokens: int = 0
     verify_s: float = 0.0
@@ -134,11 +180,6 @@ class PoolStats:
         out = dict(vars(self))
         out["mean_sequences_per_forward"] = self.sequences_verified / self.forwards if self.forwards else 0.0
         return out
-
-
-def _step(batch: TargetBatch, trees: list[DraftTree | None]) -> list[Committed | None]:
-    with torch.no_grad():
-        return batch.step(trees)
 
 
 def _start(batch: TargetBatch, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Committed]:
@@ -290,16 +331,21 @@ class VerificationPool:
             if group not in self._groups:
                 return
             submitted = [s for s in group.sessions if s.pending is not None]
+            rows: list[int] = []
             trees: list[DraftTree | None] = []
+            offset = 0
             for session in group.sessions:
-                trees.extend(session.pending if session.pending is not None else [None] * session.size)
+                if session.pending is not None:
+                    rows.extend(range(offset, offset + session.size))
+                    trees.extend(session.pending)
+                offset += session.size
             for session in submitted:
                 session.pending = None
             group.since = None
             verified = [t for t in trees if t is not None]
             start = time.perf_counter()
             try:
-                results = await loop.run_in_executor(self._executor, _step, group.batch, trees)
+                results = await loop.run_in_executor(self._executor, step_rows, group.batch, rows, trees)
             except Exception as error:  # the group's cache may be half-updated: drop the whole group
                 log.exception("verification failed; dropping %d sessions", len(group.sessions))
                 for session in submitted:
@@ -317,10 +363,10 @@ class VerificationPool:
             histogram[len(verified)] = histogram.get(len(verified), 0) + 1
             offset = 0
             now = loop.time()
-            for session in group.sessions:
+            for session in submitted:  # results come in row order, session by session
                 part = results[offset : offset + session.size]
                 offset += session.size
-                if session in submitted and not session.future.done():
+                if not session.future.done():
                     session.last_active = now
                     session.future.set_result(part)
 
