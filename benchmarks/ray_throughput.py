@@ -38,12 +38,14 @@ def _load() -> str:
 
 
 def _heads_config(cfg: StudyConfig, kind: str, target, scratch: Path) -> tuple[StudyConfig, str]:
-    """The config itself when its trained heads exist, else a copy whose work dir holds random heads."""
+    """The first two heads (what the single-head and routed proposers use): trained ones when the config's work
+    dir has them, else random heads in a scratch work dir."""
     from taps_ray.models.draft_head import new_head
     from taps_ray.spec.registry import head_dir
 
-    if all(head_dir(cfg, kind, m).is_dir() for m in cfg.train.mixtures):
-        return cfg, f"trained `{kind}` heads from `{cfg.work_dir}`"
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"mixtures": cfg.train.mixtures[:2]})})
+    if all((head_dir(cfg, kind, m) / "model.safetensors").is_file() for m in cfg.train.mixtures):
+        return cfg, f"trained `{kind}` heads ({', '.join(cfg.train.mixtures)}) from `{cfg.work_dir}`"
     random_cfg = cfg.model_copy(update={"work_dir": str(scratch)})
     for seed, mixture in enumerate(cfg.train.mixtures, start=1):
         new_head(target.model.config, seed=seed, kind=kind, trained_on=mixture).save(head_dir(random_cfg, kind, mixture))

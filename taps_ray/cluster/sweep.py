@@ -13,7 +13,7 @@
 
 Killing the driver at any point loses only the work in flight: a rerun skips finished feature shards,
 finished heads (and resumes a head from its last epoch), and finished cells. `--quick` runs a shrunken
-study (few conversations, one epoch, two questions per benchmark, short answers) in `<work_dir>-quick`.
+study (few conversations, one epoch, one question per benchmark, short answers) in `<work_dir>-quick`.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def quick_config(cfg: StudyConfig) -> StudyConfig:
         proposers += [p for p in QUICK_COMBINATIONS if p in cfg.eval.proposers]
     evaluation = cfg.eval.model_copy(
         update={
-            "benchmarks": {b: min(n, 2) for b, n in cfg.eval.benchmarks.items()},
+            "benchmarks": {b: 1 for b in cfg.eval.benchmarks},
             "max_new_tokens": min(cfg.eval.max_new_tokens, 32),
             "proposers": proposers or train_mixtures[:1],
         }
