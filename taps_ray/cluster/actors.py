@@ -17,6 +17,7 @@ import shutil
 import socket
 import tempfile
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -180,6 +181,7 @@ class DrafterActor:
         self.packed = heads
         self.heads: dict[str, dict] = {}
         self.scratch = Path(tempfile.mkdtemp(prefix="taps-heads-"))
+        weakref.finalize(self, shutil.rmtree, self.scratch, True)  # also at interpreter exit, unlike __del__
         # The draft side needs only the target's tokenizer, embeddings and LM head: drop its decoder layers.
         self.target = load_target(self.config.target, dtype=self.config.eval.dtype)
         self.target.model.model.layers = torch.nn.ModuleList()
@@ -229,5 +231,3 @@ class DrafterActor:
     def ping(self) -> int:
         return os.getpid()
 
-    def __del__(self) -> None:
-        shutil.rmtree(getattr(self, "scratch", ""), ignore_errors=True)
