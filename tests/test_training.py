@@ -283,3 +283,31 @@ def test_mixed_features_copy_single_domain_conversations(base, tmp_path):
     for ex in mixed.load()[:3]:
         (h, _, k), = features_mod.target_features(target, [ex.input_ids.tolist()], cfg.features.top_k)
         assert torch.allclose(ex.hidden, h, atol=1e-4) and torch.equal(ex.topk_ids[:, 0], k[:, 0])
+
+
+def test_second_trainer_waits_for_the_first(base, tmp_path):
+    """A process training the same head holds its lock; the other one blocks, then reuses the finished head."""
+    import threading
+    import time
+
+    from taps_ray.training.features import exclusive_lock
+
+    cfg, target = fresh(base, tmp_path)
+    folder = head_dir(cfg, "eagle2", "chat")
+    order = []
+
+    def other_process():
+        with exclusive_lock(folder.parent / f".{folder.name}.lock"):
+            order.append("holder")
+            time.sleep(0.5)
+        order.append("released")
+
+    # flock locks belong to open file descriptions, so a second open() in this process contends like another process
+    thread = threading.Thread(target=other_process)
+    thread.start()
+    while not order:
+        time.sleep(0.01)
+    train_head(cfg, "eagle2", "chat", target=target, progress=False)
+    order.append("trained")
+    thread.join()
+    assert order == ["holder", "released", "trained"]

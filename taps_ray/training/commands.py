@@ -182,9 +182,9 @@ def render_report(s: dict, domains: Sequence[str]) -> str:
               "load on the machine disturbs much less than the wall-clock one.", ""]
 
     lines += ["## Training", "",
-              "| head | epochs | steps | trained tokens | train seconds | tokens/s | tokens per CPU-second | "
+              "| head | epochs | steps | trained tokens | threads | train seconds | tokens/s | tokens per CPU-second | "
               "held-out loss (own) | held-out agreement (own) |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|"]
     groups: dict[str, float] = {}
     for h in s["heads"]:
         st = h["state"]
@@ -193,7 +193,7 @@ def render_report(s: dict, domains: Sequence[str]) -> str:
         group = "math + chat" if h["mixture"] in domains else h["mixture"]
         groups[group] = groups.get(group, 0.0) + secs
         epochs = st["tokens"] / max(1, st.get("epoch_size_tokens") or st["tokens"])
-        lines.append(f"| {h['kind']}-{h['mixture']} | {epochs:.2f} | {st['step']} | {st['tokens']} | {secs:.0f} | "
+        lines.append(f"| {h['kind']}-{h['mixture']} | {epochs:.2f} | {st['step']} | {st['tokens']} | {st.get('threads', '–')} | {secs:.0f} | "
                      f"{st['tokens'] / max(secs, 1e-9):.0f} | {_fmt(st['tokens'] / cpu if cpu else None, 0)} | "
                      f"{_fmt(last.get('heldout_loss'))} | {_fmt(last.get('heldout_acc'))} |")
     lines += ["", "Training wall time (optimizer steps only, held-out evaluation excluded): " + ", ".join(

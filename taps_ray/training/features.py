@@ -17,6 +17,7 @@ copied from that set instead of being run through the target again.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -108,6 +109,31 @@ def features_key(cfg: StudyConfig, mixture_name: str) -> str:
 
 def features_folder(cfg: StudyConfig, mixture_name: str) -> Path:
     return cfg.work_path("features", features_key(cfg, mixture_name))
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive advisory lock on `path` (created if needed); a second process blocks until it is free.
+
+    Two processes building the same feature set or training the same head (a sweep trial and a report, say)
+    then run one after the other, and the second one finds the work done instead of racing the first.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: no locking
+            yield
+            return
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process holding %s", path)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _write_json_atomic(path: Path, data: Any) -> None:
@@ -356,6 +382,16 @@ def extract_features(cfg: StudyConfig, mixture_name: str, target: Target | None 
     """The cached features of `mixture_name`, extracting the missing shards first. Returns the set with stats:
     conversations, tokens, tokens_per_s (of the extraction that produced them), reused (nothing was extracted now)."""
     folder = features_folder(cfg, mixture_name)
+    manifest_path = folder / MANIFEST
+    if manifest_path.is_file():
+        manifest = json.loads(manifest_path.read_text())
+        return FeatureSet(folder, manifest, {**manifest["stats"], "reused": True, "extracted_shards": 0})
+    with exclusive_lock(folder.parent / f".{folder.name}.lock"):
+        return _extract_features(cfg, mixture_name, folder, target, progress)
+
+
+def _extract_features(cfg: StudyConfig, mixture_name: str, folder: Path, target: Target | None,
+                      progress: bool) -> FeatureSet:
     manifest_path = folder / MANIFEST
     if manifest_path.is_file():
         manifest = json.loads(manifest_path.read_text())

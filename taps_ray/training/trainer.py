@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 from taps_ray.config import StudyConfig
 from taps_ray.models.draft_head import DraftHead, new_head
 from taps_ray.models.target import Target, load_target
-from taps_ray.training.features import Example, FeatureSet, extract_features
+from taps_ray.training.features import Example, FeatureSet, exclusive_lock, extract_features
 from taps_ray.training.losses import Batch, FrozenTarget, LossSettings, run_passes
 
 log = logging.getLogger(__name__)
@@ -260,6 +260,13 @@ def train_head(cfg: StudyConfig, kind: str, mixture_name: str, report: Report | 
     """
     if kind not in ("eagle2", "hass"):
         raise ValueError(f"unknown head kind {kind!r}; use eagle2 or hass")
+    folder = head_dir(cfg, kind, mixture_name)
+    with exclusive_lock(folder.parent / f".{folder.name}.lock"):
+        return _train_head(cfg, kind, mixture_name, report, target, progress, stop_after_epochs)
+
+
+def _train_head(cfg: StudyConfig, kind: str, mixture_name: str, report: Report | None, target: Target | None,
+                progress: bool, stop_after_epochs: int | None) -> Path:
     threads = configure_threads()
     t = cfg.train
     if target is None:
