@@ -234,6 +234,19 @@ def test_agreement_and_report(base, tmp_path):
     result = evaluate_agreement(cfg, summary["heads"][0]["path"], ["math", "chat"], target=target)
     for domain in ("math", "chat"):
         assert 0.0 <= result[domain]["acc"] <= 1.0 and result[domain]["tokens"] > 0
+        assert result[domain]["acc"] == pytest.approx(summary["heads"][0]["agreement"][domain]["acc"])
+    # a rerun over finished heads reuses the cached agreement instead of evaluating again
+    import taps_ray.training.agreement as agreement_mod
+
+    def boom(*args, **kwargs):
+        raise AssertionError("evaluated again")
+
+    original = agreement_mod.evaluate_agreement
+    agreement_mod.evaluate_agreement = boom
+    try:
+        cmd_agreement_report(cfg, output=tmp_path / "reports")
+    finally:
+        agreement_mod.evaluate_agreement = original
 
 
 def test_greedy_answers_batched_match_unbatched_generate(base):

@@ -12,6 +12,9 @@ conversation scored here.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from pathlib import Path
 from typing import Sequence
 
@@ -20,7 +23,7 @@ import torch
 from taps_ray.config import StudyConfig
 from taps_ray.models.draft_head import DraftHead
 from taps_ray.models.target import Target, load_target
-from taps_ray.training.features import extract_features
+from taps_ray.training.features import extract_features, features_key
 from taps_ray.training.losses import FrozenTarget, LossSettings
 from taps_ray.training.trainer import configure_threads, evaluate, split_examples
 
@@ -57,3 +60,29 @@ def evaluate_agreement(cfg: StudyConfig, head_path: str | Path, corpus_mixture: 
             "conversations": len(held),
         }
     return out
+
+
+def cached_agreement(cfg: StudyConfig, head_path: str | Path, domains: Sequence[str] = DEFAULT_DOMAINS, *,
+                     target: Target | None = None) -> dict:
+    """evaluate_agreement, remembered in the head's folder (``agreement-<key>.json``).
+
+    The key covers the head's weights, the held-out feature sets, the held-out rule and the number of passes, so a
+    retrained head or changed data is evaluated afresh; a report rerun over finished heads costs nothing.
+    """
+    head_path = Path(head_path)
+    spec = {
+        "weights": hashlib.sha256((head_path / "model.safetensors").read_bytes()).hexdigest()[:16],
+        "features": [features_key(cfg, d) for d in domains],
+        "heldout": [cfg.train.heldout_fraction, cfg.train.seed],
+        "passes": max(1, cfg.train.hca_passes),
+        "mask": cfg.train.mask_alignment,
+    }
+    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+    cache = head_path / f"agreement-{key}.json"
+    if cache.is_file():
+        return json.loads(cache.read_text())
+    result = evaluate_agreement(cfg, head_path, list(domains), target=target)
+    tmp = cache.with_name(f".{cache.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(result, indent=2))
+    os.replace(tmp, cache)
+    return result

@@ -27,7 +27,7 @@ import torch
 
 from taps_ray.config import StudyConfig, load_config
 from taps_ray.models.target import Target, load_target
-from taps_ray.training.agreement import DEFAULT_DOMAINS, evaluate_agreement
+from taps_ray.training.agreement import DEFAULT_DOMAINS, cached_agreement
 from taps_ray.training.features import extract_features
 from taps_ray.training.trainer import METRICS_FILE, configure_threads, head_dir, train_head
 
@@ -87,7 +87,7 @@ def cmd_agreement_report(cfg: StudyConfig, domains: Sequence[str] = DEFAULT_DOMA
             path = train_head(cfg, kind, mixture, target=target)
             call_s = time.perf_counter() - call_start
             state = json.loads((path / METRICS_FILE).read_text())
-            agreement = evaluate_agreement(cfg, path, domains, target=target)
+            agreement = cached_agreement(cfg, path, domains, target=target)
             heads.append({"kind": kind, "mixture": mixture, "path": str(path), "call_seconds": round(call_s, 1),
                           "state": {k: v for k, v in state.items() if k != "feature_stats"}, "agreement": agreement})
             print(f"{kind}-{mixture}: " + ", ".join(f"{d} {agreement[d]['acc']:.3f}" for d in domains))
