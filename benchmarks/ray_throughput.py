@@ -263,9 +263,12 @@ def render(args, cfg, heads_note, verify_rows, evaluation_results, load_before, 
             "",
             "With one drafter the drafter and the target worker take turns (draft, then verify), like the in-process loop; "
             "the Ray path adds one round trip per verification step (trees out, accepted tokens and features back). "
-            "With two drafters on one worker, sessions with the same sampling parameters share one KV cache and their "
-            "trees are verified in one forward when they arrive within `max_wait_ms` (sequences per forward > batch); on "
-            "a 2-core CPU the drafters also compete for the cores the worker uses.",
+            "With two drafters on one worker, one drafter drafts while the other's trees are verified; their sessions "
+            "(same sampling parameters) share one KV cache, and their trees go into one forward only when they arrive "
+            f"within `max_wait_ms` ({cfg.ray.max_wait_ms:g} ms here) of each other — the sequences-per-forward column "
+            "says how often that happened (a forward computes only the sessions that submitted, so waiting is never "
+            "paid in padded rows). Identical tokens: bf16 results can depend on the batch a sequence is verified in, so "
+            "gathered forwards may change a near-tie; with one drafter the batches are exactly the in-process ones.",
             "",
         ]
     return "\n".join(lines)
