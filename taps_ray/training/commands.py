@@ -124,8 +124,8 @@ def render_report(s: dict, domains: Sequence[str]) -> str:
     lines = [
         f"# Draft heads — `{s['config']}` config",
         "",
-        f"Target `{s['target']}` ({s['dtype']}), heads trained in fp32 on {s['threads']} thread(s) "
-        f"({s['machine']}). Regenerate with "
+        f"Target `{s['target']}` ({s['dtype']}), heads trained in fp32 on the CPU ({s['machine']}; threads per "
+        "head in the training table: 1 means a Ray Tune trial or OMP_NUM_THREADS=1). Regenerate with "
         f"`python -m taps_ray.training.commands report --config configs/{s['config']}.yaml`.",
         "",
         "Budget: " + ", ".join(f"`{name}` {m['size']} conversations ({' + '.join(f'{c} {r:g}' for c, r in m['mixture'].items())})"
@@ -173,9 +173,11 @@ def render_report(s: dict, domains: Sequence[str]) -> str:
               "| mixture | conversations | tokens | run through the target | copied from another mixture | seconds | "
               "tokens/s | tokens per CPU-second |", "|---|---|---|---|---|---|---|---|"]
     for name, st in s["features"].items():
-        lines.append(f"| {name} | {st['conversations']} | {st['tokens']} | {st.get('computed_tokens', st['tokens'])} | "
-                     f"{st.get('copied_conversations', 0)} conversations | {_fmt(st.get('extract_s'), 1)} | "
-                     f"{_fmt(st.get('tokens_per_s'), 0)} | {_fmt(st.get('tokens_per_cpu_s'), 0)} |")
+        computed = st.get("computed_tokens", st["tokens"])
+        timing = (f"{_fmt(st.get('extract_s'), 1)} | {_fmt(st.get('tokens_per_s'), 0)} | "
+                  f"{_fmt(st.get('tokens_per_cpu_s'), 0)}") if computed else "– | – | –"
+        lines.append(f"| {name} | {st['conversations']} | {st['tokens']} | {computed} | "
+                     f"{st.get('copied_conversations', 0)} conversations | {timing} |")
     lines += ["", "Tokens are all conversation tokens (prompt and answer) the target ran over, in right-padded "
               f"length-sorted batches of {f['batch_size']}; the time covers the target forward, the LM head and the "
               "top-K. Tokens per CPU-second divide by the process's CPU time (all threads), a figure that other "
@@ -185,27 +187,36 @@ def render_report(s: dict, domains: Sequence[str]) -> str:
               "| head | epochs | steps | trained tokens | threads | train seconds | tokens/s | tokens per CPU-second | "
               "held-out loss (own) | held-out agreement (own) |",
               "|---|---|---|---|---|---|---|---|---|---|"]
-    groups: dict[str, float] = {}
+    groups: dict[str, list[float]] = {}
     for h in s["heads"]:
         st = h["state"]
         last = st["history"][-1] if st["history"] else {}
         secs, cpu = st["train_seconds"], st.get("train_cpu_seconds")
         group = "math + chat" if h["mixture"] in domains else h["mixture"]
-        groups[group] = groups.get(group, 0.0) + secs
+        wall_cpu = groups.setdefault(group, [0.0, 0.0])
+        wall_cpu[0] += secs
+        wall_cpu[1] += cpu or 0.0
         epochs = st["tokens"] / max(1, st.get("epoch_size_tokens") or st["tokens"])
         lines.append(f"| {h['kind']}-{h['mixture']} | {epochs:.2f} | {st['step']} | {st['tokens']} | {st.get('threads', '–')} | {secs:.0f} | "
                      f"{st['tokens'] / max(secs, 1e-9):.0f} | {_fmt(st['tokens'] / cpu if cpu else None, 0)} | "
                      f"{_fmt(last.get('heldout_loss'))} | {_fmt(last.get('heldout_acc'))} |")
-    lines += ["", "Training wall time (optimizer steps only, held-out evaluation excluded): " + ", ".join(
-        f"{g} heads {v / 60:.1f} min" for g, v in groups.items()) + ". Tokens/s counts every token of a "
+    lines += ["", "Training time (optimizer steps only, held-out evaluation excluded): " + ", ".join(
+        f"{g} heads {wall / 60:.1f} min wall, {cpu / 60:.1f} CPU-min" for g, (wall, cpu) in groups.items()) +
+        ". Wall-clock figures depend on what else runs on the machine (load average per epoch below, where "
+        "recorded); CPU time much less, and on an idle 2-core machine two threads finish in about half the "
+        "CPU time (an estimate, not a measurement). Tokens/s counts every token of a "
         "conversation (prompt and answer) per optimizer step; a HASS step runs its HCA passes over the batch. "
         "Held-out loss is the EAGLE loss (regression + 0.1 soft CE) for both kinds.", ""]
-    per_epoch = ["| head | " + " | ".join(["epoch", "train loss", "held-out loss", "held-out agreement", "tokens/s"]) + " |",
-                 "|---|---|---|---|---|---|"]
+    per_epoch = ["| head | " + " | ".join(["epoch", "train loss", "held-out loss", "held-out agreement", "tokens/s",
+                                           "tokens per CPU-second", "load average"]) + " |",
+                 "|---|---|---|---|---|---|---|---|"]
     for h in s["heads"]:
         for m in h["state"]["history"]:
             per_epoch.append(f"| {h['kind']}-{h['mixture']} | {m['epoch']} | {_fmt(m['train_loss'])} | "
-                             f"{_fmt(m['heldout_loss'])} | {_fmt(m['heldout_acc'])} | {_fmt(m['tokens_per_s'], 0)} |")
+                             f"{_fmt(m['heldout_loss'])} | {_fmt(m['heldout_acc'])} | {_fmt(m['tokens_per_s'], 0)} | "
+                             f"{_fmt(m.get('tokens_per_cpu_s'), 0)} | {_fmt(m.get('load_average'), 1)} |")
+    per_epoch += ["", "Train loss is the kind's own objective on the pass-0 batch (HASS: with its top-K term), so it is "
+                  "not comparable across kinds; held-out loss is the EAGLE loss for both."]
     lines += ["### Per epoch", "", *per_epoch, "",
               "## Run", "",
               f"Whole report run {s['wall_seconds'] / 60:.1f} min (features, training of missing heads, evaluation); "

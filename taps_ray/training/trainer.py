@@ -366,6 +366,7 @@ def _train_head(cfg: StudyConfig, kind: str, mixture_name: str, report: Report |
                 **{f"heldout_acc_{j}": held.get(f"acc_{j}") for j in range(eval_passes)},
                 "heldout_tokens": held.get("scored_tokens"),
                 "eval_seconds": round(time.perf_counter() - eval_start, 3),
+                "load_average": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
             }
             state["epoch"] = epoch
             state["history"].append(metrics)
