@@ -17,7 +17,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads s
 import pytest
 import torch
 
-from taps_ray.config import StudyConfig, load_config
+from taps_ray.config import StudyConfig, TargetConfig, TinyTargetConfig, load_config
 from taps_ray.models.target import Target, load_target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,8 +45,6 @@ def tiny_target(tiny_config: StudyConfig) -> Target:
 
 @pytest.fixture(scope="session")
 def smollm2_fp32() -> Target:
-    from taps_ray.config import TargetConfig
-
     return load_target(TargetConfig(name="smollm2-135m-instruct", dtype="float32"))
 
 
@@ -58,3 +56,18 @@ def ray_session():
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def small_vocab_target() -> Target:
+    """A 5-token random target with moderate distributions: exact joint probabilities are cheap to enumerate."""
+    config = TargetConfig(
+        name="tiny-random-llama",
+        dtype="float32",
+        tiny=TinyTargetConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                              num_key_value_heads=1, vocab_size=5, seed=3),
+    )
+    target = load_target(config)
+    with torch.no_grad():  # moderate, non-degenerate next-token distributions
+        target.model.model.embed_tokens.weight.mul_(0.25)
+    return target

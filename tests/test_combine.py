@@ -8,10 +8,9 @@ import pytest
 import torch
 from scipy import stats
 
-from taps_ray.config import TargetConfig, TinyTargetConfig, TreeConfig
+from taps_ray.config import TreeConfig
 from taps_ray.eval import diagnostics
 from taps_ray.models.draft_head import DraftHead, new_head
-from taps_ray.models.target import load_target
 from taps_ray.spec import combine
 from taps_ray.spec.combine import (
     ConfidenceRouted,
@@ -293,20 +292,6 @@ def test_budget_merge_uses_exactly_the_budget(tiny_target, probe):
 
 
 # --- sampling: lossless on a small vocabulary ----------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def small_vocab_target():
-    config = TargetConfig(
-        name="tiny-random-llama",
-        dtype="float32",
-        tiny=TinyTargetConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                              num_key_value_heads=1, vocab_size=5, seed=3),
-    )
-    target = load_target(config)
-    with torch.no_grad():
-        target.model.model.embed_tokens.weight.mul_(0.25)
-    return target
 
 
 @pytest.mark.parametrize("name", ["merged", "merged-dedup"])

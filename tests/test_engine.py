@@ -6,9 +6,8 @@ import pytest
 import torch
 from scipy import stats
 
-from taps_ray.config import TargetConfig, TinyTargetConfig, TreeConfig
+from taps_ray.config import TreeConfig
 from taps_ray.models.draft_head import new_head
-from taps_ray.models.target import load_target
 from taps_ray.spec.generate import generate
 from taps_ray.spec.proposers import PlainDecoding, SingleHead
 from taps_ray.spec.target_batch import TargetBatch
@@ -164,20 +163,6 @@ def test_greedy_lossless_on_smollm2_fp32(smollm2_fp32):
 
 
 # --- lossless sampling ---------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def small_vocab_target():
-    config = TargetConfig(
-        name="tiny-random-llama",
-        dtype="float32",
-        tiny=TinyTargetConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                              num_key_value_heads=1, vocab_size=5, seed=3),
-    )
-    target = load_target(config)
-    with torch.no_grad():  # moderate, non-degenerate next-token distributions
-        target.model.model.embed_tokens.weight.mul_(0.25)
-    return target
 
 
 def _exact_pair_distribution(model, prompt: list[int], params: SamplingParams) -> torch.Tensor:
