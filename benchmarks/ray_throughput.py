@@ -15,7 +15,6 @@ import argparse
 import os
 import platform
 import shlex
-import statistics
 import sys
 import tempfile
 import time

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import LlamaConfig
 
 from taps_ray.models.draft_head import new_head
@@ -105,6 +105,30 @@ def test_loss_terms_hand_computed():
     assert terms["topk"].item() == pytest.approx(topk, rel=1e-12)
     # argmax: pos 0 target ties -> index 0, pred argmax 0 -> agree; pos 1 target argmax 1, pred argmax 0 -> no
     assert terms["acc"].item() == pytest.approx(1 / nm, rel=1e-9)
+
+
+def test_loss_terms_over_a_reduced_draft_vocabulary():
+    """Draft vocabulary {0, 2} of V = 3: soft CE over the renormalised target; top-K ids outside it drop out."""
+    full = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], dtype=torch.float64)
+    model = torch.nn.Module()
+    model.get_input_embeddings = lambda: torch.nn.Embedding(3, 2)
+    model.get_output_embeddings = lambda: SimpleNamespace(weight=full)
+    frozen = FrozenTarget.from_model(model, torch.float64, vocab=torch.tensor([0, 2]))
+    assert frozen.draft_index(torch.tensor([0, 1, 2])).tolist() == [0, -1, 1]
+    pred = torch.tensor([[[2.0, 0.0], [0.0, 0.0]]], dtype=torch.float64)
+    target = torch.tensor([[[0.0, 1.0], [0.0, 0.0]]], dtype=torch.float64)
+    s = shift_batch(Batch(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2), target, torch.tensor([2])),
+                    dtype=torch.float64)
+    s.feat_in, s.target, s.mask = pred, target, torch.tensor([[1.0, 0.0]], dtype=torch.float64)
+    s.topk_probs = torch.tensor([[[0.6, 0.3], [0.0, 0.0]]], dtype=torch.float64)
+    s.topk_ids = torch.tensor([[[1, 2], [0, 0]]])  # token 1 is not in the draft vocabulary
+    dist = TargetDistribution.build(s, frozen)
+    terms = loss_terms(pred, s, dist, frozen, with_topk=True)
+    nm = 1 + 1e-5
+    lq = [2.0 - math.log(math.exp(2.0) + math.exp(2.0)), 2.0 - math.log(2 * math.exp(2.0))]  # logits (2, 2)
+    p = [1 / (1 + math.e), math.e / (1 + math.e)]  # target logits (0, 1) over draft ids {0, 2}
+    assert terms["cls"].item() == pytest.approx(-(p[0] * lq[0] + p[1] * lq[1]) / nm, rel=1e-12)
+    assert terms["topk"].item() == pytest.approx(-(0.3 * lq[1]) / nm, rel=1e-12)
 
 
 def test_version_index_rule():

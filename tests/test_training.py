@@ -269,7 +269,7 @@ def test_regenerate_answers_replaces_the_first_turn_answer(base, monkeypatch):
     cfg, target = base
     convs = build_mixture(cfg.mixtures["chat"], cfg.resolved_data_dir())[:3]
     words = target.tokenizer.encode(" the answer is four", add_special_tokens=False)
-    monkeypatch.setattr(features_mod, "greedy_answers", lambda t, prompts, b, m: [words, [], words][: len(prompts)])
+    monkeypatch.setattr(features_mod, "greedy_answers", lambda t, prompts, b, m, bar=None: [words, [], words][: len(prompts)])
     out = features_mod.regenerate_answers(target, convs, batch_size=3, max_new_tokens=6, max_prompt_len=10_000)
     assert [c.id for c in out] == [convs[0].id, convs[2].id]  # the empty answer is dropped
     for c, original in zip(out, (convs[0], convs[2])):
@@ -281,7 +281,7 @@ def test_extract_with_regenerated_answers(base, tmp_path, monkeypatch):
     cfg = cfg.model_copy(deep=True, update={"work_dir": str(tmp_path)})
     cfg.features.regenerate_answers = True
     words = target.tokenizer.encode(" the answer is four", add_special_tokens=False)
-    monkeypatch.setattr(features_mod, "greedy_answers", lambda t, prompts, b, m: [words] * len(prompts))
+    monkeypatch.setattr(features_mod, "greedy_answers", lambda t, prompts, b, m, bar=None: [words] * len(prompts))
     fs = extract_features(cfg, "chat", target=target, progress=False)
     assert fs.folder != features_folder(base[0], "chat") and fs.stats["conversations"] > 0
     for ex in fs.load():

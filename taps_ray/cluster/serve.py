@@ -39,17 +39,33 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from taps_ray.cluster.api_errors import ERROR_RESPONSES, ApiError, install_error_handlers
+from taps_ray.cluster.api_schemas import (
+    ChatChoice,
+    ChatCompletionMessage,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorDetail,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    SamplingFields,
+    Speculative,
+    Usage,
+)
 from taps_ray.config import HeadKind, StudyConfig, load_config, parse_config
 
 logger = logging.getLogger("ray.serve")
@@ -57,295 +73,8 @@ logger = logging.getLogger("ray.serve")
 APP_NAME = "taps"
 ALIASES = {"routed": "confidence-routed"}
 REPO_ROOT = Path(__file__).resolve().parents[2]
-MAX_SEED = 2**63 - 1
-MAX_STOP = 4
 MIN_TEMPERATURE = 1e-6
 MIN_TOP_P = 1e-6
-
-# --- request and response schemas (OpenAI-compatible subset) -------------------------------------------------
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
-
-
-class StreamOptions(_Body):
-    include_usage: bool = False
-
-
-class _Sampling(_Body):
-    model: str = Field(
-        ...,
-        min_length=1,
-        max_length=128,
-        description="proposer: plain, a head (math, chat, ...), routed (= confidence-routed), merged, ... "
-        "GET /v1/models lists what this service has loaded",
-        examples=["routed"],
-    )
-    max_tokens: int | None = Field(
-        None, ge=1, description="tokens to generate, 1..serve.max_tokens_limit (default serve.default_max_tokens)"
-    )
-    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False, description="0 = greedy, up to 2")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False, description="nucleus mass in (0, 1]")
-    top_k: int = Field(0, ge=0, le=1_000_000, description="extension: keep the k most likely tokens (0 = all)")
-    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="sampling seed (random when absent)")
-    stop: str | list[str] | None = Field(
-        None, description=f"up to {MAX_STOP} strings; the text is cut before the first one that appears"
-    )
-    n: int = Field(1, ge=1, le=1, description="choices per request; only 1 is supported")
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    user: str | None = Field(None, max_length=256)
-
-    @model_validator(mode="after")
-    def _stops(self) -> "_Sampling":
-        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        if len(stops) > MAX_STOP:
-            raise ValueError(f"stop holds {len(stops)} strings; give at most {MAX_STOP}")
-        if any(s == "" for s in stops):
-            raise ValueError("stop strings must not be empty; remove the empty string")
-        return self
-
-    @property
-    def stop_strings(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-
-
-class CompletionRequest(_Sampling):
-    model_config = ConfigDict(
-        json_schema_extra={"examples": [{"model": "routed", "prompt": "Question: what is 12 * 7?\nAnswer:", "temperature": 0,
-                                         "max_tokens": 16}]}
-    )
-    prompt: str | list[int] = Field(
-        ..., description="text, or token ids of the target's tokenizer; must not be empty", examples=["2+2="]
-    )
-
-    @field_validator("prompt")
-    @classmethod
-    def _not_empty(cls, value: str | list[int]) -> str | list[int]:
-        if len(value) == 0:
-            raise ValueError("is empty; send at least one character (or one token id)")
-        return value
-
-
-class TextPart(_Body):
-    type: Literal["text"] = "text"
-    text: str
-
-
-class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = Field(None, max_length=64)
-
-    @property
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-
-
-class ChatCompletionRequest(_Sampling):
-    model_config = ConfigDict(
-        json_schema_extra={"examples": [{"model": "routed", "messages": [{"role": "user", "content": "What is 12 * 7?"}],
-                                         "temperature": 0, "max_tokens": 16}]}
-    )
-    messages: list[ChatMessage] = Field(..., min_length=1, max_length=256)
-    max_completion_tokens: int | None = Field(None, ge=1, description="alias of max_tokens (newer OpenAI name)")
-
-    @field_validator("messages")
-    @classmethod
-    def _has_text(cls, value: list[ChatMessage]) -> list[ChatMessage]:
-        if value and not any(m.text.strip() for m in value):
-            raise ValueError("every message is empty; give at least one message some text")
-        return value
-
-    @model_validator(mode="after")
-    def _one_limit(self) -> "ChatCompletionRequest":
-        if self.max_tokens is not None and self.max_completion_tokens is not None and (
-            self.max_tokens != self.max_completion_tokens
-        ):
-            raise ValueError("max_tokens and max_completion_tokens disagree; send only one of them")
-        return self
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class Speculative(BaseModel):
-    proposer: str = Field(description="the registry name of the proposer that drafted")
-    tau: float = Field(description="mean tokens committed per target verification step (the prefill's token excluded)")
-    tau_taps: float = Field(description="TAPS/EAGLE definition: untrimmed committed tokens / (steps - 1)")
-    steps: int = Field(description="target verification steps")
-    accepted_tokens: int = Field(description="drafted tokens the target accepted")
-    head_fractions: dict[str, float] = Field(description="fraction of steps whose verified tree each head drafted")
-    batch_size: int = Field(description="sequences that shared this request's batched verification")
-    decode_s: float = Field(description="wall time of the batched decode this request was part of")
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    finish_reason: Literal["stop", "length"]
-    logprobs: None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage
-    speculative: Speculative
-
-
-class ChatCompletionMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatCompletionMessage
-    finish_reason: Literal["stop", "length"]
-    logprobs: None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    speculative: Speculative
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "taps-ray"
-    proposer: str
-    heads: list[str]
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorDetail
-
-
-# --- errors --------------------------------------------------------------------------------------------------
-
-
-class ApiError(Exception):
-    """A request this service refuses; `status` is always 4xx for bad input."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-
-def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    body = ErrorResponse(error=ErrorDetail(message=message, type=kind, param=param, code=code))
-    return JSONResponse(status_code=status, content=body.model_dump())
-
-
-_HINTS = {
-    "temperature": "use a number from 0 (greedy) to 2",
-    "top_p": "use a number in (0, 1]; 1 disables nucleus filtering",
-    "top_k": "use an integer >= 0; 0 keeps the whole vocabulary",
-    "max_tokens": "use an integer >= 1 (at most the service's max_tokens_limit, see GET /openapi.json)",
-    "max_completion_tokens": "use an integer >= 1 (at most the service's max_tokens_limit)",
-    "n": "only n=1 is supported; send one request per choice",
-    "model": "name a model listed by GET /v1/models, e.g. plain or routed",
-    "messages": 'send a non-empty list like [{"role": "user", "content": "Hi"}]',
-    "prompt": "send a non-empty string or a list of token ids",
-    "seed": f"use an integer from 0 to {MAX_SEED}",
-    "stream": "use true or false",
-    "role": "use system, user or assistant",
-    "content": "use a string (or a list of {type: text, text: ...} parts)",
-}
-
-
-_TYPE_TAGS = {"str", "int", "float", "bool", "none", "TextPart", "StreamOptions"}
-
-
-def _describe_validation(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
-    """One readable line per problem: where, what is wrong, what to send instead."""
-    lines, first_param = [], None
-    for item in errors[:8]:
-        loc = [str(p) for p in item.get("loc", ()) if p != "body"]
-        # pydantic reports union members as extra loc parts (str, list[int], function-after[...]); drop them
-        loc = [p for p in loc if not (p in _TYPE_TAGS or "[" in p or p.startswith("function-"))] or loc
-        where = ".".join(loc) or "body"
-        first_param = first_param or where
-        kind = item.get("type", "")
-        message = str(item.get("msg", "invalid")).removeprefix("Value error, ")
-        if kind == "json_invalid":
-            detail = (item.get("ctx") or {}).get("error", "")
-            return f"request body is not valid JSON ({detail}); send a JSON object", None
-        if kind == "missing":
-            message = "required field is missing"
-        elif kind == "extra_forbidden":
-            message = "unknown field; check its spelling or remove it"
-        elif kind in ("model_type", "model_attributes_type", "dict_type") and where == "body":
-            message = "request body must be a JSON object"
-        leaf = next((p for p in reversed(loc) if not p.isdigit()), "")
-        hint = _HINTS.get(leaf)
-        value = item.get("input")
-        shown = "" if kind in ("missing", "extra_forbidden", "value_error") or not loc else f" (got {_short(value)})"
-        add_hint = hint and kind not in ("extra_forbidden", "value_error")
-        lines.append(f"{where}: {message}{shown}" + (f"; {hint}" if add_hint else ""))
-    more = f" (+{len(errors) - 8} more)" if len(errors) > 8 else ""
-    return "invalid request: " + "; ".join(lines) + more, first_param
-
-
-def _short(value: Any) -> str:
-    try:
-        text = json.dumps(value)
-    except (TypeError, ValueError):
-        text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-async def _on_validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-    message, param = _describe_validation(list(error.errors()))
-    status = 400 if message.startswith("request body is not valid JSON") else 422
-    return _error(status, message, param, "invalid_json" if status == 400 else "invalid_value")
-
-
-async def _on_api_error(request: Request, error: ApiError) -> JSONResponse:
-    return _error(error.status, error.message, error.param, error.code)
-
-
-async def _on_http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-    message = str(error.detail)
-    if error.status_code == 404:
-        message = f"no route {request.method} {request.url.path}; see GET /openapi.json for the endpoints"
-    elif error.status_code == 405:
-        message = f"{request.method} is not allowed on {request.url.path}; see GET /openapi.json"
-    return _error(error.status_code, message, None, "http_error")
-
-
-async def _on_unexpected(request: Request, error: Exception) -> JSONResponse:
-    logger.exception("unexpected error on %s %s", request.method, request.url.path)
-    return _error(500, f"internal error ({type(error).__name__}); the service log has the traceback", None, "internal")
-
 
 api = FastAPI(
     title="taps-ray",
@@ -355,16 +84,7 @@ api = FastAPI(
     docs_url=None,
     redoc_url=None,
 )
-api.add_exception_handler(RequestValidationError, _on_validation_error)
-api.add_exception_handler(ApiError, _on_api_error)
-api.add_exception_handler(StarletteHTTPException, _on_http_error)
-api.add_exception_handler(Exception, _on_unexpected)
-
-_ERRORS = {
-    400: {"model": ErrorResponse, "description": "malformed JSON or an input the service cannot take"},
-    404: {"model": ErrorResponse, "description": "unknown model"},
-    422: {"model": ErrorResponse, "description": "a field has the wrong type or is out of range"},
-}
+install_error_handlers(api)
 
 # --- decoding jobs -------------------------------------------------------------------------------------------
 
@@ -542,7 +262,7 @@ class TapsService:
 
     # -- validation shared by both endpoints -----------------------------------------------------------------
 
-    def _job(self, body: _Sampling, prompt: list[int], max_tokens: int | None) -> Job:
+    def _job(self, body: SamplingFields, prompt: list[int], max_tokens: int | None) -> Job:
         proposer = self._proposer_for(body.model)
         if not prompt:
             raise ApiError(400, "the prompt has no tokens; send some text", "prompt", "empty_prompt")
@@ -725,10 +445,8 @@ class TapsService:
     def docs(self) -> HTMLResponse:
         return get_swagger_ui_html(openapi_url="openapi.json", title="taps-ray API")
 
-    @api.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS, summary="text completion")
+    @api.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES, summary="text completion")
     async def completions(self, body: CompletionRequest):
-        prompt = self._completion_prompt(body.prompt)
-        job = self._job(body, prompt, body.max_tokens)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def chunk(piece: str, reason: str | None) -> dict[str, Any]:
@@ -737,24 +455,15 @@ class TapsService:
                 "choices": [{"index": 0, "text": piece, "finish_reason": reason, "logprobs": None}],
             }
 
-        if body.stream:
-            return self._stream(job, body.stop_strings, chunk)
-        outcome = await self._run(job)
-        text, finish = self._finish(outcome, body.stop_strings)
-        return CompletionResponse(
-            id=rid,
-            created=created,
-            model=body.model,
-            choices=[CompletionChoice(index=0, text=text, finish_reason=finish)],
-            usage=self._usage(prompt, outcome),
-            speculative=Speculative(**outcome.speculative),
-        )
+        def response(text: str, finish: str, usage: Usage, speculative: Speculative) -> CompletionResponse:
+            choice = CompletionChoice(index=0, text=text, finish_reason=finish)
+            return CompletionResponse(id=rid, created=created, model=body.model, choices=[choice], usage=usage,
+                                      speculative=speculative)
 
-    @api.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS, summary="chat completion")
+        return await self._respond(body, self._completion_prompt(body.prompt), body.max_tokens, chunk, response)
+
+    @api.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES, summary="chat completion")
     async def chat_completions(self, body: ChatCompletionRequest):
-        prompt = self._chat_prompt(body.messages)
-        max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
-        job = self._job(body, prompt, max_tokens)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         first = [True]
 
@@ -768,18 +477,23 @@ class TapsService:
                 "choices": [{"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}],
             }
 
+        def response(text: str, finish: str, usage: Usage, speculative: Speculative) -> ChatCompletionResponse:
+            choice = ChatChoice(index=0, message=ChatCompletionMessage(content=text), finish_reason=finish)
+            return ChatCompletionResponse(id=rid, created=created, model=body.model, choices=[choice], usage=usage,
+                                          speculative=speculative)
+
+        max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
+        return await self._respond(body, self._chat_prompt(body.messages), max_tokens, chunk, response)
+
+    async def _respond(self, body: SamplingFields, prompt: list[int], max_tokens: int | None,
+                       chunk: Callable[[str, str | None], dict], response: Callable[..., BaseModel]):
+        """Decode one request; stream chunks (SSE) or return the whole response built by `response`."""
+        job = self._job(body, prompt, max_tokens)
         if body.stream:
             return self._stream(job, body.stop_strings, chunk)
         outcome = await self._run(job)
         text, finish = self._finish(outcome, body.stop_strings)
-        return ChatCompletionResponse(
-            id=rid,
-            created=created,
-            model=body.model,
-            choices=[ChatChoice(index=0, message=ChatCompletionMessage(content=text), finish_reason=finish)],
-            usage=self._usage(prompt, outcome),
-            speculative=Speculative(**outcome.speculative),
-        )
+        return response(text, finish, self._usage(prompt, outcome), Speculative(**outcome.speculative))
 
     def _stream(self, job: Job, stops: list[str], make_chunk: Callable[[str, str | None], dict]) -> StreamingResponse:
         """Server-sent events, one chunk per verification step as the batch decodes, then usage and [DONE].

@@ -8,7 +8,6 @@ so two heads can draft side by side without clobbering each other.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 

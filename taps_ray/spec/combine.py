@@ -26,7 +26,7 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -121,22 +121,29 @@ def _draft_all(parts: Sequence[Proposer], states: Sequence[Any], features: torch
 
 
 @dataclass
-class ConfidenceRouted:
-    """Every part drafts from the same inputs each step; the tree with the highest mean confidence is verified.
-
-    Ties go to the earlier part (head A). Every part's stable cache advances every step, so switching heads
-    between steps is free.
-    """
+class OverParts:
+    """A proposer built from other proposers (its parts): every part keeps its own state in a RouterState."""
 
     parts: list[Proposer]
-    name: str = "confidence-routed"
+    initial_head: ClassVar[int] = 0  # what `last_head` says before the first verification (-1: merged trees)
 
     @property
     def head_names(self) -> list[str]:
         return [n for p in self.parts for n in p.head_names]
 
     def init_state(self) -> RouterState:
-        return RouterState(parts=tuple(p.init_state() for p in self.parts))
+        return RouterState(parts=tuple(p.init_state() for p in self.parts), last_head=self.initial_head)
+
+
+@dataclass
+class ConfidenceRouted(OverParts):
+    """Every part drafts from the same inputs each step; the tree with the highest mean confidence is verified.
+
+    Ties go to the earlier part (head A). Every part's stable cache advances every step, so switching heads
+    between steps is free.
+    """
+
+    name: str = "confidence-routed"
 
     def propose(
         self, state: RouterState, features: torch.Tensor, next_tokens: torch.Tensor
@@ -153,22 +160,14 @@ class ConfidenceRouted:
 
 
 @dataclass
-class EntropyRouted:
+class EntropyRouted(OverParts):
     """Per sequence: every part drafts the first tree; the lowest mean node entropy part then drafts alone.
 
     Ties go to the earlier part. Unlike the reference probe (§8.17), the probe costs no extra target prefill
     and consumes no extra randomness: it is the sequence's first drafting step, from the root the loop sampled.
     """
 
-    parts: list[Proposer]
     name: str = "entropy-routed"
-
-    @property
-    def head_names(self) -> list[str]:
-        return [n for p in self.parts for n in p.head_names]
-
-    def init_state(self) -> RouterState:
-        return RouterState(parts=tuple(p.init_state() for p in self.parts))
 
     def propose(
         self, state: RouterState, features: torch.Tensor, next_tokens: torch.Tensor
@@ -347,14 +346,13 @@ def _paths(tree: DraftTree) -> list[tuple[int, ...]]:
 
 
 @dataclass
-class Merged:
+class Merged(OverParts):
     """Every part drafts from the same inputs; their trees are verified together as one tree (last_head = -1).
 
     mode: "concat" (the reference `_merge_trees`), "dedup" (trie merge) or "budget" (one single-tree budget of
     `budget` drafted nodes split by mean confidence, then trie-merged).
     """
 
-    parts: list[Proposer]
     mode: str = "concat"
     budget: int | None = None
     name: str = "merged"
@@ -365,12 +363,7 @@ class Merged:
         if self.mode == "budget" and (self.budget is None or self.budget < 1):
             raise ValueError("merge mode 'budget' needs a node budget of at least 1")
 
-    @property
-    def head_names(self) -> list[str]:
-        return [n for p in self.parts for n in p.head_names]
-
-    def init_state(self) -> RouterState:
-        return RouterState(parts=tuple(p.init_state() for p in self.parts), last_head=-1)
+    initial_head: ClassVar[int] = -1
 
     def propose(
         self, state: RouterState, features: torch.Tensor, next_tokens: torch.Tensor

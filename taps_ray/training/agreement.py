@@ -23,6 +23,7 @@ import torch
 from taps_ray.config import StudyConfig
 from taps_ray.models.draft_head import DraftHead
 from taps_ray.models.target import Target, load_target
+from taps_ray.spec.draft_vocab import draft_vocabulary
 from taps_ray.training.features import extract_features, features_key
 from taps_ray.training.losses import FrozenTarget, LossSettings
 from taps_ray.training.trainer import configure_threads, evaluate, split_examples
@@ -45,7 +46,8 @@ def evaluate_agreement(cfg: StudyConfig, head_path: str | Path, corpus_mixture: 
     if target is None:
         target = load_target(cfg.target)
     head = DraftHead.load(head_path, torch.float32)
-    frozen = FrozenTarget.from_model(target.model, torch.float32)
+    vocab = draft_vocabulary(cfg, target.tokenizer, target.stop_token_ids)
+    frozen = FrozenTarget.from_model(target.model, torch.float32, vocab)
     settings = LossSettings.for_kind("eagle2", cfg.train)
     n_passes = passes if passes is not None else max(1, cfg.train.hca_passes)
     out: dict = {"head": str(head_path), "kind": head.config.kind, "trained_on": head.config.trained_on}
@@ -76,6 +78,7 @@ def cached_agreement(cfg: StudyConfig, head_path: str | Path, domains: Sequence[
         "heldout": [cfg.train.heldout_fraction, cfg.train.seed],
         "passes": max(1, cfg.train.hca_passes),
         "mask": cfg.train.mask_alignment,
+        "draft_vocab_size": cfg.tree.draft_vocab_size,
     }
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
     cache = head_path / f"agreement-{key}.json"

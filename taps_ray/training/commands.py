@@ -29,7 +29,7 @@ from taps_ray.config import StudyConfig, load_config
 from taps_ray.models.target import Target, load_target
 from taps_ray.training.agreement import DEFAULT_DOMAINS, cached_agreement
 from taps_ray.training.features import extract_features
-from taps_ray.training.trainer import METRICS_FILE, configure_threads, head_dir, train_head
+from taps_ray.training.trainer import METRICS_FILE, configure_threads, train_head
 
 log = logging.getLogger(__name__)
 

@@ -232,7 +232,7 @@ def _length_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
 
 @torch.no_grad()
 def regenerate_answers(target: Target, conversations: Sequence[Any], batch_size: int, max_new_tokens: int,
-                       max_prompt_len: int) -> list[Any]:
+                       max_prompt_len: int, bar: tqdm | None = None) -> list[Any]:
     """Replace each conversation by [first user turn, the target's greedy answer to it] (batched, left-padded).
 
     Only the first turn is kept: later user turns were written against the human answers. Conversations
@@ -251,7 +251,7 @@ def regenerate_answers(target: Target, conversations: Sequence[Any], batch_size:
             continue
         prompts.append(ids)
         kept.append((conv, first_user))
-    answers = greedy_answers(target, prompts, batch_size, max_new_tokens)
+    answers = greedy_answers(target, prompts, batch_size, max_new_tokens, bar)
     results: list[Any] = []
     for (conv, first_user), tokens in zip(kept, answers):
         answer = tok.decode(tokens, skip_special_tokens=True).strip()
@@ -263,11 +263,12 @@ def regenerate_answers(target: Target, conversations: Sequence[Any], batch_size:
 
 @torch.no_grad()
 def greedy_answers(target: Target, prompts: Sequence[Sequence[int]], batch_size: int,
-                   max_new_tokens: int) -> list[list[int]]:
+                   max_new_tokens: int, bar: tqdm | None = None) -> list[list[int]]:
     """The target's greedy continuation of each prompt, cut before the first stop token (batched, left-padded)."""
     stops = set(target.stop_token_ids)
     pad = target.tokenizer.pad_token_id or 0
     results: list[list[int]] = [[] for _ in prompts]
+    done = 0
     for batch in _length_batches([len(p) for p in prompts], batch_size):
         t = max(len(prompts[i]) for i in batch)
         ids = torch.full((len(batch), t), pad, dtype=torch.long)
@@ -284,6 +285,9 @@ def greedy_answers(target: Target, prompts: Sequence[Sequence[int]], batch_size:
             new = generated[row].tolist()
             cut = next((k for k, token in enumerate(new) if token in stops), len(new))
             results[i] = new[:cut]
+        done += len(batch)
+        if bar is not None:  # regeneration is most of a shard's time: say how far it is
+            bar.set_postfix_str(f"regenerating answers {done}/{len(prompts)} of this shard")
     return [r for r in results if r is not None]
 
 
@@ -346,7 +350,7 @@ def _extract_shard(target: Target, conversations: Sequence[Any], cfg: StudyConfi
                 copied[conv.id] = example
     todo = [c for c in conversations if c.id not in copied]
     if f.regenerate_answers and todo:
-        todo = regenerate_answers(target, todo, f.batch_size, f.regenerate_max_new_tokens, max_prompt_len=f.max_len - 8)
+        todo = regenerate_answers(target, todo, f.batch_size, f.regenerate_max_new_tokens, f.max_len - 8, bar)
         meta["regenerated"] = len(todo)
         meta["regenerate_s"] = time.perf_counter() - start
     samples = []

@@ -27,22 +27,39 @@ MaskAlignment = Literal["predicted", "ref"]
 
 @dataclass
 class FrozenTarget:
-    """The target's frozen token embedding and LM head, as [V, d] matrices in the training dtype."""
+    """The target's frozen token embedding and LM head, as [V, d] matrices in the training dtype.
+
+    With a reduced draft vocabulary (`vocab`, EAGLE-3 style) the LM head keeps only those rows: the head is
+    trained over exactly the distribution it drafts from (the target's, renormalised on the draft vocabulary),
+    and the classification terms cost a fraction of the full-vocabulary ones.
+    """
 
     embed: torch.Tensor
     lm_head: torch.Tensor
+    vocab: torch.Tensor | None = None
 
     @classmethod
-    def from_model(cls, model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> "FrozenTarget":
+    def from_model(cls, model: torch.nn.Module, dtype: torch.dtype = torch.float32,
+                   vocab: torch.Tensor | None = None) -> "FrozenTarget":
         embed = model.get_input_embeddings().weight.detach().to(dtype)
         lm_head = model.get_output_embeddings().weight.detach().to(dtype)
-        return cls(embed=embed, lm_head=lm_head)
+        if vocab is not None:
+            lm_head = lm_head[vocab].contiguous()
+        return cls(embed=embed, lm_head=lm_head, vocab=vocab)
 
     def embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
         return F.embedding(tokens, self.embed)
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         return features @ self.lm_head.T
+
+    def draft_index(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids -> rows of `lm_head` (-1 for ids outside the draft vocabulary)."""
+        if self.vocab is None:
+            return token_ids
+        lookup = torch.full((int(self.embed.shape[0]),), -1, dtype=torch.long)
+        lookup[self.vocab] = torch.arange(self.vocab.numel())
+        return lookup[token_ids]
 
 
 @dataclass
@@ -205,7 +222,10 @@ class TargetDistribution:
             probs = torch.softmax(logits, dim=-1)
             argmax = logits.argmax(-1)
         tp = shifted.topk_probs[index] if shifted.topk_probs is not None else None
-        ti = shifted.topk_ids[index] if shifted.topk_ids is not None else None
+        ti = frozen.draft_index(shifted.topk_ids[index]) if shifted.topk_ids is not None else None
+        if ti is not None and tp is not None:
+            tp = tp * (ti >= 0)  # top-K ids outside the draft vocabulary cannot be drafted: they drop out
+            ti = ti.clamp(min=0)
         return cls(index, shifted.mask[index], probs, argmax, tp, ti, shifted.mask.sum() + 1e-5)
 
 

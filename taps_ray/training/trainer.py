@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 from taps_ray.config import StudyConfig
 from taps_ray.models.draft_head import DraftHead, new_head
 from taps_ray.models.target import Target, load_target
+from taps_ray.spec.draft_vocab import draft_vocabulary
 from taps_ray.training.features import Example, FeatureSet, exclusive_lock, extract_features
 from taps_ray.training.losses import Batch, FrozenTarget, LossSettings, run_passes
 
@@ -184,7 +185,8 @@ def head_dir(cfg: StudyConfig, kind: str, mixture_name: str) -> Path:
 
 
 def run_fingerprint(cfg: StudyConfig, kind: str, features: FeatureSet) -> str:
-    data = {"kind": kind, "features": features.key, "train": cfg.train.model_dump(exclude={"kinds", "mixtures"})}
+    data = {"kind": kind, "features": features.key, "train": cfg.train.model_dump(exclude={"kinds", "mixtures"}),
+            "draft_vocab_size": cfg.tree.draft_vocab_size}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -276,7 +278,8 @@ def _train_head(cfg: StudyConfig, kind: str, mixture_name: str, report: Report |
     train_ex, held_ex = split_examples(examples, t.heldout_fraction, t.seed)
     if not train_ex:
         raise ValueError(f"mixture {mixture_name!r} has no usable training conversations")
-    frozen = FrozenTarget.from_model(target.model, torch.float32)
+    vocab = draft_vocabulary(cfg, target.tokenizer, target.stop_token_ids)
+    frozen = FrozenTarget.from_model(target.model, torch.float32, vocab)
     settings = LossSettings.for_kind(kind, t)
     eval_passes = max(1, t.hca_passes)
     plan = plan_budget(train_ex, cfg)
