@@ -32,7 +32,7 @@ class Committed:
 class TreeOutput:
     """What the target computed for one sequence's tree."""
 
-    logits: torch.Tensor  # [T, V]
+    logits: torch.Tensor  # [T, V]; after a prefill only the last token's [1, V]
     hidden: torch.Tensor  # [T, d], post-norm features
 
 
@@ -86,18 +86,17 @@ class TargetBatch:
     def batch_size(self) -> int:
         return int(self.lengths.numel())
 
-    def _forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The target's post-norm features [B, T, d]; the caller applies the LM head where it needs logits."""
         out = self.model.model(
             input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=self.cache, use_cache=True
         )
-        hidden = out.last_hidden_state
-        return self.model.lm_head(hidden), hidden
+        return out.last_hidden_state
 
     @torch.no_grad()
     def prefill(self, prompts: list[list[int]]) -> list[TreeOutput]:
-        """Encode right-padded prompts; returns each prompt's logits and features over its real tokens."""
+        """Encode right-padded prompts; returns each prompt's features over its real tokens and the logits of
+        its last token only (the LM head over a whole prompt would cost more than the rest of the prefill)."""
         if any(not p for p in prompts):
             raise ValueError("every prompt needs at least one token")
         lengths = torch.tensor([len(p) for p in prompts])
@@ -111,9 +110,10 @@ class TargetBatch:
         mask = causal[None] & valid[:, None, :]
         mask |= torch.eye(width, dtype=torch.bool)[None]  # padded rows attend to themselves: no NaN rows
         self.cache = DynamicCache()
-        logits, hidden = self._forward(ids, columns.expand(len(prompts), -1), mask[:, None])
+        hidden = self._forward(ids, columns.expand(len(prompts), -1), mask[:, None])
         self.lengths = lengths
-        return [TreeOutput(logits[b, : len(p)], hidden[b, : len(p)]) for b, p in enumerate(prompts)]
+        last = self.model.lm_head(hidden[torch.arange(len(prompts)), lengths - 1])  # [B, V]
+        return [TreeOutput(last[b : b + 1], hidden[b, : len(p)]) for b, p in enumerate(prompts)]
 
     @torch.no_grad()
     def verify(self, trees: list[DraftTree | None]) -> list[TreeOutput | None]:
@@ -138,7 +138,8 @@ class TargetBatch:
             positions[b, :n] = self.lengths[b] + tree.depth
             mask[b, :n, :past] = context[b]
             mask[b, :n, past : past + n] = tree.mask
-        logits, hidden = self._forward(ids, positions, mask[:, None])
+        hidden = self._forward(ids, positions, mask[:, None])
+        logits = self.model.lm_head(hidden)
         return [
             None if tree is None else TreeOutput(logits[b, : tree.size], hidden[b, : tree.size])
             for b, tree in enumerate(trees)
@@ -156,8 +157,9 @@ class TargetBatch:
             if nodes:
                 index[b, first : first + len(nodes)] = start + torch.tensor(nodes)
             index[b, first + len(nodes) :] = 0  # beyond the sequence: any slot, masked out later
-        for layer in self.cache.layers:
+        for layer in self.cache.layers:  # in place: only slots low..high-1 move, the prefix is not copied
             gather = index[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
-            layer.keys = torch.cat([layer.keys[:, :, :low], layer.keys.gather(2, gather)], dim=2)
-            layer.values = torch.cat([layer.values[:, :, :low], layer.values.gather(2, gather)], dim=2)
+            layer.keys[:, :, low:high] = layer.keys.gather(2, gather)
+            layer.values[:, :, low:high] = layer.values.gather(2, gather)
+            layer.keys, layer.values = layer.keys[:, :, :high], layer.values[:, :, :high]
         self.lengths = new_lengths
