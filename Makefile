@@ -53,8 +53,12 @@ sweep-quick: install
 report: install
 	$(VENV)/bin/taps report --config configs/cpu.yaml
 
+# Speed heads (configs/speed.yaml: trained on the target's own answers; resumable, skipped once trained), then the
+# wall-clock benchmark against plain decoding, HF greedy, prompt lookup and assisted generation -> reports/bench.md.
 bench: install
-	$(VENV)/bin/taps bench --config configs/cpu.yaml
+	$(VENV)/bin/taps train --config configs/speed.yaml --kind eagle2 --mixture math
+	$(VENV)/bin/taps train --config configs/speed.yaml --kind eagle2 --mixture chat
+	$(VENV)/bin/taps bench --config configs/speed.yaml
 
 clean-venv:
 	rm -rf $(VENV)

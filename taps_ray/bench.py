@@ -20,8 +20,9 @@ from pathlib import Path
 import pandas as pd
 import psutil
 import torch
+from tqdm.auto import tqdm
 
-from taps_ray.config import StudyConfig
+from taps_ray.config import StudyConfig, TreeConfig
 from taps_ray.data.chat import build_prompt_ids
 from taps_ray.data.sources import load_questions
 from taps_ray.eval.store import atomic_write_text
@@ -37,6 +38,30 @@ GREEDY = SamplingParams()
 # Llama-3-8B-Instruct shapes, for the paper-scale estimate (parameters in millions).
 LLAMA3_8B = {"params_m": 8030, "layer_m": 218, "lm_head_m": 525, "decode_ms": 25.0}
 EAGLE2_PUBLISHED_SPEEDUP = 3.46
+
+
+@dataclass
+class BenchOptions:
+    kind: str = "eagle2"
+    proposers: list[str] = field(default_factory=lambda: ["math", "chat", "confidence-routed", "merged"])
+    benchmarks: list[str] = field(default_factory=lambda: ["gsm8k", "mt_bench"])
+    per_benchmark: int = 10
+    max_new_tokens: int = 96
+    repetitions: int = 2
+    dtype: str | None = None
+    trees: list[str] = field(default_factory=list)  # extra "total/depth/top_k" settings for the first proposer
+    peers: bool = True  # also time HF greedy, prompt lookup and assisted generation
+
+    def tree_configs(self, base: TreeConfig) -> dict[str, TreeConfig]:
+        """`--trees 8/3/2 ...` as TreeConfigs (the config's draft vocabulary kept), keyed by their spelling."""
+        out = {}
+        for spec in self.trees:
+            try:
+                total, depth, top_k = (int(x) for x in spec.split("/"))
+                out[spec] = base.model_copy(update={"total_token": total, "depth": depth, "top_k": top_k})
+            except ValueError:
+                raise ValueError(f"tree setting {spec!r} is not total_token/depth/top_k, e.g. 8/3/2") from None
+        return out
 
 
 @dataclass
@@ -69,10 +94,10 @@ class PeakRss:
         self._thread.join()
 
 
-def bench_prompts(config: StudyConfig, target: Target, per_benchmark: int) -> list[tuple[str, list[int]]]:
+def bench_prompts(config: StudyConfig, target: Target, options: BenchOptions) -> list[tuple[str, list[int]]]:
     prompts = []
-    for benchmark in ("gsm8k", "mt_bench"):
-        for question in load_questions(benchmark, config.resolved_data_dir(), limit=per_benchmark):
+    for benchmark in options.benchmarks:
+        for question in load_questions(benchmark, config.resolved_data_dir(), limit=options.per_benchmark):
             ids = build_prompt_ids(target.tokenizer, question.turns[:1], [], config.eval.system_prompt)
             prompts.append((benchmark, ids))
     return prompts
@@ -104,36 +129,36 @@ def _ours(target: Target, proposer, max_new_tokens: int) -> Callable[[list[int],
     return run
 
 
-def build_methods(config: StudyConfig, target: Target, kind: str, proposers: list[str], max_new_tokens: int):
-    methods: dict[str, Callable[[list[int], MethodRun], None]] = {
-        "hf-greedy": _hf_method(target, max_new_tokens),
-        "hf-prompt-lookup": _hf_method(target, max_new_tokens, prompt_lookup_num_tokens=10),
-        "hf-assisted-early-exit": _hf_method(
-            target, max_new_tokens, assistant_early_exit=max(1, target.model.config.num_hidden_layers // 4)
-        ),
-        "plain": _ours(target, build_proposer("plain", target, {}, config.tree), max_new_tokens),
-    }
+def build_methods(config: StudyConfig, target: Target, options: BenchOptions):
+    new_tokens = options.max_new_tokens
+    methods: dict[str, Callable[[list[int], MethodRun], None]] = {}
+    if options.peers:
+        methods["hf-greedy"] = _hf_method(target, new_tokens)
+        methods["hf-prompt-lookup"] = _hf_method(target, new_tokens, prompt_lookup_num_tokens=10)
+        early_exit = max(1, target.model.config.num_hidden_layers // 4)
+        methods["hf-assisted-early-exit"] = _hf_method(target, new_tokens, assistant_early_exit=early_exit)
+    methods["plain"] = _ours(target, build_proposer("plain", target, {}, config.tree), new_tokens)
     vocab = draft_vocabulary(config, target.tokenizer, target.stop_token_ids)
-    heads = load_heads(config, kind, target.dtype)
-    for name in proposers:
-        methods[name] = _ours(target, build_proposer(name, target, heads, config.tree, vocab), max_new_tokens)
+    heads = load_heads(config, options.kind, target.dtype)
+    for name in options.proposers:
+        methods[name] = _ours(target, build_proposer(name, target, heads, config.tree, vocab), new_tokens)
+    for spec, tree in options.tree_configs(config.tree).items():
+        name = options.proposers[0]
+        methods[f"{name}@{spec}"] = _ours(target, build_proposer(name, target, heads, tree, vocab), new_tokens)
     return methods
 
 
-def run_bench(
-    config: StudyConfig, kind: str, proposers: list[str], per_benchmark: int, max_new_tokens: int, repetitions: int,
-    dtype: str | None = None,
-) -> tuple[pd.DataFrame, dict[str, MethodRun]]:
+def run_bench(config: StudyConfig, options: BenchOptions) -> tuple[pd.DataFrame, dict[str, MethodRun]]:
     torch.manual_seed(0)
-    target = load_target(config.target, dtype=dtype)
-    prompts = bench_prompts(config, target, per_benchmark)
-    methods = build_methods(config, target, kind, proposers, max_new_tokens)
+    target = load_target(config.target, dtype=options.dtype)
+    prompts = bench_prompts(config, target, options)
+    methods = build_methods(config, target, options)
     names = list(methods)
     runs = {name: MethodRun() for name in names}
     for _, prompt in prompts[:1]:  # warm-up, not timed
         for name in names:
             methods[name](prompt, MethodRun())
-    for repetition in range(repetitions):
+    for repetition in tqdm(range(options.repetitions), desc="bench repetitions", unit="rep"):
         order = names[repetition % len(names) :] + names[: repetition % len(names)]
         for name in order:
             record = runs[name]
@@ -150,11 +175,11 @@ def run_bench(
                 record.profile[key] += value
             if repetition == 0:
                 record.tokens = trial.tokens
-    return _table(runs, prompts, repetitions), runs
+    return _table(runs, prompts, options.repetitions), runs
 
 
 def _table(runs: dict[str, MethodRun], prompts, repetitions: int) -> pd.DataFrame:
-    reference = runs["hf-greedy"].tokens
+    reference = runs["hf-greedy" if "hf-greedy" in runs else "plain"].tokens
     benchmarks = [b for b, _ in prompts]
     rows = []
     for name, run in runs.items():
@@ -170,7 +195,8 @@ def _table(runs: dict[str, MethodRun], prompts, repetitions: int) -> pd.DataFram
             "process_peak_rss_mb": run.peak_rss_mb,
         })
     table = pd.DataFrame(rows)
-    base = float(table.loc[table["method"] == "hf-greedy", "tokens_per_s"].iloc[0])
+    baseline = "hf-greedy" if "hf-greedy" in runs else "plain"
+    base = float(table.loc[table["method"] == baseline, "tokens_per_s"].iloc[0])
     plain = float(table.loc[table["method"] == "plain", "tokens_per_s"].iloc[0])
     table["speedup_vs_hf_greedy"] = table["tokens_per_s"] / base
     table["speedup_vs_plain"] = table["tokens_per_s"] / plain
@@ -269,13 +295,14 @@ def write_bench_report(config: StudyConfig, table: pd.DataFrame, runs: dict[str,
     return path
 
 
-def cmd_bench(config: StudyConfig, kind: str, proposers: list[str], per_benchmark: int, max_new_tokens: int,
-              repetitions: int, dtype: str | None, command: str) -> int:
-    table, runs = run_bench(config, kind, proposers, per_benchmark, max_new_tokens, repetitions, dtype)
-    settings = (f"{per_benchmark} GSM8K + {per_benchmark} MT-Bench first turns, {max_new_tokens} new tokens, "
-                f"{repetitions} interleaved repetitions, batch 1, {kind} heads, dtype {dtype or config.target.dtype}, "
-                f"tree {config.tree.total_token}/{config.tree.depth}/{config.tree.top_k}, "
-                f"draft vocabulary {config.tree.draft_vocab_size or 'full'}.")
+def cmd_bench(config: StudyConfig, options: BenchOptions, command: str) -> int:
+    table, runs = run_bench(config, options)
+    tree = config.tree
+    settings = (f"{options.per_benchmark} first turns each of {', '.join(options.benchmarks)}, "
+                f"{options.max_new_tokens} new tokens, {options.repetitions} interleaved repetitions, batch 1, "
+                f"{options.kind} heads from `{config.work_dir}`, dtype {options.dtype or config.target.dtype}, "
+                f"tree {tree.total_token}/{tree.depth}/{tree.top_k} (total_token/depth/top_k; `name@T/D/K` rows "
+                f"use that tree instead), draft vocabulary {tree.draft_vocab_size or 'full'}.")
     print(table.to_string(index=False))
     print(write_bench_report(config, table, runs, command, settings))
     return 0

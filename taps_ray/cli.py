@@ -80,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-new-tokens", type=int, default=96)
     bench.add_argument("--repetitions", type=int, default=2)
     bench.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None)
+    bench.add_argument("--benchmarks", nargs="+", default=["gsm8k", "mt_bench"], choices=("gsm8k", "mt_bench",
+                       "math_500", "svamp"), help="first turns of these benchmarks (default gsm8k mt_bench)")
+    bench.add_argument("--trees", nargs="+", default=[], metavar="T/D/K",
+                       help="also time the first proposer with these trees (total_token/depth/top_k), e.g. 8/3/2")
+    bench.add_argument("--no-peers", action="store_true", help="skip the HF methods (quick tree tuning)")
     return parser
 
 
@@ -154,13 +159,15 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from taps_ray.bench import cmd_bench
+    from taps_ray.bench import BenchOptions, cmd_bench
 
-    command = "taps " + " ".join(sys.argv[1:]) if sys.argv[1:] else "taps bench --config configs/cpu.yaml"
-    return cmd_bench(
-        _config(args), args.kind, args.proposers, args.per_benchmark, args.max_new_tokens, args.repetitions,
-        DTYPES[args.dtype], command,
+    command = "taps " + " ".join(sys.argv[1:]) if sys.argv[1:] else "taps bench --config configs/speed.yaml"
+    options = BenchOptions(
+        kind=args.kind, proposers=args.proposers, benchmarks=args.benchmarks, per_benchmark=args.per_benchmark,
+        max_new_tokens=args.max_new_tokens, repetitions=args.repetitions, dtype=DTYPES[args.dtype],
+        trees=args.trees, peers=not args.no_peers,
     )
+    return cmd_bench(_config(args), options, command)
 
 
 HANDLERS: dict[str, Handler] = {
