@@ -19,8 +19,6 @@ study (few conversations, one epoch, one question per benchmark, short answers) 
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import inspect
 import json
 import os
 import sys
@@ -245,15 +243,15 @@ def stage_eval(
 
 
 def stage_report(cfg: StudyConfig, log: Callable[[str], None], command: str | None = None) -> dict[str, Any]:
-    if importlib.util.find_spec("taps_ray.report") is None:
-        log("report: taps_ray.report is not available yet; skipping (run `taps report` later)")
-        return {"skipped": True}
+    """The study report from the results store, and the heads report (held-out agreement, cached per head)."""
     from taps_ray.report import build_report
+    from taps_ray.training.commands import cmd_agreement_report
 
-    kwargs = {"command": command} if command and "command" in inspect.signature(build_report).parameters else {}
-    path = build_report(cfg, **kwargs)
+    path = build_report(cfg, command=command)
     log(f"report: {path}")
-    return {"path": str(path)}
+    heads = cmd_agreement_report(cfg)
+    log(f"report: {heads}")
+    return {"path": str(path), "heads": str(heads)}
 
 
 # --- the sweep -------------------------------------------------------------------------------------------------

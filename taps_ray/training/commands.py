@@ -26,6 +26,7 @@ from typing import Sequence
 import torch
 
 from taps_ray.config import StudyConfig, load_config
+from taps_ray.eval.store import atomic_write_text
 from taps_ray.models.target import Target, load_target
 from taps_ray.training.agreement import DEFAULT_DOMAINS, cached_agreement
 from taps_ray.training.features import extract_features
@@ -108,13 +109,13 @@ def cmd_agreement_report(cfg: StudyConfig, domains: Sequence[str] = DEFAULT_DOMA
     }
     folder = Path(output) if output else Path(cfg.reports_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "heads.json").write_text(json.dumps(summary, indent=2))
+    atomic_write_text(folder / "heads.json", json.dumps(summary, indent=2))
     return write_report(summary, folder, domains)
 
 
 def write_report(summary: dict, folder: str | Path, domains: Sequence[str] = DEFAULT_DOMAINS) -> Path:
     path = Path(folder) / "heads.md"
-    path.write_text(render_report(summary, domains))
+    atomic_write_text(path, render_report(summary, domains))
     print(f"wrote {path}")
     return path
 
