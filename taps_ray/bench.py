@@ -68,6 +68,11 @@ class BenchOptions:
 class MethodRun:
     tokens: list[list[int]] = field(default_factory=list)
     seconds: float = 0.0
+    # per prompt, summed over repetitions: wall seconds, tokens generated, verification steps, committed tokens
+    prompt_seconds: dict[int, float] = field(default_factory=dict)
+    prompt_tokens: dict[int, int] = field(default_factory=dict)
+    prompt_steps: dict[int, int] = field(default_factory=dict)
+    prompt_new_tokens: dict[int, int] = field(default_factory=dict)
     steps: int = 0
     new_tokens: int = 0
     peak_rss_mb: float = 0.0
@@ -164,10 +169,16 @@ def run_bench(config: StudyConfig, options: BenchOptions) -> tuple[pd.DataFrame,
             record = runs[name]
             trial = MethodRun()
             with PeakRss() as rss:
-                start = time.perf_counter()
-                for _, prompt in prompts:
+                for i, (_, prompt) in enumerate(prompts):
+                    before = (len(trial.tokens), trial.steps, trial.new_tokens)
+                    start = time.perf_counter()
                     methods[name](prompt, trial)
-                record.seconds += time.perf_counter() - start
+                    seconds = time.perf_counter() - start
+                    record.seconds += seconds
+                    record.prompt_seconds[i] = record.prompt_seconds.get(i, 0.0) + seconds
+                    record.prompt_tokens[i] = record.prompt_tokens.get(i, 0) + len(trial.tokens[before[0]])
+                    record.prompt_steps[i] = record.prompt_steps.get(i, 0) + trial.steps - before[1]
+                    record.prompt_new_tokens[i] = record.prompt_new_tokens.get(i, 0) + trial.new_tokens - before[2]
             record.peak_rss_mb = max(record.peak_rss_mb, rss.peak / 2**20)
             record.steps += trial.steps
             record.new_tokens += trial.new_tokens
@@ -175,32 +186,33 @@ def run_bench(config: StudyConfig, options: BenchOptions) -> tuple[pd.DataFrame,
                 record.profile[key] += value
             if repetition == 0:
                 record.tokens = trial.tokens
-    return _table(runs, prompts, options.repetitions), runs
+    return _table(runs, prompts), runs
 
 
-def _table(runs: dict[str, MethodRun], prompts, repetitions: int) -> pd.DataFrame:
-    reference = runs["hf-greedy" if "hf-greedy" in runs else "plain"].tokens
-    benchmarks = [b for b, _ in prompts]
-    rows = []
-    for name, run in runs.items():
-        n_tokens = sum(len(t) for t in run.tokens) * repetitions
-        same = [a == b for a, b in zip(run.tokens, reference)]
-        by_bench = {b: [s for s, bb in zip(same, benchmarks) if bb == b] for b in sorted(set(benchmarks))}
-        rows.append({
-            "method": name,
-            "tokens_per_s": n_tokens / run.seconds,
-            "tau": run.new_tokens / run.steps if run.steps else None,
-            "identical_to_greedy": sum(same) / len(same),
-            **{f"identical_{b}": sum(v) / len(v) for b, v in by_bench.items()},
-            "process_peak_rss_mb": run.peak_rss_mb,
-        })
-    table = pd.DataFrame(rows)
+def _table(runs: dict[str, MethodRun], prompts) -> pd.DataFrame:
+    """One row per method and benchmark (and `all`): tokens/s, speedups, tau, identical-to-greedy rate."""
     baseline = "hf-greedy" if "hf-greedy" in runs else "plain"
-    base = float(table.loc[table["method"] == baseline, "tokens_per_s"].iloc[0])
-    plain = float(table.loc[table["method"] == "plain", "tokens_per_s"].iloc[0])
-    table["speedup_vs_hf_greedy"] = table["tokens_per_s"] / base
-    table["speedup_vs_plain"] = table["tokens_per_s"] / plain
-    return table
+    reference = runs[baseline].tokens
+    scopes = {"all": list(range(len(prompts)))}
+    for i, (benchmark, _) in enumerate(prompts):
+        scopes.setdefault(benchmark, []).append(i)
+    rows = []
+    for scope, indices in scopes.items():
+        speeds = {}
+        for name, run in runs.items():
+            seconds = sum(run.prompt_seconds[i] for i in indices)
+            steps = sum(run.prompt_steps[i] for i in indices)
+            same = [run.tokens[i] == reference[i] for i in indices]
+            speeds[name] = sum(run.prompt_tokens[i] for i in indices) / seconds
+            rows.append({
+                "method": name, "prompts": scope, "tokens_per_s": speeds[name],
+                "tau": sum(run.prompt_new_tokens[i] for i in indices) / steps if steps else None,
+                "identical_to_greedy": sum(same) / len(same), "process_peak_rss_mb": run.peak_rss_mb,
+            })
+        for row in rows[-len(runs):]:
+            row["speedup_vs_hf_greedy"] = row["tokens_per_s"] / speeds[baseline]
+            row["speedup_vs_plain"] = row["tokens_per_s"] / speeds["plain"]
+    return pd.DataFrame(rows)
 
 
 def profile_table(runs: dict[str, MethodRun]) -> pd.DataFrame:
@@ -256,9 +268,10 @@ def write_bench_report(config: StudyConfig, table: pd.DataFrame, runs: dict[str,
     out = Path(config.reports_dir)
     out.mkdir(parents=True, exist_ok=True)
     profile = profile_table(runs)
-    figure, axis = plt.subplots(figsize=(8, 4))
-    ordered = table.sort_values("speedup_vs_hf_greedy")
-    axis.barh(ordered["method"], ordered["speedup_vs_hf_greedy"], color="#4c72b0")
+    figure, axis = plt.subplots(figsize=(9, 5))
+    speedups = table.pivot(index="method", columns="prompts", values="speedup_vs_hf_greedy")
+    speedups = speedups.loc[list(dict.fromkeys(table["method"]))]  # methods in run order
+    speedups.plot.barh(ax=axis)
     axis.axvline(1.0, color="black", linewidth=0.8)
     axis.set_xlabel("speedup over HF generate greedy (×, same prompts, same run)")
     axis.set_title(f"Wall-clock speed at T=0 — {config.target.name}, {torch.get_num_threads()} CPU threads")
