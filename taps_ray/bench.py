@@ -286,9 +286,12 @@ def write_bench_report(config: StudyConfig, table: pd.DataFrame, runs: dict[str,
         f"Machine: {platform.processor() or platform.machine()}, {psutil.cpu_count()} cores, torch threads "
         f"{torch.get_num_threads()}; commit `{commit}`; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
         "",
-        "Speed is tokens/s over all prompts; `identical_to_greedy` compares each output with HF greedy on the same "
-        "prompt. HF assisted generation uses the target's own first quarter of layers as its draft "
-        "(`assistant_early_exit`): no smaller same-tokenizer model exists offline.",
+        "Speed is tokens/s over the prompts of each row (`all` or one benchmark); `identical_to_greedy` compares each "
+        "output with HF greedy on the same prompt. In bf16 that rate measures rounding, not correctness: a forward "
+        "over k tokens and one over 1 token round differently, so even our plain loop drifts from HF greedy at "
+        "near-ties; exact equality holds in fp32 (tested; `taps generate --dtype fp32` prints it). HF assisted "
+        "generation uses the target's own first quarter of layers as its draft (`assistant_early_exit`): no smaller "
+        "same-tokenizer model exists offline.",
         "",
         frame_markdown(table, 3),
         "",
