@@ -65,18 +65,47 @@ class BenchOptions:
 
 
 @dataclass
+class Decoded:
+    """One prompt decoded by one method (steps, committed tokens and profile only for our loop)."""
+
+    tokens: list[int]
+    steps: int = 0
+    new_tokens: int = 0
+    profile: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
 class MethodRun:
-    tokens: list[list[int]] = field(default_factory=list)
-    seconds: float = 0.0
-    # per prompt, summed over repetitions: wall seconds, tokens generated, verification steps, committed tokens
+    """One method's record: per prompt index, summed over repetitions; outputs of the first repetition."""
+
+    tokens: dict[int, list[int]] = field(default_factory=dict)
     prompt_seconds: dict[int, float] = field(default_factory=dict)
     prompt_tokens: dict[int, int] = field(default_factory=dict)
     prompt_steps: dict[int, int] = field(default_factory=dict)
     prompt_new_tokens: dict[int, int] = field(default_factory=dict)
-    steps: int = 0
-    new_tokens: int = 0
     peak_rss_mb: float = 0.0
     profile: dict[str, float] = field(default_factory=lambda: {"draft": 0.0, "forward": 0.0, "accept": 0.0, "commit": 0.0})
+
+    def add(self, i: int, decoded: Decoded, seconds: float) -> None:
+        self.tokens.setdefault(i, decoded.tokens)
+        self.prompt_seconds[i] = self.prompt_seconds.get(i, 0.0) + seconds
+        self.prompt_tokens[i] = self.prompt_tokens.get(i, 0) + len(decoded.tokens)
+        self.prompt_steps[i] = self.prompt_steps.get(i, 0) + decoded.steps
+        self.prompt_new_tokens[i] = self.prompt_new_tokens.get(i, 0) + decoded.new_tokens
+        for key, value in decoded.profile.items():
+            self.profile[key] += value
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.prompt_seconds.values())
+
+    @property
+    def steps(self) -> int:
+        return sum(self.prompt_steps.values())
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(self.prompt_new_tokens.values())
 
 
 class PeakRss:
@@ -108,35 +137,34 @@ def bench_prompts(config: StudyConfig, target: Target, options: BenchOptions) ->
     return prompts
 
 
-def _hf_method(target: Target, max_new_tokens: int, **options: object) -> Callable[[list[int], MethodRun], None]:
-    def run(prompt: list[int], record: MethodRun) -> None:
+Method = Callable[[list[int]], Decoded]
+
+
+def _hf_method(target: Target, max_new_tokens: int, **options: object) -> Method:
+    def run(prompt: list[int]) -> Decoded:
         ids = torch.tensor([prompt])
         out = target.model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
             eos_token_id=target.stop_token_ids, pad_token_id=target.tokenizer.pad_token_id, **options,
         )
-        record.tokens.append(out[0, len(prompt):].tolist())
+        return Decoded(out[0, len(prompt):].tolist())
 
     return run
 
 
-def _ours(target: Target, proposer, max_new_tokens: int) -> Callable[[list[int], MethodRun], None]:
-    def run(prompt: list[int], record: MethodRun) -> None:
+def _ours(target: Target, proposer, max_new_tokens: int) -> Method:
+    def run(prompt: list[int]) -> Decoded:
         batch = TargetBatch(target.model)
         generation = run_loop(batch, proposer, [prompt], GREEDY, max_new_tokens, target.stop_token_ids)[0]
-        record.tokens.append(generation.tokens)
-        record.steps += len(generation.steps)
-        record.new_tokens += sum(s.new_tokens for s in generation.steps)
-        record.profile["draft"] += sum(s.draft_s for s in generation.steps)
-        for key, seconds in batch.timings.items():
-            record.profile[key] += seconds
+        profile = {"draft": sum(s.draft_s for s in generation.steps), **batch.timings}
+        return Decoded(generation.tokens, len(generation.steps), sum(s.new_tokens for s in generation.steps), profile)
 
     return run
 
 
 def build_methods(config: StudyConfig, target: Target, options: BenchOptions):
     new_tokens = options.max_new_tokens
-    methods: dict[str, Callable[[list[int], MethodRun], None]] = {}
+    methods: dict[str, Method] = {}
     if options.peers:
         methods["hf-greedy"] = _hf_method(target, new_tokens)
         methods["hf-prompt-lookup"] = _hf_method(target, new_tokens, prompt_lookup_num_tokens=10)
@@ -162,30 +190,16 @@ def run_bench(config: StudyConfig, options: BenchOptions) -> tuple[pd.DataFrame,
     runs = {name: MethodRun() for name in names}
     for _, prompt in prompts[:1]:  # warm-up, not timed
         for name in names:
-            methods[name](prompt, MethodRun())
+            methods[name](prompt)
     for repetition in tqdm(range(options.repetitions), desc="bench repetitions", unit="rep"):
         order = names[repetition % len(names) :] + names[: repetition % len(names)]
         for name in order:
-            record = runs[name]
-            trial = MethodRun()
             with PeakRss() as rss:
                 for i, (_, prompt) in enumerate(prompts):
-                    before = (len(trial.tokens), trial.steps, trial.new_tokens)
                     start = time.perf_counter()
-                    methods[name](prompt, trial)
-                    seconds = time.perf_counter() - start
-                    record.seconds += seconds
-                    record.prompt_seconds[i] = record.prompt_seconds.get(i, 0.0) + seconds
-                    record.prompt_tokens[i] = record.prompt_tokens.get(i, 0) + len(trial.tokens[before[0]])
-                    record.prompt_steps[i] = record.prompt_steps.get(i, 0) + trial.steps - before[1]
-                    record.prompt_new_tokens[i] = record.prompt_new_tokens.get(i, 0) + trial.new_tokens - before[2]
-            record.peak_rss_mb = max(record.peak_rss_mb, rss.peak / 2**20)
-            record.steps += trial.steps
-            record.new_tokens += trial.new_tokens
-            for key, value in trial.profile.items():
-                record.profile[key] += value
-            if repetition == 0:
-                record.tokens = trial.tokens
+                    decoded = methods[name](prompt)
+                    runs[name].add(i, decoded, time.perf_counter() - start)
+            runs[name].peak_rss_mb = max(runs[name].peak_rss_mb, rss.peak / 2**20)
     return _table(runs, prompts), runs
 
 

@@ -34,6 +34,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from taps_ray.config import StudyConfig
+from taps_ray.eval.store import atomic_write_text
 from taps_ray.models.target import Target, load_target
 
 log = logging.getLogger(__name__)
@@ -137,9 +138,7 @@ def exclusive_lock(path: Path) -> Iterator[None]:
 
 
 def _write_json_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(data, indent=2))
 
 
 # --- shards ----------------------------------------------------------------------------------------------------
@@ -386,20 +385,26 @@ def extract_features(cfg: StudyConfig, mixture_name: str, target: Target | None 
     """The cached features of `mixture_name`, extracting the missing shards first. Returns the set with stats:
     conversations, tokens, tokens_per_s (of the extraction that produced them), reused (nothing was extracted now)."""
     folder = features_folder(cfg, mixture_name)
-    manifest_path = folder / MANIFEST
-    if manifest_path.is_file():
-        manifest = json.loads(manifest_path.read_text())
-        return FeatureSet(folder, manifest, {**manifest["stats"], "reused": True, "extracted_shards": 0})
+    finished = _finished(folder)
+    if finished is not None:
+        return finished
     with exclusive_lock(folder.parent / f".{folder.name}.lock"):
-        return _extract_features(cfg, mixture_name, folder, target, progress)
+        finished = _finished(folder)  # another process may have finished the set while this one waited
+        return finished if finished is not None else _extract_features(cfg, mixture_name, folder, target, progress)
+
+
+def _finished(folder: Path) -> FeatureSet | None:
+    """The feature set in `folder` when its manifest (written last) exists, else None."""
+    manifest_path = folder / MANIFEST
+    if not manifest_path.is_file():
+        return None
+    manifest = json.loads(manifest_path.read_text())
+    return FeatureSet(folder, manifest, {**manifest["stats"], "reused": True, "extracted_shards": 0})
 
 
 def _extract_features(cfg: StudyConfig, mixture_name: str, folder: Path, target: Target | None,
                       progress: bool) -> FeatureSet:
     manifest_path = folder / MANIFEST
-    if manifest_path.is_file():
-        manifest = json.loads(manifest_path.read_text())
-        return FeatureSet(folder, manifest, {**manifest["stats"], "reused": True, "extracted_shards": 0})
 
     from taps_ray.data.mixtures import build_mixture
 

@@ -38,6 +38,12 @@ class FrozenTarget:
     lm_head: torch.Tensor
     vocab: torch.Tensor | None = None
 
+    def __post_init__(self) -> None:
+        self._draft_row = None  # target id -> lm_head row (-1 outside the draft vocabulary), built once
+        if self.vocab is not None:
+            self._draft_row = torch.full((int(self.embed.shape[0]),), -1, dtype=torch.long)
+            self._draft_row[self.vocab] = torch.arange(self.vocab.numel())
+
     @classmethod
     def from_model(cls, model: torch.nn.Module, dtype: torch.dtype = torch.float32,
                    vocab: torch.Tensor | None = None) -> "FrozenTarget":
@@ -55,11 +61,7 @@ class FrozenTarget:
 
     def draft_index(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Target token ids -> rows of `lm_head` (-1 for ids outside the draft vocabulary)."""
-        if self.vocab is None:
-            return token_ids
-        lookup = torch.full((int(self.embed.shape[0]),), -1, dtype=torch.long)
-        lookup[self.vocab] = torch.arange(self.vocab.numel())
-        return lookup[token_ids]
+        return token_ids if self._draft_row is None else self._draft_row[token_ids]
 
 
 @dataclass
