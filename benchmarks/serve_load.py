@@ -38,6 +38,8 @@ for _name, _value in (("HF_HUB_OFFLINE", "1"), ("RAY_AUTH_MODE", "disabled"), ("
 
 import httpx  # noqa: E402
 
+from taps_ray.eval.store import atomic_write_text  # noqa: E402
+
 QUESTIONS = [
     "What is 12 times 7?",
     "Write one sentence about the ocean.",
@@ -83,6 +85,8 @@ def _prepare_config(args):
     serve_update = {}
     if args.max_batch_size:
         serve_update["max_batch_size"] = args.max_batch_size
+    if args.draft_below is not None:
+        serve_update["draft_below"] = args.draft_below or None
     if args.max_tokens > cfg.serve.max_tokens_limit:
         serve_update["max_tokens_limit"] = args.max_tokens
     if serve_update:
@@ -270,8 +274,7 @@ def _write_section(path: Path, label: str, section: str) -> None:
         text = pattern.sub(lambda _: section, text)
     else:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    atomic_write_text(path, text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -286,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--random-heads", action="store_true", help="write random heads to a temporary work dir first")
     parser.add_argument("--dtype", default=None, help="override target.dtype (e.g. float32 for an exact greedy check)")
     parser.add_argument("--max-batch-size", type=int, default=None, help="override serve.max_batch_size")
+    parser.add_argument("--draft-below", type=int, default=None,
+                        help="override serve.draft_below (0: always draft, whatever the batch)")
     parser.add_argument("--label", default=None, help="report section name (default: the config's name)")
     parser.add_argument("--out", default=None, help="markdown report to write/update, e.g. reports/serve_load.md")
     args = parser.parse_args(argv)
@@ -329,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         f"models: {', '.join(models)} (round robin); {args.clients} clients; {args.duration:.0f} s or {args.max_requests} "
         f"requests; chat, T=0, max_tokens={args.max_tokens}",
         (f"serve: {cfg.serve.num_replicas} replica(s) × {cfg.serve.replica_num_cpus} CPU, max_batch_size="
-         f"{cfg.serve.max_batch_size}, batch_wait_timeout_s={cfg.serve.batch_wait_timeout_s}" if cfg else "serve: as running"),
+         f"{cfg.serve.max_batch_size}, batch_wait_timeout_s={cfg.serve.batch_wait_timeout_s}, draft_below="
+         f"{cfg.serve.draft_below or 'off (always draft)'}" if cfg else "serve: as running"),
         f"machine: {os.cpu_count()} CPU cores, no GPU, load average {os.getloadavg()[0]:.1f} at the end of the run "
         f"(other jobs share the cores); {time.strftime('%Y-%m-%d')}",
     ]

@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     report = commands.add_parser("report", help="regenerate the report (tables, plots, findings) from the results store")
     _add_config(report)
+    report.add_argument("--results", default=None,
+                        help="results store or a report's results/ copy (e.g. reports/results); default: the "
+                             "config's work_dir/results")
 
     sweep = commands.add_parser("sweep", help="the whole study on Ray: data, features, train (Tune), eval, report")
     from taps_ray.cluster.sweep import add_arguments as _sweep_arguments
@@ -134,8 +137,11 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     from taps_ray.report import build_report
+    from taps_ray.report.data import results_source
 
-    path = build_report(_config(args), command=f"taps report --config {args.config}")
+    source = results_source(args.results) if args.results else None
+    command = f"taps report --config {args.config}" + (f" --results {args.results}" if args.results else "")
+    path = build_report(_config(args), source, command=command)
     print(f"report written to {path}")
     return 0
 

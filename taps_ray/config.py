@@ -199,6 +199,10 @@ class ServeConfig(_Strict):
     head_kind: HeadKind = Field("eagle2", description="which trained heads the service loads (<work_dir>/heads/<kind>-<mixture>)")
     max_ongoing_requests: int = Field(32, gt=0, description="requests one replica holds at once (queued + decoding)")
     replica_num_cpus: float = Field(1.0, gt=0, description="CPUs Ray reserves per replica (also its torch threads)")
+    draft_below: int | None = Field(
+        None, gt=0, description="draft only while fewer requests than this decode in one batch; larger batches decode "
+        "plainly (lossless either way). None: always draft. Speculation pays while the target's forward is "
+        "memory-bound: small batches on a GPU; on a CPU only batch 1 (`benchmarks/serve_load.py` measures it)")
 
 
 class StudyConfig(_Strict):

@@ -67,3 +67,28 @@ class FixedTree:
     def propose(self, state: None, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[DraftTree, None]:
         tokens = torch.tensor([int(next_tokens[-1])] + self.tokens)
         return build_tree(tokens, torch.tensor([-1] + self.parents)), None
+
+
+@dataclass
+class Recording:
+    """Wraps a proposer and keeps, per sequence (in `init_state` order), every `next_tokens` it was handed."""
+
+    inner: object
+    name: str = "recording"
+    seen: list[list[int]] = field(default_factory=list)
+
+    @property
+    def head_names(self) -> list[str]:
+        return self.inner.head_names
+
+    def init_state(self) -> tuple[object, list[int]]:
+        self.seen.append([])
+        return self.inner.init_state(), self.seen[-1]
+
+    def propose(self, state, features: torch.Tensor, next_tokens: torch.Tensor):
+        inner, seen = state
+        if features.shape[0] != next_tokens.shape[0]:
+            raise AssertionError("one feature per next token")
+        seen.extend(next_tokens.tolist())
+        tree, inner = self.inner.propose(inner, features, next_tokens)
+        return tree, (inner, seen)

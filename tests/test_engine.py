@@ -8,13 +8,13 @@ from scipy import stats
 
 from taps_ray.config import TreeConfig
 from taps_ray.models.draft_head import new_head
-from taps_ray.spec.generate import generate
+from taps_ray.spec.generate import NOT_DRAFTED, generate, run_loop
 from taps_ray.spec.proposers import PlainDecoding, SingleHead
 from taps_ray.spec.target_batch import TargetBatch
 from taps_ray.spec.tree import DraftContext, HeadCache, build_tree, draft_eagle2, extend_context
 from taps_ray.spec.verify import SamplingParams, accept_greedy, accept_stochastic, processed_probs
 
-from oracles import FixedTree, GreedyOracle
+from oracles import FixedTree, GreedyOracle, Recording
 
 GREEDY = SamplingParams()
 
@@ -142,6 +142,36 @@ def test_stop_token_inside_accepted_block_cuts_output(tiny_target):
     assert generation.finished_by == "stop"
     assert generation.tokens == expected[: expected.index(stop) + 1]
     assert generation.tokens == _hf_greedy(model, prompt, 30, [stop])
+
+
+def test_draft_below_pauses_drafting_while_the_batch_is_large_and_resumes_with_whole_context(tiny_target):
+    model, tok = tiny_target.model, tiny_target.tokenizer
+    bos = tok.encode("<|im_start|>")[0]
+    prompts = [[bos] + tok.encode(t) for t in ("hi", "a long prompt about numbers 1 2 3 4", "math: 12*7=")]
+    budgets = [6, 40, 40]  # sequence 0 finishes first, so the batch shrinks from 3 to 2
+    expected = [_hf_greedy(model, p, n, []) for p, n in zip(prompts, budgets)]
+    oracle = Recording(GreedyOracle(model, first_token=bos, depth=4))
+
+    generations = run_loop(TargetBatch(model), oracle, prompts, GREEDY, budgets, [], draft_below=3)
+    assert [g.tokens for g in generations] == expected
+    paused = len(generations[0].steps)  # steps while all three were unfinished
+    assert paused == 5  # one token per undrafted step after the prefill's
+    for b, generation in enumerate(generations[1:], start=1):
+        before, after = generation.steps[:paused], generation.steps[paused:]
+        assert all(s.tree_size == 1 and s.head == NOT_DRAFTED and s.accepted == 0 for s in before)
+        assert all(s.tree_size > 1 and s.head == 0 for s in after)
+        assert max(s.accepted for s in after) == 4  # the oracle's full chains are accepted again
+        # the proposer saw every position without a gap: the paused steps' tokens reached it on resuming
+        context = prompts[b][1:] + generation.tokens
+        assert oracle.seen[b] == context[: len(oracle.seen[b])]
+        assert len(oracle.seen[b]) >= len(prompts[b]) - 1 + paused + 1
+
+    never = run_loop(TargetBatch(model), oracle, prompts[1:2], GREEDY, 12, [], draft_below=1)[0]
+    assert never.tokens == expected[1][:12] and {s.tree_size for s in never.steps} == {1}
+    with pytest.raises(ValueError, match="draft_below must be at least 1"):
+        run_loop(TargetBatch(model), oracle, prompts[:1], GREEDY, 4, [], draft_below=0)
+    with pytest.raises(ValueError, match="one per prompt"):
+        run_loop(TargetBatch(model), oracle, prompts, GREEDY, [4, 4], [])
 
 
 @pytest.mark.slow

@@ -10,8 +10,9 @@ import pytest
 from taps_ray.config import parse_config
 from taps_ray.eval.store import Cell, ResultsStore
 from taps_ray.report import build_report
-from taps_ray.report.data import load_report_data
+from taps_ray.report.data import ReportCopy, load_report_data, results_source
 from taps_ray.report.findings import FAILS, HOLDS, UNMEASURED, findings
+from taps_ray.report.uncertainty import tau_difference
 
 ACC_ENTROPY, REJ_ENTROPY = 0.5, 2.0  # nats; every synthetic step has this gap, so Δ = 1.5
 
@@ -140,7 +141,30 @@ def test_findings_follow_the_numbers(tmp_path):
     config, store = _store(tmp_path / "rev", specialised=False)
     result = {f.key: f for f in findings(load_report_data(config, store))}
     assert result["a"].verdict == FAILS
-    assert "GSM8K math 1.40 vs chat 3.40 ✗" in result["a"].evidence[0]
+    assert "GSM8K math 1.40 vs chat 3.40 ✗ (Δ -2.00, 95% CI [-" in result["a"].evidence[0]
+    assert "of its 2 τ comparisons, 0 clearly favour the claim, 2 clearly contradict it" in result["a"].markdown()
+    assert "every failure is within noise" not in result["a"].markdown()
+
+
+def test_paired_bootstrap_interval_of_a_tau_difference(tmp_path):
+    config = _config(tmp_path)
+    store = ResultsStore(config.work_path("results"))
+    _write(store, "eagle2", "math", "gsm8k", GOOD)
+    _write(store, "eagle2", "chat", "gsm8k", BAD)
+    # better on question 0 (τ 3 vs 1), worse on question 1 (τ 1 vs 3): no clear winner
+    _write(store, "eagle2", "split", "gsm8k", [[2, 2, 2], [0, 0]])
+    _write(store, "eagle2", "mirror", "gsm8k", [[0, 0, 0], [2, 2]])
+    questions = load_report_data(config, store).questions
+
+    clear = tau_difference(questions, "eagle2", 0.0, "math", "chat", ["gsm8k"])
+    assert clear.delta == pytest.approx(_tau(GOOD) - _tau(BAD))  # the tables' pooled τ, not a mean of per-question τ
+    assert clear.sign == 1 and clear.low > 0  # GOOD beats BAD on every question, so on every resample
+    assert tau_difference(questions, "eagle2", 0.0, "chat", "math", ["gsm8k"]).sign == -1
+
+    noisy = tau_difference(questions, "eagle2", 0.0, "split", "mirror", ["gsm8k"])
+    assert noisy.delta == pytest.approx(11 / 5 - 9 / 5)
+    assert noisy.low < 0 < noisy.high and noisy.sign == 0
+    assert tau_difference(questions, "eagle2", 0.0, "math", "absent", ["gsm8k"]) is None
 
 
 def test_unmeasured_claims_and_empty_store(tmp_path):
@@ -154,3 +178,19 @@ def test_unmeasured_claims_and_empty_store(tmp_path):
     readme = build_report(empty).read_text()
     assert readme.count(UNMEASURED) == 6 and "*skipped*" in readme
     assert json.loads((tmp_path / "empty" / "reports" / "summary.json").read_text()) == []
+
+
+def test_report_rebuilds_from_its_own_results_copy(tmp_path):
+    config, _ = _store(tmp_path)
+    first = build_report(config).read_text()
+    copy = results_source(tmp_path / "reports" / "results")
+    assert isinstance(copy, ReportCopy)
+
+    elsewhere = config.model_copy(update={"reports_dir": str(tmp_path / "again")})
+    second = build_report(elsewhere, copy).read_text()
+    # everything after the setting (which names the source and the time) is rebuilt identically, failures included
+    assert first.split("## Acceptance length", 1)[1] == second.split("## Acceptance length", 1)[1]
+    assert "`RuntimeError: out of memory`" in second
+
+    with pytest.raises(FileNotFoundError, match="neither a results store"):
+        results_source(tmp_path / "nowhere")

@@ -126,7 +126,8 @@ class Speculative(BaseModel):
     tau_taps: float = Field(description="TAPS/EAGLE definition: untrimmed committed tokens / (steps - 1)")
     steps: int = Field(description="target verification steps")
     accepted_tokens: int = Field(description="drafted tokens the target accepted")
-    head_fractions: dict[str, float] = Field(description="fraction of steps whose verified tree each head drafted")
+    head_fractions: dict[str, float] = Field(description="fraction of steps whose verified tree each head drafted "
+                                            "(\"merged\": a merged tree; \"none\": drafting paused by serve.draft_below)")
     batch_size: int = Field(description="sequences that shared this request's batched verification")
     decode_s: float = Field(description="wall time of the batched decode this request was part of")
 

@@ -139,27 +139,19 @@ class _Observed:
         return self._tell(self.inner.step(trees))
 
 
-def _trim(generation: Any, limit: int) -> tuple[list[int], str, list[Any], list[int]]:
-    """Cut a generation at `limit` tokens: (tokens, finish_reason, kept steps, tokens per kept step)."""
-    tokens = list(generation.tokens[:limit])
-    finish = generation.finished_by if len(generation.tokens) <= limit else "length"
-    steps, counts, have = [], [], min(1, len(tokens))
-    for step in generation.steps:
-        if have >= len(tokens):
-            break
-        take = min(step.new_tokens, len(tokens) - have)
-        steps.append(step)
-        counts.append(take)
-        have += take
-    return tokens, finish or "length", steps, counts
-
-
 def _head_fractions(steps: list[Any], head_names: list[str]) -> dict[str, float]:
+    from taps_ray.spec.generate import NOT_DRAFTED
+
     if not head_names or not steps:
         return {}
     counts: dict[str, int] = defaultdict(int)
     for step in steps:
-        name = "merged" if step.head < 0 else (head_names[step.head] if step.head < len(head_names) else str(step.head))
+        if step.head == NOT_DRAFTED:
+            name = "none"
+        elif step.head < 0:
+            name = "merged"
+        else:
+            name = head_names[step.head] if step.head < len(head_names) else str(step.head)
         counts[name] += 1
     return {name: round(count / len(steps), 4) for name, count in counts.items()}
 
@@ -351,18 +343,18 @@ class TapsService:
             proposer,
             [job.prompt for job in jobs],
             params,
-            max(job.max_tokens for job in jobs),
+            [job.max_tokens for job in jobs],
             self.stop_ids,
             seeds=[job.seed for job in jobs],
+            draft_below=self.cfg.serve.draft_below,
         )
         outcomes = []
         for job, generation in zip(jobs, generations):
-            tokens, finish, steps, counts = _trim(generation, job.max_tokens)
-            committed = sum(counts)
+            steps = generation.steps
             speculative = Speculative(
                 proposer=first.proposer,
-                tau=round(committed / len(steps), 4) if steps else 0.0,
-                tau_taps=round(sum(s.accepted + 1 for s in steps) / max(len(steps) - 1, 1), 4) if steps else 0.0,
+                tau=round(generation.tau, 4),
+                tau_taps=round(generation.tau_taps, 4),
                 steps=len(steps),
                 accepted_tokens=sum(s.accepted for s in steps),
                 head_fractions=_head_fractions(steps, list(proposer.head_names)),
@@ -371,8 +363,8 @@ class TapsService:
             )
             outcomes.append(
                 Outcome(
-                    tokens=tokens,
-                    finish_reason="stop" if finish == "stop" else "length",
+                    tokens=generation.tokens,
+                    finish_reason="stop" if generation.finished_by == "stop" else "length",
                     speculative=speculative.model_dump(),
                 )
             )

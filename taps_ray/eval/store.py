@@ -87,6 +87,10 @@ class ResultsStore:
     def failures(self) -> list[dict]:
         return [json.loads(p.read_text()) for p in sorted(self.root.glob("cells/*/failed.json"))]
 
+    def meta(self) -> list[dict]:
+        """done.json of every finished cell: the cell plus what the evaluator recorded (dtype, device)."""
+        return [json.loads(p.read_text()) for p in sorted(self.root.glob("cells/*/done.json"))]
+
     def _done_dirs(self) -> list[Path]:
         return sorted(p.parent for p in self.root.glob("cells/*/done.json"))
 

@@ -11,7 +11,7 @@ import pandas as pd
 
 from taps_ray.config import StudyConfig
 from taps_ray.eval.store import ResultsStore, atomic_write_parquet, atomic_write_text
-from taps_ray.report.data import ReportData, load_report_data
+from taps_ray.report.data import CELLS_FILE, ReportCopy, ReportData, load_report_data
 from taps_ray.report.findings import findings_md
 from taps_ray.report.plots import PLOTS
 from taps_ray.report.setting import setting_md
@@ -24,8 +24,8 @@ SUMMARY_KEYS = ["head_kind", "proposer", "benchmark", "temperature", "tau", "tau
                 "n_turns", "new_tokens", "n_tokens", "wall_s", "tokens_per_s", "speedup", "greedy_match"]
 
 
-def build_report(config: StudyConfig, store: ResultsStore | None = None, command: str | None = None) -> Path:
-    """Regenerate the report of `config` from its results store; returns the path of README.md."""
+def build_report(config: StudyConfig, store: ResultsStore | ReportCopy | None = None, command: str | None = None) -> Path:
+    """Regenerate the report of `config` from its results store (or a report's results/ copy); returns README.md."""
     out = Path(config.reports_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     data = load_report_data(config, store)
@@ -110,21 +110,23 @@ def write_summary_json(data: ReportData, path: Path) -> None:
 
 
 def copy_results(data: ReportData, folder: Path) -> str:
-    """summary + questions parquet always; steps only below 20 MB. Returns a note on what was copied."""
+    """summary + questions parquet and the cells' records always; steps only below 20 MB. Returns a note on what was
+    copied. The copy is itself a source for `taps report --results`, so a clone can rebuild the report without runs/."""
     if folder.exists():
         shutil.rmtree(folder)
     folder.mkdir(parents=True)
     atomic_write_parquet(folder / "summary.parquet", data.summary)
     atomic_write_parquet(folder / "questions.parquet", data.questions)
+    atomic_write_text(folder / CELLS_FILE, json.dumps({"cells": data.meta, "failures": data.failures}, indent=1) + "\n")
     root = data.store_root
     sizes = sum(p.stat().st_size for p in root.glob("cells/*/steps.parquet")) if root else 0
     if root is None or sizes >= STEPS_LIMIT_BYTES:
         note = f"steps not copied: {sizes / 2**20:.0f} MB ≥ 20 MB; they stay in the results store {root}"
         atomic_write_text(folder / "STEPS_NOT_COPIED.txt", note + "\n")
-        return "summary.parquet, questions.parquet; " + note
+        return "summary.parquet, questions.parquet, cells.json; " + note
     atomic_write_parquet(folder / "steps.parquet", data.steps)
     if (folder / "steps.parquet").stat().st_size >= STEPS_LIMIT_BYTES:
         (folder / "steps.parquet").unlink()
         note = "steps not copied (≥ 20 MB); they stay in the results store"
-        return "summary.parquet, questions.parquet; " + note
-    return "summary.parquet, questions.parquet, steps.parquet"
+        return "summary.parquet, questions.parquet, cells.json; " + note
+    return "summary.parquet, questions.parquet, steps.parquet, cells.json"

@@ -24,6 +24,7 @@ BENCH_LABELS = {"mt_bench": "MT-Bench", "gsm8k": "GSM8K", "math_500": "MATH-500"
 KIND_LABELS = {"eagle2": "EAGLE-2", "hass": "HASS", "none": "none"}
 OURS = ("merged-dedup", "merged-budget")
 COMBINED = ("averaged", "confidence-routed", "entropy-routed", "merged", *OURS)
+CELLS_FILE = "cells.json"  # in a report's results/ copy: done.json of every cell and the failures
 _AVERAGED_W = re.compile(r"^averaged-w(\d+(?:\.\d+)?)$")
 
 
@@ -112,11 +113,49 @@ class ReportData:
         return sorted(set(self.summary.loc[self.summary["head_kind"] == kind, "proposer"]))
 
 
-def load_report_data(config: StudyConfig, store: ResultsStore | None = None) -> ReportData:
+@dataclass(frozen=True)
+class ReportCopy:
+    """The `results/` folder a report writes next to its README: rebuilds the report without the results store."""
+
+    root: Path
+
+    def _frame(self, name: str) -> pd.DataFrame:
+        path = self.root / name
+        return pd.read_parquet(path) if path.exists() else pd.DataFrame()
+
+    def _cells(self) -> dict:
+        path = self.root / CELLS_FILE
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    def questions(self) -> pd.DataFrame:
+        return self._frame("questions.parquet")
+
+    def steps(self) -> pd.DataFrame:
+        return self._frame("steps.parquet")
+
+    def failures(self) -> list[dict]:
+        return self._cells().get("failures", [])
+
+    def meta(self) -> list[dict]:
+        return self._cells().get("cells", [])
+
+
+def results_source(path: Path) -> ResultsStore | ReportCopy:
+    """A results store (has `cells/`) or a report's `results/` copy (has questions.parquet); else a clear error."""
+    path = Path(path).expanduser()
+    if (path / "cells").is_dir():
+        return ResultsStore(path)
+    if (path / "questions.parquet").is_file():
+        return ReportCopy(path)
+    raise FileNotFoundError(f"{path} is neither a results store (no cells/ folder) nor a report's results/ copy "
+                            "(no questions.parquet); run the evaluation first (`make sweep`) or pass the right folder")
+
+
+def load_report_data(config: StudyConfig, store: ResultsStore | ReportCopy | None = None) -> ReportData:
     store = store or ResultsStore(config.work_path("results"))
     questions = store.questions()
     steps = store.steps()
-    meta = [json.loads(p.read_text()) for p in sorted(store.root.glob("cells/*/done.json"))]
+    meta = store.meta()
     return ReportData(
         config=config,
         summary=summarize(questions),

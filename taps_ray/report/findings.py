@@ -2,7 +2,9 @@
 
 A claim is checked separately in every setting (head kind × temperature) where its cells exist. It HOLDS when it
 holds in every measured setting, DOES NOT HOLD when it fails in at least one (the count says how many), and is
-NOT MEASURED when no setting has the cells it needs.
+NOT MEASURED when no setting has the cells it needs. The verdict follows the point estimates; each τ comparison
+also carries a paired bootstrap interval, and the claim line counts how many comparisons are clear either way and
+how many are within noise, so a reader can tell a real reversal from a coin flip.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 
 from taps_ray.report.data import BENCH_LABELS, KIND_LABELS, ReportData
 from taps_ray.report.paper import PAPER_ENTROPY_GAP_NATS, PAPER_ROUTING
+from taps_ray.report.uncertainty import CONFIDENCE, Interval, tau_difference
 
 HOLDS, FAILS, UNMEASURED = "HOLDS", "DOES NOT HOLD", "NOT MEASURED"
 MATH_BENCHES = ("gsm8k", "math_500", "svamp")
@@ -27,9 +30,11 @@ class Finding:
     verdict: str = UNMEASURED
     evidence: list[str] = field(default_factory=list)
     settings: list[tuple[str, float, bool]] = field(default_factory=list)  # (kind, T, holds)
+    intervals: list[Interval] = field(default_factory=list)  # oriented: Δ > 0 favours the claim
 
-    def add(self, kind: str, temperature: float, holds: bool, text: str) -> None:
+    def add(self, kind: str, temperature: float, holds: bool, text: str, intervals: list[Interval] = ()) -> None:
         self.settings.append((kind, temperature, holds))
+        self.intervals.extend(intervals)
         self.evidence.append(f"{KIND_LABELS.get(kind, kind)}, T = {temperature:g}: {HOLDS if holds else FAILS} — {text}")
 
     def decide(self, reason: str = "") -> "Finding":
@@ -45,6 +50,12 @@ class Finding:
         count = ""
         if self.settings:
             count = f" (holds in {sum(h for *_, h in self.settings)} of {len(self.settings)} settings)"
+        if self.intervals:
+            signs = [i.sign for i in self.intervals]
+            count += (f"; of its {len(signs)} τ comparisons, {signs.count(1)} clearly favour the claim, "
+                      f"{signs.count(-1)} clearly contradict it and {signs.count(0)} are within noise")
+            if self.verdict == FAILS and -1 not in signs:
+                count += ", so every failure is within noise"
         lines = [f"- **({self.key}) {self.claim}: {self.verdict}**{count}. Paper: {self.paper}."]
         lines += [f"  - {line}" for line in self.evidence]
         return "\n".join(lines)
@@ -72,6 +83,14 @@ def _common_average(data: ReportData, kind: str, temperature: float, proposers: 
     return benches, {p: sum(data.value(kind, p, b, temperature) for b in benches) / len(benches) for p in proposers}
 
 
+def _difference(data: ReportData, kind: str, temperature: float, a: str, b: str, benches: list[str]) -> Interval | None:
+    return tau_difference(data.questions, kind, temperature, a, b, benches)
+
+
+def _noise(interval: Interval | None) -> str:
+    return f" ({interval.text()})" if interval else ""
+
+
 def _measured(data: ReportData, kind: str, temperature: float, proposer: str) -> bool:
     return any(not math.isnan(data.value(kind, proposer, b, temperature)) for b in data.benchmarks)
 
@@ -83,15 +102,19 @@ def specialisation(data: ReportData) -> Finding:
     if not (math_head and chat_head):
         return finding.decide("no head trained on mathinstruct alone and one on sharegpt alone")
     for kind, temperature in _settings(data):
-        checks = []
+        checks, intervals = [], []
         for bench in (*MATH_BENCHES, "mt_bench"):
             m, c = data.value(kind, math_head, bench, temperature), data.value(kind, chat_head, bench, temperature)
             if math.isnan(m) or math.isnan(c):
                 continue
             ok = c > m if bench == "mt_bench" else m > c
-            checks.append((ok, f"{_b(bench)} math {m:.2f} vs chat {c:.2f} {_mark(ok, m == c)}"))
+            interval = _difference(data, kind, temperature, math_head, chat_head, [bench])
+            if interval:
+                intervals.append(interval.flipped() if bench == "mt_bench" else interval)
+            checks.append((ok, f"{_b(bench)} math {m:.2f} vs chat {c:.2f} {_mark(ok, m == c)}{_noise(interval)}"))
         if checks:
-            finding.add(kind, temperature, all(ok for ok, _ in checks), "; ".join(text for _, text in checks))
+            finding.add(kind, temperature, all(ok for ok, _ in checks), "; ".join(text for _, text in checks),
+                        intervals)
     return finding.decide("math and chat heads not evaluated on a common benchmark")
 
 
@@ -113,24 +136,28 @@ def robustness(data: ReportData) -> Finding:
         ok = averages[mixture] >= averages[best] * (1 - NEAR_BEST)
         text = ", ".join(f"{h} {averages[h]:.2f}" for h in heads)
         gap = (averages[best] - averages[mixture]) / averages[best] if averages[best] else 0.0
-        verdict = f"best: {mixture}" if mixture == best else f"best: {best}; {mixture} is {gap:.1%} below it"
+        verdict = (f"best: {mixture}" if mixture == best else f"best: {best}; {mixture} is {gap:.1%} below it"
+                   f"{_noise(_difference(data, kind, temperature, mixture, best, benches))}")
         finding.add(kind, temperature, ok, f"average τ over {', '.join(map(_b, benches))}: {text}; {verdict}")
     return finding.decide("no mixture head evaluated next to another single head")
 
 
 def _pairwise(data: ReportData, finding: Finding, winners: list[str], loser: str, strict: bool) -> Finding:
     for kind, temperature in _settings(data):
-        checks = []
+        checks, intervals = [], []
         for winner in winners:
             benches, averages = _common_average(data, kind, temperature, [winner, loser])
             if not benches:
                 continue
             ok = averages[winner] > averages[loser] if strict else averages[winner] >= averages[loser]
+            interval = _difference(data, kind, temperature, winner, loser, benches)
+            intervals += [interval] if interval else []
             checks.append((ok, f"{winner} {averages[winner]:.2f} vs {loser} {averages[loser]:.2f} "
                                f"(average over {', '.join(map(_b, benches))}) "
-                               f"{_mark(ok, averages[winner] == averages[loser])}"))
+                               f"{_mark(ok, averages[winner] == averages[loser])}{_noise(interval)}"))
         if checks:
-            finding.add(kind, temperature, all(ok for ok, _ in checks), "; ".join(text for _, text in checks))
+            finding.add(kind, temperature, all(ok for ok, _ in checks), "; ".join(text for _, text in checks),
+                        intervals)
     return finding.decide(f"{' / '.join(winners)} and {loser} not evaluated on a common benchmark")
 
 
@@ -214,8 +241,10 @@ def findings_md(data: ReportData, results: list[Finding] | None = None) -> str:
     scale = ""
     if not summary.empty:
         low, high = summary["n_questions"].min(), summary["n_questions"].max()
-        scale = (f" Each cell holds {low if low == high else f'{low}–{high}'} questions, so differences of a few hundredths of τ "
-                 "are within noise at this scale.")
+        scale = (f" Each cell holds {low if low == high else f'{low}–{high}'} questions. Every τ comparison carries "
+                 f"Δ and its {CONFIDENCE:.0%} interval from a paired bootstrap over questions (resampled within each "
+                 "benchmark, the same resample for both proposers); an interval that straddles zero means the "
+                 "difference is within the noise of this many questions.")
     intro = ("Each TAPS claim checked against the tables above, separately per head kind × temperature. "
              "HOLDS = holds in every setting where it was measured." + scale)
     return intro + "\n\n" + "\n".join(f.markdown() for f in results)

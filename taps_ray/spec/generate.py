@@ -15,7 +15,9 @@ from transformers import PreTrainedModel
 
 from taps_ray.spec.proposers import Proposer
 from taps_ray.spec.target_batch import Committed, TargetBatch
-from taps_ray.spec.tree import DraftTree
+from taps_ray.spec.tree import DraftTree, root_only
+
+NOT_DRAFTED = -2  # StepRecord.head of a step that verified only the root (drafting paused by `draft_below`)
 from taps_ray.spec.verify import SamplingParams, Verdict
 
 
@@ -26,7 +28,7 @@ class StepRecord:
     tree_size: int  # nodes verified, root included
     draft_s: float
     verify_s: float
-    head: int  # which head's tree was verified (routers), -1 for a merged tree
+    head: int  # which head's tree was verified (routers), -1 for a merged tree, NOT_DRAFTED (-2) for none
     node_confidence: list[float]
     node_entropy: list[float]
     node_accepted: list[bool]
@@ -105,13 +107,24 @@ def run_loop(
     proposer: Proposer,
     prompts: list[list[int]],
     params: SamplingParams,
-    max_new_tokens: int,
+    max_new_tokens: int | list[int],
     stop_ids: list[int],
     seeds: list[int] | None = None,
+    draft_below: int | None = None,
 ) -> list[Generation]:
-    """Decode every prompt to a stop token or `max_new_tokens`; sequence b samples with its own seed."""
-    if max_new_tokens < 1:
-        raise ValueError("max_new_tokens must be at least 1")
+    """Decode every prompt to a stop token or `max_new_tokens` (one for all, or one per prompt); sequence b
+    samples with its own seed. A sequence leaves the batched forward as soon as it is finished.
+
+    `draft_below`: draft only while fewer sequences than this are unfinished; otherwise a step verifies just the
+    root (plain decoding, still lossless). A batched target forward over many tree tokens is compute-bound on a
+    CPU (and on a GPU at large batches), where speculation costs more than it saves. The committed positions a
+    paused proposer missed are handed to it when drafting resumes, so its context stays whole.
+    """
+    budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    if len(budgets) != len(prompts) or min(budgets, default=1) < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, one for all prompts or one per prompt: {max_new_tokens}")
+    if draft_below is not None and draft_below < 1:
+        raise ValueError(f"draft_below must be at least 1 (or None to always draft), got {draft_below}")
     seeds = seeds if seeds is not None else list(range(len(prompts)))
     stops = set(stop_ids)
     start = time.perf_counter()
@@ -122,14 +135,24 @@ def run_loop(
     states = [proposer.init_state() for _ in prompts]
     trees: list[DraftTree | None] = [None] * len(prompts)
     draft_times = [0.0] * len(prompts)
+    heads = [NOT_DRAFTED] * len(prompts)
+    missed: list[list[Committed]] = [[] for _ in prompts]  # committed while drafting was paused
 
     def draft(b: int, committed: Committed) -> None:
+        unfinished = sum(not g.finished_by for g in generations)
+        if draft_below is not None and unfinished >= draft_below:
+            missed[b].append(committed)
+            trees[b], draft_times[b], heads[b] = root_only(int(committed.next_tokens[-1])), 0.0, NOT_DRAFTED
+            return
+        parts, missed[b] = [*missed[b], committed], []
+        features, next_tokens = torch.cat([c.features for c in parts]), torch.cat([c.next_tokens for c in parts])
         t0 = time.perf_counter()
-        trees[b], states[b] = proposer.propose(states[b], committed.features, committed.next_tokens)
+        trees[b], states[b] = proposer.propose(states[b], features, next_tokens)
         draft_times[b] = time.perf_counter() - t0
+        heads[b] = chosen_head(states[b])
 
     for b, committed in enumerate(started):
-        _extend(generations[b], committed.tokens, stops, max_new_tokens)
+        _extend(generations[b], committed.tokens, stops, budgets[b])
         if not generations[b].finished_by:
             draft(b, committed)
 
@@ -141,8 +164,8 @@ def run_loop(
             if committed is None:
                 continue
             generation = generations[b]
-            kept = _extend(generation, committed.tokens, stops, max_new_tokens)
-            step = record_step(trees[b], committed.verdict, kept, draft_times[b], verify_s, chosen_head(states[b]))
+            kept = _extend(generation, committed.tokens, stops, budgets[b])
+            step = record_step(trees[b], committed.verdict, kept, draft_times[b], verify_s, heads[b])
             generation.steps.append(step)
             trees[b] = None
             if not generation.finished_by:

@@ -1,0 +1,71 @@
+"""Paired bootstrap intervals for differences of τ between two proposers.
+
+Every proposer decodes the same questions, so most of the spread between questions (easy vs hard prompts) is shared.
+Resampling questions with replacement, within each benchmark, and recomputing both pooled τs on the same resample
+gives the noise of the *difference*, which is what a claim like "the math head beats the chat head" rests on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+CONFIDENCE = 0.95
+RESAMPLES = 2000
+
+
+@dataclass(frozen=True)
+class Interval:
+    """τ(a) − τ(b) with a percentile bootstrap interval at CONFIDENCE."""
+
+    delta: float
+    low: float
+    high: float
+
+    @property
+    def sign(self) -> int:
+        """+1 when the whole interval is above zero, −1 when below, 0 when it straddles zero (within noise)."""
+        return 1 if self.low > 0 else -1 if self.high < 0 else 0
+
+    def flipped(self) -> "Interval":
+        return Interval(-self.delta, -self.high, -self.low)
+
+    def text(self) -> str:
+        return f"Δ {self.delta:+.2f}, {CONFIDENCE:.0%} CI [{self.low:+.2f}, {self.high:+.2f}]"
+
+
+def _per_question(questions: pd.DataFrame, proposer: str) -> pd.DataFrame:
+    """New tokens and verification steps per question, summed over its turns."""
+    rows = questions[questions["proposer"] == proposer]
+    return rows.groupby("question_id")[["new_tokens", "steps"]].sum()
+
+
+def tau_difference(questions: pd.DataFrame, kind: str, temperature: float, a: str, b: str, benchmarks: list[str],
+                   resamples: int = RESAMPLES, seed: int = 0) -> Interval | None:
+    """Mean over `benchmarks` of pooled τ(a) − τ(b), on the questions both proposers answered; None when none.
+
+    Pooled τ = Σ new tokens / Σ steps, the definition of the report's tables, so `delta` equals the difference of
+    the tables' averages whenever both proposers answered the same questions.
+    """
+    setting = questions[(questions["head_kind"] == kind) & (questions["temperature"] == temperature)]
+    rng = np.random.default_rng(seed)
+    deltas, draws = [], []
+    for bench in benchmarks:
+        rows = setting[setting["benchmark"] == bench]
+        paired = _per_question(rows, a).join(_per_question(rows, b), how="inner", lsuffix="_a", rsuffix="_b")
+        if paired.empty:
+            return None
+        values = paired.to_numpy(dtype=float)  # columns: new_a, steps_a, new_b, steps_b
+        sums = values.sum(axis=0)
+        deltas.append(sums[0] / max(sums[1], 1) - sums[2] / max(sums[3], 1))
+        picks = rng.integers(0, len(values), size=(resamples, len(values)))
+        resampled = values[picks].sum(axis=1)  # [resamples, 4]
+        draws.append(resampled[:, 0] / np.maximum(resampled[:, 1], 1) - resampled[:, 2] / np.maximum(resampled[:, 3], 1))
+    if not deltas:
+        return None
+    spread = np.mean(draws, axis=0)
+    tail = (1 - CONFIDENCE) / 2 * 100
+    low, high = np.percentile(spread, [tail, 100 - tail])
+    return Interval(float(np.mean(deltas)), float(low), float(high))
