@@ -85,6 +85,8 @@ def _prepare_config(args):
     serve_update = {}
     if args.max_batch_size:
         serve_update["max_batch_size"] = args.max_batch_size
+    if args.replica_cpus:
+        serve_update["replica_num_cpus"] = args.replica_cpus
     if args.draft_below is not None:
         serve_update["draft_below"] = args.draft_below or None
     if args.max_tokens > cfg.serve.max_tokens_limit:
@@ -289,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--random-heads", action="store_true", help="write random heads to a temporary work dir first")
     parser.add_argument("--dtype", default=None, help="override target.dtype (e.g. float32 for an exact greedy check)")
     parser.add_argument("--max-batch-size", type=int, default=None, help="override serve.max_batch_size")
+    parser.add_argument("--replica-cpus", type=float, default=None,
+                        help="override serve.replica_num_cpus (also the replica's torch threads)")
     parser.add_argument("--draft-below", type=int, default=None,
                         help="override serve.draft_below (0: always draft, whatever the batch)")
     parser.add_argument("--label", default=None, help="report section name (default: the config's name)")

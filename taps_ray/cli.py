@@ -88,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--trees", nargs="+", default=[], metavar="T/D/K",
                        help="also time the first proposer with these trees (total_token/depth/top_k), e.g. 8/3/2")
     bench.add_argument("--no-peers", action="store_true", help="skip the HF methods (quick tree tuning)")
+    bench.add_argument("--name", default="bench", help="report name: writes <reports_dir>/<name>.md and <name>_speed.png")
     return parser
 
 
@@ -171,7 +172,7 @@ def _bench(args: argparse.Namespace) -> int:
     options = BenchOptions(
         kind=args.kind, proposers=args.proposers, benchmarks=args.benchmarks, per_benchmark=args.per_benchmark,
         max_new_tokens=args.max_new_tokens, repetitions=args.repetitions, dtype=DTYPES[args.dtype],
-        trees=args.trees, peers=not args.no_peers,
+        trees=args.trees, peers=not args.no_peers, name=args.name,
     )
     return cmd_bench(_config(args), options, command)
 

@@ -153,6 +153,7 @@ def run_loop(
 
     for b, committed in enumerate(started):
         _extend(generations[b], committed.tokens, stops, budgets[b])
+    for b, committed in enumerate(started):  # after every sequence is extended, so `draft` counts the finished
         if not generations[b].finished_by:
             draft(b, committed)
 
@@ -168,7 +169,8 @@ def run_loop(
             step = record_step(trees[b], committed.verdict, kept, draft_times[b], verify_s, heads[b])
             generation.steps.append(step)
             trees[b] = None
-            if not generation.finished_by:
+        for b, committed in enumerate(results):
+            if committed is not None and not generations[b].finished_by:
                 draft(b, committed)
     wall = time.perf_counter() - start
     for generation in generations:
