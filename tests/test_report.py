@@ -142,7 +142,7 @@ def test_findings_follow_the_numbers(tmp_path):
     result = {f.key: f for f in findings(load_report_data(config, store))}
     assert result["a"].verdict == FAILS
     assert "GSM8K math 1.40 vs chat 3.40 ✗ (Δ -2.00, 95% CI [-" in result["a"].evidence[0]
-    assert "of its 2 τ comparisons, 0 clearly favour the claim, 2 clearly contradict it" in result["a"].markdown()
+    assert "τ comparisons (2): 0 clearly for the claim, 2 clearly against it, 0 within noise" in result["a"].markdown()
     assert "every failure is within noise" not in result["a"].markdown()
 
 

@@ -49,6 +49,7 @@ def _serve_config(tiny_config, work: Path, **serve_update):
         default_max_tokens=16,
         replica_num_cpus=0.5,
         num_replicas=1,
+        draft_below=3,  # batches of 3-4 start undrafted and resume drafting as their sequences finish
     )
     update.update(serve_update)
     return tiny_config.model_copy(update={"work_dir": str(work), "serve": tiny_config.serve.model_copy(update=update)})
@@ -246,6 +247,9 @@ def test_concurrent_requests_share_batched_verification(service, tiny_target):
     sizes = [r["speculative"]["batch_size"] for r in results]
     assert max(sizes) >= 2, f"no request shared a batch: {sizes}"
     assert max(sizes) <= service.cfg.serve.max_batch_size
+    for result in results:  # draft_below=3: a batch of three or more begins with undrafted steps
+        paused = "none" in result["speculative"]["head_fractions"]
+        assert paused == (result["speculative"]["batch_size"] >= service.cfg.serve.draft_below), result["speculative"]
 
 
 def test_concurrent_different_models_are_grouped_apart(service, tiny_target):

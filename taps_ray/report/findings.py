@@ -52,8 +52,8 @@ class Finding:
             count = f" (holds in {sum(h for *_, h in self.settings)} of {len(self.settings)} settings)"
         if self.intervals:
             signs = [i.sign for i in self.intervals]
-            count += (f"; of its {len(signs)} τ comparisons, {signs.count(1)} clearly favour the claim, "
-                      f"{signs.count(-1)} clearly contradict it and {signs.count(0)} are within noise")
+            count += (f"; τ comparisons ({len(signs)}): {signs.count(1)} clearly for the claim, "
+                      f"{signs.count(-1)} clearly against it, {signs.count(0)} within noise")
             if self.verdict == FAILS and -1 not in signs:
                 count += ", so every failure is within noise"
         lines = [f"- **({self.key}) {self.claim}: {self.verdict}**{count}. Paper: {self.paper}."]
