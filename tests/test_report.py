@@ -12,7 +12,7 @@ from taps_ray.eval.store import Cell, ResultsStore
 from taps_ray.report import build_report
 from taps_ray.report.data import ReportCopy, load_report_data, results_source
 from taps_ray.report.findings import FAILS, HOLDS, UNMEASURED, findings
-from taps_ray.report.uncertainty import tau_difference
+from taps_ray.report.uncertainty import tau_difference, tau_interval
 
 ACC_ENTROPY, REJ_ENTROPY = 0.5, 2.0  # nats; every synthetic step has this gap, so Δ = 1.5
 
@@ -165,6 +165,10 @@ def test_paired_bootstrap_interval_of_a_tau_difference(tmp_path):
     assert noisy.delta == pytest.approx(11 / 5 - 9 / 5)
     assert noisy.low < 0 < noisy.high and noisy.sign == 0
     assert tau_difference(questions, "eagle2", 0.0, "math", "absent", ["gsm8k"]) is None
+
+    low, high = tau_interval(questions, "eagle2", 0.0, "split", "gsm8k")  # per-question τ 3 and 1, pooled 2.2
+    assert 1.0 <= low < 11 / 5 < high <= 3.0
+    assert tau_interval(questions, "eagle2", 0.0, "absent", "gsm8k") is None
 
 
 def test_unmeasured_claims_and_empty_store(tmp_path):

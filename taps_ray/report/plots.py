@@ -15,6 +15,7 @@ import numpy as np  # noqa: E402
 from taps_ray.eval.metrics import PLAIN  # noqa: E402
 from taps_ray.report.data import BENCH_LABELS, KIND_LABELS, ReportData, averaged_weight  # noqa: E402
 from taps_ray.report.tables import layout_rows  # noqa: E402
+from taps_ray.report.uncertainty import CONFIDENCE, tau_interval  # noqa: E402
 
 Plot = Callable[[ReportData, Path], "list[Path] | str"]
 
@@ -23,12 +24,19 @@ def _bench_label(bench: str) -> str:
     return BENCH_LABELS.get(bench, bench)
 
 
-def _grouped_bars(ax, groups: list[str], series: dict[str, list[float]], ylabel: str, title: str) -> None:
+def _grouped_bars(ax, groups: list[str], series: dict[str, list[float]], ylabel: str, title: str,
+                  intervals: dict[str, list[tuple[float, float] | None]] | None = None) -> None:
     width = 0.8 / max(len(series), 1)
     x = np.arange(len(groups))
     for i, (name, values) in enumerate(series.items()):
         heights = [0.0 if math.isnan(v) else v for v in values]
         bars = ax.bar(x + (i - (len(series) - 1) / 2) * width, heights, width, label=name)
+        if intervals:
+            spans = [span or (h, h) for span, h in zip(intervals[name], heights)]
+            below = [max(h - low, 0.0) for h, (low, _) in zip(heights, spans)]
+            above = [max(high - h, 0.0) for h, (_, high) in zip(heights, spans)]
+            ax.errorbar([b.get_x() + b.get_width() / 2 for b in bars], heights, yerr=[below, above], fmt="none",
+                        ecolor="black", elinewidth=0.7, capsize=1.5)
         for bar, value in zip(bars, values):
             if math.isnan(value):  # say "not measured" instead of drawing a zero
                 ax.text(bar.get_x() + bar.get_width() / 2, 0, "–", ha="center", va="bottom", fontsize=7)
@@ -54,7 +62,8 @@ def _measured(data: ReportData, kind: str, proposers: list[str], column: str) ->
 
 
 def _per_kind_bars(data: ReportData, out: Path, stem: str, column: str, ylabel: str, title: str,
-                   include_plain: bool = False, baseline: float | None = None) -> list[Path] | str:
+                   include_plain: bool = False, baseline: float | None = None,
+                   with_intervals: bool = False) -> list[Path] | str:
     paths = []
     for kind in data.kinds:
         rows = [p for p in layout_rows(data, kind) if p in data.proposers(kind)]
@@ -66,8 +75,10 @@ def _per_kind_bars(data: ReportData, out: Path, stem: str, column: str, ylabel: 
         fig, axes = plt.subplots(1, len(temps), figsize=(width * len(temps) + 1.5, 4.5), squeeze=False, sharey=True)
         for ax, temperature in zip(axes[0], temps):
             series = {p: [data.value(kind, p, b, temperature, column) for b in benches] for p in rows}
+            intervals = {p: [tau_interval(data.questions, "none" if p == PLAIN else kind, temperature, p, b)
+                             for b in benches] for p in rows} if with_intervals else None
             _grouped_bars(ax, [_bench_label(b) for b in benches], series, ylabel,
-                          f"{title} — {KIND_LABELS.get(kind, kind)}, T = {temperature:g}")
+                          f"{title} — {KIND_LABELS.get(kind, kind)}, T = {temperature:g}", intervals)
             if baseline is not None:
                 ax.axhline(baseline, color="black", linewidth=0.8, linestyle="--", label="plain decoding = 1×")
         axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), title="proposer")
@@ -76,7 +87,8 @@ def _per_kind_bars(data: ReportData, out: Path, stem: str, column: str, ylabel: 
 
 
 def plot_tau(data: ReportData, out: Path) -> list[Path] | str:
-    return _per_kind_bars(data, out, "tau", "tau", "acceptance length τ (tokens / step)", "Acceptance length")
+    return _per_kind_bars(data, out, "tau", "tau", f"acceptance length τ (tokens / step), {CONFIDENCE:.0%} CI",
+                          "Acceptance length", with_intervals=True)
 
 
 def plot_speedup(data: ReportData, out: Path) -> list[Path] | str:
@@ -178,7 +190,7 @@ def plot_entropy(data: ReportData, out: Path) -> list[Path] | str:
 
 
 PLOTS: dict[str, tuple[str, Plot]] = {
-    "tau": ("Acceptance length by proposer and benchmark", plot_tau),
+    "tau": ("Acceptance length by proposer and benchmark (95% bootstrap CI over questions)", plot_tau),
     "averaging": ("Weight-averaging interpolation curve", plot_averaging),
     "routing": ("Routing fractions", plot_routing),
     "entropy": ("Accepted vs rejected draft-token entropy", plot_entropy),

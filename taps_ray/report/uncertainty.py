@@ -42,6 +42,25 @@ def _per_question(questions: pd.DataFrame, proposer: str) -> pd.DataFrame:
     return rows.groupby("question_id")[["new_tokens", "steps"]].sum()
 
 
+def _pooled_tau(sums: np.ndarray) -> np.ndarray:
+    """Σ new tokens / Σ steps from [..., 2] column sums (new tokens, steps)."""
+    return sums[..., 0] / np.maximum(sums[..., 1], 1)
+
+
+def tau_interval(questions: pd.DataFrame, kind: str, temperature: float, proposer: str, benchmark: str,
+                 resamples: int = RESAMPLES, seed: int = 0) -> tuple[float, float] | None:
+    """Percentile bootstrap interval of one cell's pooled τ over its questions; None when the cell is empty."""
+    rows = questions[(questions["head_kind"] == kind) & (questions["temperature"] == temperature)
+                     & (questions["benchmark"] == benchmark)]
+    values = _per_question(rows, proposer).to_numpy(dtype=float)
+    if not len(values):
+        return None
+    picks = np.random.default_rng(seed).integers(0, len(values), size=(resamples, len(values)))
+    tail = (1 - CONFIDENCE) / 2 * 100
+    low, high = np.percentile(_pooled_tau(values[picks].sum(axis=1)), [tail, 100 - tail])
+    return float(low), float(high)
+
+
 def tau_difference(questions: pd.DataFrame, kind: str, temperature: float, a: str, b: str, benchmarks: list[str],
                    resamples: int = RESAMPLES, seed: int = 0) -> Interval | None:
     """Mean over `benchmarks` of pooled τ(a) − τ(b), on the questions both proposers answered; None when none.
@@ -59,10 +78,10 @@ def tau_difference(questions: pd.DataFrame, kind: str, temperature: float, a: st
             return None
         values = paired.to_numpy(dtype=float)  # columns: new_a, steps_a, new_b, steps_b
         sums = values.sum(axis=0)
-        deltas.append(sums[0] / max(sums[1], 1) - sums[2] / max(sums[3], 1))
+        deltas.append(float(_pooled_tau(sums[:2]) - _pooled_tau(sums[2:])))
         picks = rng.integers(0, len(values), size=(resamples, len(values)))
         resampled = values[picks].sum(axis=1)  # [resamples, 4]
-        draws.append(resampled[:, 0] / np.maximum(resampled[:, 1], 1) - resampled[:, 2] / np.maximum(resampled[:, 3], 1))
+        draws.append(_pooled_tau(resampled[:, :2]) - _pooled_tau(resampled[:, 2:]))
     if not deltas:
         return None
     spread = np.mean(draws, axis=0)
