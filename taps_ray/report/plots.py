@@ -190,7 +190,7 @@ def plot_entropy(data: ReportData, out: Path) -> list[Path] | str:
 
 
 PLOTS: dict[str, tuple[str, Plot]] = {
-    "tau": ("Acceptance length by proposer and benchmark (95% bootstrap CI over questions)", plot_tau),
+    "tau": (f"Acceptance length by proposer and benchmark ({CONFIDENCE:.0%} bootstrap CI over questions)", plot_tau),
     "averaging": ("Weight-averaging interpolation curve", plot_averaging),
     "routing": ("Routing fractions", plot_routing),
     "entropy": ("Accepted vs rejected draft-token entropy", plot_entropy),
