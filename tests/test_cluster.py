@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from taps_ray.cluster.actors import pack_heads
-from taps_ray.cluster.pool import EvalPool, VerificationPool, merge_batches, select_rows
+from taps_ray.cluster.pool import EvalPool, VerificationPool, merge_batches
 from taps_ray.config import StudyConfig
 from taps_ray.eval.commands import plan_cells
 from taps_ray.eval.runner import run_cell
@@ -173,7 +173,7 @@ def test_stepping_some_rows_leaves_the_others_untouched(tiny_target, cfg):
     proposer = build_proposer("math", tiny_target, heads, cfg.tree)
     params = SamplingParams(temperature=1.0)
     prompts = [[1, 5, 9, 14, 3], [1, 7, 2], [1, 22, 8, 8]]
-    shared, alone = TargetBatch(tiny_target.model), TargetBatch(tiny_target.model)
+    shared, alone = TargetBatch(tiny_target.model, drop_finished=False), TargetBatch(tiny_target.model)
     started = shared.start(prompts, params, [0, 1, 2])
     alone.start(prompts[1:2], params, [1])
     tree, _ = proposer.propose(proposer.init_state(), started[1].features, started[1].next_tokens)
@@ -190,7 +190,7 @@ def test_stepping_some_rows_leaves_the_others_untouched(tiny_target, cfg):
 
 def test_merge_and_select_keep_each_sequence(tiny_target):
     params = SamplingParams()
-    a, b, both = TargetBatch(tiny_target.model), TargetBatch(tiny_target.model), TargetBatch(tiny_target.model)
+    a, b, both = (TargetBatch(tiny_target.model, drop_finished=False) for _ in range(3))  # as the pool holds them
     a.start([[1, 5, 9, 14, 3]], params, [0])
     b.start([[1, 7, 2]], params, [1])
     both.start([[1, 5, 9, 14, 3], [1, 7, 2]], params, [0, 1])
@@ -199,7 +199,7 @@ def test_merge_and_select_keep_each_sequence(tiny_target):
     for mine, theirs in zip(a.cache.layers, both.cache.layers):
         for row, n in enumerate((5, 3)):
             torch.testing.assert_close(mine.keys[row, :, :n], theirs.keys[row, :, :n])
-    select_rows(a, [1])
+    a.keep_rows([1])
     assert a.lengths.tolist() == [3] and a.cache.get_seq_length() == 3
 
 

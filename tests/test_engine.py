@@ -152,8 +152,10 @@ def test_draft_below_pauses_drafting_while_the_batch_is_large_and_resumes_with_w
     expected = [_hf_greedy(model, p, n, []) for p, n in zip(prompts, budgets)]
     oracle = Recording(GreedyOracle(model, first_token=bos, depth=4))
 
-    generations = run_loop(TargetBatch(model), oracle, prompts, GREEDY, budgets, [], draft_below=3)
+    batch = TargetBatch(model)
+    generations = run_loop(batch, oracle, prompts, GREEDY, budgets, [], draft_below=3)
     assert [g.tokens for g in generations] == expected
+    assert batch.live == [1, 2] and batch.batch_size == 2  # the finished sequence left the cache
     paused = len(generations[0].steps)  # steps while all three were unfinished
     assert paused == 5  # one token per undrafted step after the prefill's
     for b, generation in enumerate(generations[1:], start=1):
@@ -172,6 +174,18 @@ def test_draft_below_pauses_drafting_while_the_batch_is_large_and_resumes_with_w
         run_loop(TargetBatch(model), oracle, prompts[:1], GREEDY, 4, [], draft_below=0)
     with pytest.raises(ValueError, match="one per prompt"):
         run_loop(TargetBatch(model), oracle, prompts, GREEDY, [4, 4], [])
+
+
+def test_finished_sequences_leave_the_batch_and_sampling_follows_each_seed(tiny_target):
+    model, tok = tiny_target.model, tiny_target.tokenizer
+    prompts = [tok.encode(t) for t in ("short one", "a longer prompt that keeps going", "third")]
+    params = SamplingParams(temperature=1.0)
+    batch = TargetBatch(model)
+    together = run_loop(batch, PlainDecoding(), prompts, params, [2, 14, 6], [], seeds=[5, 6, 7])
+    assert [len(g.tokens) for g in together] == [2, 14, 6] and batch.live == [1] and batch.batch_size == 1
+    for prompt, seed, n, generation in zip(prompts, (5, 6, 7), (2, 14, 6), together):
+        alone = run_loop(TargetBatch(model), PlainDecoding(), [prompt], params, n, [], seeds=[seed])[0]
+        assert generation.tokens == alone.tokens  # each row kept its own generator as others left
 
 
 @pytest.mark.slow

@@ -74,20 +74,6 @@ def merge_batches(into: TargetBatch, other: TargetBatch) -> None:
     into.generators = [*into.generators, *other.generators]
 
 
-def select_rows(batch: TargetBatch, keep: list[int]) -> None:
-    """Keep only the sequences `keep` (in that order), cropping the cache to the longest one left."""
-    if not keep:
-        raise ValueError("keep at least one row (drop the whole batch instead)")
-    index = torch.tensor(keep, dtype=torch.long)
-    lengths = batch.lengths[index]
-    width = int(lengths.max())
-    for layer in batch.cache.layers:
-        layer.keys = layer.keys[index, :, :width].contiguous()
-        layer.values = layer.values[index, :, :width].contiguous()
-    batch.lengths = lengths
-    batch.generators = [batch.generators[i] for i in keep]
-
-
 def take_rows(batch: TargetBatch, rows: list[int]) -> TargetBatch:
     """A new batch holding copies of the caches of `rows` (their generators are shared, not copied)."""
     from transformers import DynamicCache
@@ -95,7 +81,7 @@ def take_rows(batch: TargetBatch, rows: list[int]) -> TargetBatch:
     index = torch.tensor(rows, dtype=torch.long)
     lengths = batch.lengths[index]
     width = int(lengths.max())
-    sub = TargetBatch(batch.model)
+    sub = TargetBatch(batch.model, drop_finished=False)
     sub.params = batch.params
     sub.cache = DynamicCache(ddp_cache_data=[(l.keys[index, :, :width], l.values[index, :, :width]) for l in batch.cache.layers])
     sub.lengths = lengths.clone()
@@ -221,7 +207,7 @@ class VerificationPool:
         self._ensure_running()
         loop = asyncio.get_running_loop()
         async with self._lock:
-            batch = TargetBatch(self.model)
+            batch = TargetBatch(self.model, drop_finished=False)
             committed = await loop.run_in_executor(self._executor, _start, batch, prompts, params, seeds)
             self.stats.prefills += 1
             key = params_key(params)
@@ -401,7 +387,7 @@ class VerificationPool:
                 if group in self._groups:
                     self._groups.remove(group)
                 continue
-            await loop.run_in_executor(self._executor, select_rows, group.batch, keep)
+            await loop.run_in_executor(self._executor, group.batch.keep_rows, keep)
             if not any(s.pending is not None for s in group.sessions):
                 group.since = None
 

@@ -3,7 +3,8 @@
 Sequence b occupies cache slots 0..lengths[b]-1. A verification step appends every sequence's (padded)
 tree after the longest sequence, runs one forward with a per-sequence 4-D mask and positions, then moves
 each sequence's accepted slots down to its own length and crops the cache. Plain decoding is the same step
-with a one-node tree, so speedups compare like with like.
+with a one-node tree, so speedups compare like with like. A finished sequence (tree None) leaves the cache, so
+the forward of a batch's tail computes only the sequences still decoding.
 """
 
 from __future__ import annotations
@@ -37,12 +38,17 @@ class TreeOutput:
 
 
 class TargetBatch:
-    def __init__(self, model: PreTrainedModel) -> None:
+    """`drop_finished`: a None tree means the sequence is done for good, and its row leaves the cache (the
+    caller keeps indexing sequences as at `start`). The Ray pool, where None only sits a step out, turns it off."""
+
+    def __init__(self, model: PreTrainedModel, drop_finished: bool = True) -> None:
         self.model = model
+        self.drop_finished = drop_finished
         self.cache = DynamicCache()
         self.lengths = torch.zeros(0, dtype=torch.long)
         self.params = SamplingParams()
         self.generators: list[torch.Generator] = []
+        self.live: list[int] = []  # with drop_finished: the sequence (as numbered at `start`) in each cache row
         self.timings = {"forward": 0.0, "accept": 0.0, "commit": 0.0}  # seconds, summed over steps (profiling)
 
     def start(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Committed]:
@@ -50,6 +56,7 @@ class TargetBatch:
         self.params = params
         self.generators = [torch.Generator().manual_seed(seed) for seed in seeds]
         outputs = self.prefill(prompts)
+        self.live = list(range(len(prompts)))
         started = []
         for prompt, out, generator in zip(prompts, outputs, self.generators):
             root = sample_root(out.logits[-1], params, generator)
@@ -58,6 +65,34 @@ class TargetBatch:
 
     def step(self, trees: list[DraftTree | None]) -> list[Committed | None]:
         """Verify every tree in one forward, accept, and commit the accepted tokens to the cache."""
+        if not self.drop_finished:
+            return self._step(trees)
+        results: list[Committed | None] = [None] * len(trees)
+        rows = [row for row, b in enumerate(self.live) if trees[b] is not None]
+        if not rows:
+            return results
+        if len(rows) < len(self.live):
+            self.keep_rows(rows)
+        for b, result in zip(self.live, self._step([trees[b] for b in self.live])):
+            results[b] = result
+        return results
+
+    def keep_rows(self, keep: list[int]) -> None:
+        """Keep only the cache rows `keep` (in that order), cropped to the longest sequence left."""
+        if not keep:
+            raise ValueError("keep at least one row (drop the whole batch instead)")
+        index = torch.tensor(keep, dtype=torch.long)
+        lengths = self.lengths[index]
+        width = int(lengths.max())
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[index, :, :width].contiguous()
+            layer.values = layer.values[index, :, :width].contiguous()
+        self.lengths = lengths
+        self.generators = [self.generators[i] for i in keep]
+        if self.drop_finished:
+            self.live = [self.live[i] for i in keep]
+
+    def _step(self, trees: list[DraftTree | None]) -> list[Committed | None]:
         t0 = time.perf_counter()
         outputs = self.verify(trees)
         t1 = time.perf_counter()
