@@ -118,15 +118,16 @@ def copy_results(data: ReportData, folder: Path) -> str:
     atomic_write_parquet(folder / "summary.parquet", data.summary)
     atomic_write_parquet(folder / "questions.parquet", data.questions)
     atomic_write_text(folder / CELLS_FILE, json.dumps({"cells": data.meta, "failures": data.failures}, indent=1) + "\n")
+    always = f"summary.parquet, questions.parquet, {CELLS_FILE}"
     root = data.store_root
     sizes = sum(p.stat().st_size for p in root.glob("cells/*/steps.parquet")) if root else 0
     if root is None or sizes >= STEPS_LIMIT_BYTES:
         note = f"steps not copied: {sizes / 2**20:.0f} MB ≥ 20 MB; they stay in the results store {root}"
         atomic_write_text(folder / "STEPS_NOT_COPIED.txt", note + "\n")
-        return "summary.parquet, questions.parquet, cells.json; " + note
+        return f"{always}; {note}"
     atomic_write_parquet(folder / "steps.parquet", data.steps)
     if (folder / "steps.parquet").stat().st_size >= STEPS_LIMIT_BYTES:
         (folder / "steps.parquet").unlink()
         note = "steps not copied (≥ 20 MB); they stay in the results store"
-        return "summary.parquet, questions.parquet, cells.json; " + note
-    return "summary.parquet, questions.parquet, steps.parquet, cells.json"
+        return f"{always}; {note}"
+    return f"{always}, steps.parquet"

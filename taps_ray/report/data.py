@@ -123,6 +123,7 @@ class ReportCopy:
         path = self.root / name
         return pd.read_parquet(path) if path.exists() else pd.DataFrame()
 
+    @functools.cached_property
     def _cells(self) -> dict:
         path = self.root / CELLS_FILE
         return json.loads(path.read_text()) if path.exists() else {}
@@ -134,10 +135,10 @@ class ReportCopy:
         return self._frame("steps.parquet")
 
     def failures(self) -> list[dict]:
-        return self._cells().get("failures", [])
+        return self._cells.get("failures", [])
 
     def meta(self) -> list[dict]:
-        return self._cells().get("cells", [])
+        return self._cells.get("cells", [])
 
 
 def results_source(path: Path) -> ResultsStore | ReportCopy:

@@ -47,6 +47,12 @@ def _pooled_tau(sums: np.ndarray) -> np.ndarray:
     return sums[..., 0] / np.maximum(sums[..., 1], 1)
 
 
+def _percentile_interval(draws: np.ndarray) -> tuple[float, float]:
+    tail = (1 - CONFIDENCE) / 2 * 100
+    low, high = np.percentile(draws, [tail, 100 - tail])
+    return float(low), float(high)
+
+
 def tau_interval(questions: pd.DataFrame, kind: str, temperature: float, proposer: str, benchmark: str,
                  resamples: int = RESAMPLES, seed: int = 0) -> tuple[float, float] | None:
     """Percentile bootstrap interval of one cell's pooled τ over its questions; None when the cell is empty."""
@@ -56,9 +62,7 @@ def tau_interval(questions: pd.DataFrame, kind: str, temperature: float, propose
     if not len(values):
         return None
     picks = np.random.default_rng(seed).integers(0, len(values), size=(resamples, len(values)))
-    tail = (1 - CONFIDENCE) / 2 * 100
-    low, high = np.percentile(_pooled_tau(values[picks].sum(axis=1)), [tail, 100 - tail])
-    return float(low), float(high)
+    return _percentile_interval(_pooled_tau(values[picks].sum(axis=1)))
 
 
 def tau_difference(questions: pd.DataFrame, kind: str, temperature: float, a: str, b: str, benchmarks: list[str],
@@ -84,7 +88,4 @@ def tau_difference(questions: pd.DataFrame, kind: str, temperature: float, a: st
         draws.append(_pooled_tau(resampled[:, :2]) - _pooled_tau(resampled[:, 2:]))
     if not deltas:
         return None
-    spread = np.mean(draws, axis=0)
-    tail = (1 - CONFIDENCE) / 2 * 100
-    low, high = np.percentile(spread, [tail, 100 - tail])
-    return Interval(float(np.mean(deltas)), float(low), float(high))
+    return Interval(float(np.mean(deltas)), *_percentile_interval(np.mean(draws, axis=0)))
