@@ -4,18 +4,17 @@
 A *session* is the batch of prompts one drafter decodes together (one `run_loop`). Sessions with the same
 sampling parameters share a *group*: one `TargetBatch` (one right-padded KV cache) holding all their
 sequences, up to `max_batch` sequences. A drafter's `step(trees)` request is queued on its session; the
-scheduler runs ONE `TargetBatch.step` over a group as soon as
+scheduler runs ONE `TargetBatch.step_rows` over a group as soon as
 
   * every session of the group has submitted its trees, or
   * the submitted sequences reach `max_batch`, or
   * the oldest queued request of the group has waited `max_wait_ms`;
 
-sessions that did not submit in time sit that step out: the submitted sessions' rows are copied out of the
-shared cache, stepped as a batch of their own and written back (`step_rows`), so a late session costs no
-padded rows in the forward and its cache, length and sampling generator stay untouched. A new session is
-prefilled alone, then merged into a group with room (caches padded to one width and concatenated along the
-batch); a closed or idle session is evicted (its rows dropped, the cache cropped). One forward runs at a
-time per worker, in a worker thread, so requests keep arriving while the target computes.
+sessions that did not submit in time sit that step out (only the submitted rows are stepped, so a late
+session costs no padded rows in the forward and keeps its cache, length and generator). A new session is
+prefilled alone, then merged into a group with room (`TargetBatch.merge`); a closed or idle session is
+evicted (`TargetBatch.keep_rows`). The pool only schedules: every cache edit is a `TargetBatch` method. One
+forward runs at a time per worker, in a worker thread, so requests keep arriving while the target computes.
 
 `EvalPool` is the driver side: N `TargetWorker`s, D `DrafterActor`s (drafter i uses worker i mod N), cells
 dispatched to idle drafters, written to the results store as they finish, retried when an actor dies.
@@ -45,78 +44,6 @@ log = logging.getLogger(__name__)
 
 class SessionLost(RuntimeError):
     """The worker no longer holds this session (it restarted, or the session expired or was dropped)."""
-
-
-# --- TargetBatch state surgery: merge two batches, keep a subset of rows ----------------------------------------
-
-
-def _pad_width(tensor: torch.Tensor, width: int) -> torch.Tensor:
-    missing = width - tensor.shape[2]
-    if missing <= 0:
-        return tensor
-    pad = tensor.new_zeros(tensor.shape[0], tensor.shape[1], missing, tensor.shape[3])
-    return torch.cat([tensor, pad], dim=2)
-
-
-def merge_batches(into: TargetBatch, other: TargetBatch) -> None:
-    """Append `other`'s sequences after `into`'s. Both must share the model and the sampling parameters.
-
-    Slots beyond a sequence's length are never attended (the engine masks the context by `lengths`), so
-    zero-padding the narrower cache keeps the invariant "cache width = longest sequence" and every value.
-    """
-    if into.params != other.params:
-        raise ValueError("only batches with the same sampling parameters can share a forward")
-    width = max(into.cache.get_seq_length(), other.cache.get_seq_length())
-    for mine, theirs in zip(into.cache.layers, other.cache.layers, strict=True):
-        mine.keys = torch.cat([_pad_width(mine.keys, width), _pad_width(theirs.keys, width)], dim=0)
-        mine.values = torch.cat([_pad_width(mine.values, width), _pad_width(theirs.values, width)], dim=0)
-    into.lengths = torch.cat([into.lengths, other.lengths])
-    into.generators = [*into.generators, *other.generators]
-
-
-def take_rows(batch: TargetBatch, rows: list[int]) -> TargetBatch:
-    """A new batch holding copies of the caches of `rows` (their generators are shared, not copied)."""
-    from transformers import DynamicCache
-
-    index = torch.tensor(rows, dtype=torch.long)
-    lengths = batch.lengths[index]
-    width = int(lengths.max())
-    sub = TargetBatch(batch.model, drop_finished=False)
-    sub.params = batch.params
-    sub.cache = DynamicCache(ddp_cache_data=[(l.keys[index, :, :width], l.values[index, :, :width]) for l in batch.cache.layers])
-    sub.lengths = lengths.clone()
-    sub.generators = [batch.generators[i] for i in rows]
-    return sub
-
-
-def put_rows(batch: TargetBatch, rows: list[int], sub: TargetBatch) -> None:
-    """Write a stepped sub-batch (from `take_rows`) back into its rows; the other rows keep their caches."""
-    index = torch.tensor(rows, dtype=torch.long)
-    lengths = batch.lengths.clone()
-    lengths[index] = sub.lengths
-    width = int(lengths.max())
-    sub_width = sub.cache.get_seq_length()
-    for mine, theirs in zip(batch.cache.layers, sub.cache.layers, strict=True):
-        for name in ("keys", "values"):
-            full = _pad_width(getattr(mine, name), width)  # the width only grows: rows only gain tokens
-            full[index, :, :sub_width] = getattr(theirs, name)
-            setattr(mine, name, full)
-    batch.lengths = lengths
-
-
-def step_rows(batch: TargetBatch, rows: list[int], trees: list[DraftTree | None]) -> list[Committed | None]:
-    """`batch.step` for the sequences `rows` only (trees in the same order); the others are not computed at all.
-
-    Sitting out with tree None would still cost each of those sequences a padded row in the forward; here the
-    submitted rows are copied out, stepped as their own batch and written back.
-    """
-    with torch.no_grad():
-        if rows == list(range(batch.batch_size)):
-            return batch.step(trees)
-        sub = take_rows(batch, rows)
-        out = sub.step(trees)
-        put_rows(batch, rows, sub)
-        return out
 
 
 def params_key(params: SamplingParams) -> str:
@@ -168,11 +95,6 @@ class PoolStats:
         return out
 
 
-def _start(batch: TargetBatch, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Committed]:
-    with torch.no_grad():
-        return batch.start(prompts, params, seeds)
-
-
 class VerificationPool:
     """Sessions of sequences on one target model, verified in batched forwards (see the module doc)."""
 
@@ -207,15 +129,15 @@ class VerificationPool:
         self._ensure_running()
         loop = asyncio.get_running_loop()
         async with self._lock:
-            batch = TargetBatch(self.model, drop_finished=False)
-            committed = await loop.run_in_executor(self._executor, _start, batch, prompts, params, seeds)
+            batch = TargetBatch(self.model)
+            committed = await loop.run_in_executor(self._executor, batch.start, prompts, params, seeds)
             self.stats.prefills += 1
             key = params_key(params)
             group = None
             if self.merge:
                 group = next((g for g in self._groups if g.key == key and g.rows + len(prompts) <= self.max_batch), None)
             if group is not None:
-                await loop.run_in_executor(self._executor, merge_batches, group.batch, batch)
+                await loop.run_in_executor(self._executor, group.batch.merge, batch)
                 self.stats.merged_sessions += 1
             else:
                 group = _Group(batch, key)
@@ -331,7 +253,7 @@ class VerificationPool:
             verified = [t for t in trees if t is not None]
             start = time.perf_counter()
             try:
-                results = await loop.run_in_executor(self._executor, step_rows, group.batch, rows, trees)
+                results = await loop.run_in_executor(self._executor, group.batch.step_rows, rows, trees)
             except Exception as error:  # the group's cache may be half-updated: drop the whole group
                 log.exception("verification failed; dropping %d sessions", len(group.sessions))
                 for session in submitted:
