@@ -18,7 +18,8 @@ import torch
 import yaml
 
 from taps_ray.cluster.actors import pack_heads
-from taps_ray.cluster.pool import EvalPool, VerificationPool
+from taps_ray.cluster.eval_pool import EvalPool
+from taps_ray.cluster.verification import VerificationPool
 from taps_ray.config import StudyConfig
 from taps_ray.eval.commands import plan_cells
 from taps_ray.eval.runner import run_cell
