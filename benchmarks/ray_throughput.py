@@ -112,7 +112,7 @@ def evaluation(cfg: StudyConfig, target, heads_cfg: StudyConfig, kind: str, prop
     import ray
 
     from taps_ray.cluster.actors import pack_heads
-    from taps_ray.cluster.pool import EvalPool
+    from taps_ray.cluster.eval_pool import EvalPool
     from taps_ray.eval.runner import run_cell
     from taps_ray.eval.store import Cell, ResultsStore
     from taps_ray.spec.registry import load_heads

@@ -18,7 +18,8 @@ import torch
 import yaml
 
 from taps_ray.cluster.actors import pack_heads
-from taps_ray.cluster.pool import EvalPool, VerificationPool, merge_batches
+from taps_ray.cluster.eval_pool import EvalPool
+from taps_ray.cluster.verification import VerificationPool
 from taps_ray.config import StudyConfig
 from taps_ray.eval.commands import plan_cells
 from taps_ray.eval.runner import run_cell
@@ -167,18 +168,16 @@ def test_worker_gathers_sessions_into_one_forward(tiny_target, cfg, wait_ms):
 
 
 def test_stepping_some_rows_leaves_the_others_untouched(tiny_target, cfg):
-    from taps_ray.cluster.pool import step_rows
-
     heads = load_heads(cfg, "eagle2", torch.float32)
     proposer = build_proposer("math", tiny_target, heads, cfg.tree)
     params = SamplingParams(temperature=1.0)
     prompts = [[1, 5, 9, 14, 3], [1, 7, 2], [1, 22, 8, 8]]
-    shared, alone = TargetBatch(tiny_target.model, drop_finished=False), TargetBatch(tiny_target.model)
+    shared, alone = TargetBatch(tiny_target.model), TargetBatch(tiny_target.model)
     started = shared.start(prompts, params, [0, 1, 2])
     alone.start(prompts[1:2], params, [1])
     tree, _ = proposer.propose(proposer.init_state(), started[1].features, started[1].next_tokens)
     before = [layer.keys[[0, 2]].clone() for layer in shared.cache.layers]
-    got = step_rows(shared, [1], [tree])[0]
+    got = shared.step_rows([1], [tree])[0]
     want = alone.step([tree])[0]
     assert got.tokens == want.tokens
     torch.testing.assert_close(got.features, want.features)
@@ -186,21 +185,22 @@ def test_stepping_some_rows_leaves_the_others_untouched(tiny_target, cfg):
     for layer, old in zip(shared.cache.layers, before):
         torch.testing.assert_close(layer.keys[[0, 2], :, : old.shape[2]], old)
         assert layer.keys.shape[2] == int(shared.lengths.max())
+    assert shared.batch_size == 3 and shared.live == [0, 1, 2]  # rows sitting out stay in the cache
 
 
 def test_merge_and_select_keep_each_sequence(tiny_target):
     params = SamplingParams()
-    a, b, both = (TargetBatch(tiny_target.model, drop_finished=False) for _ in range(3))  # as the pool holds them
+    a, b, both = (TargetBatch(tiny_target.model) for _ in range(3))
     a.start([[1, 5, 9, 14, 3]], params, [0])
     b.start([[1, 7, 2]], params, [1])
     both.start([[1, 5, 9, 14, 3], [1, 7, 2]], params, [0, 1])
-    merge_batches(a, b)
-    assert a.lengths.tolist() == both.lengths.tolist() == [5, 3]
+    a.merge(b)
+    assert a.lengths.tolist() == both.lengths.tolist() == [5, 3] and a.live == [0, 1] and a.joined == 2
     for mine, theirs in zip(a.cache.layers, both.cache.layers):
         for row, n in enumerate((5, 3)):
             torch.testing.assert_close(mine.keys[row, :, :n], theirs.keys[row, :, :n])
     a.keep_rows([1])
-    assert a.lengths.tolist() == [3] and a.cache.get_seq_length() == 3
+    assert a.lengths.tolist() == [3] and a.cache.get_seq_length() == 3 and a.live == [1]
 
 
 # --- fault tolerance -------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Ray actors around the engine; thin on purpose: decoding is `taps_ray.spec`, batching is `cluster.pool`.
+"""Ray actors around the engine; thin on purpose: decoding is `taps_ray.spec`, batching is `cluster.verification`.
 
 * `TargetWorker` (async actor): holds the target and a `VerificationPool` of sessions; drafters call
   `start` / `step` / `close` on it, and it verifies the trees of many sessions in one batched forward.
@@ -24,7 +24,7 @@ from typing import Any
 import ray
 import torch
 
-from taps_ray.cluster.pool import VerificationPool
+from taps_ray.cluster.verification import VerificationPool
 from taps_ray.config import StudyConfig, parse_config
 from taps_ray.spec.target_batch import Committed
 from taps_ray.spec.tree import DraftTree

@@ -7,7 +7,7 @@
 * features  one Ray task (target resources) extracts the missing feature sets (cached, sharded, atomic)
 * train     Ray Tune, one trial per head kind x mixture (`cluster.tune`); finished heads are skipped
 * eval      every cell of the matrix not yet in the results store, through target workers and drafter
-            actors (`cluster.pool`); each cell is written atomically as it finishes, actor deaths are
+            actors (`cluster.eval_pool`); each cell is written atomically as it finishes, actor deaths are
             retried, a cell that keeps failing is recorded (failed.json) and the sweep goes on
 * report    `taps_ray.report.build_report(cfg)` when that module is installed
 
@@ -219,7 +219,7 @@ def stage_eval(
     on_submit: Callable | None = None,
 ) -> dict[str, Any]:
     from taps_ray.cluster.actors import pack_heads
-    from taps_ray.cluster.pool import EvalPool
+    from taps_ray.cluster.eval_pool import EvalPool
     from taps_ray.eval.commands import NO_HEAD, plan_cells, refresh_summary, results_store
     from taps_ray.eval.runner import eval_dtype
 

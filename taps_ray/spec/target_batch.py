@@ -4,7 +4,9 @@ Sequence b occupies cache slots 0..lengths[b]-1. A verification step appends eve
 tree after the longest sequence, runs one forward with a per-sequence 4-D mask and positions, then moves
 each sequence's accepted slots down to its own length and crops the cache. Plain decoding is the same step
 with a one-node tree, so speedups compare like with like. A finished sequence (tree None) leaves the cache, so
-the forward of a batch's tail computes only the sequences still decoding.
+the forward of a batch's tail computes only the sequences still decoding. The Ray pool shares one batch
+between sessions: it merges batches, steps only the rows whose trees arrived and evicts rows, through the
+batch's own methods, so the cache invariant has one owner.
 """
 
 from __future__ import annotations
@@ -37,36 +39,52 @@ class TreeOutput:
     hidden: torch.Tensor  # [T, d], post-norm features
 
 
-class TargetBatch:
-    """`drop_finished`: a None tree means the sequence is done for good, and its row leaves the cache (the
-    caller keeps indexing sequences as at `start`). The Ray pool, where None only sits a step out, turns it off."""
+def _pad_width(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    """Zero-pad a [B, heads, slots, d] cache tensor to `width` slots."""
+    missing = width - tensor.shape[2]
+    if missing <= 0:
+        return tensor
+    pad = tensor.new_zeros(tensor.shape[0], tensor.shape[1], missing, tensor.shape[3])
+    return torch.cat([tensor, pad], dim=2)
 
-    def __init__(self, model: PreTrainedModel, drop_finished: bool = True) -> None:
+
+class TargetBatch:
+    """Sequences are numbered in the order they joined: `start`'s prompts, then each `merge`d batch's.
+
+    Two ways to step, for two callers:
+    * `step(trees)`, the engine loop's: trees indexed by sequence; a None tree means the sequence is done for
+      good and its row leaves the cache (`live` says which sequence each row holds).
+    * `step_rows(rows, trees)`, the Ray pool's: trees for some cache rows only; the other rows, and rows whose
+      tree is None, sit this step out and keep their cache, length and generator. `keep_rows` evicts.
+    """
+
+    def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
-        self.drop_finished = drop_finished
         self.cache = DynamicCache()
-        self.lengths = torch.zeros(0, dtype=torch.long)
+        self.lengths = torch.zeros(0, dtype=torch.long, device=self.device)
         self.params = SamplingParams()
         self.generators: list[torch.Generator] = []
-        self.live: list[int] = []  # with drop_finished: the sequence (as numbered at `start`) in each cache row
+        self.live: list[int] = []  # the sequence (numbered as it joined) in each cache row
+        self.joined = 0  # sequences numbered so far
         self.timings = {"forward": 0.0, "accept": 0.0, "commit": 0.0}  # seconds, summed over steps (profiling)
 
+    @torch.no_grad()
     def start(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Committed]:
         """Prefill and pick each sequence's first token; sequence b samples with its own seeded generator."""
         self.params = params
-        self.generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+        self.generators = [torch.Generator(device=self.device).manual_seed(seed) for seed in seeds]
         outputs = self.prefill(prompts)
         self.live = list(range(len(prompts)))
+        self.joined = len(prompts)
         started = []
         for prompt, out, generator in zip(prompts, outputs, self.generators):
             root = sample_root(out.logits[-1], params, generator)
-            started.append(Committed([root], out.hidden, torch.tensor(prompt[1:] + [root])))
+            started.append(Committed([root], out.hidden, torch.tensor(prompt[1:] + [root], device=self.device)))
         return started
 
     def step(self, trees: list[DraftTree | None]) -> list[Committed | None]:
-        """Verify every tree in one forward, accept, and commit the accepted tokens to the cache."""
-        if not self.drop_finished:
-            return self._step(trees)
+        """Verify every tree in one forward, accept, and commit the accepted tokens to the cache; the rows of
+        sequences whose tree is None (finished) leave the cache first."""
         results: list[Committed | None] = [None] * len(trees)
         rows = [row for row, b in enumerate(self.live) if trees[b] is not None]
         if not rows:
@@ -77,11 +95,40 @@ class TargetBatch:
             results[b] = result
         return results
 
+    @torch.no_grad()
+    def step_rows(self, rows: list[int], trees: list[DraftTree | None]) -> list[Committed | None]:
+        """`step` for the cache rows `rows` only (trees in the same order; None sits out); the other rows are not
+        computed at all: the rows are copied out, stepped as a batch of their own and written back, so a row
+        that sits out costs no padded row in the forward and keeps its cache, length and generator."""
+        if rows == list(range(self.batch_size)):
+            return self._step(trees)
+        sub = self._take_rows(rows)
+        out = sub._step(trees)
+        self._put_rows(rows, sub)
+        return out
+
+    def merge(self, other: TargetBatch) -> None:
+        """Append `other`'s sequences after these. Both must share the model and the sampling parameters.
+
+        Slots beyond a sequence's length are never attended (the context is masked by `lengths`), so
+        zero-padding the narrower cache keeps the invariant "cache width = longest sequence" and every value.
+        """
+        if self.params != other.params:
+            raise ValueError("only batches with the same sampling parameters can share a forward")
+        width = max(self.cache.get_seq_length(), other.cache.get_seq_length())
+        for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
+            mine.keys = torch.cat([_pad_width(mine.keys, width), _pad_width(theirs.keys, width)], dim=0)
+            mine.values = torch.cat([_pad_width(mine.values, width), _pad_width(theirs.values, width)], dim=0)
+        self.lengths = torch.cat([self.lengths, other.lengths])
+        self.generators = [*self.generators, *other.generators]
+        self.live = [*self.live, *(self.joined + b for b in other.live)]
+        self.joined += other.joined
+
     def keep_rows(self, keep: list[int]) -> None:
         """Keep only the cache rows `keep` (in that order), cropped to the longest sequence left."""
         if not keep:
             raise ValueError("keep at least one row (drop the whole batch instead)")
-        index = torch.tensor(keep, dtype=torch.long)
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
         lengths = self.lengths[index]
         width = int(lengths.max())
         for layer in self.cache.layers:
@@ -89,8 +136,35 @@ class TargetBatch:
             layer.values = layer.values[index, :, :width].contiguous()
         self.lengths = lengths
         self.generators = [self.generators[i] for i in keep]
-        if self.drop_finished:
-            self.live = [self.live[i] for i in keep]
+        self.live = [self.live[i] for i in keep]
+
+    def _take_rows(self, rows: list[int]) -> TargetBatch:
+        """A new batch holding copies of the caches of `rows` (their generators are shared, not copied)."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        lengths = self.lengths[index]
+        width = int(lengths.max())
+        sub = TargetBatch(self.model)
+        sub.params = self.params
+        sub.cache = DynamicCache(
+            ddp_cache_data=[(l.keys[index, :, :width], l.values[index, :, :width]) for l in self.cache.layers]
+        )
+        sub.lengths = lengths.clone()
+        sub.generators = [self.generators[i] for i in rows]
+        return sub
+
+    def _put_rows(self, rows: list[int], sub: TargetBatch) -> None:
+        """Write a stepped sub-batch (from `_take_rows`) back into its rows; the other rows keep their caches."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        lengths = self.lengths.clone()
+        lengths[index] = sub.lengths
+        width = int(lengths.max())
+        sub_width = sub.cache.get_seq_length()
+        for mine, theirs in zip(self.cache.layers, sub.cache.layers, strict=True):
+            for name in ("keys", "values"):
+                full = _pad_width(getattr(mine, name), width)  # the width only grows: rows only gain tokens
+                full[index, :, :sub_width] = getattr(theirs, name)
+                setattr(mine, name, full)
+        self.lengths = lengths
 
     def _step(self, trees: list[DraftTree | None]) -> list[Committed | None]:
         t0 = time.perf_counter()
@@ -111,11 +185,16 @@ class TargetBatch:
             else Committed(
                 tokens=verdict.tokens[1:] + [verdict.bonus],
                 features=out.hidden[verdict.nodes],
-                next_tokens=torch.tensor(verdict.tokens[1:] + [verdict.bonus]),
+                next_tokens=torch.tensor(verdict.tokens[1:] + [verdict.bonus], device=self.device),
                 verdict=verdict,
             )
             for verdict, out in zip(verdicts, outputs)
         ]
+
+    @property
+    def device(self) -> torch.device:
+        """Every tensor and generator of the batch lives on the model's device."""
+        return self.model.device
 
     @property
     def batch_size(self) -> int:
@@ -134,20 +213,20 @@ class TargetBatch:
         its last token only (the LM head over a whole prompt would cost more than the rest of the prefill)."""
         if any(not p for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        lengths = torch.tensor([len(p) for p in prompts])
+        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         width = int(lengths.max())
-        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long, device=self.device)
         for b, prompt in enumerate(prompts):
-            ids[b, : len(prompt)] = torch.tensor(prompt)
-        columns = torch.arange(width)
+            ids[b, : len(prompt)] = torch.tensor(prompt, device=self.device)
+        columns = torch.arange(width, device=self.device)
         causal = columns[None, :] <= columns[:, None]
         valid = columns[None, :] < lengths[:, None]  # [B, width]
         mask = causal[None] & valid[:, None, :]
-        mask |= torch.eye(width, dtype=torch.bool)[None]  # padded rows attend to themselves: no NaN rows
+        mask |= torch.eye(width, dtype=torch.bool, device=self.device)[None]  # padded rows attend to themselves: no NaN rows
         self.cache = DynamicCache()
         hidden = self._forward(ids, columns.expand(len(prompts), -1), mask[:, None])
         self.lengths = lengths
-        last = self.model.lm_head(hidden[torch.arange(len(prompts)), lengths - 1])  # [B, V]
+        last = self.model.lm_head(hidden[torch.arange(len(prompts), device=self.device), lengths - 1])  # [B, V]
         return [TreeOutput(last[b : b + 1], hidden[b, : len(p)]) for b, p in enumerate(prompts)]
 
     @torch.no_grad()
@@ -160,12 +239,12 @@ class TargetBatch:
             return [None] * len(trees)
         past = self.cache.get_seq_length()
         batch = len(trees)
-        ids = torch.zeros(batch, width, dtype=torch.long)
-        positions = torch.zeros(batch, width, dtype=torch.long)
-        mask = torch.zeros(batch, width, past + width, dtype=torch.bool)
-        context = torch.arange(past)[None, :] < self.lengths[:, None]
+        ids = torch.zeros(batch, width, dtype=torch.long, device=self.device)
+        positions = torch.zeros(batch, width, dtype=torch.long, device=self.device)
+        mask = torch.zeros(batch, width, past + width, dtype=torch.bool, device=self.device)
+        context = torch.arange(past, device=self.device)[None, :] < self.lengths[:, None]
         for b, tree in enumerate(trees):
-            mask[b, :, past:] = torch.eye(width, dtype=torch.bool)  # padding rows see only themselves
+            mask[b, :, past:] = torch.eye(width, dtype=torch.bool, device=self.device)  # padding rows see only themselves
             if tree is None:
                 continue
             n = tree.size
@@ -183,14 +262,14 @@ class TargetBatch:
     def commit(self, accepted_nodes: list[list[int]]) -> None:
         """Keep each sequence's accepted tree slots (root first) right after its committed prefix."""
         start = int(self.lengths.max())  # invariant: the committed region is as wide as the longest sequence
-        new_lengths = self.lengths + torch.tensor([len(n) for n in accepted_nodes])
+        new_lengths = self.lengths + torch.tensor([len(n) for n in accepted_nodes], device=self.device)
         low = int(self.lengths.min())
         high = int(new_lengths.max())
-        index = torch.arange(low, high).repeat(self.batch_size, 1)  # identity for slots already committed
+        index = torch.arange(low, high, device=self.device).repeat(self.batch_size, 1)  # identity for slots already committed
         for b, nodes in enumerate(accepted_nodes):
             first = int(self.lengths[b]) - low
             if nodes:
-                index[b, first : first + len(nodes)] = start + torch.tensor(nodes)
+                index[b, first : first + len(nodes)] = start + torch.tensor(nodes, device=self.device)
             index[b, first + len(nodes) :] = 0  # beyond the sequence: any slot, masked out later
         for layer in self.cache.layers:  # in place: only slots low..high-1 move, the prefix is not copied
             gather = index[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])

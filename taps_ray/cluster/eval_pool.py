@@ -1,0 +1,181 @@
+"""The driver's pool of actors: N `TargetWorker`s, D `DrafterActor`s (drafter i uses worker i mod N), cells
+dispatched to idle drafters, written to the results store as they finish, retried when an actor dies.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import ray.exceptions
+
+from taps_ray.cluster.actors import DrafterActor, TargetWorker, process_runtime_env, runtime_env_vars
+from taps_ray.cluster.verification import SessionLost
+
+log = logging.getLogger(__name__)
+
+
+def is_retryable(error: BaseException) -> bool:
+    """An actor died (or restarted under a running cell): the cell is worth another attempt."""
+    return isinstance(error, (ray.exceptions.RayActorError, SessionLost))
+
+
+CellHook = Callable[..., None]
+
+
+@dataclass
+class EvalReport:
+    done: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    retries: int = 0
+    seconds: float = 0.0
+    worker_stats: list[dict] = field(default_factory=list)
+
+
+class EvalPool:
+    """N target workers and D drafter actors; `run(cells, store)` evaluates cells through them.
+
+    Use as a context manager (the actors are killed on exit, also when a hook raises).
+    """
+
+    def __init__(self, config, heads: dict | None = None, env: dict[str, str] | None = None) -> None:
+        self.config = config
+        r = config.ray
+        env = {**runtime_env_vars(), **(env or {})}
+        payload = config.model_dump_json()
+        restarts = dict(max_restarts=r.actor_max_restarts, max_task_retries=0, runtime_env=process_runtime_env())
+        self._restarts = restarts
+        self.workers = [
+            TargetWorker.options(num_cpus=r.target_num_cpus, num_gpus=r.target_num_gpus, max_concurrency=1000, **restarts).remote(
+                payload, env
+            )
+            for _ in range(r.num_target_workers)
+        ]
+        heads_ref = ray.put(heads or {})
+        self._drafter_args = [
+            (payload, self.workers[i % len(self.workers)], f"drafter-{i}-{id(self)}", heads_ref, env)
+            for i in range(r.num_drafters)
+        ]
+        self.drafters = [
+            DrafterActor.options(num_cpus=r.drafter_num_cpus, num_gpus=r.drafter_num_gpus, **restarts).remote(*args)
+            for args in self._drafter_args
+        ]
+
+    def __enter__(self) -> "EvalPool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        for actor in [*self.drafters, *self.workers]:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # already gone
+                pass
+        self.drafters, self.workers = [], []
+
+    def ready(self, timeout: float | None = None) -> None:
+        ray.get([a.ping.remote() for a in [*self.workers, *self.drafters]], timeout=timeout)
+
+    def worker_stats(self) -> list[dict]:
+        try:
+            return ray.get([w.stats.remote() for w in self.workers], timeout=30)
+        except Exception as error:  # stats are a nicety
+            return [{"error": repr(error)}]
+
+    def run(
+        self,
+        cells: list,
+        store,
+        on_cell_done: CellHook | None = None,
+        on_submit: CellHook | None = None,
+        log_line: Callable[[str], None] = print,
+        meta: dict | None = None,
+    ) -> EvalReport:
+        """Evaluate `cells` (skip none: the caller filters finished ones); each finished cell is written to
+        `store` at once. `on_submit(cell, attempt, drafter)` and `on_cell_done(cell)` are test/progress hooks.
+        """
+        report = EvalReport()
+        start = time.perf_counter()
+        queue: list[tuple[Any, int]] = [(cell, 0) for cell in cells]
+        running: dict[Any, tuple[Any, int, Any]] = {}  # ref -> (cell, attempt, drafter)
+        idle = list(self.drafters)
+        total = len(cells)
+        while queue or running:
+            while queue and idle:
+                cell, attempt = queue.pop(0)
+                drafter = idle.pop(0)
+                ref = drafter.run_cell.remote(cell.as_dict())
+                running[ref] = (cell, attempt, drafter)
+                if on_submit is not None:
+                    on_submit(cell, attempt, drafter)
+            ready, _ = ray.wait(list(running), num_returns=1)
+            ref = ready[0]
+            cell, attempt, drafter = running.pop(ref)
+            try:
+                steps, questions, info = ray.get(ref)
+            except Exception as error:  # noqa: BLE001 - every failure is either retried or recorded
+                idle.append(self._healthy(drafter))
+                if is_retryable(error) and attempt < self.config.ray.max_cell_retries:
+                    report.retries += 1
+                    log_line(f"cell {cell.id}: actor died ({type(error).__name__}); retry {attempt + 1}")
+                    queue.insert(0, (cell, attempt + 1))
+                    continue
+                text = f"{type(error).__name__}: {error}\n{''.join(traceback.format_exception(error))}"
+                store.write_failure(cell, text, attempts=attempt + 1)
+                report.failed.append(cell.id)
+                log_line(f"cell {cell.id}: FAILED after {attempt + 1} attempt(s): {type(error).__name__}: {str(error)[:300]}")
+                continue
+            idle.append(drafter)
+            store.write_cell(cell, steps, questions, meta={**(meta or {}), **info, "attempts": attempt + 1})
+            report.done.append(cell.id)
+            log_line(
+                f"[{len(report.done) + len(report.failed)}/{total}] {cell.id}: {info.get('tokens', 0)} tokens "
+                f"in {info.get('seconds', 0):.1f}s"
+            )
+            if on_cell_done is not None:
+                on_cell_done(cell)
+        report.seconds = time.perf_counter() - start
+        report.worker_stats = self.worker_stats()
+        return report
+
+    def _reachable(self, actor, deadline: float) -> bool:
+        """Wait until `actor` answers (it may be restarting); False when Ray gave up on it."""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                ray.get(actor.ping.remote(), timeout=left)
+                return True
+            except ray.exceptions.ActorUnavailableError:  # restarting: calls fail fast until it is back
+                time.sleep(0.5)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                return False
+
+    def _healthy(self, drafter, timeout: float = 900.0):
+        """After a failure: wait for the target workers to be back, then return the drafter, or a fresh one
+        in its place when Ray gave up restarting it."""
+        deadline = time.monotonic() + timeout
+        for worker in self.workers:
+            if not self._reachable(worker, deadline):
+                log.error("a target worker did not come back; its cells will fail")
+        if self._reachable(drafter, deadline):
+            return drafter
+        try:
+            ray.kill(drafter, no_restart=True)
+        except Exception:  # already gone
+            pass
+        index = self.drafters.index(drafter)
+        r = self.config.ray
+        replacement = DrafterActor.options(
+            num_cpus=r.drafter_num_cpus, num_gpus=r.drafter_num_gpus, **self._restarts
+        ).remote(*self._drafter_args[index])
+        self.drafters[index] = replacement
+        return replacement
