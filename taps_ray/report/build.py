@@ -51,7 +51,7 @@ def build_report(config: StudyConfig, store: ResultsStore | ReportCopy | None = 
         "## Setting", setting_md(data, command),
         "## Acceptance length τ (Spec-Bench definition)",
         "τ = Σ new tokens / Σ verification steps, pooled over all questions and turns (tokens per target forward; "
-        "output trimmed at the stop token; ALGORITHMS.md §5). Rows in the TAPS layout; *ours* marks variants that "
+        "output trimmed at the stop token; docs/algorithms.md#acceptance-length). Rows in the TAPS layout; *ours* marks variants that "
         "are not in the paper.",
         tau_tables(data, "tau"),
         "### Acceptance length, TAPS τ definition",
@@ -65,7 +65,7 @@ def build_report(config: StudyConfig, store: ResultsStore | ReportCopy | None = 
         "## Diagnostics",
         "### Accepted vs rejected draft-token entropy",
         "Mean entropy of the distribution each drafted node was drawn from; accepted = nodes on the accepted path, "
-        "rejected = every other drafted node (ALGORITHMS.md §6.6). Pooled over benchmarks.",
+        "rejected = every other drafted node (docs/algorithms.md#diagnostics). Pooled over benchmarks.",
         entropy_md(data),
         "### Routing", "confidence-routed: share of verification steps whose tree came from each head; entropy-routed: "
         "share of question turns (the head chosen at the first step drafts the whole turn).", routing_md(data),
