@@ -1,9 +1,12 @@
-"""Docs stay inside the repository: code cites docs/algorithms.md by anchor, and every cited anchor exists."""
+"""Committed text stays inside the repository: code cites docs/algorithms.md by anchor (every cited anchor
+exists), and committed reports print paths relative to the repo or the data dir, never machine paths."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+
+from taps_ray.relpaths import REPO as PACKAGE_REPO, shown_path
 
 REPO = Path(__file__).resolve().parents[1]
 ALGORITHMS = REPO / "docs" / "algorithms.md"
@@ -71,3 +74,25 @@ def test_every_cited_anchor_exists():
     assert not missing, f"anchors cited but not headings of docs/algorithms.md: {missing}"
     internal = set(re.findall(r"\]\(#([\w-]+)\)", ALGORITHMS.read_text(encoding="utf-8")))
     assert internal <= anchors, sorted(internal - anchors)
+
+
+MACHINE_PATH = re.compile(r"(?<![\w.$])/(?:work|root|home|tmp|Users)/|site-packages|dist-packages")
+
+
+def test_shown_path_is_relative_to_the_data_dir_or_the_repo(tmp_path):
+    data = tmp_path / "data"
+    assert PACKAGE_REPO == REPO
+    assert shown_path(data / "svamp" / "question.jsonl", data) == "$TAPS_DATA_DIR/svamp/question.jsonl"
+    assert shown_path(REPO / "runs" / "cpu" / "results") == "runs/cpu/results"
+    assert shown_path(REPO / "runs" / "cpu" / "results", data) == "runs/cpu/results"
+    assert shown_path("reports/results") == "reports/results"
+    assert shown_path(tmp_path / "work" / "results") == "…/work/results"
+
+
+def test_committed_reports_carry_no_machine_paths():
+    files = [p for p in sorted((REPO / "reports").rglob("*")) if p.suffix in (".md", ".json")]
+    assert files
+    offenders = [f"{p.relative_to(REPO)}:{i}: {line.strip()[:160]}"
+                 for p in files for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+                 if MACHINE_PATH.search(line)]
+    assert not offenders, "\n".join(offenders)

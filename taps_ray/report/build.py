@@ -11,6 +11,7 @@ import pandas as pd
 
 from taps_ray.config import StudyConfig
 from taps_ray.eval.store import ResultsStore, atomic_write_parquet, atomic_write_text
+from taps_ray.relpaths import shown_path
 from taps_ray.report.data import CELLS_FILE, ReportCopy, ReportData, load_report_data
 from taps_ray.report.findings import findings_md
 from taps_ray.report.plots import PLOTS
@@ -122,7 +123,7 @@ def copy_results(data: ReportData, folder: Path) -> str:
     root = data.store_root
     sizes = sum(p.stat().st_size for p in root.glob("cells/*/steps.parquet")) if root else 0
     if root is None or sizes >= STEPS_LIMIT_BYTES:
-        note = f"steps not copied: {sizes / 2**20:.0f} MB ≥ 20 MB; they stay in the results store {root}"
+        note = f"steps not copied: {sizes / 2**20:.0f} MB ≥ 20 MB; they stay in the results store {shown_path(root) if root else 'none'}"
         atomic_write_text(folder / "STEPS_NOT_COPIED.txt", note + "\n")
         return f"{always}; {note}"
     atomic_write_parquet(folder / "steps.parquet", data.steps)
