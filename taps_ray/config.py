@@ -106,7 +106,7 @@ class TrainConfig(_Strict):
     mask_alignment: Literal["predicted", "ref"] = Field(
         "predicted",
         description="predicted: position t is trained when the token it predicts (x_{t+2}) is an assistant token; "
-        "ref: the reference's unshifted mask of x_t (ALGORITHMS.md §8.3)",
+        "ref: the reference's unshifted mask of x_t (docs/algorithms.md#loss-mask-alignment)",
     )
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine decay floor, as a fraction of lr")
     eval_batch_size: int = Field(8, gt=0)

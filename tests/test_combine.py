@@ -196,7 +196,7 @@ def test_routing_records_in_steps(tiny_target, prompts):
 
 
 def _spec_merge(a, b):
-    """ALGORITHMS.md §6.5 written out: mask blocks, positions and retrieve rows of the reference merge."""
+    """docs/algorithms.md#merged-tree-verification written out: mask blocks, positions and retrieve rows of the reference merge."""
     na, nb = a.size - 1, b.size - 1
     n = na + nb + 1
     mask = torch.zeros(n, n, dtype=torch.bool)

@@ -198,3 +198,17 @@ def test_report_rebuilds_from_its_own_results_copy(tmp_path):
 
     with pytest.raises(FileNotFoundError, match="neither a results store"):
         results_source(tmp_path / "nowhere")
+
+
+def test_rendered_report_prints_no_machine_path(tmp_path, monkeypatch):
+    """The store lives under tmp_path and a local data set under the data dir: both print without their prefix."""
+    data_dir = tmp_path / "data"
+    (data_dir / "gsm8k_train").mkdir(parents=True)
+    (data_dir / "gsm8k_train" / "train.jsonl").write_text("")
+    monkeypatch.setenv("TAPS_DATA_DIR", str(data_dir))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # MathInstruct then resolves to the local GSM8K-train stand-in
+    config, _ = _store(tmp_path)
+    readme = build_report(config).read_text()
+    assert "(local dir $TAPS_DATA_DIR/gsm8k_train/train.jsonl)" in readme
+    assert "results store `…/work/results`" in readme
+    assert str(tmp_path) not in readme and "/tmp/" not in readme and "site-packages" not in readme

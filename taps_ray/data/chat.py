@@ -1,6 +1,6 @@
 """Chat-template formatting with the target's HF tokenizer: training samples with loss masks, eval prompts.
 
-Training (ALGORITHMS.md §7.2, the CLEAN mask of §7.3): the template is re-applied after each message; the
+Training (docs/algorithms.md#loss-mask): the template is re-applied after each message; the
 tokens a message adds get mask 1 when it is an assistant message, but only its content and its closing
 end-of-turn token (not the role header, not what the template writes after the end-of-turn token).
 System and user tokens get 0. The sequence is truncated at ``max_len`` and the last position's mask is 0.
@@ -66,7 +66,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 def tokenize_conversation(
     tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]], max_len: int
 ) -> tuple[list[int], list[int]]:
-    """(input_ids, loss_mask) of a conversation, built incrementally (ALGORITHMS.md §7.2).
+    """(input_ids, loss_mask) of a conversation, built incrementally (docs/algorithms.md#loss-mask).
 
     Messages with empty content are skipped. Roles are passed to the template as given; only
     "assistant" messages are trained on.

@@ -1,4 +1,4 @@
-"""Training mixtures (ALGORITHMS.md §7.4): a seeded sample of each corpus, concatenated and shuffled.
+"""Training mixtures (docs/algorithms.md#mixtures): a seeded sample of each corpus, concatenated and shuffled.
 
 Each corpus contributes its share of ``size`` (ratios are normalised; shares are rounded by largest
 remainder so they always add up to ``size``). A corpus is shuffled with its own ``random.Random(seed)`` and

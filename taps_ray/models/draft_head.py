@@ -247,7 +247,7 @@ def load_eagle_checkpoint(
     """A DraftHead from an EAGLE-1/2 or HASS draft checkpoint (file, folder or state dict), loaded strictly.
 
     ``fc.bias`` is read from the checkpoint itself (the reference's training and inference disagree about it,
-    ALGORITHMS.md §8.21); shapes must match a head built from `target_config`.
+    docs/algorithms.md#draft-head); shapes must match a head built from `target_config`.
     """
     raw = path_or_state_dict if isinstance(path_or_state_dict, dict) else _read_state_dict(path_or_state_dict)
     tensors: dict[str, torch.Tensor] = {}

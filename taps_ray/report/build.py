@@ -11,6 +11,7 @@ import pandas as pd
 
 from taps_ray.config import StudyConfig
 from taps_ray.eval.store import ResultsStore, atomic_write_parquet, atomic_write_text
+from taps_ray.relpaths import shown_path
 from taps_ray.report.data import CELLS_FILE, ReportCopy, ReportData, load_report_data
 from taps_ray.report.findings import findings_md
 from taps_ray.report.plots import PLOTS
@@ -51,7 +52,7 @@ def build_report(config: StudyConfig, store: ResultsStore | ReportCopy | None = 
         "## Setting", setting_md(data, command),
         "## Acceptance length τ (Spec-Bench definition)",
         "τ = Σ new tokens / Σ verification steps, pooled over all questions and turns (tokens per target forward; "
-        "output trimmed at the stop token; ALGORITHMS.md §5). Rows in the TAPS layout; *ours* marks variants that "
+        "output trimmed at the stop token; docs/algorithms.md#acceptance-length). Rows in the TAPS layout; *ours* marks variants that "
         "are not in the paper.",
         tau_tables(data, "tau"),
         "### Acceptance length, TAPS τ definition",
@@ -65,7 +66,7 @@ def build_report(config: StudyConfig, store: ResultsStore | ReportCopy | None = 
         "## Diagnostics",
         "### Accepted vs rejected draft-token entropy",
         "Mean entropy of the distribution each drafted node was drawn from; accepted = nodes on the accepted path, "
-        "rejected = every other drafted node (ALGORITHMS.md §6.6). Pooled over benchmarks.",
+        "rejected = every other drafted node (docs/algorithms.md#diagnostics). Pooled over benchmarks.",
         entropy_md(data),
         "### Routing", "confidence-routed: share of verification steps whose tree came from each head; entropy-routed: "
         "share of question turns (the head chosen at the first step drafts the whole turn).", routing_md(data),
@@ -122,7 +123,7 @@ def copy_results(data: ReportData, folder: Path) -> str:
     root = data.store_root
     sizes = sum(p.stat().st_size for p in root.glob("cells/*/steps.parquet")) if root else 0
     if root is None or sizes >= STEPS_LIMIT_BYTES:
-        note = f"steps not copied: {sizes / 2**20:.0f} MB ≥ 20 MB; they stay in the results store {root}"
+        note = f"steps not copied: {sizes / 2**20:.0f} MB ≥ 20 MB; they stay in the results store {shown_path(root) if root else 'none'}"
         atomic_write_text(folder / "STEPS_NOT_COPIED.txt", note + "\n")
         return f"{always}; {note}"
     atomic_write_parquet(folder / "steps.parquet", data.steps)

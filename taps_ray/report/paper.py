@@ -1,15 +1,15 @@
 """The TAPS paper's own numbers, for a separate side-by-side table (never mixed with ours).
 
-Source: the TAPS authors' repository README (`Moe-Zbeeb/TAPS`, commit 6234472, April 2026), as transcribed in
-shared/TAPS_RESULTS.md. Setting: target Meta-Llama-3-8B-Instruct; HASS and EAGLE-2 single-layer heads; tree
+Source: the TAPS authors' repository README (`Moe-Zbeeb/TAPS`, commit 6234472, April 2026).
+Setting: target Meta-Llama-3-8B-Instruct; HASS and EAGLE-2 single-layer heads; tree
 total_token 60, depth 5, top_k 10; 4×A100. Metric: acceptance length with the TAPS tau definition
-(ALGORITHMS.md §5). Each cell is (HASS, EAGLE-2).
+(docs/algorithms.md#acceptance-length). Each cell is (HASS, EAGLE-2).
 """
 
 from __future__ import annotations
 
 PAPER_SOURCE = (
-    "TAPS authors' repository README (Moe-Zbeeb/TAPS, commit 6234472, April 2026), via shared/TAPS_RESULTS.md: "
+    "TAPS authors' repository README (Moe-Zbeeb/TAPS, commit 6234472, April 2026): "
     "target Meta-Llama-3-8B-Instruct, tree 60/5/10, 4×A100, TAPS tau definition"
 )
 PAPER_BENCHMARKS = ("mt_bench", "gsm8k", "math_500", "svamp")

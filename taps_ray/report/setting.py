@@ -8,9 +8,8 @@ import subprocess
 from pathlib import Path
 
 from taps_ray.data.sources import DataUnavailable, resolve
+from taps_ray.relpaths import REPO, shown_path
 from taps_ray.report.data import BENCH_LABELS, ReportData
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def cpu_model() -> str:
@@ -50,7 +49,7 @@ def setting_md(data: ReportData, command: str) -> str:
     eval_dtype = config.eval.dtype or config.target.dtype
     stored_dtype = _distinct(data.meta, "dtype")
     lines = [
-        f"- **Study**: `{config.name}`; results store `{data.store_root}`.",
+        f"- **Study**: `{config.name}`; results store `{shown_path(data.store_root) if data.store_root else 'none'}`.",
         f"- **Target**: `{config.target.name}`, evaluated in {eval_dtype}"
         + (f" (dtype recorded by the cells: {stored_dtype})" if stored_dtype else "") + ".",
         f"- **Draft heads**: {', '.join(config.train.kinds)}; {config.train.epochs} epoch(s), lr {config.train.lr:g}, "

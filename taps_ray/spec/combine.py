@@ -1,19 +1,19 @@
-"""TAPS combinations of specialised draft heads (ALGORITHMS.md §6), registered by name in `COMBINATIONS`.
+"""TAPS combinations of specialised draft heads (docs/algorithms.md#taps-combinations), registered by name in `COMBINATIONS`.
 
 Head A is the first head of the config (math), head B the second (chat).
 
-* `averaged`, `averaged-w{w}`: one head whose weights are w·A + (1−w)·B (§6.1); `averaged` is w = 0.5.
-* `confidence-routed`: both heads draft every step; the tree with the higher mean confidence is verified (§6.2).
+* `averaged`, `averaged-w{w}`: one head whose weights are w·A + (1−w)·B (docs/algorithms.md#weight-averaging); `averaged` is w = 0.5.
+* `confidence-routed`: both heads draft every step; the tree with the higher mean confidence is verified (docs/algorithms.md#confidence-routing).
 * `entropy-routed`: every head drafts once at the start of a sequence; the lowest mean entropy head then
-  drafts alone for the rest of it (§6.4).
-* `merged`: both trees under one shared root, verified together (§6.5, the reference method).
+  drafts alone for the rest of it (docs/algorithms.md#entropy-routing).
+* `merged`: both trees under one shared root, verified together (docs/algorithms.md#merged-tree-verification, the reference method).
 * `merged-dedup` (ours, a change to the method): a trie merge; a node that repeats a path already in the tree
   is drafted once, so the same continuations cost fewer verified nodes.
 * `merged-budget` (ours): one tree of the single-head size (total_token−1 drafted nodes) split between the
   heads in proportion to their mean confidence, each head's share its most confident nodes, trie-merged.
 
 Combinations are built over sub-proposers (one `SingleHead` per head), so each head keeps its own stable
-cache in an explicit state and the heads can never clobber each other (§8.20). The routed and merged
+cache in an explicit state and the heads can never clobber each other (docs/algorithms.md#taps-combinations). The routed and merged
 proposers accept any `Proposer` parts, which lets tests combine oracle drafters with real heads.
 
 A routed state exposes `last_head` (the index of the part whose tree was verified; -1 for a merged tree),
@@ -36,7 +36,7 @@ from taps_ray.spec.proposers import Proposer, SingleHead
 from taps_ray.spec.registry import COMBINATIONS
 from taps_ray.spec.tree import DraftContext, DraftTree, build_tree
 
-# --- checkpoint averaging (§6.1) ----------------------------------------------------------------------------
+# --- checkpoint averaging (docs/algorithms.md#weight-averaging) ---------------------------------------------
 
 
 def average_heads(a: DraftHead, b: DraftHead, w: float) -> DraftHead:
@@ -96,7 +96,7 @@ def register_averaged(w: float) -> str:
     return name
 
 
-# --- per-step and per-sequence routing (§6.2, §6.4) ---------------------------------------------------------
+# --- per-step and per-sequence routing (docs/algorithms.md#taps-combinations) -------------------------------
 
 
 @dataclass(frozen=True)
@@ -163,7 +163,7 @@ class ConfidenceRouted(OverParts):
 class EntropyRouted(OverParts):
     """Per sequence: every part drafts the first tree; the lowest mean node entropy part then drafts alone.
 
-    Ties go to the earlier part. Unlike the reference probe (§8.17), the probe costs no extra target prefill
+    Ties go to the earlier part. Unlike the reference probe (docs/algorithms.md#entropy-routing), the probe costs no extra target prefill
     and consumes no extra randomness: it is the sequence's first drafting step, from the root the loop sampled.
     """
 
@@ -197,7 +197,7 @@ class EntropyRouted(OverParts):
         )
 
 
-# --- merged trees (§6.5 and our variants) -------------------------------------------------------------------
+# --- merged trees (docs/algorithms.md#merged-tree-verification) ---------------------------------------------
 
 
 def merge_trees(trees: Sequence[DraftTree], dedup: bool = False) -> DraftTree:
@@ -385,7 +385,7 @@ class Merged(OverParts):
         )
 
 
-# --- post-hoc per-question router (§6.3) --------------------------------------------------------------------
+# --- post-hoc per-question router (docs/algorithms.md#per-question-confidence-router) -----------------------
 
 
 def per_question_confidence_choice(

@@ -2,7 +2,7 @@
 
 Greedy keeps the longest path that matches the target's argmax. Sampling uses multi-candidate recursive
 rejection with the draft as a point mass (q = 1): each committed token is an exact sample from the
-processed target distribution whatever the tree was (ALGORITHMS.md §4.4, §4.8).
+processed target distribution whatever the tree was (docs/algorithms.md#acceptance).
 """
 
 from __future__ import annotations

@@ -226,13 +226,13 @@ def render_report(s: dict, domains: Sequence[str]) -> str:
               "## How these heads are trained", "",
               "* Features: `hidden_states[-1]` of the target (after its final norm) and its top-K next-token "
               "probabilities, from right-padded batches with the attention mask built from the lengths; "
-              "assistant content plus its closing end-of-turn token carry the loss mask (ALGORITHMS.md §7, CLEAN).",
+              "assistant content plus its closing end-of-turn token carry the loss mask (docs/algorithms.md#loss-mask).",
               "* Position t gets (h_t + uniform noise · std · 512 / L, x_{t+1}) and regresses h_{t+1}; it is trained "
               "when the token it predicts, x_{t+2}, is an assistant token (`mask_alignment: predicted`; the "
               "reference's unshifted mask is `ref`). Losses are normalised by the mask sum.",
               "* EAGLE-2: SmoothL1 regression + 0.1 · soft cross-entropy against softmax(lm_head(h_{t+1})). HASS adds "
               "the top-K distillation term (stored target probabilities, not renormalised) and harmonized context "
-              "alignment over the HCA passes, with a proper −inf mask (the CLEAN variant of §2.3), gradients "
+              "alignment over the HCA passes, with a proper −inf mask (docs/algorithms.md#hass-harmonized-objective), gradients "
               "accumulated across passes.",
               "* Held-out: a conversation is held out when a hash of (seed, id) falls under the held-out fraction, "
               "the same rule in every mixture, so no head trained on any conversation scored above.",

@@ -1,11 +1,11 @@
-"""Extract and cache the frozen target's features for a training mixture (ALGORITHMS.md §7.2, CLEAN).
+"""Extract and cache the frozen target's features for a training mixture (docs/algorithms.md#feature-extraction).
 
 Per conversation we store: ``input_ids`` [L], ``loss_mask`` [L] (assistant content + closing end-of-turn),
 ``hidden`` [L, d] = ``hidden_states[-1]`` (after the final norm, the vector the LM head reads) in the target
 dtype, and the target's top-K next-token probabilities and token ids [L, K] (for the HASS top-K loss).
 
 The target runs on right-padded batches whose attention mask is built from the sequence lengths (never from
-``ids != pad``, §8.12). Conversations are cut into shards of ``features.shard_size``, each written atomically
+``ids != pad``, docs/algorithms.md#feature-extraction). Conversations are cut into shards of ``features.shard_size``, each written atomically
 (temporary file + ``os.replace``) as one safetensors file, so a killed run redoes only the missing shards.
 ``manifest.json``, also written atomically, marks the whole set complete; a later call with the same key reuses it.
 

@@ -1,15 +1,15 @@
-"""EAGLE and HASS training objectives for the draft head (ALGORITHMS.md §1.3–1.4 and §2, CLEAN variants).
+"""EAGLE and HASS training objectives for the draft head (docs/algorithms.md#training-losses).
 
 One training sample is a conversation with tokens x_0..x_{L-1}, the target's post-norm features h_0..h_{L-1}
 and the target's top-K next-token probabilities. Draft position t receives (h_t + noise, x_{t+1}) and regresses
-h_{t+1}; through the frozen LM head it therefore predicts x_{t+2} (§1.3).
+h_{t+1}; through the frozen LM head it therefore predicts x_{t+2} (docs/algorithms.md#input-shift-and-noise).
 
-Loss-mask alignment (§8.3 leaves it open). ``"predicted"`` (default): position t is trained when the token it
+Loss-mask alignment (docs/algorithms.md#loss-mask-alignment). ``"predicted"`` (default): position t is trained when the token it
 predicts, x_{t+2}, is an assistant token. ``"ref"``: the reference's unshifted mask, m[t] = mask of x_t.
 Losses are normalised by the mask sum (+1e-5), never by B·T.
 
 HASS Harmonized Context Alignment uses an additive −inf mask (causal ∧ padding) with the version-selection
-rule of §2.3 — not the reference's leaky multiplicative masks.
+rule of docs/algorithms.md#hass-harmonized-objective — not the reference's leaky multiplicative masks.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class Batch:
 
 @dataclass
 class Shifted:
-    """Model inputs and targets after the §1.3 shift."""
+    """Model inputs and targets after the shift (docs/algorithms.md#input-shift-and-noise)."""
 
     feat_in: torch.Tensor  # [B,T,d]
     tok_in: torch.Tensor  # [B,T]
@@ -96,7 +96,7 @@ class Shifted:
 
 def uniform_noise(shape: torch.Size | tuple[int, ...], lengths: torch.Tensor, std: float,
                   generator: torch.Generator | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """(U[0,1) − 0.5) · std · 512 / L per sample (§1.4); ``lengths`` [B] are the samples' true lengths."""
+    """(U[0,1) − 0.5) · std · 512 / L per sample (docs/algorithms.md#input-shift-and-noise); ``lengths`` [B] are the samples' true lengths."""
     u = torch.rand(shape, generator=generator, dtype=dtype)
     scale = std * 512.0 / lengths.to(dtype).clamp(min=1)
     return (u - 0.5) * scale.view(-1, *([1] * (len(shape) - 1)))
@@ -113,7 +113,7 @@ def shift_batch(batch: Batch, noise_std: float = 0.0, generator: torch.Generator
         feat_in = hidden + uniform_noise(hidden.shape, batch.lengths, noise_std, generator, dtype)
     tok_in = torch.zeros_like(batch.input_ids)
     tok_in[:, :-1] = batch.input_ids[:, 1:]
-    # x_{t+1} exists only for t < L-1; the last real position gets the pad token 0 (§1.3)
+    # x_{t+1} exists only for t < L-1; the last real position gets the pad token 0 (docs/algorithms.md#input-shift-and-noise)
     tok_in = torch.where(ar[None, :] < (batch.lengths[:, None] - 1), tok_in, torch.zeros_like(tok_in))
     target = torch.zeros_like(hidden)
     target[:, :-1] = hidden[:, 1:]
@@ -143,7 +143,7 @@ def causal_mask(valid: torch.Tensor) -> torch.Tensor:
 
 
 def version_index(t: int, n: int) -> torch.Tensor:
-    """[T,T] long: which feature version query row r reads at key column c (−1 where c > r), §2.3."""
+    """[T,T] long: which feature version query row r reads at key column c (−1 where c > r), docs/algorithms.md#hass-harmonized-objective."""
     r = torch.arange(t)[:, None]
     c = torch.arange(t)[None, :]
     delta = r - c
