@@ -1,4 +1,4 @@
-"""`taps` command line: data, features, train, eval, generate (and more as the study grows).
+"""`taps`, the one command line: data, features, train, agreement, eval, generate, report, sweep, serve, bench.
 
 Every command that takes `--config` gets a validated StudyConfig; known user errors (bad config, missing
 data, missing model or head, unknown proposer) print one line and exit 2 instead of a traceback.
