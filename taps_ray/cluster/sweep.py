@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -338,7 +337,7 @@ def _jsonable(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
-# --- command line (jobs/sweep.py and `taps sweep`) ----------------------------------------------------------
+# --- `taps sweep` (and jobs/sweep.py, which calls it) ----------------------------------------------------------
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -360,13 +359,6 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
     return cfg.model_copy(update=update) if update else cfg
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="jobs/sweep.py", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    return cmd_sweep(args)
-
-
 def cmd_sweep(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
@@ -376,6 +368,3 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     failed = results["stages"].get("eval", {}).get("failed", []) + results["stages"].get("train", {}).get("failed", [])
     return 1 if failed else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
