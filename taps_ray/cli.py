@@ -1,4 +1,4 @@
-"""`taps` command line: data, features, train, eval, generate (and more as the study grows).
+"""`taps`, the one command line: data, features, train, agreement, eval, generate, report, sweep, serve, bench.
 
 Every command that takes `--config` gets a validated StudyConfig; known user errors (bad config, missing
 data, missing model or head, unknown proposer) print one line and exit 2 instead of a traceback.
@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--kind", choices=("eagle2", "hass"), required=True)
     train.add_argument("--mixture", required=True, help="a mixture name from the config (math, chat, mixed, ...)")
 
+    agreement = commands.add_parser("agreement", help="measure the held-out agreement of every trained head (cached)")
+    _add_config(agreement)
+
     evaluate = commands.add_parser("eval", help="evaluate proposers × benchmarks × temperatures (resumable)")
     _add_config(evaluate)
     evaluate.add_argument("--kinds", nargs="+", choices=("eagle2", "hass"), help="default: train.kinds")
@@ -64,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--results", default=None,
                         help="results store or a report's results/ copy (e.g. reports/results); default: the "
                              "config's work_dir/results")
+
+    heads = commands.add_parser("heads-report", help="write heads.md from the trained heads' metrics and agreement")
+    _add_config(heads)
+    heads.add_argument("--output", default=None, help="folder for heads.md (default: the config's reports_dir)")
+    heads.add_argument("--render-only", action="store_true",
+                       help="only re-render heads.md from the heads.json in that folder")
 
     sweep = commands.add_parser("sweep", help="the whole study on Ray: data, features, train (Tune), eval, report")
     from taps_ray.cluster.sweep import add_arguments as _sweep_arguments
@@ -117,6 +126,13 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _agreement(args: argparse.Namespace) -> int:
+    from taps_ray.training.commands import cmd_agreement
+
+    cmd_agreement(_config(args))
+    return 0
+
+
 def _eval(args: argparse.Namespace) -> int:
     from taps_ray.eval.commands import cmd_eval, plan_cells
 
@@ -144,6 +160,18 @@ def _report(args: argparse.Namespace) -> int:
     command = f"taps report --config {args.config}" + (f" --results {args.results}" if args.results else "")
     path = build_report(_config(args), source, command=command)
     print(f"report written to {path}")
+    return 0
+
+
+def _heads_report(args: argparse.Namespace) -> int:
+    from taps_ray.report.heads import build_heads_report, rerender_heads_md
+
+    config = _config(args)
+    folder = args.output or config.reports_dir
+    if args.render_only:
+        rerender_heads_md(folder)
+    else:
+        build_heads_report(config, folder)
     return 0
 
 
@@ -181,11 +209,13 @@ HANDLERS: dict[str, Handler] = {
     "data": _data,
     "features": _features,
     "train": _train,
+    "agreement": _agreement,
     "eval": _eval,
     "generate": _generate,
     "serve": _serve,
     "sweep": _sweep,
     "report": _report,
+    "heads-report": _heads_report,
     "bench": _bench,
 }
 

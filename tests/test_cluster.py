@@ -299,6 +299,24 @@ def test_sweep_eval_resumes_after_a_crash(ray_session, cfg):
     assert again["skipped"] == 4 and again["done"] == []
 
 
+def test_sweep_report_stage_only_reads(ray_session, cfg):
+    from taps_ray.cluster.sweep import run_sweep
+
+    work = Path(cfg.work_dir)
+
+    def inputs() -> dict[Path, int]:  # everything but what the stage writes: the reports and sweep.json
+        return {p: p.stat().st_mtime_ns for p in work.rglob("*")
+                if p.relative_to(work).parts[0] != "reports" and p.name != "sweep.json"}
+
+    before = inputs()
+    report = run_sweep(cfg, stages=["report"], log=lambda _: None)["stages"]["report"]
+    assert inputs() == before  # nothing extracted, trained or measured
+    assert Path(report["path"]).is_file()
+    heads = Path(report["heads"]).read_text()
+    assert "| eagle2-math | math | not trained | not trained |" in heads  # saved untrained heads: no metrics
+    assert "| math | not extracted |" in heads
+
+
 # --- Tune ----------------------------------------------------------------------------------------------------
 
 

@@ -15,8 +15,11 @@ from taps_ray.data.mixtures import build_mixture
 from taps_ray.models.draft_head import DraftHead, load_eagle_checkpoint, new_head
 from taps_ray.models.target import load_target
 from taps_ray.training import features as features_mod
-from taps_ray.training.agreement import evaluate_agreement
-from taps_ray.training.commands import cmd_agreement_report
+from taps_ray.report.heads import NOT_MEASURED, NOT_TRAINED, build_heads_report, rerender_heads_md
+from taps_ray.training import agreement as agreement_mod
+from taps_ray.training.agreement import (
+    agreement_cache, evaluate_agreement, measure_agreement, trained_heads, unmeasured_heads,
+)
 from taps_ray.training.features import extract_features, features_folder, read_shard
 from taps_ray.training.losses import causal_mask
 from taps_ray.training.trainer import head_dir, split_examples, train_head
@@ -224,29 +227,47 @@ def test_save_load_round_trip(base, tmp_path):
         assert torch.equal(again.trainable_state()[key], value)
 
 
-def test_agreement_and_report(base, tmp_path):
-    cfg, target = fresh(base, tmp_path)
-    path = cmd_agreement_report(cfg, output=tmp_path / "reports")
-    text = path.read_text()
-    assert "eagle2-math" in text and "hass-chat" in text and "tokens/s" in text
-    summary = json.loads((tmp_path / "reports" / "heads.json").read_text())
-    assert len(summary["heads"]) == 4
-    result = evaluate_agreement(cfg, summary["heads"][0]["path"], ["math", "chat"], target=target)
+def _files(folder: Path) -> dict[Path, int]:
+    return {p: p.stat().st_mtime_ns for p in folder.rglob("*")}
+
+
+def test_agreement_and_heads_report(base, tmp_path, monkeypatch):
+    cfg, target = fresh(base, tmp_path / "work")
+    reports = tmp_path / "reports"
+    # the report only reads: before training every head is marked, nothing is trained, extracted or measured
+    before = _files(tmp_path / "work")
+    text = build_heads_report(cfg, reports).read_text()
+    assert _files(tmp_path / "work") == before
+    assert text.count(NOT_TRAINED) == 4 * 4 + 4 and "eagle2-math" in text
+    for mixture in cfg.train.mixtures:
+        for kind in cfg.train.kinds:
+            train_head(cfg, kind, mixture, target=target, progress=False)
+    assert unmeasured_heads(cfg) == ["eagle2-math", "hass-math", "eagle2-chat", "hass-chat"]
+    measured = measure_agreement(cfg, target)
+    assert sorted(measured) == sorted(trained_heads(cfg)) and unmeasured_heads(cfg) == []
+    heads = trained_heads(cfg)
+    result = evaluate_agreement(cfg, heads["eagle2-math"], ["math", "chat"], target=target)
     for domain in ("math", "chat"):
         assert 0.0 <= result[domain]["acc"] <= 1.0 and result[domain]["tokens"] > 0
-        assert result[domain]["acc"] == pytest.approx(summary["heads"][0]["agreement"][domain]["acc"])
-    # a rerun over finished heads reuses the cached agreement instead of evaluating again
-    import taps_ray.training.agreement as agreement_mod
+        assert result[domain]["acc"] == pytest.approx(measured["eagle2-math"][domain])
 
     def boom(*args, **kwargs):
         raise AssertionError("evaluated again")
 
-    original = agreement_mod.evaluate_agreement
-    agreement_mod.evaluate_agreement = boom
-    try:
-        cmd_agreement_report(cfg, output=tmp_path / "reports")
-    finally:
-        agreement_mod.evaluate_agreement = original
+    monkeypatch.setattr(agreement_mod, "evaluate_agreement", boom)
+    assert measure_agreement(cfg, target) == measured  # remembered, not evaluated again
+    agreement_cache(cfg, heads["hass-chat"]).unlink()  # a head measured before its data changed, say
+    before = _files(tmp_path / "work")
+    text = build_heads_report(cfg, reports).read_text()
+    assert _files(tmp_path / "work") == before
+    assert "tokens/s" in text and NOT_TRAINED not in text
+    assert "| hass-chat | chat | " + " | ".join([NOT_MEASURED] * 4) + " |" in text
+    assert f"| eagle2-math | math | **{measured['eagle2-math']['math']:.3f}**" in text
+    summary = json.loads((reports / "heads.json").read_text())
+    assert [h["path"] for h in summary["heads"]] == [str(p.relative_to(cfg.work_path())) for p in heads.values()]
+    assert summary["machine"] and summary["features"]["math"]["tokens"] > 0
+    (reports / "heads.md").unlink()
+    assert rerender_heads_md(reports).read_text() == text
 
 
 def test_greedy_answers_batched_match_unbatched_generate(base):

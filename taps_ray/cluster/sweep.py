@@ -5,11 +5,13 @@
 
 * data      resolve every corpus and benchmark, build the training mixtures (counts -> <work_dir>/data.json)
 * features  one Ray task (target resources) extracts the missing feature sets (cached, sharded, atomic)
-* train     Ray Tune, one trial per head kind x mixture (`cluster.tune`); finished heads are skipped
+* train     Ray Tune, one trial per head kind x mixture (`cluster.tune`); finished heads are skipped; then one
+            Ray task (target resources) measures the held-out agreement of heads not measured yet
 * eval      every cell of the matrix not yet in the results store, through target workers and drafter
             actors (`cluster.eval_pool`); each cell is written atomically as it finishes, actor deaths are
             retried, a cell that keeps failing is recorded (failed.json) and the sweep goes on
-* report    `taps_ray.report.build_report(cfg)` when that module is installed
+* report    reads only: the study report from the results store (`report.build_report`) and the heads report
+            from the heads' metrics and agreement (`report.heads.build_heads_report`)
 
 Killing the driver at any point loses only the work in flight: a rerun skips finished feature shards,
 finished heads (and resumes a head from its last epoch), and finished cells. `--quick` runs a shrunken
@@ -21,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -142,32 +143,47 @@ def stage_data(cfg: StudyConfig, log: Callable[[str], None]) -> dict[str, Any]:
     return summary
 
 
-def _features_remote():
+def _target_remote():
     import ray
 
     @ray.remote
-    def extract(payload: str, names: list[str], env: dict[str, str]) -> dict:
+    def run(payload: str, env: dict[str, str], job: Callable[..., dict], args: tuple) -> dict:
         from taps_ray.cluster.actors import prepare_process
         from taps_ray.config import parse_config
         from taps_ray.models.target import load_target
-        from taps_ray.training.features import extract_features
 
         cfg = parse_config(json.loads(payload), "<driver>")
         threads = prepare_process(env, cfg.ray.torch_threads, cfg.ray.target_num_cpus)
         os.environ["OMP_NUM_THREADS"] = str(threads)
-        target = load_target(cfg.target)
-        out = {}
-        for name in names:
-            features = extract_features(cfg, name, target=target, progress=False)
-            out[name] = {k: v for k, v in features.stats.items() if isinstance(v, (int, float, str, bool))}
-        return out
+        return job(cfg, load_target(cfg.target), *args)
 
-    return extract
+    return run
+
+
+def on_target(cfg: StudyConfig, env: dict[str, str], job: Callable[..., dict], *args: Any) -> dict:
+    """`job(cfg, target, *args)` in one Ray task with the target's resources (a GPU on a cluster)."""
+    import ray
+
+    from taps_ray.cluster.actors import process_runtime_env
+
+    task = _target_remote().options(
+        num_cpus=cfg.ray.target_num_cpus, num_gpus=cfg.ray.target_num_gpus, runtime_env=process_runtime_env()
+    )
+    return ray.get(task.remote(cfg.model_dump_json(), env, job, args))
+
+
+def extract_stats(cfg: StudyConfig, target, names: list[str]) -> dict[str, dict]:
+    """Extract the feature sets `names`; their scalar stats by name."""
+    from taps_ray.training.features import extract_features
+
+    out = {}
+    for name in names:
+        features = extract_features(cfg, name, target=target, progress=False)
+        out[name] = {k: v for k, v in features.stats.items() if isinstance(v, (int, float, str, bool))}
+    return out
 
 
 def stage_features(cfg: StudyConfig, env: dict[str, str], log: Callable[[str], None]) -> dict[str, Any]:
-    import ray
-
     from taps_ray.training.features import MANIFEST, features_folder
 
     names = list(dict.fromkeys(cfg.train.mixtures))
@@ -176,12 +192,7 @@ def stage_features(cfg: StudyConfig, env: dict[str, str], log: Callable[[str], N
         log(f"features: all {len(names)} feature sets cached; nothing to do")
         return {"extracted": [], "cached": names}
     log(f"features: extracting {missing} (cached: {[n for n in names if n not in missing]})")
-    from taps_ray.cluster.actors import process_runtime_env
-
-    task = _features_remote().options(
-        num_cpus=cfg.ray.target_num_cpus, num_gpus=cfg.ray.target_num_gpus, runtime_env=process_runtime_env()
-    )
-    stats = ray.get(task.remote(cfg.model_dump_json(), missing, env))
+    stats = on_target(cfg, env, extract_stats, missing)
     for name, s in stats.items():
         log(f"features {name}: {s.get('conversations')} conversations, {s.get('tokens')} tokens, "
             f"{s.get('tokens_per_s', 0):.0f} tokens/s")
@@ -189,9 +200,21 @@ def stage_features(cfg: StudyConfig, env: dict[str, str], log: Callable[[str], N
 
 
 def stage_train(cfg: StudyConfig, env: dict[str, str], log: Callable[[str], None]) -> dict[str, Any]:
+    """Train the missing heads with Tune, then measure the held-out agreement of the heads not measured yet
+    (cached in each head's folder), so the report stage only reads."""
     from taps_ray.cluster.tune import run_training
+    from taps_ray.training.agreement import measure_agreement, unmeasured_heads
 
-    return run_training(cfg, env, log)
+    out = run_training(cfg, env, log)
+    todo = unmeasured_heads(cfg)
+    if not todo:
+        log("train: held-out agreement of every trained head already measured")
+        return {**out, "agreement": {}}
+    log(f"train: measuring held-out agreement of {todo}")
+    agreement = on_target(cfg, env, measure_agreement)
+    for label in todo:
+        log(f"train: {label} held-out agreement " + ", ".join(f"{d} {acc:.3f}" for d, acc in agreement[label].items()))
+    return {**out, "agreement": {label: agreement[label] for label in todo}}
 
 
 def _prepare_draft_vocabulary(cfg: StudyConfig) -> None:
@@ -243,13 +266,13 @@ def stage_eval(
 
 
 def stage_report(cfg: StudyConfig, log: Callable[[str], None], command: str | None = None) -> dict[str, Any]:
-    """The study report from the results store, and the heads report (held-out agreement, cached per head)."""
+    """The study report from the results store, and the heads report from the heads' files; reads only."""
     from taps_ray.report import build_report
-    from taps_ray.training.commands import cmd_agreement_report
+    from taps_ray.report.heads import build_heads_report
 
     path = build_report(cfg, command=command)
     log(f"report: {path}")
-    heads = cmd_agreement_report(cfg)
+    heads = build_heads_report(cfg)
     log(f"report: {heads}")
     return {"path": str(path), "heads": str(heads)}
 
@@ -314,7 +337,7 @@ def _jsonable(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
-# --- command line (jobs/sweep.py and `taps sweep`) ----------------------------------------------------------
+# --- `taps sweep` (and jobs/sweep.py, which calls it) ----------------------------------------------------------
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -336,13 +359,6 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
     return cfg.model_copy(update=update) if update else cfg
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="jobs/sweep.py", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    return cmd_sweep(args)
-
-
 def cmd_sweep(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
@@ -352,6 +368,3 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     failed = results["stages"].get("eval", {}).get("failed", []) + results["stages"].get("train", {}).get("failed", [])
     return 1 if failed else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import os
+import platform
 import random
 import shutil
 import time
@@ -299,7 +300,7 @@ def _train_head(cfg: StudyConfig, kind: str, mixture_name: str, report: Report |
         "planned_steps": plan.steps, "train_conversations": len(train_ex), "heldout_conversations": len(held_ex),
         "epoch_size_tokens": sum(len(e) for e in train_ex),
         "feature_stats": {k: v for k, v in features.stats.items() if k != "reused"}, "history": [],
-        "threads": threads,
+        "threads": threads, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
     }
     resumed = latest_checkpoint(folder, fingerprint)
     if resumed is not None:
