@@ -11,7 +11,6 @@ import functools
 import math
 import re
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
@@ -80,25 +79,6 @@ def combination(name: str) -> Builder | None:
 
 def combination_names() -> list[str]:
     return [*map(averaged_name, AVERAGED_SWEEP), *COMBINATIONS]
-
-
-def head_dir(config: StudyConfig, kind: str, mixture: str) -> Path:
-    """Where the trainer leaves the final checkpoint of one head."""
-    return config.work_path("heads", f"{kind}-{mixture}", "final")
-
-
-def load_heads(config: StudyConfig, kind: str, dtype: torch.dtype, mixtures: list[str] | None = None) -> dict[str, DraftHead]:
-    """The trained heads of one kind, keyed by mixture name, in the order of `train.mixtures`."""
-    heads = {}
-    for mixture in mixtures or config.train.mixtures:
-        folder = head_dir(config, kind, mixture)
-        if not folder.is_dir():
-            raise FileNotFoundError(
-                f"no trained {kind} head for mixture {mixture!r} at {folder}; "
-                f"run `taps train --config <cfg> --kind {kind} --mixture {mixture}` (or the sweep) first"
-            )
-        heads[mixture] = DraftHead.load(folder, dtype=dtype).eval()
-    return heads
 
 
 def proposer_names(config: StudyConfig) -> list[str]:

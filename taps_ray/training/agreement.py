@@ -27,6 +27,7 @@ from taps_ray.spec.draft_vocab import draft_vocabulary
 from taps_ray.training.features import extract_features, features_key
 from taps_ray.training.losses import FrozenTarget, LossSettings
 from taps_ray.training.trainer import configure_threads, evaluate, split_examples
+from taps_ray.workdir import agreement_cache
 
 DEFAULT_DOMAINS = ("math", "chat")
 
@@ -81,7 +82,7 @@ def cached_agreement(cfg: StudyConfig, head_path: str | Path, domains: Sequence[
         "draft_vocab_size": cfg.tree.draft_vocab_size,
     }
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
-    cache = head_path / f"agreement-{key}.json"
+    cache = agreement_cache(head_path, key)
     if cache.is_file():
         return json.loads(cache.read_text())
     result = evaluate_agreement(cfg, head_path, list(domains), target=target)
