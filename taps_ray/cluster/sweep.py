@@ -200,7 +200,7 @@ def _prepare_draft_vocabulary(cfg: StudyConfig) -> None:
     if getattr(cfg.tree, "draft_vocab_size", None) is None:
         return
     try:
-        from taps_ray.spec.draft_vocab import draft_vocabulary
+        from taps_ray.data.draft_vocab import draft_vocabulary
     except ImportError:
         return
     from taps_ray.models.target import load_tokenizer

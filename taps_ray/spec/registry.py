@@ -88,7 +88,7 @@ def proposer_names(config: StudyConfig) -> list[str]:
 def build_proposer(
     name: str, target: Target, heads: dict[str, DraftHead], tree: TreeConfig, vocab: torch.Tensor | None = None
 ) -> Proposer:
-    """`vocab`: the reduced draft vocabulary (see draft_vocab.py), or None to draft over the full vocabulary."""
+    """`vocab`: the reduced draft vocabulary (taps_ray/data/draft_vocab.py), or None for the full vocabulary."""
     context = DraftContext(target.model.get_input_embeddings(), target.model.lm_head, vocab)
     if name == "plain":
         return PlainDecoding()

@@ -20,10 +20,10 @@ from typing import Sequence
 import torch
 
 from taps_ray.config import StudyConfig
+from taps_ray.data.draft_vocab import draft_vocabulary
 from taps_ray.eval.store import atomic_write_text
 from taps_ray.models.draft_head import DraftHead
 from taps_ray.models.target import Target, load_target
-from taps_ray.spec.draft_vocab import draft_vocabulary
 from taps_ray.training.features import extract_features, features_key
 from taps_ray.training.losses import FrozenTarget, LossSettings
 from taps_ray.training.trainer import configure_threads, evaluate, split_examples

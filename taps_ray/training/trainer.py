@@ -34,9 +34,9 @@ import torch
 from tqdm.auto import tqdm
 
 from taps_ray.config import StudyConfig
+from taps_ray.data.draft_vocab import draft_vocabulary
 from taps_ray.models.draft_head import DraftHead, new_head
 from taps_ray.models.target import Target, load_target
-from taps_ray.spec.draft_vocab import draft_vocabulary
 from taps_ray.training.features import Example, FeatureSet, exclusive_lock, extract_features
 from taps_ray.training.losses import Batch, FrozenTarget, LossSettings, run_passes
 from taps_ray.workdir import FINAL, head_dir
