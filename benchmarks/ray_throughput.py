@@ -40,14 +40,15 @@ def _heads_config(cfg: StudyConfig, kind: str, target, scratch: Path) -> tuple[S
     """The first two heads (what the single-head and routed proposers use): trained ones when the config's work
     dir has them, else random heads in a scratch work dir."""
     from taps_ray.models.draft_head import new_head
-    from taps_ray.spec.registry import head_dir
+    from taps_ray.workdir import head_checkpoint
 
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"mixtures": cfg.train.mixtures[:2]})})
-    if all((head_dir(cfg, kind, m) / "model.safetensors").is_file() for m in cfg.train.mixtures):
+    if all((head_checkpoint(cfg, kind, m) / "model.safetensors").is_file() for m in cfg.train.mixtures):
         return cfg, f"trained `{kind}` heads ({', '.join(cfg.train.mixtures)}) from `{cfg.work_dir}`"
     random_cfg = cfg.model_copy(update={"work_dir": str(scratch)})
     for seed, mixture in enumerate(cfg.train.mixtures, start=1):
-        new_head(target.model.config, seed=seed, kind=kind, trained_on=mixture).save(head_dir(random_cfg, kind, mixture))
+        head = new_head(target.model.config, seed=seed, kind=kind, trained_on=mixture)
+        head.save(head_checkpoint(random_cfg, kind, mixture))
     return random_cfg, f"random `{kind}` heads (no trained heads in `{cfg.work_dir}` yet)"
 
 
@@ -60,13 +61,15 @@ def _prompts(cfg: StudyConfig, target, n: int) -> list[list[int]]:
 
 
 @torch.no_grad()
-def verification(cfg: StudyConfig, target, heads: dict, batches: list[int], steps: int, repeats: int) -> list[dict]:
-    """Tree tokens verified per second by TargetBatch.step, trees drafted (untimed) by a single head."""
-    from taps_ray.spec.registry import build_proposer
+def verification(cfg: StudyConfig, target, heads_cfg: StudyConfig, kind: str, batches: list[int], steps: int,
+                 repeats: int) -> list[dict]:
+    """Tree tokens verified per second by TargetBatch.step, trees drafted (untimed) by the first head."""
+    from taps_ray.proposer_setup import load_proposers
     from taps_ray.spec.target_batch import TargetBatch
     from taps_ray.spec.verify import SamplingParams
 
-    proposer = build_proposer(next(iter(heads)), target, heads, cfg.tree)
+    name = heads_cfg.train.mixtures[0]
+    proposer = load_proposers(heads_cfg, [name], target=target, kind=kind)[name]
     prompts = _prompts(cfg, target, max(batches))
     params = SamplingParams(temperature=0.0)
     rows = []
@@ -115,7 +118,7 @@ def evaluation(cfg: StudyConfig, target, heads_cfg: StudyConfig, kind: str, prop
     from taps_ray.cluster.eval_pool import EvalPool
     from taps_ray.eval.runner import run_cell
     from taps_ray.eval.store import Cell, ResultsStore
-    from taps_ray.spec.registry import load_heads
+    from taps_ray.proposer_setup import load_heads
 
     cells = [Cell(kind, p, b, t) for p in proposers for b in cfg.eval.benchmarks for t in cfg.eval.temperatures]
     heads = load_heads(heads_cfg, kind, target.dtype)
@@ -291,7 +294,6 @@ def main() -> int:
     args = parser.parse_args()
 
     from taps_ray.models.target import load_target
-    from taps_ray.spec.registry import load_heads
 
     started = time.perf_counter()
     load_before = _load()
@@ -311,8 +313,7 @@ def main() -> int:
     target = load_target(cfg.target, dtype=cfg.eval.dtype)
     with tempfile.TemporaryDirectory() as scratch:
         heads_cfg, heads_note = _heads_config(cfg, args.kind, target, Path(scratch))
-        heads = load_heads(heads_cfg, args.kind, target.dtype)
-        verify_rows = verification(cfg, target, heads, args.batches, args.verify_steps, args.repeats)
+        verify_rows = verification(cfg, target, heads_cfg, args.kind, args.batches, args.verify_steps, args.repeats)
         evaluation_results = None
         if not args.skip_eval:
             proposers = args.proposers or [cfg.train.mixtures[0], "confidence-routed"]

@@ -129,15 +129,15 @@ def _start_service(cfg, random_heads: bool) -> tuple[str, str]:
     from taps_ray.cluster.serve import build_app
     from taps_ray.models.draft_head import new_head
     from taps_ray.models.target import load_target
-    from taps_ray.spec.registry import head_dir
+    from taps_ray.workdir import head_checkpoint, heads_root
 
-    note = f"heads from {cfg.work_path('heads')}"
+    note = f"heads from {heads_root(cfg)}"
     if random_heads:
         work = Path(tempfile.mkdtemp(prefix="taps-serve-load-"))
         cfg = cfg.model_copy(update={"work_dir": str(work)})
         target = load_target(cfg.target)
         for seed, mixture in enumerate(cfg.train.mixtures, start=1):
-            new_head(target.model.config, seed=seed).save(head_dir(cfg, cfg.serve.head_kind, mixture))
+            new_head(target.model.config, seed=seed).save(head_checkpoint(cfg, cfg.serve.head_kind, mixture))
         note = f"random (untrained) {cfg.serve.head_kind} heads for {', '.join(cfg.train.mixtures)}"
         del target
     ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)

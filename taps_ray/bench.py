@@ -27,10 +27,9 @@ from taps_ray.data.chat import build_prompt_ids
 from taps_ray.data.sources import load_questions
 from taps_ray.eval.store import atomic_write_text
 from taps_ray.models.target import Target, load_target
+from taps_ray.proposer_setup import load_proposers
 from taps_ray.report.tables import fmt, md_table
-from taps_ray.spec.draft_vocab import draft_vocabulary
 from taps_ray.spec.generate import run_loop
-from taps_ray.spec.registry import build_proposer, load_heads
 from taps_ray.spec.target_batch import TargetBatch
 from taps_ray.spec.verify import SamplingParams
 
@@ -171,14 +170,14 @@ def build_methods(config: StudyConfig, target: Target, options: BenchOptions):
         methods["hf-prompt-lookup"] = _hf_method(target, new_tokens, prompt_lookup_num_tokens=10)
         early_exit = max(1, target.model.config.num_hidden_layers // 4)
         methods["hf-assisted-early-exit"] = _hf_method(target, new_tokens, assistant_early_exit=early_exit)
-    methods["plain"] = _ours(target, build_proposer("plain", target, {}, config.tree), new_tokens)
-    vocab = draft_vocabulary(config, target.tokenizer, target.stop_token_ids)
-    heads = load_heads(config, options.kind, target.dtype)
-    for name in options.proposers:
-        methods[name] = _ours(target, build_proposer(name, target, heads, config.tree, vocab), new_tokens)
+    proposers = load_proposers(config, ["plain", *options.proposers], target=target, kind=options.kind)
+    for name, proposer in proposers.items():
+        methods[name] = _ours(target, proposer, new_tokens)
     for spec, tree in options.tree_configs(config.tree).items():
         name = options.proposers[0]
-        methods[f"{name}@{spec}"] = _ours(target, build_proposer(name, target, heads, tree, vocab), new_tokens)
+        variant = config.model_copy(update={"tree": tree})
+        proposer = load_proposers(variant, [name], target=target, kind=options.kind)[name]
+        methods[f"{name}@{spec}"] = _ours(target, proposer, new_tokens)
     return methods
 
 

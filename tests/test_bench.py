@@ -8,7 +8,7 @@ import pytest
 
 from taps_ray.bench import BenchOptions, cmd_bench, run_bench
 from taps_ray.models.draft_head import new_head
-from taps_ray.spec.registry import head_dir
+from taps_ray.workdir import head_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -16,7 +16,7 @@ def bench_config(tiny_config, tiny_target, tmp_path_factory):
     work = tmp_path_factory.mktemp("bench-work")
     cfg = tiny_config.model_copy(update={"work_dir": str(work), "reports_dir": str(work / "reports")})
     for seed, mixture in enumerate(("math", "chat"), start=1):
-        new_head(tiny_target.model.config, seed=seed).save(head_dir(cfg, "eagle2", mixture))
+        new_head(tiny_target.model.config, seed=seed).save(head_checkpoint(cfg, "eagle2", mixture))
     return cfg
 
 

@@ -25,10 +25,12 @@ from taps_ray.eval.commands import plan_cells
 from taps_ray.eval.runner import run_cell
 from taps_ray.eval.store import Cell, ResultsStore
 from taps_ray.models.draft_head import new_head
+from taps_ray.proposer_setup import load_heads
 from taps_ray.spec.generate import generate, run_loop
-from taps_ray.spec.registry import build_proposer, head_dir, load_heads
+from taps_ray.spec.registry import build_proposer
 from taps_ray.spec.target_batch import TargetBatch
 from taps_ray.spec.verify import SamplingParams
+from taps_ray.workdir import head_checkpoint, head_dir, heads_root, results_dir
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -65,7 +67,7 @@ def _config(base: StudyConfig, work: Path, **ray_overrides) -> StudyConfig:
 def cfg(tiny_config, tiny_target, tmp_path_factory) -> StudyConfig:
     config = _config(tiny_config, tmp_path_factory.mktemp("cluster-work"))
     for seed, mixture in enumerate(config.train.mixtures, start=1):
-        new_head(tiny_target.model.config, seed=seed, kind="eagle2", trained_on=mixture).save(head_dir(config, "eagle2", mixture))
+        new_head(tiny_target.model.config, seed=seed, kind="eagle2", trained_on=mixture).save(head_checkpoint(config, "eagle2", mixture))
     return config
 
 
@@ -270,7 +272,7 @@ def test_sweep_eval_resumes_after_a_crash(ray_session, cfg):
     )
     cells = plan_cells(sweep_cfg)
     assert len(cells) == 4
-    store = ResultsStore(Path(sweep_cfg.work_dir) / "results")
+    store = ResultsStore(results_dir(sweep_cfg))
     finished: list[Cell] = []
 
     def crash_after_two(cell: Cell) -> None:
@@ -329,19 +331,19 @@ def test_tune_stage_resumes_and_skips_finished_heads(ray_session, tiny_config, t
     cfg = base.model_copy(update={"train": base.train.model_copy(update={"epochs": 2})})
     for mixture in cfg.train.mixtures:
         extract_features(cfg, mixture, target=tiny_target, progress=False)
-    heads = Path(cfg.work_dir) / "heads"
+    heads, math = heads_root(cfg), head_dir(cfg, "eagle2", "math")
     # a trial killed after its first epoch: epoch-1 exists, no final
     train_head(cfg, "eagle2", "math", target=tiny_target, progress=False, stop_after_epochs=1)
-    epoch1 = heads / "eagle2-math" / "epoch-1" / "model.safetensors"
+    epoch1 = math / "epoch-1" / "model.safetensors"
     first_epoch_mtime = epoch1.stat().st_mtime_ns
     assert not head_finished(cfg, "eagle2", "math")
 
     result = run_training(cfg, log_line=lambda _: None)
     assert sorted(result["trained"]) == ["eagle2-chat", "eagle2-math"] and not result["failed"]
     assert epoch1.stat().st_mtime_ns == first_epoch_mtime  # resumed, not retrained
-    assert (heads / "eagle2-math" / "epoch-2").is_dir()
+    assert (math / "epoch-2").is_dir()
     assert Path(result["experiment"]).is_dir()  # Tune's storage, under the work dir
-    math_history = json.loads((heads / "eagle2-math" / "final" / "metrics.json").read_text())["history"]
+    math_history = json.loads((head_checkpoint(cfg, "eagle2", "math") / "metrics.json").read_text())["history"]
     assert [h["epoch"] for h in math_history] == [1, 2]
     finals = {p: p.stat().st_mtime_ns for p in heads.glob("*/final/model.safetensors")}
     assert len(finals) == 2

@@ -11,7 +11,6 @@ from scipy import stats
 from taps_ray.config import TreeConfig
 from taps_ray.eval import diagnostics
 from taps_ray.models.draft_head import DraftHead, new_head
-from taps_ray.spec import combine
 from taps_ray.spec.combine import (
     ConfidenceRouted,
     EntropyRouted,
@@ -25,7 +24,7 @@ from taps_ray.spec.combine import (
 )
 from taps_ray.spec.generate import StepRecord, generate
 from taps_ray.spec.proposers import SingleHead
-from taps_ray.spec.registry import COMBINATIONS, UnknownProposer, build_proposer
+from taps_ray.spec.registry import UnknownProposer, averaged_weight, build_proposer, combination_names
 from taps_ray.spec.target_batch import TargetBatch
 from taps_ray.spec.tree import DraftContext, HeadCache, build_tree
 from taps_ray.spec.verify import SamplingParams, accept_stochastic, processed_probs
@@ -85,15 +84,13 @@ def probe(tiny_target):
 
 
 def test_registered_names():
-    expected_names = {"averaged", "averaged-w0", "averaged-w0.25", "averaged-w0.75", "averaged-w1",
-                      "confidence-routed", "entropy-routed", "merged", "merged-dedup", "merged-budget"}
-    assert expected_names <= set(COMBINATIONS)
-    assert combine.parse_averaged("averaged-w0.25") == 0.25 and combine.parse_averaged("averaged") == 0.5
-    assert combine.register_averaged(0.1) == "averaged-w0.1" and "averaged-w0.1" in COMBINATIONS
-    del COMBINATIONS["averaged-w0.1"]
+    assert combination_names() == ["averaged-w0", "averaged-w0.25", "averaged", "averaged-w0.75", "averaged-w1",
+                                   "confidence-routed", "entropy-routed", "merged", "merged-dedup", "merged-budget"]
+    assert averaged_weight("averaged-w0.25") == 0.25 and averaged_weight("averaged") == 0.5
+    assert averaged_weight("merged") is None
 
 
-@pytest.mark.parametrize("name", sorted(COMBINATIONS))
+@pytest.mark.parametrize("name", combination_names())
 def test_every_combination_is_lossless_greedy(tiny_target, heads, prompts, expected, name):
     proposer = build_proposer(name, tiny_target, heads, TREE)
     generations = generate(tiny_target.model, proposer, prompts, GREEDY, MAX_NEW, tiny_target.stop_token_ids)
@@ -111,8 +108,19 @@ def test_every_combination_is_lossless_greedy(tiny_target, heads, prompts, expec
 def test_combination_needs_two_heads(tiny_target, heads):
     with pytest.raises(ValueError, match="combines two heads"):
         build_proposer("merged", tiny_target, {"math": heads["math"]}, TREE)
-    with pytest.raises(UnknownProposer):
-        build_proposer("averaged-w0.3", tiny_target, heads, TREE)
+    with pytest.raises(UnknownProposer, match="unknown proposer 'merged-twice'"):
+        build_proposer("merged-twice", tiny_target, heads, TREE)
+
+
+def test_any_averaging_weight_builds_and_a_bad_one_names_the_fix(tiny_target, heads):
+    proposer = build_proposer("averaged-w0.3", tiny_target, heads, TREE)
+    assert proposer.name == "averaged-w0.3"
+    want = average_heads(heads["math"], heads["chat"], 0.3).trainable_state()
+    got = proposer.head.trainable_state()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    for bad in ("averaged-w1.5", "averaged-w", "averaged-wx", "averaged-wnan"):
+        with pytest.raises(UnknownProposer, match=r"must be a number in \[0, 1\].*averaged-w0.3"):
+            build_proposer(bad, tiny_target, heads, TREE)
 
 
 def test_merged_variants_with_an_accepting_oracle_are_lossless(tiny_target, heads):

@@ -291,7 +291,7 @@ def test_greedy_acceptance_picks_longest_path_first_row_on_ties():
 
 
 def test_reduced_draft_vocabulary_drafts_only_its_ids_and_stays_lossless(tiny_target):
-    from taps_ray.spec.draft_vocab import frequent_tokens
+    from taps_ray.data.draft_vocab import frequent_tokens
 
     model, tok = tiny_target.model, tiny_target.tokenizer
     texts = ["The answer is 42.", "Let us add 3 and 4 to get 7.", "Hello! How can I help you today?"] * 3

@@ -13,6 +13,7 @@ from taps_ray.report import build_report
 from taps_ray.report.data import ReportCopy, load_report_data, results_source
 from taps_ray.report.findings import FAILS, HOLDS, UNMEASURED, findings
 from taps_ray.report.uncertainty import tau_difference, tau_interval
+from taps_ray.workdir import results_dir
 
 ACC_ENTROPY, REJ_ENTROPY = 0.5, 2.0  # nats; every synthetic step has this gap, so Δ = 1.5
 
@@ -69,7 +70,7 @@ MIXED = [[3, 3], [3]]  # tau 4.00: the best single head on GSM8K
 
 def _store(tmp_path, specialised: bool = True) -> tuple:
     config = _config(tmp_path)
-    store = ResultsStore(config.work_path("results"))
+    store = ResultsStore(results_dir(config))
     math_gsm, chat_gsm = (GOOD, BAD) if specialised else (BAD, GOOD)
     math_mt, chat_mt = (BAD, GOOD) if specialised else (GOOD, BAD)
     for bench in ("gsm8k", "mt_bench"):
@@ -148,7 +149,7 @@ def test_findings_follow_the_numbers(tmp_path):
 
 def test_paired_bootstrap_interval_of_a_tau_difference(tmp_path):
     config = _config(tmp_path)
-    store = ResultsStore(config.work_path("results"))
+    store = ResultsStore(results_dir(config))
     _write(store, "eagle2", "math", "gsm8k", GOOD)
     _write(store, "eagle2", "chat", "gsm8k", BAD)
     # better on question 0 (τ 3 vs 1), worse on question 1 (τ 1 vs 3): no clear winner
@@ -173,7 +174,7 @@ def test_paired_bootstrap_interval_of_a_tau_difference(tmp_path):
 
 def test_unmeasured_claims_and_empty_store(tmp_path):
     config = _config(tmp_path)
-    store = ResultsStore(config.work_path("results"))
+    store = ResultsStore(results_dir(config))
     _write(store, "eagle2", "math", "gsm8k", GOOD)
     result = {f.key: f.verdict for f in findings(load_report_data(config, store))}
     assert result == dict.fromkeys("abcdf", UNMEASURED) | {"e": HOLDS}

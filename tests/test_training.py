@@ -22,7 +22,8 @@ from taps_ray.training.agreement import (
 )
 from taps_ray.training.features import extract_features, features_folder, read_shard
 from taps_ray.training.losses import causal_mask
-from taps_ray.training.trainer import head_dir, split_examples, train_head
+from taps_ray.training.trainer import split_examples, train_head
+from taps_ray.workdir import features_root, head_dir
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.yaml"
@@ -62,7 +63,7 @@ def fresh(base, tmp_path, **train_updates):
     for key, value in train_updates.items():
         setattr(cfg.train, key, value)
     tmp_path.mkdir(parents=True, exist_ok=True)
-    os.symlink(Path(base[0].work_dir) / "features", tmp_path / "features")
+    os.symlink(features_root(base[0]), features_root(cfg))
     return cfg, target
 
 

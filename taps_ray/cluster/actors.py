@@ -70,13 +70,13 @@ def _config(payload: str) -> StudyConfig:
 
 def pack_heads(config: StudyConfig, kinds: list[str]) -> dict[str, dict[str, dict[str, bytes]]]:
     """kind -> mixture -> {file name: bytes} of every trained head the evaluation needs."""
-    from taps_ray.spec.registry import head_dir
+    from taps_ray.workdir import head_checkpoint
 
     packed: dict[str, dict[str, dict[str, bytes]]] = {}
     for kind in kinds:
         packed[kind] = {}
         for mixture in config.train.mixtures:
-            folder = head_dir(config, kind, mixture)
+            folder = head_checkpoint(config, kind, mixture)
             if folder.is_dir():
                 packed[kind][mixture] = {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
     return packed
@@ -84,7 +84,7 @@ def pack_heads(config: StudyConfig, kinds: list[str]) -> dict[str, dict[str, dic
 
 def unpack_heads(config: StudyConfig, kind: str, packed: dict, dtype: torch.dtype, scratch: Path) -> dict:
     from taps_ray.models.draft_head import DraftHead
-    from taps_ray.spec.registry import load_heads
+    from taps_ray.proposer_setup import load_heads
 
     files = packed.get(kind)
     if not files:  # nothing shipped: read the (shared) work dir, as the in-process path does

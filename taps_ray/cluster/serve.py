@@ -177,8 +177,8 @@ class TapsService:
         import torch
 
         from taps_ray.models.target import load_target
-        from taps_ray.spec.draft_vocab import draft_vocabulary
-        from taps_ray.spec.registry import build_proposer, proposer_names
+        from taps_ray.proposer_setup import load_proposers
+        from taps_ray.spec.registry import proposer_names
 
         self.cfg = parse_config(config, "<serve deployment>")
         serve_cfg = self.cfg.serve
@@ -189,16 +189,14 @@ class TapsService:
         self.vocab_size = int(self.target.model.get_input_embeddings().weight.shape[0])
         self.kind = serve_cfg.head_kind
         self.heads, self.missing = self._load_heads()
-        vocab = draft_vocabulary(self.cfg, self.tokenizer, self.stop_ids) if self.heads else None
-        self.proposers: dict[str, Any] = {"plain": build_proposer("plain", self.target, {}, self.cfg.tree)}
-        for name in self.heads:
-            self.proposers[name] = build_proposer(name, self.target, self.heads, self.cfg.tree, vocab)
+        names = ["plain", *self.heads]
+        self.proposers: dict[str, Any] = load_proposers(self.cfg, names, target=self.target, heads=self.heads)
         mixtures = self.cfg.train.mixtures
         combinations = [n for n in proposer_names(self.cfg) if n != "plain" and n not in mixtures]
         if all(m in self.heads for m in mixtures[:2]) and len(mixtures) >= 2:
             for name in combinations:
                 try:
-                    self.proposers[name] = build_proposer(name, self.target, self.heads, self.cfg.tree, vocab)
+                    self.proposers.update(load_proposers(self.cfg, [name], target=self.target, heads=self.heads))
                 except Exception as error:  # a combination that cannot use these heads is left out, not fatal
                     logger.warning("combination %r left out: %s", name, error)
         self.max_tokens_limit = serve_cfg.max_tokens_limit
@@ -213,19 +211,17 @@ class TapsService:
         )
 
     def _load_heads(self) -> tuple[dict[str, Any], list[str]]:
-        from taps_ray.spec.registry import head_dir, load_heads
+        from taps_ray.proposer_setup import load_heads
+        from taps_ray.workdir import head_checkpoint, heads_root
 
-        heads, missing = {}, []
-        for mixture in self.cfg.train.mixtures:
-            if not head_dir(self.cfg, self.kind, mixture).is_dir():
-                missing.append(mixture)
-                continue
-            heads.update(load_heads(self.cfg, self.kind, self.target.dtype, mixtures=[mixture]))
+        mixtures = self.cfg.train.mixtures
+        missing = [m for m in mixtures if not head_checkpoint(self.cfg, self.kind, m).is_dir()]
+        heads = load_heads(self.cfg, self.kind, self.target.dtype, [m for m in mixtures if m not in missing])
         if missing:
             logger.warning(
                 "taps serve: no trained %s head for %s under %s, so only %s can be served; train them with "
                 "`taps train --config <cfg> --kind %s --mixture <name>` (or `make sweep`) and restart the service",
-                self.kind, ", ".join(missing), self.cfg.work_path("heads"),
+                self.kind, ", ".join(missing), heads_root(self.cfg),
                 ", ".join(["plain", *heads]) or "plain", self.kind,
             )
         return heads, missing

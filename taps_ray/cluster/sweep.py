@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from taps_ray import workdir
 from taps_ray.config import StudyConfig, load_config
 
 STAGES = ("data", "features", "train", "eval", "report")
@@ -138,7 +139,7 @@ def stage_data(cfg: StudyConfig, log: Callable[[str], None]) -> dict[str, Any]:
         summary["mixtures"][name] = len(conversations)
     for bench, limit in cfg.eval.benchmarks.items():
         summary["benchmarks"][bench] = len(load_questions(bench, data_dir, limit=limit))
-    atomic_write_text(cfg.work_path("data.json"), json.dumps(summary, indent=2))
+    atomic_write_text(workdir.data_summary(cfg), json.dumps(summary, indent=2))
     log(f"data: mixtures {summary['mixtures']}, benchmark questions {summary['benchmarks']}")
     return summary
 
@@ -222,7 +223,7 @@ def _prepare_draft_vocabulary(cfg: StudyConfig) -> None:
     if getattr(cfg.tree, "draft_vocab_size", None) is None:
         return
     try:
-        from taps_ray.spec.draft_vocab import draft_vocabulary
+        from taps_ray.data.draft_vocab import draft_vocabulary
     except ImportError:
         return
     from taps_ray.models.target import load_tokenizer
@@ -303,7 +304,7 @@ def run_sweep(
     if not ray.is_initialized():
         init_ray(cfg)
     env = remote_env(cfg)
-    cfg.work_path().mkdir(parents=True, exist_ok=True)
+    workdir.root(cfg).mkdir(parents=True, exist_ok=True)
     log(f"study {cfg.name}: stages {', '.join(stages)}; work dir {cfg.work_dir}; Ray {ray.cluster_resources()}")
     results: dict[str, Any] = {"config": cfg.name, "quick": quick, "stages": {}}
     sweep_start = time.perf_counter()
@@ -327,7 +328,7 @@ def run_sweep(
     results["seconds"] = round(time.perf_counter() - sweep_start, 1)
     from taps_ray.eval.store import atomic_write_text
 
-    atomic_write_text(cfg.work_path("sweep.json"), json.dumps(results, indent=2, default=str))
+    atomic_write_text(workdir.sweep_summary(cfg), json.dumps(results, indent=2, default=str))
     log(f"sweep finished in {results['seconds'] / 60:.1f} min: "
         + ", ".join(f"{k} {v['seconds'] / 60:.1f} min" for k, v in results["stages"].items()))
     return results

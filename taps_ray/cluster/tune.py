@@ -28,6 +28,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from taps_ray.config import StudyConfig, parse_config
+from taps_ray.workdir import FINAL, head_checkpoint, head_dir, tune_dir
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +53,9 @@ def expected_fingerprint(cfg: StudyConfig, kind: str, mixture: str) -> str:
 
 def head_finished(cfg: StudyConfig, kind: str, mixture: str) -> bool:
     """The head's `final` checkpoint exists and was trained with the current settings."""
-    trainer = _trainer()
-    final = trainer.head_dir(cfg, kind, mixture) / "final"
+    final = head_checkpoint(cfg, kind, mixture)
     try:
-        metrics = json.loads((final / trainer.METRICS_FILE).read_text())
+        metrics = json.loads((final / _trainer().METRICS_FILE).read_text())
     except (OSError, ValueError):
         return False
     return (final / "model.safetensors").is_file() and metrics.get("fingerprint") == expected_fingerprint(cfg, kind, mixture)
@@ -81,12 +81,12 @@ def _copy_in(source: Path, target: Path) -> None:
 def restore_checkpoint(cfg: StudyConfig, kind: str, mixture: str, folder: Path) -> str | None:
     """Put a Tune checkpoint of this head (an epoch or the final head) back into the work dir if missing."""
     trainer = _trainer()
-    heads = trainer.head_dir(cfg, kind, mixture)
+    heads = head_dir(cfg, kind, mixture)
     if (folder / trainer.STATE_FILE).is_file():
         epoch = json.loads((folder / trainer.STATE_FILE).read_text()).get("epoch")
         target = heads / f"epoch-{epoch}"
     elif (folder / trainer.METRICS_FILE).is_file():
-        target = heads / "final"
+        target = heads / FINAL
     else:
         return None
     if target.exists():
@@ -133,7 +133,7 @@ def experiment_name(cfg: StudyConfig, todo: list[tuple[str, str]]) -> str:
 def storage_path(cfg: StudyConfig) -> str:
     if cfg.ray.storage_path:
         return cfg.ray.storage_path
-    return str(cfg.work_path("tune").expanduser().resolve())
+    return str(tune_dir(cfg).resolve())
 
 
 def run_training(
@@ -197,7 +197,7 @@ def run_training(
             metrics = result.metrics or {}
             log_line(
                 f"train: {label} done (held-out agreement {metrics.get('heldout_acc', float('nan')):.3f}, "
-                f"{metrics.get('epochs_this_run', '?')} epoch(s) this run) -> {trainer.head_dir(cfg, kind, mixture) / 'final'}"
+                f"{metrics.get('epochs_this_run', '?')} epoch(s) this run) -> {head_checkpoint(cfg, kind, mixture)}"
             )
         else:
             failed.append(label)

@@ -14,10 +14,10 @@ from taps_ray.eval.metrics import PLAIN, summarize
 from taps_ray.eval.runner import eval_dtype, run_cell
 from taps_ray.eval.store import Cell, ResultsStore, atomic_write_parquet
 from taps_ray.models.target import load_target
-from taps_ray.spec.draft_vocab import draft_vocabulary
+from taps_ray.proposer_setup import load_heads, load_proposers
 from taps_ray.spec.generate import generate
-from taps_ray.spec.registry import build_proposer, load_heads
 from taps_ray.spec.verify import SamplingParams
+from taps_ray.workdir import results_dir
 
 NO_HEAD = "none"
 
@@ -40,7 +40,7 @@ def plan_cells(
 
 
 def results_store(config: StudyConfig) -> ResultsStore:
-    return ResultsStore(config.work_path("results"))
+    return ResultsStore(results_dir(config))
 
 
 def refresh_summary(config: StudyConfig, store: ResultsStore) -> None:
@@ -96,13 +96,11 @@ def cmd_generate(
     from taps_ray.data.chat import build_prompt_ids
 
     target = load_target(config.target, dtype=dtype)
-    heads = {} if proposer_name == PLAIN else load_heads(config, kind, target.dtype, _needed_heads(config, proposer_name))
-    vocab = draft_vocabulary(config, target.tokenizer, target.stop_token_ids)
-    proposer = build_proposer(proposer_name, target, heads, config.tree, vocab)
+    proposers = load_proposers(config, [PLAIN, proposer_name], target=target, kind=kind)
     prompt_ids = build_prompt_ids(target.tokenizer, [prompt], [], config.eval.system_prompt)
     params = SamplingParams(temperature=temperature)
     runs = {}
-    for name, candidate in (("plain", build_proposer(PLAIN, target, {}, config.tree)), (proposer_name, proposer)):
+    for name, candidate in proposers.items():
         start = time.perf_counter()
         generation = generate(target.model, candidate, [prompt_ids], params, max_new_tokens, target.stop_token_ids, [seed])[0]
         runs[name] = (generation, time.perf_counter() - start)
@@ -135,9 +133,3 @@ def cmd_generate(
         )
     return 0
 
-
-def _needed_heads(config: StudyConfig, proposer_name: str) -> list[str]:
-    """A single head needs only itself; combinations need the first two specialised heads (or all)."""
-    if proposer_name in config.train.mixtures:
-        return [proposer_name]
-    return list(config.train.mixtures)

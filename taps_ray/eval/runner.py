@@ -18,9 +18,8 @@ from taps_ray.data.sources import Question, load_questions
 from taps_ray.eval.store import Cell
 from taps_ray.models.draft_head import DraftHead
 from taps_ray.models.target import Target
+from taps_ray.proposer_setup import load_proposers
 from taps_ray.spec.generate import Generation, Verifier, run_loop
-from taps_ray.spec.draft_vocab import draft_vocabulary
-from taps_ray.spec.registry import build_proposer
 from taps_ray.spec.target_batch import TargetBatch
 from taps_ray.spec.verify import SamplingParams
 
@@ -53,8 +52,7 @@ def run_cell(
     """Returns (steps, questions) frames for the cell; `progress(n)` is called after each batch of n answers."""
     evaluation = config.eval
     questions = load_questions(cell.benchmark, config.resolved_data_dir(), limit=evaluation.benchmarks[cell.benchmark])
-    vocab = draft_vocabulary(config, target.tokenizer, target.stop_token_ids)
-    proposer = build_proposer(cell.proposer, target, heads, config.tree, vocab)
+    proposer = load_proposers(config, [cell.proposer], target=target, heads=heads)[cell.proposer]
     params = SamplingParams(temperature=cell.temperature)
     make_verifier = verifier_factory or (lambda: TargetBatch(target.model))
     answers: dict[object, list[str]] = {q.question_id: [] for q in questions}

@@ -19,6 +19,7 @@ from taps_ray.config import BENCHMARKS, StudyConfig
 from taps_ray.eval.diagnostics import accepted_vs_rejected, routing_fractions
 from taps_ray.eval.metrics import PLAIN, summarize
 from taps_ray.eval.store import ResultsStore
+from taps_ray.workdir import results_dir
 
 BENCH_LABELS = {"mt_bench": "MT-Bench", "gsm8k": "GSM8K", "math_500": "MATH-500", "svamp": "SVAMP"}
 KIND_LABELS = {"eagle2": "EAGLE-2", "hass": "HASS", "none": "none"}
@@ -153,7 +154,7 @@ def results_source(path: Path) -> ResultsStore | ReportCopy:
 
 
 def load_report_data(config: StudyConfig, store: ResultsStore | ReportCopy | None = None) -> ReportData:
-    store = store or ResultsStore(config.work_path("results"))
+    store = store or ResultsStore(results_dir(config))
     questions = store.questions()
     steps = store.steps()
     meta = store.meta()

@@ -23,8 +23,7 @@ which the decoding loop copies into `StepRecord.head`.
 from __future__ import annotations
 
 import math
-import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -33,7 +32,6 @@ import torch
 from taps_ray.config import TreeConfig
 from taps_ray.models.draft_head import DraftHead
 from taps_ray.spec.proposers import Proposer, SingleHead
-from taps_ray.spec.registry import COMBINATIONS
 from taps_ray.spec.tree import DraftContext, DraftTree, build_tree
 
 # --- checkpoint averaging (docs/algorithms.md#weight-averaging) ---------------------------------------------
@@ -63,37 +61,6 @@ def average_heads(a: DraftHead, b: DraftHead, w: float) -> DraftHead:
     head = DraftHead(a.config.model_copy(update={"trained_on": trained_on}))
     head.load_trainable(averaged)
     return head.to(device=device, dtype=dtype).eval()
-
-
-def averaged_name(w: float) -> str:
-    return "averaged" if w == 0.5 else f"averaged-w{w:g}"
-
-
-_AVERAGED = re.compile(r"^averaged-w(\d+(?:\.\d+)?)$")
-
-
-def parse_averaged(name: str) -> float | None:
-    """The weight of head A encoded in an `averaged-w{w}` name (`averaged` is 0.5), None for other names."""
-    if name == "averaged":
-        return 0.5
-    match = _AVERAGED.match(name)
-    return float(match.group(1)) if match else None
-
-
-def register_averaged(w: float) -> str:
-    """Register `averaged-w{w}` (w = weight of head A) and return its name; idempotent."""
-    if not (0.0 <= w <= 1.0):
-        raise ValueError(f"averaging weight w={w} must lie in [0, 1]")
-    name = averaged_name(w)
-
-    def build(heads: dict[str, DraftHead], context: DraftContext, tree: TreeConfig) -> Proposer:
-        (_, a), (_, b) = _first_two(heads, name)
-        if w in (0.0, 1.0):  # the average is exactly one of the heads: share its weights instead of copying
-            return SingleHead(name, a if w == 1.0 else b, context, tree)
-        return SingleHead(name, average_heads(a, b, w), context, tree)
-
-    COMBINATIONS.setdefault(name, build)
-    return name
 
 
 # --- per-step and per-sequence routing (docs/algorithms.md#taps-combinations) -------------------------------
@@ -412,7 +379,7 @@ def per_question_confidence_choice(
     return ranked[0]
 
 
-# --- registration -------------------------------------------------------------------------------------------
+# --- builders (named in spec/registry.py) ------------------------------------------------------------------
 
 
 def _first_two(heads: dict[str, DraftHead], name: str) -> list[tuple[str, DraftHead]]:
@@ -428,42 +395,34 @@ def _single_heads(pairs: Sequence[tuple[str, DraftHead]], context: DraftContext,
     return [SingleHead(name, head, context, tree) for name, head in pairs]
 
 
-def _register(name: str) -> Callable:
-    def decorator(builder: Callable) -> Callable:
-        COMBINATIONS[name] = builder
-        return builder
-
-    return decorator
-
-
-AVERAGED_SWEEP = (0.0, 0.25, 0.5, 0.75, 1.0)
-for _w in AVERAGED_SWEEP:
-    register_averaged(_w)
+def build_averaged(
+    heads: dict[str, DraftHead], context: DraftContext, tree: TreeConfig, w: float = 0.5, name: str = "averaged"
+) -> Proposer:
+    """`averaged-w{w}`: one head whose weights are w·A + (1−w)·B (w = weight of head A)."""
+    (_, a), (_, b) = _first_two(heads, name)
+    if w in (0.0, 1.0):  # the average is exactly one of the heads: share its weights instead of copying
+        return SingleHead(name, a if w == 1.0 else b, context, tree)
+    return SingleHead(name, average_heads(a, b, w), context, tree)
 
 
-@_register("confidence-routed")
-def _confidence_routed(heads: dict[str, DraftHead], context: DraftContext, tree: TreeConfig) -> Proposer:
+def build_confidence_routed(heads: dict[str, DraftHead], context: DraftContext, tree: TreeConfig) -> Proposer:
     return ConfidenceRouted(_single_heads(_first_two(heads, "confidence-routed"), context, tree))
 
 
-@_register("entropy-routed")
-def _entropy_routed(heads: dict[str, DraftHead], context: DraftContext, tree: TreeConfig) -> Proposer:
+def build_entropy_routed(heads: dict[str, DraftHead], context: DraftContext, tree: TreeConfig) -> Proposer:
     if not heads:
         raise ValueError("proposer 'entropy-routed' needs at least one head")
     return EntropyRouted(_single_heads(list(heads.items()), context, tree))
 
 
-@_register("merged")
-def _merged(heads: dict[str, DraftHead], context: DraftContext, tree: TreeConfig) -> Proposer:
+def build_merged(heads: dict[str, DraftHead], context: DraftContext, tree: TreeConfig) -> Proposer:
     return Merged(_single_heads(_first_two(heads, "merged"), context, tree), mode="concat", name="merged")
 
 
-@_register("merged-dedup")
-def _merged_dedup(heads: dict[str, DraftHead], context: DraftContext, tree: TreeConfig) -> Proposer:
+def build_merged_dedup(heads: dict[str, DraftHead], context: DraftContext, tree: TreeConfig) -> Proposer:
     return Merged(_single_heads(_first_two(heads, "merged-dedup"), context, tree), mode="dedup", name="merged-dedup")
 
 
-@_register("merged-budget")
-def _merged_budget(heads: dict[str, DraftHead], context: DraftContext, tree: TreeConfig) -> Proposer:
+def build_merged_budget(heads: dict[str, DraftHead], context: DraftContext, tree: TreeConfig) -> Proposer:
     parts = _single_heads(_first_two(heads, "merged-budget"), context, tree)
     return Merged(parts, mode="budget", budget=tree.total_token - 1, name="merged-budget")

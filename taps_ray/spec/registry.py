@@ -1,70 +1,101 @@
 """Proposers by name: what configs, the CLI, Ray actors and the Serve app all use to get a drafter.
 
-Names: `plain` (no drafting), any trained head by its mixture name (`math`, `chat`, `mixed`, ...), and the
-combinations of the first two specialised heads (`averaged`, `confidence-routed`, `entropy-routed`,
-`merged`, ... registered in `COMBINATIONS`).
+Names: `plain` (no drafting), any trained head by its mixture name (`math`, `chat`, `mixed`, ...), the
+combinations of the first two specialised heads in `COMBINATIONS`, and `averaged-w{w}` for any weight w of
+head A in [0, 1] (`averaged` is w = 0.5). The table is plain data: importing it registers nothing.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+import re
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
 from taps_ray.config import StudyConfig, TreeConfig
 from taps_ray.models.draft_head import DraftHead
 from taps_ray.models.target import Target
+from taps_ray.spec.combine import (
+    build_averaged,
+    build_confidence_routed,
+    build_entropy_routed,
+    build_merged,
+    build_merged_budget,
+    build_merged_dedup,
+)
 from taps_ray.spec.proposers import PlainDecoding, Proposer, SingleHead
 from taps_ray.spec.tree import DraftContext
 
-# name -> builder(heads in config order, context, tree) ; filled by taps_ray.spec.combine
-COMBINATIONS: dict[str, Callable[[dict[str, DraftHead], DraftContext, TreeConfig], Proposer]] = {}
+Builder = Callable[[dict[str, DraftHead], DraftContext, TreeConfig], Proposer]
+
+# name -> builder(heads in config order, context, tree); the averaged family is parsed, see `averaged_weight`
+COMBINATIONS: dict[str, Builder] = {
+    "confidence-routed": build_confidence_routed,
+    "entropy-routed": build_entropy_routed,
+    "merged": build_merged,
+    "merged-dedup": build_merged_dedup,
+    "merged-budget": build_merged_budget,
+}
+AVERAGED_SWEEP = (0.0, 0.25, 0.5, 0.75, 1.0)  # the averaged weights `proposer_names` lists (the study's sweep)
+_AVERAGED = re.compile(r"^averaged-w(.*)$")
 
 
 class UnknownProposer(ValueError):
     pass
 
 
-def head_dir(config: StudyConfig, kind: str, mixture: str) -> Path:
-    """Where the trainer leaves the final checkpoint of one head."""
-    return config.work_path("heads", f"{kind}-{mixture}", "final")
+def averaged_name(w: float) -> str:
+    return "averaged" if w == 0.5 else f"averaged-w{w:g}"
 
 
-def load_heads(config: StudyConfig, kind: str, dtype: torch.dtype, mixtures: list[str] | None = None) -> dict[str, DraftHead]:
-    """The trained heads of one kind, keyed by mixture name, in the order of `train.mixtures`."""
-    heads = {}
-    for mixture in mixtures or config.train.mixtures:
-        folder = head_dir(config, kind, mixture)
-        if not folder.is_dir():
-            raise FileNotFoundError(
-                f"no trained {kind} head for mixture {mixture!r} at {folder}; "
-                f"run `taps train --config <cfg> --kind {kind} --mixture {mixture}` (or the sweep) first"
-            )
-        heads[mixture] = DraftHead.load(folder, dtype=dtype).eval()
-    return heads
+def averaged_weight(name: str) -> float | None:
+    """The weight of head A in an `averaged-w{w}` name (`averaged` is 0.5), None for other names."""
+    if name == "averaged":
+        return 0.5
+    match = _AVERAGED.match(name)
+    if match is None:
+        return None
+    try:
+        w = float(match.group(1))
+    except ValueError:
+        w = math.nan
+    if not 0.0 <= w <= 1.0:  # also false for nan
+        raise UnknownProposer(
+            f"proposer {name!r}: the averaging weight after 'averaged-w' must be a number in [0, 1] "
+            "(the weight of head A), e.g. averaged-w0.3"
+        )
+    return w
+
+
+def combination(name: str) -> Builder | None:
+    """The builder of a combination name, or None when `name` is not one."""
+    w = averaged_weight(name)
+    if w is not None:
+        return functools.partial(build_averaged, w=w, name=name)
+    return COMBINATIONS.get(name)
+
+
+def combination_names() -> list[str]:
+    return [*map(averaged_name, AVERAGED_SWEEP), *COMBINATIONS]
 
 
 def proposer_names(config: StudyConfig) -> list[str]:
-    _load_combinations()
-    return ["plain", *config.train.mixtures, *COMBINATIONS]
+    return ["plain", *config.train.mixtures, *combination_names()]
 
 
 def build_proposer(
     name: str, target: Target, heads: dict[str, DraftHead], tree: TreeConfig, vocab: torch.Tensor | None = None
 ) -> Proposer:
-    """`vocab`: the reduced draft vocabulary (see draft_vocab.py), or None to draft over the full vocabulary."""
-    _load_combinations()
+    """`vocab`: the reduced draft vocabulary (taps_ray/data/draft_vocab.py), or None for the full vocabulary."""
     context = DraftContext(target.model.get_input_embeddings(), target.model.lm_head, vocab)
     if name == "plain":
         return PlainDecoding()
     if name in heads:
         return SingleHead(name, heads[name], context, tree)
-    if name in COMBINATIONS:
-        return COMBINATIONS[name](heads, context, tree)
-    known = ", ".join(["plain", *heads, *COMBINATIONS])
-    raise UnknownProposer(f"unknown proposer {name!r}; choose one of: {known}")
-
-
-def _load_combinations() -> None:
-    import taps_ray.spec.combine  # noqa: F401  (registers the combination proposers; imported late, it imports us)
+    builder = combination(name)
+    if builder is None:
+        known = ", ".join(["plain", *heads, *combination_names()])
+        raise UnknownProposer(f"unknown proposer {name!r}; choose one of: {known} (or averaged-w{{w}}, w in [0, 1])")
+    return builder(heads, context, tree)

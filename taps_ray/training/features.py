@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 from taps_ray.config import StudyConfig
 from taps_ray.eval.store import atomic_write_text
 from taps_ray.models.target import Target, load_target
+from taps_ray.workdir import features_dir
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ def features_key(cfg: StudyConfig, mixture_name: str) -> str:
 
 
 def features_folder(cfg: StudyConfig, mixture_name: str) -> Path:
-    return cfg.work_path("features", features_key(cfg, mixture_name))
+    return features_dir(cfg, features_key(cfg, mixture_name))
 
 
 @contextlib.contextmanager

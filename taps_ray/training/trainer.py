@@ -35,11 +35,12 @@ import torch
 from tqdm.auto import tqdm
 
 from taps_ray.config import StudyConfig
+from taps_ray.data.draft_vocab import draft_vocabulary
 from taps_ray.models.draft_head import DraftHead, new_head
 from taps_ray.models.target import Target, load_target
-from taps_ray.spec.draft_vocab import draft_vocabulary
 from taps_ray.training.features import Example, FeatureSet, exclusive_lock, extract_features
 from taps_ray.training.losses import Batch, FrozenTarget, LossSettings, run_passes
+from taps_ray.workdir import FINAL, head_dir
 
 log = logging.getLogger(__name__)
 
@@ -181,10 +182,6 @@ def evaluate(head: DraftHead, examples: Sequence[Example], frozen: FrozenTarget,
 
 # --- checkpoints -----------------------------------------------------------------------------------------------
 
-def head_dir(cfg: StudyConfig, kind: str, mixture_name: str) -> Path:
-    return cfg.work_path("heads", f"{kind}-{mixture_name}")
-
-
 def run_fingerprint(cfg: StudyConfig, kind: str, features: FeatureSet) -> str:
     data = {"kind": kind, "features": features.key, "train": cfg.train.model_dump(exclude={"kinds", "mixtures"}),
             "draft_vocab_size": cfg.tree.draft_vocab_size}
@@ -222,11 +219,11 @@ def save_epoch(folder: Path, epoch: int, head: DraftHead, optimizer, scheduler, 
 
 
 def write_final(folder: Path, epoch_dir: Path, state: dict) -> Path:
-    staging = _staging(folder, "final")
+    staging = _staging(folder, FINAL)
     for name in ("model.safetensors", "config.json"):
         shutil.copy2(epoch_dir / name, staging / name)
     (staging / METRICS_FILE).write_text(json.dumps(state, indent=2))
-    final = folder / "final"
+    final = folder / FINAL
     _replace_dir(staging, final)
     return final
 
@@ -243,7 +240,7 @@ def latest_checkpoint(folder: Path, fingerprint: str) -> tuple[Path, dict] | Non
     stale = [p for _, p, s in found if s.get("fingerprint") != fingerprint]
     if stale:
         log.warning("%s holds checkpoints of other settings; starting afresh", folder)
-        for path in [*stale, folder / "final"]:
+        for path in [*stale, folder / FINAL]:
             shutil.rmtree(path, ignore_errors=True)
     usable = sorted((e, p, s) for e, p, s in found if s.get("fingerprint") == fingerprint and (p / OPTIMIZER_FILE).is_file())
     if not usable:
@@ -312,7 +309,7 @@ def _train_head(cfg: StudyConfig, kind: str, mixture_name: str, report: Report |
         state = saved
         log.info("%s: resuming after epoch %d", folder.name, state["epoch"])
     if state["epoch"] >= plan.epochs:
-        final = folder / "final"
+        final = folder / FINAL
         if not (final / "model.safetensors").is_file() or json.loads((final / METRICS_FILE).read_text()).get(
                 "fingerprint") != fingerprint:
             final = write_final(folder, folder / f"epoch-{state['epoch']}", state)

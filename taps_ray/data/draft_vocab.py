@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from taps_ray.config import StudyConfig
 from taps_ray.data.sources import load_conversations
+from taps_ray.workdir import draft_vocab_file
 
 SAMPLE_PER_CORPUS = 4000
 
@@ -50,7 +51,7 @@ def draft_vocabulary(config: StudyConfig, tokenizer, stop_ids: list[int]) -> tor
     size = config.tree.draft_vocab_size
     if size is None or size >= len(tokenizer):
         return None
-    file = config.work_path("draft_vocab", f"{size}.safetensors")
+    file = draft_vocab_file(config, size)
     key = str(file.resolve())
     if key not in _LOADED:
         if not file.is_file():

@@ -1,0 +1,71 @@
+"""The layout of a study's work directory: every path a stage writes or reads under `work_dir`.
+
+    <work_dir>/data.json                         the data stage's corpus and mixture counts
+    <work_dir>/features/<mixture>-<key>/         target features of one training mixture
+    <work_dir>/heads/<kind>-<mixture>/           a head's training folder (epoch-N/ checkpoints, a lock)
+    <work_dir>/heads/<kind>-<mixture>/final/     the finished head, with its agreement-<key>.json caches
+    <work_dir>/draft_vocab/<size>.safetensors    the reduced draft vocabulary
+    <work_dir>/results/                          the evaluation's results store
+    <work_dir>/tune/                             Ray Tune's storage (unless `ray.storage_path` is set)
+    <work_dir>/sweep.json                        the last sweep's summary
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from taps_ray.config import StudyConfig
+
+FINAL = "final"  # the finished checkpoint inside a head's training folder
+
+
+def root(cfg: StudyConfig) -> Path:
+    return cfg.work_path()
+
+
+def data_summary(cfg: StudyConfig) -> Path:
+    return cfg.work_path("data.json")
+
+
+def features_root(cfg: StudyConfig) -> Path:
+    return cfg.work_path("features")
+
+
+def features_dir(cfg: StudyConfig, key: str) -> Path:
+    """`key`: the feature set's name and settings digest (`training.features.features_key`)."""
+    return features_root(cfg) / key
+
+
+def heads_root(cfg: StudyConfig) -> Path:
+    return cfg.work_path("heads")
+
+
+def head_dir(cfg: StudyConfig, kind: str, mixture: str) -> Path:
+    """The training folder of one head: its epoch checkpoints and, once finished, `final/`."""
+    return heads_root(cfg) / f"{kind}-{mixture}"
+
+
+def head_checkpoint(cfg: StudyConfig, kind: str, mixture: str) -> Path:
+    """The finished head that evaluation, serving and benchmarks load."""
+    return head_dir(cfg, kind, mixture) / FINAL
+
+
+def agreement_cache(checkpoint: Path, key: str) -> Path:
+    """A head's held-out agreement, remembered next to its weights under a key of what it was measured on."""
+    return checkpoint / f"agreement-{key}.json"
+
+
+def draft_vocab_file(cfg: StudyConfig, size: int) -> Path:
+    return cfg.work_path("draft_vocab", f"{size}.safetensors")
+
+
+def results_dir(cfg: StudyConfig) -> Path:
+    return cfg.work_path("results")
+
+
+def tune_dir(cfg: StudyConfig) -> Path:
+    return cfg.work_path("tune")
+
+
+def sweep_summary(cfg: StudyConfig) -> Path:
+    return cfg.work_path("sweep.json")
