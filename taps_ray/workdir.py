@@ -36,6 +36,15 @@ def features_dir(cfg: StudyConfig, key: str) -> Path:
     return features_root(cfg) / key
 
 
+def in_workdir(cfg: StudyConfig, path: str | Path) -> str:
+    """`path` relative to the work dir, as reports print it (no machine paths); other paths unchanged."""
+    path = Path(path)
+    try:
+        return str(path.resolve().relative_to(cfg.work_path().resolve()))
+    except ValueError:
+        return str(path)
+
+
 def heads_root(cfg: StudyConfig) -> Path:
     return cfg.work_path("heads")
 

@@ -18,7 +18,7 @@ from taps_ray.training import features as features_mod
 from taps_ray.report.heads import NOT_MEASURED, NOT_TRAINED, build_heads_report, rerender_heads_md
 from taps_ray.training import agreement as agreement_mod
 from taps_ray.training.agreement import (
-    agreement_cache, evaluate_agreement, measure_agreement, trained_heads, unmeasured_heads,
+    agreement_file, evaluate_agreement, measure_agreement, trained_heads, unmeasured_heads,
 )
 from taps_ray.training.features import extract_features, features_folder, read_shard
 from taps_ray.training.losses import causal_mask
@@ -257,7 +257,7 @@ def test_agreement_and_heads_report(base, tmp_path, monkeypatch):
 
     monkeypatch.setattr(agreement_mod, "evaluate_agreement", boom)
     assert measure_agreement(cfg, target) == measured  # remembered, not evaluated again
-    agreement_cache(cfg, heads["hass-chat"]).unlink()  # a head measured before its data changed, say
+    agreement_file(cfg, heads["hass-chat"]).unlink()  # a head measured before its data changed, say
     before = _files(tmp_path / "work")
     text = build_heads_report(cfg, reports).read_text()
     assert _files(tmp_path / "work") == before

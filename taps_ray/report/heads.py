@@ -16,6 +16,7 @@ from taps_ray.eval.store import atomic_write_text
 from taps_ray.training.agreement import DEFAULT_DOMAINS, head_finals, read_agreement
 from taps_ray.training.features import MANIFEST, features_folder
 from taps_ray.training.trainer import load_final_metrics
+from taps_ray.workdir import in_workdir
 
 NOT_TRAINED = "not trained"
 NOT_MEASURED = "not measured"
@@ -29,7 +30,7 @@ def heads_summary(cfg: StudyConfig, domains: Sequence[str] = DEFAULT_DOMAINS) ->
     for kind, mixture, final in head_finals(cfg):
         trained = (final / "model.safetensors").is_file()
         state = {k: v for k, v in load_final_metrics(final).items() if k != "feature_stats"} if trained else {}
-        heads.append({"kind": kind, "mixture": mixture, "path": str(final.relative_to(cfg.work_path())),
+        heads.append({"kind": kind, "mixture": mixture, "path": in_workdir(cfg, final),
                       "state": state or None, "agreement": read_agreement(cfg, final, domains) if trained else None})
     machines = sorted({h["state"]["machine"] for h in heads if h["state"] and h["state"].get("machine")})
     return {

@@ -27,7 +27,7 @@ from taps_ray.models.target import Target, load_target
 from taps_ray.training.features import extract_features, features_key
 from taps_ray.training.losses import FrozenTarget, LossSettings
 from taps_ray.training.trainer import configure_threads, evaluate, split_examples
-from taps_ray.workdir import agreement_cache
+from taps_ray.workdir import agreement_cache, head_checkpoint, in_workdir
 
 DEFAULT_DOMAINS = ("math", "chat")
 
@@ -51,7 +51,7 @@ def evaluate_agreement(cfg: StudyConfig, head_path: str | Path, corpus_mixture: 
     frozen = FrozenTarget.from_model(target.model, torch.float32, vocab)
     settings = LossSettings.for_kind("eagle2", cfg.train)
     n_passes = passes if passes is not None else max(1, cfg.train.hca_passes)
-    out: dict = {"head": str(head_path), "kind": head.config.kind, "trained_on": head.config.trained_on}
+    out: dict = {"head": in_workdir(cfg, head_path), "kind": head.config.kind, "trained_on": head.config.trained_on}
     for name in domains:
         held = heldout_examples(cfg, name, target, progress)
         result = evaluate(head, held, frozen, settings, cfg.train.eval_batch_size, passes=n_passes)
@@ -65,12 +65,11 @@ def evaluate_agreement(cfg: StudyConfig, head_path: str | Path, corpus_mixture: 
     return out
 
 
-def cached_agreement(cfg: StudyConfig, head_path: str | Path, domains: Sequence[str] = DEFAULT_DOMAINS, *,
-                     target: Target | None = None) -> dict:
-    """evaluate_agreement, remembered in the head's folder (``agreement-<key>.json``).
+def agreement_file(cfg: StudyConfig, head_path: str | Path, domains: Sequence[str] = DEFAULT_DOMAINS) -> Path:
+    """Where the head's held-out agreement is remembered: ``<head>/agreement-<key>.json``.
 
     The key covers the head's weights, the held-out feature sets, the held-out rule and the number of passes, so a
-    retrained head or changed data is evaluated afresh; a report rerun over finished heads costs nothing.
+    retrained head or changed data is evaluated afresh.
     """
     head_path = Path(head_path)
     spec = {
@@ -82,9 +81,53 @@ def cached_agreement(cfg: StudyConfig, head_path: str | Path, domains: Sequence[
         "draft_vocab_size": cfg.tree.draft_vocab_size,
     }
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
-    cache = agreement_cache(head_path, key)
-    if cache.is_file():
-        return json.loads(cache.read_text())
+    return agreement_cache(head_path, key)
+
+
+def read_agreement(cfg: StudyConfig, head_path: str | Path, domains: Sequence[str] = DEFAULT_DOMAINS) -> dict | None:
+    """The remembered agreement of the head, or None when it was not measured for today's head and data."""
+    cache = agreement_file(cfg, head_path, domains)
+    return json.loads(cache.read_text()) if cache.is_file() else None
+
+
+def cached_agreement(cfg: StudyConfig, head_path: str | Path, domains: Sequence[str] = DEFAULT_DOMAINS, *,
+                     target: Target | None = None) -> dict:
+    """evaluate_agreement, remembered in the head's folder (`agreement_cache`): a rerun costs nothing."""
+    remembered = read_agreement(cfg, head_path, domains)
+    if remembered is not None:
+        return remembered
     result = evaluate_agreement(cfg, head_path, list(domains), target=target)
-    atomic_write_text(cache, json.dumps(result, indent=2))
+    atomic_write_text(agreement_file(cfg, head_path, domains), json.dumps(result, indent=2))
     return result
+
+
+def head_finals(cfg: StudyConfig) -> list[tuple[str, str, Path]]:
+    """(kind, mixture, final checkpoint folder) of every head of train.mixtures × train.kinds, trained or not."""
+    return [(kind, mixture, head_checkpoint(cfg, kind, mixture))
+            for mixture in cfg.train.mixtures for kind in cfg.train.kinds]
+
+
+def trained_heads(cfg: StudyConfig) -> dict[str, Path]:
+    """{"<kind>-<mixture>": final checkpoint folder} of the heads that have one."""
+    return {f"{kind}-{mixture}": final for kind, mixture, final in head_finals(cfg)
+            if (final / "model.safetensors").is_file()}
+
+
+def unmeasured_heads(cfg: StudyConfig, domains: Sequence[str] = DEFAULT_DOMAINS) -> list[str]:
+    """The trained heads whose held-out agreement is not remembered yet."""
+    return [label for label, path in trained_heads(cfg).items() if read_agreement(cfg, path, domains) is None]
+
+
+def measure_agreement(cfg: StudyConfig, target: Target | None = None,
+                      domains: Sequence[str] = DEFAULT_DOMAINS) -> dict[str, dict[str, float | None]]:
+    """Measure (or reuse) the held-out agreement of every trained head, so that the heads report only reads it.
+
+    Run after training (the sweep's train stage, `taps agreement`); returns {head: {domain: depth-1 agreement}}.
+    """
+    out = {}
+    for label, path in trained_heads(cfg).items():
+        if target is None and read_agreement(cfg, path, domains) is None:
+            target = load_target(cfg.target)
+        agreement = cached_agreement(cfg, path, domains, target=target)
+        out[label] = {d: agreement[d]["acc"] for d in domains}
+    return out
