@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from taps_ray.spec.target_batch import Committed, TargetBatch
+from taps_ray.spec.target_batch import Committed, TargetBatch, pad_width
 from taps_ray.spec.tree import DraftTree
 from taps_ray.spec.verify import SamplingParams
 
@@ -50,14 +50,6 @@ class SessionLost(RuntimeError):
 # --- TargetBatch state surgery: merge two batches, keep a subset of rows ----------------------------------------
 
 
-def _pad_width(tensor: torch.Tensor, width: int) -> torch.Tensor:
-    missing = width - tensor.shape[2]
-    if missing <= 0:
-        return tensor
-    pad = tensor.new_zeros(tensor.shape[0], tensor.shape[1], missing, tensor.shape[3])
-    return torch.cat([tensor, pad], dim=2)
-
-
 def merge_batches(into: TargetBatch, other: TargetBatch) -> None:
     """Append `other`'s sequences after `into`'s. Both must share the model and the sampling parameters.
 
@@ -66,12 +58,7 @@ def merge_batches(into: TargetBatch, other: TargetBatch) -> None:
     """
     if into.params != other.params:
         raise ValueError("only batches with the same sampling parameters can share a forward")
-    width = max(into.cache.get_seq_length(), other.cache.get_seq_length())
-    for mine, theirs in zip(into.cache.layers, other.cache.layers, strict=True):
-        mine.keys = torch.cat([_pad_width(mine.keys, width), _pad_width(theirs.keys, width)], dim=0)
-        mine.values = torch.cat([_pad_width(mine.values, width), _pad_width(theirs.values, width)], dim=0)
-    into.lengths = torch.cat([into.lengths, other.lengths])
-    into.generators = [*into.generators, *other.generators]
+    into.merge(other)
 
 
 def take_rows(batch: TargetBatch, rows: list[int]) -> TargetBatch:
@@ -83,6 +70,7 @@ def take_rows(batch: TargetBatch, rows: list[int]) -> TargetBatch:
     width = int(lengths.max())
     sub = TargetBatch(batch.model, drop_finished=False)
     sub.params = batch.params
+    sub.row_params = [batch.row_params[i] for i in rows]
     sub.cache = DynamicCache(ddp_cache_data=[(l.keys[index, :, :width], l.values[index, :, :width]) for l in batch.cache.layers])
     sub.lengths = lengths.clone()
     sub.generators = [batch.generators[i] for i in rows]
@@ -98,7 +86,7 @@ def put_rows(batch: TargetBatch, rows: list[int], sub: TargetBatch) -> None:
     sub_width = sub.cache.get_seq_length()
     for mine, theirs in zip(batch.cache.layers, sub.cache.layers, strict=True):
         for name in ("keys", "values"):
-            full = _pad_width(getattr(mine, name), width)  # the width only grows: rows only gain tokens
+            full = pad_width(getattr(mine, name), width)  # the width only grows: rows only gain tokens
             full[index, :, :sub_width] = getattr(theirs, name)
             setattr(mine, name, full)
     batch.lengths = lengths

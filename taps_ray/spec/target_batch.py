@@ -27,6 +27,15 @@ class Committed:
     features: torch.Tensor  # [m, d] target features of the newly committed positions
     next_tokens: torch.Tensor  # [m] the token after each of those positions; the last is the next root
     verdict: Verdict | None = None
+    logits: torch.Tensor | None = None  # with `keep_logits`: the target's logits this step computed (a view, no copy)
+
+    def target_logprobs(self) -> torch.Tensor:
+        """[len(tokens), V] log-probabilities of the target's raw distribution at each committed token; computed
+        only when asked (the batch must keep logits)."""
+        if self.logits is None:
+            raise ValueError("this batch did not keep the target's logits (TargetBatch(keep_logits=True))")
+        rows = self.verdict.nodes if self.verdict is not None else [0]
+        return torch.log_softmax(self.logits[rows].float(), dim=-1)
 
 
 @dataclass
@@ -37,30 +46,52 @@ class TreeOutput:
     hidden: torch.Tensor  # [T, d], post-norm features
 
 
+def pad_width(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    """Zero-pad a [B, H, S, D] cache tensor to S = width (slots past a sequence's length are never attended)."""
+    missing = width - tensor.shape[2]
+    if missing <= 0:
+        return tensor
+    return torch.nn.functional.pad(tensor, (0, 0, 0, missing))
+
+
 class TargetBatch:
     """`drop_finished`: a None tree means the sequence is done for good, and its row leaves the cache (the
-    caller keeps indexing sequences as at `start`). The Ray pool, where None only sits a step out, turns it off."""
+    caller keeps indexing sequences as at `start`). The Ray pool, where None only sits a step out, turns it off.
 
-    def __init__(self, model: PreTrainedModel, drop_finished: bool = True) -> None:
+    Sampling parameters are per row (`row_params`), so requests with different parameters share one forward;
+    `params` is what `start` was given for the whole batch (the pool groups batches by it). `keep_logits`: every
+    `Committed` carries a view of the target's logits, for callers that report log-probabilities."""
+
+    def __init__(self, model: PreTrainedModel, drop_finished: bool = True, keep_logits: bool = False) -> None:
         self.model = model
         self.drop_finished = drop_finished
+        self.keep_logits = keep_logits
         self.cache = DynamicCache()
         self.lengths = torch.zeros(0, dtype=torch.long)
         self.params = SamplingParams()
+        self.row_params: list[SamplingParams] = []
         self.generators: list[torch.Generator] = []
         self.live: list[int] = []  # with drop_finished: the sequence (as numbered at `start`) in each cache row
         self.timings = {"forward": 0.0, "accept": 0.0, "commit": 0.0}  # seconds, summed over steps (profiling)
 
-    def start(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Committed]:
-        """Prefill and pick each sequence's first token; sequence b samples with its own seeded generator."""
-        self.params = params
+    def start(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], seeds: list[int]
+    ) -> list[Committed]:
+        """Prefill and pick each sequence's first token; sequence b samples with its own seeded generator and
+        its own parameters (one `SamplingParams` for all, or one per prompt)."""
+        row_params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(row_params) != len(prompts):
+            raise ValueError(f"got {len(row_params)} sampling parameters for {len(prompts)} prompts")
+        self.params = row_params[0] if isinstance(params, list) and row_params else params
+        self.row_params = row_params
         self.generators = [torch.Generator().manual_seed(seed) for seed in seeds]
         outputs = self.prefill(prompts)
         self.live = list(range(len(prompts)))
         started = []
-        for prompt, out, generator in zip(prompts, outputs, self.generators):
-            root = sample_root(out.logits[-1], params, generator)
-            started.append(Committed([root], out.hidden, torch.tensor(prompt[1:] + [root])))
+        for prompt, out, row, generator in zip(prompts, outputs, row_params, self.generators, strict=True):
+            root = sample_root(out.logits[-1], row, generator)
+            logits = out.logits if self.keep_logits else None
+            started.append(Committed([root], out.hidden, torch.tensor(prompt[1:] + [root]), logits=logits))
         return started
 
     def step(self, trees: list[DraftTree | None]) -> list[Committed | None]:
@@ -89,6 +120,7 @@ class TargetBatch:
             layer.values = layer.values[index, :, :width].contiguous()
         self.lengths = lengths
         self.generators = [self.generators[i] for i in keep]
+        self.row_params = [self.row_params[i] for i in keep]
         if self.drop_finished:
             self.live = [self.live[i] for i in keep]
 
@@ -97,8 +129,8 @@ class TargetBatch:
         outputs = self.verify(trees)
         t1 = time.perf_counter()
         verdicts = [
-            None if tree is None else accept(tree, out.logits, self.params, generator)
-            for tree, out, generator in zip(trees, outputs, self.generators)
+            None if tree is None else accept(tree, out.logits, params, generator)
+            for tree, out, params, generator in zip(trees, outputs, self.row_params, self.generators, strict=True)
         ]
         t2 = time.perf_counter()
         self.commit([v.nodes if v is not None else [] for v in verdicts])
@@ -113,9 +145,32 @@ class TargetBatch:
                 features=out.hidden[verdict.nodes],
                 next_tokens=torch.tensor(verdict.tokens[1:] + [verdict.bonus]),
                 verdict=verdict,
+                logits=out.logits if self.keep_logits else None,
             )
             for verdict, out in zip(verdicts, outputs)
         ]
+
+    def merge(self, other: TargetBatch) -> None:
+        """Append `other`'s sequences (rows) after this batch's: a request joins a running batch between steps.
+
+        Slots beyond a sequence's length are never attended (the context is masked by `lengths`), so zero-padding
+        the narrower cache keeps the invariant "cache width = longest sequence" and every value. Rows keep their
+        own sampling parameters and generators. Both batches must index rows directly (`drop_finished` off).
+        """
+        if self.drop_finished or other.drop_finished:
+            raise ValueError("merge needs batches that index rows directly (drop_finished=False)")
+        if self.model is not other.model:
+            raise ValueError("only batches of the same model can share a forward")
+        width = max(self.cache.get_seq_length(), other.cache.get_seq_length())
+        if self.batch_size == 0:
+            self.cache = other.cache
+        else:
+            for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
+                mine.keys = torch.cat([pad_width(mine.keys, width), pad_width(theirs.keys, width)], dim=0)
+                mine.values = torch.cat([pad_width(mine.values, width), pad_width(theirs.values, width)], dim=0)
+        self.lengths = torch.cat([self.lengths, other.lengths])
+        self.generators = [*self.generators, *other.generators]
+        self.row_params = [*self.row_params, *other.row_params]
 
     @property
     def batch_size(self) -> int:
