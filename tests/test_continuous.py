@@ -75,7 +75,7 @@ def test_requests_joining_mid_batch_decode_exactly_with_mixed_proposers(setup):
     for i in (0, 2, 3):  # the oracle's drafts were accepted inside the shared batch
         assert max(s.accepted for s in results[i].generation.steps) == 4
     assert all(s.tree_size == 1 for s in results[1].generation.steps)
-    assert results[2].max_batch == 3 and results[3].max_batch >= 2
+    assert results[2].max_batch == 3 and results[3].max_batch >= 2 and results[0].max_batch == 3
 
 
 def test_draft_below_decides_per_step_from_the_live_batch(setup):
@@ -166,3 +166,15 @@ def test_cancelled_and_failed_requests_end_cleanly(setup):
     batcher.submit(_request(results, "late", prompts[2], PlainDecoding(), 10))
     batcher.fail_all("shutting down")
     assert results["late"].error == "RuntimeError: shutting down" and not batcher.busy
+
+
+def test_a_request_done_at_its_first_token_never_reaches_a_verification_step(setup):
+    model, _, prompts = setup
+    batcher = ContinuousBatcher(model, stop_ids=[], max_batch_size=2)
+    results: dict = {}
+    batcher.submit(_request(results, "one", prompts[0], PlainDecoding(), 1))
+    batcher.submit(_request(results, "more", prompts[1], PlainDecoding(), 3))
+    _drain(batcher)
+    assert results["one"].generation.tokens == _hf_greedy(model, prompts[0], 1)
+    assert results["one"].generation.steps == [] and len(results["more"].generation.steps) == 2
+    assert results["more"].max_batch == 1  # the finished request left before the first step

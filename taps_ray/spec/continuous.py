@@ -51,7 +51,7 @@ class TokenLogprob:
 class Result:
     generation: Generation
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    max_batch: int = 0  # the most sequences that shared one of this request's verification forwards
+    max_batch: int = 0  # the most sequences that shared one of this request's verification steps
     error: str | None = None
 
 
@@ -139,6 +139,7 @@ class ContinuousBatcher:
                 seq.generation.finished_by = "cancelled"
         self._drop_finished()
         self._admit()
+        self._drop_finished()  # a request can finish with its first token
         if not self._running:
             return
         try:
@@ -180,9 +181,8 @@ class ContinuousBatcher:
             logger.exception("prefilling %d requests failed", len(fresh))
             self._fail(fresh, error)
             return
-        size = len(self._running) + len(fresh)
         for seq, committed in zip(fresh, started, strict=True):
-            seq.generation.prefill_s, seq.admitted, seq.max_batch = prefill_s, t0, size
+            seq.generation.prefill_s, seq.admitted = prefill_s, t0
             seq.state = seq.request.proposer.init_state()
             self._commit(seq, committed)
         if self._batch is None:
