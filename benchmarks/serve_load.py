@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         f"models: {', '.join(models)} (round robin); {args.clients} clients; {args.duration:.0f} s or {args.max_requests} "
         f"requests; chat, T=0, max_tokens={args.max_tokens}",
         (f"serve: {cfg.serve.num_replicas} replica(s) × {cfg.serve.replica_num_cpus} CPU, max_batch_size="
-         f"{cfg.serve.max_batch_size}, batch_wait_timeout_s={cfg.serve.batch_wait_timeout_s}, draft_below="
+         f"{cfg.serve.max_batch_size} (continuous batching), draft_below="
          f"{cfg.serve.draft_below or 'off (always draft)'}" if cfg else "serve: as running"),
         f"machine: {os.cpu_count()} CPU cores, no GPU, load average {os.getloadavg()[0]:.1f} at the end of the run "
         f"(other jobs share the cores); {time.strftime('%Y-%m-%d')}",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -192,7 +192,6 @@ class ServeConfig(_Strict):
     port: int = Field(8000, gt=0, lt=65536)
     num_replicas: int = Field(1, gt=0)
     max_batch_size: int = Field(4, gt=0)
-    batch_wait_timeout_s: float = Field(0.01, ge=0)
     max_prompt_tokens: int = Field(1024, gt=0)
     max_tokens_limit: int = Field(512, gt=0)
     default_max_tokens: int = Field(128, gt=0, description="max_tokens of a request that sets none (capped by max_tokens_limit)")
@@ -203,6 +202,13 @@ class ServeConfig(_Strict):
         None, gt=0, description="draft only while fewer requests than this decode in one batch; larger batches decode "
         "plainly (lossless either way). None: always draft. Speculation pays while the target's forward is "
         "memory-bound: small batches on a GPU; on a CPU only batch 1 (`benchmarks/serve_load.py` measures it)")
+    max_queued_requests: int = Field(
+        64, gt=0, description="requests one replica holds waiting to join the running batch; beyond it: 503 + Retry-After")
+    stall_timeout_s: float = Field(
+        300.0, gt=0, description="check_health fails when the decode loop has work but finished no step for this long")
+    autoscaling_config: dict[str, Any] | None = Field(
+        None, description="Ray Serve autoscaling_config of the deployment (min_replicas, max_replicas, "
+        "target_ongoing_requests, ...); replaces num_replicas when set")
 
 
 class StudyConfig(_Strict):

@@ -1,4 +1,5 @@
-"""The Ray Serve app over HTTP on loopback: endpoints, greedy equality with HF, SSE, batching, 4xx, fuzzing.
+"""The Ray Serve app over HTTP on loopback: endpoints, greedy equality with HF, SSE, continuous batching, OpenAI
+compatibility, 4xx and 503, fuzzing.
 
 One Serve instance for the module (tiny random target, random eagle2 heads for math and chat), on the
 session's Ray cluster; `serve.shutdown()` at the end of the module, never `ray.shutdown()`.
@@ -43,7 +44,6 @@ def _free_port() -> int:
 def _serve_config(tiny_config, work: Path, **serve_update):
     update = dict(
         max_batch_size=4,
-        batch_wait_timeout_s=0.1,
         max_prompt_tokens=MAX_PROMPT_TOKENS,
         max_tokens_limit=MAX_TOKENS_LIMIT,
         default_max_tokens=16,
@@ -178,15 +178,20 @@ def test_streaming_chunks_concatenate_to_the_same_text(service, client):
     messages = [{"role": "user", "content": "Write a short poem about the sea."}]
     for model in ("plain", *_spec_models(service)[:1]):
         full = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=24)
-        stream = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=24, stream=True)
+        stream = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=24, stream=True,
+                                                stream_options={"include_usage": True})
         chunks = list(stream)
         pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
         assert "".join(pieces) == full.choices[0].message.content
         assert len(pieces) >= 2, "expected one chunk per verification step"
         assert chunks[0].choices[0].delta.role == "assistant"
-        assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
-        assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
-        assert chunks[-1].model_extra["speculative"]["steps"] == full.model_extra["speculative"]["steps"]
+        assert chunks[-2].choices[0].finish_reason == full.choices[0].finish_reason
+        assert chunks[-2].model_extra["speculative"]["steps"] == full.model_extra["speculative"]["steps"]
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+        assert all(c.usage is None for c in chunks[:-1])
+        plain = list(client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=24,
+                                                    stream=True))
+        assert plain[-1].choices[0].finish_reason and all(c.usage is None for c in plain)  # no usage unless asked
 
 
 def test_raw_sse_and_stop_strings(service):
@@ -203,7 +208,22 @@ def test_raw_sse_and_stop_strings(service):
     assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
     events = [json.loads(line[6:]) for line in lines[:-1]]
     assert "".join(e["choices"][0]["text"] for e in events) == cut["text"]
-    assert events[-1]["choices"][0]["finish_reason"] == "stop" and "usage" in events[-1]
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_stop_strings_end_decoding_and_usage_counts_what_was_returned(service, tiny_target):
+    tok, stop_ids = tiny_target.tokenizer, tiny_target.stop_token_ids
+    prompt = tok.encode("Hello")
+    tokens = _hf_greedy(tiny_target, prompt, 24)
+    full = _text(tok, tokens, stop_ids)
+    stop = full[6:8]
+    needed = next(k for k in range(1, len(tokens) + 1) if stop in _text(tok, tokens[:k], stop_ids))
+    body = {"model": "plain", "prompt": "Hello", "temperature": 0, "max_tokens": 24, "stop": stop}
+    response = httpx.post(f"{service.url}/v1/completions", json=body, timeout=TIMEOUT).json()
+    assert response["choices"][0]["text"] == full[: full.find(stop)]
+    assert response["usage"]["completion_tokens"] == needed < len(tokens)
+    steps = response["speculative"]["steps"]
+    assert steps == needed - 1  # plain: one token per step after the prefill's; decoding stopped at the stop string
 
 
 def test_sampling_is_reproducible_with_a_seed(service, client):
@@ -222,10 +242,10 @@ def test_extreme_but_valid_sampling_values_work(service):
 
 
 def test_concurrent_requests_share_batched_verification(service, tiny_target):
-    """Same model + sampling params: one generate() over several prompts; each output still equals HF greedy."""
+    """Requests join the running batch; each output still equals HF greedy, whoever shares its steps."""
     model = "routed" if "routed" in service.health["models"] else "math"
     questions = ["What is 2+2?", "Name a color.", "Who wrote Hamlet?", "Count to five.", "Say hi.", "What is pi?"]
-    limits = [8, 16, 24, 12, 20, 10]  # different max_tokens share a group; each output is cut at its own
+    limits = [8, 16, 24, 12, 20, 10]  # sequences leave the batch at their own limits
 
     def ask(i: int) -> dict:
         body = {"model": model, "messages": [{"role": "user", "content": questions[i]}], "temperature": 0,
@@ -247,21 +267,27 @@ def test_concurrent_requests_share_batched_verification(service, tiny_target):
         assert paused == (result["speculative"]["batch_size"] >= service.cfg.serve.draft_below), result["speculative"]
 
 
-def test_concurrent_different_models_are_grouped_apart(service, tiny_target):
+def test_different_models_share_the_forward_while_requests_join_mid_batch(service, tiny_target):
+    """plain, single, routed and merged heads in one running batch; late requests join it; T=0 equals greedy."""
     question = "What is the boiling point of water?"
-    expected = _expected_chat(tiny_target, question, 12)
-    models = ["plain", "math", "plain", "math"]
+    expected = {n: _expected_chat(tiny_target, question, n) for n in (12, 28)}
+    models = ["plain", *_spec_models(service)]
+    long = {"model": models[-1], "messages": [{"role": "user", "content": question}], "temperature": 0, "max_tokens": 28}
 
-    def ask(model: str) -> dict:
+    def ask(model: str, delay: float) -> dict:
+        time.sleep(delay)
         body = {"model": model, "messages": [{"role": "user", "content": question}], "temperature": 0, "max_tokens": 12}
         return httpx.post(f"{service.url}/v1/chat/completions", json=body, timeout=TIMEOUT).json()
 
-    with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(ask, models))
+    with ThreadPoolExecutor(len(models) + 1) as pool:
+        first = pool.submit(lambda: httpx.post(f"{service.url}/v1/chat/completions", json=long, timeout=TIMEOUT).json())
+        results = list(pool.map(ask, models, [0.3 + 0.2 * i for i in range(len(models))]))
+        first = first.result()
+    assert first["choices"][0]["message"]["content"] == expected[28]
     for model, result in zip(models, results):
-        assert result["choices"][0]["message"]["content"] == expected
-        assert result["speculative"]["proposer"] == model
-        assert result["speculative"]["batch_size"] <= 2  # never batched with the other model
+        assert result["choices"][0]["message"]["content"] == expected[12], model
+        assert result["speculative"]["proposer"] == {"routed": "confidence-routed"}.get(model, model)
+    assert first["speculative"]["batch_size"] >= 2, "later requests did not join the running batch"
 
 
 # --- bad input: always 4xx, with what is wrong and how to fix it ----------------------------------------------
@@ -271,31 +297,43 @@ COMPLETIONS = "/v1/completions"
 HI = [{"role": "user", "content": "Hi"}]
 BAD_INPUTS = [
     ("malformed json", CHAT, '{"model": "plain", "messages": [', 400, "not valid JSON"),
-    ("body not an object", CHAT, "[1, 2]", 422, "must be a JSON object"),
-    ("empty body", COMPLETIONS, "", 422, None),
-    ("no messages", CHAT, {"model": "plain", "messages": []}, 422, "messages"),
-    ("empty messages", CHAT, {"model": "plain", "messages": [{"role": "user", "content": "  "}]}, 422, "every message is empty"),
-    ("empty prompt", COMPLETIONS, {"model": "plain", "prompt": ""}, 422, "prompt: is empty"),
+    ("body not an object", CHAT, "[1, 2]", 400, "must be a JSON object"),
+    ("empty body", COMPLETIONS, "", 400, None),
+    ("no messages", CHAT, {"model": "plain", "messages": []}, 400, "messages"),
+    ("empty messages", CHAT, {"model": "plain", "messages": [{"role": "user", "content": "  "}]}, 400, "every message is empty"),
+    ("empty prompt", COMPLETIONS, {"model": "plain", "prompt": ""}, 400, "prompt: is empty"),
     ("over-long prompt", COMPLETIONS, {"model": "plain", "prompt": "word " * 400}, 400, "max_prompt_tokens"),
     ("over-long chat", CHAT, {"model": "plain", "messages": [{"role": "user", "content": "word " * 400}]}, 400, "at most 96"),
-    ("negative temperature", CHAT, {"model": "plain", "messages": HI, "temperature": -0.1}, 422, "temperature"),
-    ("temperature above 2", CHAT, {"model": "plain", "messages": HI, "temperature": 2.5}, 422, "from 0 (greedy) to 2"),
-    ("top_p zero", CHAT, {"model": "plain", "messages": HI, "top_p": 0}, 422, "top_p"),
-    ("top_p above 1", COMPLETIONS, {"model": "plain", "prompt": "a", "top_p": 1.5}, 422, "(0, 1]"),
-    ("max_tokens zero", CHAT, {"model": "plain", "messages": HI, "max_tokens": 0}, 422, "max_tokens"),
-    ("max_tokens too large", CHAT, {"model": "plain", "messages": HI, "max_tokens": MAX_TOKENS_LIMIT + 1}, 422,
+    ("negative temperature", CHAT, {"model": "plain", "messages": HI, "temperature": -0.1}, 400, "temperature"),
+    ("temperature above 2", CHAT, {"model": "plain", "messages": HI, "temperature": 2.5}, 400, "from 0 (greedy) to 2"),
+    ("top_p zero", CHAT, {"model": "plain", "messages": HI, "top_p": 0}, 400, "top_p"),
+    ("top_p above 1", COMPLETIONS, {"model": "plain", "prompt": "a", "top_p": 1.5}, 400, "(0, 1]"),
+    ("max_tokens zero", CHAT, {"model": "plain", "messages": HI, "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens too large", CHAT, {"model": "plain", "messages": HI, "max_tokens": MAX_TOKENS_LIMIT + 1}, 400,
      f"1..{MAX_TOKENS_LIMIT}"),
     ("unknown model", CHAT, {"model": "gpt-4", "messages": HI}, 404, "choose one of: plain"),
-    ("missing model", COMPLETIONS, {"prompt": "a"}, 422, "model: required field is missing"),
-    ("temperature wrong type", CHAT, {"model": "plain", "messages": HI, "temperature": "hot"}, 422, "temperature"),
-    ("messages wrong type", CHAT, {"model": "plain", "messages": "hi"}, 422, "messages"),
-    ("bad role", CHAT, {"model": "plain", "messages": [{"role": "robot", "content": "x"}]}, 422, "role"),
-    ("unknown field", CHAT, {"model": "plain", "messages": HI, "temprature": 0}, 422, "temprature: unknown field"),
-    ("n > 1", CHAT, {"model": "plain", "messages": HI, "n": 2}, 422, "only n=1"),
-    ("token id out of vocab", COMPLETIONS, {"model": "plain", "prompt": [1, 10**9]}, 422, "outside the vocabulary"),
-    ("negative token id", COMPLETIONS, {"model": "plain", "prompt": [-1]}, 422, "outside the vocabulary"),
-    ("too many stops", COMPLETIONS, {"model": "plain", "prompt": "a", "stop": list("abcde")}, 422, "at most 4"),
-    ("seed negative", CHAT, {"model": "plain", "messages": HI, "seed": -1}, 422, "seed"),
+    ("missing model", COMPLETIONS, {"prompt": "a"}, 400, "model: required field is missing"),
+    ("temperature wrong type", CHAT, {"model": "plain", "messages": HI, "temperature": "hot"}, 400, "temperature"),
+    ("messages wrong type", CHAT, {"model": "plain", "messages": "hi"}, 400, "messages"),
+    ("bad role", CHAT, {"model": "plain", "messages": [{"role": "robot", "content": "x"}]}, 400, "role"),
+    ("penalty", CHAT, {"model": "plain", "messages": HI, "frequency_penalty": 0.5}, 400, "frequency_penalty=0.5 is not supported"),
+    ("tools", CHAT, {"model": "plain", "messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+     "tools="),
+    ("json mode", CHAT, {"model": "plain", "messages": HI, "response_format": {"type": "json_object"}}, 400,
+     "response_format="),
+    ("logit bias", COMPLETIONS, {"model": "plain", "prompt": "a", "logit_bias": {"5": 1.0}}, 400, "logit_bias="),
+    ("echo", COMPLETIONS, {"model": "plain", "prompt": "a", "echo": True}, 400, "echo=True is not supported"),
+    ("best_of", COMPLETIONS, {"model": "plain", "prompt": "a", "best_of": 3}, 400, "best_of=3"),
+    ("too many logprobs", COMPLETIONS, {"model": "plain", "prompt": "a", "logprobs": 6}, 400, "logprobs"),
+    ("top_logprobs without logprobs", CHAT, {"model": "plain", "messages": HI, "top_logprobs": 2}, 400,
+     "top_logprobs needs logprobs"),
+    ("empty prompt in a list", COMPLETIONS, {"model": "plain", "prompt": ["a", ""]}, 400, "empty prompt"),
+    ("unknown field", CHAT, {"model": "plain", "messages": HI, "temprature": 0}, 400, "temprature: unknown field"),
+    ("n > 1", CHAT, {"model": "plain", "messages": HI, "n": 2}, 400, "only n=1"),
+    ("token id out of vocab", COMPLETIONS, {"model": "plain", "prompt": [1, 10**9]}, 400, "outside the vocabulary"),
+    ("negative token id", COMPLETIONS, {"model": "plain", "prompt": [-1]}, 400, "outside the vocabulary"),
+    ("too many stops", COMPLETIONS, {"model": "plain", "prompt": "a", "stop": list("abcde")}, 400, "at most 4"),
+    ("seed negative", CHAT, {"model": "plain", "messages": HI, "seed": -1}, 400, "seed"),
     ("wrong method", "/v1/models", None, 405, "not allowed"),
     ("no route", "/v2/nothing", {}, 404, "no route"),
 ]
@@ -316,10 +354,112 @@ def test_bad_input_is_a_4xx_with_the_reason(service, name, path, body, status, r
 
 
 def test_openai_client_sees_the_reason(client):
-    with pytest.raises(openai.UnprocessableEntityError, match="from 0 \\(greedy\\) to 2"):
+    with pytest.raises(openai.BadRequestError, match="from 0 \\(greedy\\) to 2"):
         client.chat.completions.create(model="plain", messages=HI, temperature=3)
     with pytest.raises(openai.NotFoundError, match="unknown model"):
         client.chat.completions.create(model="nope", messages=HI)
+
+
+NEUTRAL_CHAT = dict(frequency_penalty=0, presence_penalty=0.0, logprobs=False, top_logprobs=0, tools=[],
+                    tool_choice="none", parallel_tool_calls=True, user="u1", logit_bias={}, response_format={"type": "text"},
+                    service_tier="auto", store=False, metadata={"k": "v"}, max_completion_tokens=12, n=1, seed=3)
+
+
+def test_openai_fields_at_neutral_values_are_accepted(service, client, tiny_target):
+    question = "Name a fruit."
+    expected = _expected_chat(tiny_target, question, 12)
+    messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": question}]
+    response = client.chat.completions.create(model="plain", messages=messages[1:], temperature=0, **NEUTRAL_CHAT)
+    assert response.choices[0].message.content == expected and response.choices[0].logprobs is None
+    developer = client.chat.completions.create(model="plain", messages=messages, temperature=0, max_tokens=12)
+    system = client.chat.completions.create(model="plain", messages=[{**messages[0], "role": "system"}, messages[1]],
+                                            temperature=0, max_tokens=12)
+    assert developer.choices[0].message.content == system.choices[0].message.content  # developer reads as system
+    completion = client.completions.create(model="plain", prompt="2+2=", temperature=0, max_tokens=4, echo=False,
+                                           best_of=1, frequency_penalty=0, presence_penalty=0, logit_bias={}, user="u",
+                                           suffix=None, logprobs=None)
+    assert completion.choices[0].finish_reason in ("stop", "length")
+
+
+def test_openai_client_with_default_arguments(client):
+    chat = client.chat.completions.create(model="plain", messages=HI)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens >= 1
+    text = client.completions.create(model="math", prompt="Once upon a time")
+    assert text.choices[0].index == 0 and text.usage.prompt_tokens >= 1
+    chunks = list(client.chat.completions.create(model="plain", messages=HI, stream=True))
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_completion_prompt_arrays_give_one_choice_per_prompt(service, tiny_target):
+    tok, stop_ids = tiny_target.tokenizer, tiny_target.stop_token_ids
+    texts = ["The sky is", "Two plus two is", "Hello"]
+    ids = [tok.encode(t) for t in texts]
+    expected = [_text(tok, _hf_greedy(tiny_target, p, 8), stop_ids) for p in ids]
+    for prompt in (texts, ids):
+        body = {"model": "math", "prompt": prompt, "temperature": 0, "max_tokens": 8}
+        response = httpx.post(f"{service.url}/v1/completions", json=body, timeout=TIMEOUT)
+        assert response.status_code == 200, response.text
+        result = response.json()
+        assert [c["index"] for c in result["choices"]] == [0, 1, 2]
+        assert [c["text"] for c in result["choices"]] == expected
+        assert result["usage"]["prompt_tokens"] == sum(len(p) for p in ids)
+    body = {"model": "plain", "prompt": texts[:2], "temperature": 0, "max_tokens": 8, "stream": True}
+    with httpx.stream("POST", f"{service.url}/v1/completions", json=body, timeout=TIMEOUT) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    for index in (0, 1):
+        pieces = [e["choices"][0]["text"] for e in events if e["choices"][0]["index"] == index]
+        assert "".join(pieces) == expected[index]
+
+
+def test_logprobs_come_from_the_target(service, client, tiny_target):
+    response = client.chat.completions.create(model="math", messages=HI, temperature=0, max_tokens=6, logprobs=True,
+                                              top_logprobs=3)
+    content = response.choices[0].logprobs.content
+    assert len(content) == response.usage.completion_tokens
+    for item in content:
+        assert len(item.top_logprobs) == 3 and item.logprob <= 0
+        assert item.top_logprobs[0].token == item.token and item.top_logprobs[0].logprob == pytest.approx(item.logprob)
+    prompt = render_ids(tiny_target.tokenizer, HI, add_generation_prompt=True)
+    tokens = _hf_greedy(tiny_target, prompt, 6)
+    with torch.no_grad():
+        logits = tiny_target.model(torch.tensor([prompt + tokens])).logits[0].float().log_softmax(-1)
+    for i, (token, item) in enumerate(zip(tokens, content)):
+        assert item.logprob == pytest.approx(float(logits[len(prompt) - 1 + i, token]), abs=1e-3)
+    text = httpx.post(f"{service.url}/v1/completions", timeout=TIMEOUT,
+                      json={"model": "plain", "prompt": "Hi", "temperature": 0, "max_tokens": 5, "logprobs": 2}).json()
+    logprobs = text["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == text["usage"]["completion_tokens"]
+    assert all(len(top) <= 2 for top in logprobs["top_logprobs"]) and logprobs["text_offset"][0] == 0
+
+
+def test_full_queue_answers_503_with_retry_after(service, tiny_config, tmp_path):
+    serve = service.serve
+    cfg = _serve_config(tiny_config, tmp_path / "tight", max_batch_size=1, max_queued_requests=1)
+    serve.run(build_app(cfg), name="taps-tight", route_prefix="/tight")
+    try:
+        _wait_healthy(f"{service.url}/tight")
+        body = {"model": "plain", "messages": HI, "temperature": 0, "max_tokens": MAX_TOKENS_LIMIT}
+        with ThreadPoolExecutor(6) as pool:
+            responses = list(pool.map(
+                lambda _: httpx.post(f"{service.url}/tight/v1/chat/completions", json=body, timeout=TIMEOUT), range(6)))
+        statuses = Counter(r.status_code for r in responses)
+        assert set(statuses) == {200, 503} and statuses[200] >= 2, statuses
+        for r in responses:
+            if r.status_code == 503:
+                assert int(r.headers["retry-after"]) >= 1 and "max_queued_requests" in r.json()["error"]["message"]
+    finally:
+        serve.delete("taps-tight")
+
+
+def test_serve_listens_on_loopback_only(service):
+    import psutil
+
+    from taps_ray.config import ServeConfig
+
+    assert ServeConfig().host == "127.0.0.1"
+    port = int(service.url.rsplit(":", 1)[1])
+    listeners = [c for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+    assert listeners and {c.laddr.ip for c in listeners} == {"127.0.0.1"}
 
 
 def test_openapi_schema_publishes_live_limits(service):

@@ -1,6 +1,7 @@
 """How the Serve app refuses a request: every bad input becomes a 4xx whose message names the field and the fix.
 
-`install_error_handlers` wires these into the FastAPI ingress; only an unexpected failure is a 5xx.
+As OpenAI and vLLM do, an invalid body is a 400 (never FastAPI's 422). `install_error_handlers` wires these into
+the FastAPI ingress; a 5xx is either a full replica (503 with Retry-After) or an unexpected failure (500).
 """
 
 import json
@@ -17,24 +18,27 @@ from taps_ray.cluster.api_schemas import MAX_SEED, ErrorDetail, ErrorResponse
 logger = logging.getLogger("ray.serve")
 
 ERROR_RESPONSES = {
-    400: {"model": ErrorResponse, "description": "malformed JSON or an input the service cannot take"},
+    400: {"model": ErrorResponse, "description": "malformed JSON, a wrong type, an out-of-range or unsupported value"},
     404: {"model": ErrorResponse, "description": "unknown model"},
-    422: {"model": ErrorResponse, "description": "a field has the wrong type or is out of range"},
+    503: {"model": ErrorResponse, "description": "the replica's queue is full (see the Retry-After header)"},
 }
 
 
 class ApiError(Exception):
-    """A request this service refuses; `status` is always 4xx for bad input."""
+    """A request this service refuses: 4xx for bad input, 503 (with `retry_after_s`) when it is full."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after_s: int | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after_s = retry_after_s
 
 
-def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+def _error(status: int, message: str, param: str | None = None, code: str | None = None,
+           headers: dict[str, str] | None = None) -> JSONResponse:
     kind = "invalid_request_error" if status < 500 else "server_error"
     body = ErrorResponse(error=ErrorDetail(message=message, type=kind, param=param, code=code))
-    return JSONResponse(status_code=status, content=body.model_dump())
+    return JSONResponse(status_code=status, content=body.model_dump(), headers=headers)
 
 
 _HINTS = {
@@ -46,10 +50,10 @@ _HINTS = {
     "n": "only n=1 is supported; send one request per choice",
     "model": "name a model listed by GET /v1/models, e.g. plain or routed",
     "messages": 'send a non-empty list like [{"role": "user", "content": "Hi"}]',
-    "prompt": "send a non-empty string or a list of token ids",
+    "prompt": "send a non-empty string, a list of token ids, or a list of either",
     "seed": f"use an integer from 0 to {MAX_SEED}",
     "stream": "use true or false",
-    "role": "use system, user or assistant",
+    "role": "use system, developer, user or assistant",
     "content": "use a string (or a list of {type: text, text: ...} parts)",
 }
 
@@ -97,12 +101,13 @@ def _short(value: Any) -> str:
 
 async def _on_validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
     message, param = _describe_validation(list(error.errors()))
-    status = 400 if message.startswith("request body is not valid JSON") else 422
-    return _error(status, message, param, "invalid_json" if status == 400 else "invalid_value")
+    invalid_json = message.startswith("request body is not valid JSON")
+    return _error(400, message, param, "invalid_json" if invalid_json else "invalid_value")
 
 
 async def _on_api_error(request: Request, error: ApiError) -> JSONResponse:
-    return _error(error.status, error.message, error.param, error.code)
+    headers = {"Retry-After": str(error.retry_after_s)} if error.retry_after_s is not None else None
+    return _error(error.status, error.message, error.param, error.code, headers)
 
 
 async def _on_http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:

@@ -12,17 +12,17 @@ head by its mixture (`math`, `chat`, ...), `routed` (= `confidence-routed`), `me
 registered combination. Every response carries `usage` and a `speculative` block (tau, steps, the fraction
 of steps each head drafted, how many sequences shared the verification batch).
 
-Batching: every request becomes one `Job`; `TapsService.decode` is a `@serve.batch` method, so requests
-that arrive within `serve.batch_wait_timeout_s` of each other (up to `serve.max_batch_size`) reach it
-together. It groups them by (proposer, sampling parameters) and runs ONE `generate(...)` per group, i.e.
-one batched target forward per verification step for all of the group's prompts, each with its own seed.
-Requests with different `max_tokens` share a group: the group decodes to the largest and each output is
-cut at its own limit, which is exact (a sequence's tokens never depend on how long it is allowed to run).
+Batching is continuous: every prompt becomes one `Job`, handed to the replica's decode loop
+(serve_scheduler.py around spec/continuous.py). It joins the running batch at the next verification step
+(up to `serve.max_batch_size` sequences; beyond that it waits, up to `serve.max_queued_requests`, then 503)
+and leaves when finished. One target forward per step verifies every live sequence's tree, whatever its model
+(proposer) or sampling parameters; each sequence keeps its own seed, so outputs never depend on the company.
 
-Validation: bodies are pydantic models; malformed JSON, wrong types and out-of-range values become 400/422
-with the field, the problem and the fix; limits that depend on the running service (known models, prompt
-length in tokens, max_tokens_limit, vocabulary) are checked in the handlers and also published in the
-OpenAPI schema (model enum, max_tokens maximum). Only an unexpected failure of the service is a 5xx.
+Validation: bodies are pydantic models; malformed JSON, wrong types, out-of-range values and non-neutral values
+of OpenAI fields the service lacks become 400 with the field, the problem and the fix; limits that depend on the
+running service (known models, prompt length in tokens, max_tokens_limit, vocabulary) are checked in the handlers
+and also published in the OpenAPI schema (model enum, max_tokens maximum). A 5xx is a full replica (503 with
+Retry-After) or an unexpected failure of the service.
 """
 
 # No `from __future__ import annotations`: Serve's FastAPI class-based views need real annotations on the
@@ -37,7 +37,7 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,7 @@ from taps_ray.cluster.api_schemas import (
     ChatCompletionResponse,
     ChatMessage,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     ErrorDetail,
@@ -64,9 +65,12 @@ from taps_ray.cluster.api_schemas import (
     ModelList,
     SamplingFields,
     Speculative,
-    Usage,
 )
+from taps_ray.cluster.serve_metrics import serve_metrics
+from taps_ray.cluster.serve_output import ChoiceStream, TextOutput, speculative, usage
+from taps_ray.cluster.serve_scheduler import DecodeLoop, Overloaded, Ticket
 from taps_ray.config import HeadKind, StudyConfig, load_config, parse_config
+from taps_ray.spec.continuous import ContinuousBatcher, Result, TokenLogprob
 
 logger = logging.getLogger("ray.serve")
 
@@ -75,6 +79,7 @@ ALIASES = {"routed": "confidence-routed"}
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MIN_TEMPERATURE = 1e-6
 MIN_TOP_P = 1e-6
+SHUTDOWN_GRACE_S = 5.0  # after Serve's own drain: how long the running batch may still finish
 
 api = FastAPI(
     title="taps-ray",
@@ -86,11 +91,22 @@ api = FastAPI(
 )
 install_error_handlers(api)
 
+
+@api.middleware("http")
+async def _count_requests(request: Request, call_next: Callable) -> Any:
+    """requests by model and status (the endpoints put the body's model on request.state)."""
+    response = await call_next(request)
+    if request.method == "POST":
+        serve_metrics().request(getattr(request.state, "model", "unknown"), response.status_code)
+    return response
+
 # --- decoding jobs -------------------------------------------------------------------------------------------
 
 
 @dataclass
 class Job:
+    """One prompt of a validated request: what the engine decodes."""
+
     proposer: str
     temperature: float
     top_p: float
@@ -98,62 +114,7 @@ class Job:
     prompt: list[int]
     max_tokens: int
     seed: int
-    listener: Callable[[list[int]], None] | None = None  # streaming: called (from the decode thread) per step
-
-    @property
-    def group(self) -> tuple:
-        """Requests that can share one generate() call: same proposer and sampling parameters."""
-        if self.temperature == 0.0:  # greedy ignores top_p / top_k
-            return (self.proposer, 0.0, 1.0, 0)
-        return (self.proposer, self.temperature, self.top_p, self.top_k)
-
-
-@dataclass
-class Outcome:
-    tokens: list[int] = field(default_factory=list)
-    finish_reason: str = "length"
-    speculative: dict[str, Any] = field(default_factory=dict)
-    error: str | None = None
-
-
-class _Observed:
-    """A Verifier that hands every sequence's committed tokens to its listener as each step finishes."""
-
-    def __init__(self, inner: Any, jobs: list[Job]) -> None:
-        self.inner, self.jobs = inner, jobs
-
-    def _tell(self, results: list[Any]) -> list[Any]:
-        for job, committed in zip(self.jobs, results):
-            listener = job.listener
-            if listener is not None and committed is not None:
-                try:
-                    listener(list(committed.tokens))
-                except Exception:  # a vanished client must not stop the batch
-                    logger.debug("stream listener failed", exc_info=True)
-        return results
-
-    def start(self, prompts: list[list[int]], params: Any, seeds: list[int]) -> list[Any]:
-        return self._tell(self.inner.start(prompts, params, seeds))
-
-    def step(self, trees: list[Any]) -> list[Any]:
-        return self._tell(self.inner.step(trees))
-
-
-def _head_fractions(steps: list[Any], head_names: list[str]) -> dict[str, float]:
-    from taps_ray.spec.generate import NOT_DRAFTED
-
-    if not head_names or not steps:
-        return {}
-    counts: dict[str, int] = defaultdict(int)
-    for step in steps:
-        if step.head == NOT_DRAFTED:
-            name = "none"
-        elif step.head < 0:
-            name = "merged"
-        else:
-            name = head_names[step.head] if step.head < len(head_names) else str(step.head)
-        counts[name] += 1
-    return {name: round(count / len(steps), 4) for name, count in counts.items()}
+    top_logprobs: int | None = None
 
 
 def _resolve_paths(cfg: StudyConfig, base: Path) -> StudyConfig:
@@ -203,8 +164,9 @@ class TapsService:
         self.default_max_tokens = min(serve_cfg.default_max_tokens, serve_cfg.max_tokens_limit)
         self.created = int(time.time())
         self._openapi: dict[str, Any] | None = None
-        self.decode.set_max_batch_size(serve_cfg.max_batch_size)
-        self.decode.set_batch_wait_timeout_s(serve_cfg.batch_wait_timeout_s)
+        self.output = TextOutput(self.tokenizer, self.stop_ids)
+        self.batcher = ContinuousBatcher(self.target.model, self.stop_ids, serve_cfg.max_batch_size, serve_cfg.draft_below)
+        self.loop = DecodeLoop(self.batcher, serve_cfg.max_queued_requests, serve_cfg.stall_timeout_s, serve_metrics())
         logger.info(
             "taps serve: target %s, %s heads %s, models %s", self.cfg.target.name, self.kind,
             sorted(self.heads), self.model_names(),
@@ -250,7 +212,7 @@ class TapsService:
 
     # -- validation shared by both endpoints -----------------------------------------------------------------
 
-    def _job(self, body: SamplingFields, prompt: list[int], max_tokens: int | None) -> Job:
+    def _job(self, body: SamplingFields, prompt: list[int], top_logprobs: int | None) -> Job:
         proposer = self._proposer_for(body.model)
         if not prompt:
             raise ApiError(400, "the prompt has no tokens; send some text", "prompt", "empty_prompt")
@@ -263,11 +225,10 @@ class TapsService:
                 "prompt",
                 "context_length_exceeded",
             )
-        if max_tokens is None:
-            max_tokens = self.default_max_tokens
+        max_tokens = body.token_limit if body.token_limit is not None else self.default_max_tokens
         if not 1 <= max_tokens <= self.max_tokens_limit:
             raise ApiError(
-                422,
+                400,
                 f"max_tokens={max_tokens} is out of range; use 1..{self.max_tokens_limit} (serve.max_tokens_limit)",
                 "max_tokens",
                 "invalid_value",
@@ -278,7 +239,7 @@ class TapsService:
         # likely token exactly like 1e-6 does (its probability is >= 1/vocab > 1e-6); T < 1e-6 is as sharp.
         temperature = body.temperature if body.temperature == 0 else max(body.temperature, MIN_TEMPERATURE)
         top_p = max(body.top_p, MIN_TOP_P)
-        return Job(proposer, temperature, top_p, body.top_k, prompt, max_tokens, seed)
+        return Job(proposer, temperature, top_p, body.top_k, prompt, max_tokens, seed, top_logprobs)
 
     def _completion_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -286,7 +247,7 @@ class TapsService:
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise ApiError(
-                422,
+                400,
                 f"prompt holds token ids outside the vocabulary (e.g. {bad[0]}); use ids in 0..{self.vocab_size - 1} "
                 "or send the prompt as text",
                 "prompt",
@@ -297,102 +258,56 @@ class TapsService:
     def _chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
         from taps_ray.data.chat import render_ids
 
-        turns = [{"role": m.role, "content": m.text} for m in messages]
+        turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in messages]
         try:
             return render_ids(self.tokenizer, turns, add_generation_prompt=True)
         except Exception as error:  # a chat template that rejects this message order
             raise ApiError(
-                422, f"the chat template cannot render these messages ({error}); check the roles' order", "messages",
+                400, f"the chat template cannot render these messages ({error}); check the roles' order", "messages",
                 "invalid_value",
             ) from None
 
-    # -- batched decoding ------------------------------------------------------------------------------------
+    # -- decoding ----------------------------------------------------------------------------------------------
 
-    @serve.batch(max_batch_size=4, batch_wait_timeout_s=0.01)  # limits reset from the config in __init__
-    async def decode(self, jobs: list[Job]) -> list[Outcome]:
-        groups: dict[tuple, list[int]] = defaultdict(list)
-        for i, job in enumerate(jobs):
-            groups[job.group].append(i)
-        outcomes: list[Outcome] = [Outcome(error="not run")] * len(jobs)
-        for indices in groups.values():
-            members = [jobs[i] for i in indices]
-            try:
-                results = await asyncio.to_thread(self._run_group, members)
-            except Exception as error:
-                logger.exception("decoding a batch of %d failed", len(members))
-                results = [Outcome(error=f"{type(error).__name__}: {error}")] * len(members)
-            for i, result in zip(indices, results):
-                outcomes[i] = result
-        return outcomes
-
-    def _run_group(self, jobs: list[Job]) -> list[Outcome]:
-        from taps_ray.spec.generate import run_loop
-        from taps_ray.spec.target_batch import TargetBatch
+    def _submit(self, jobs: list[Job], stops: list[str], model: str,
+                updates: asyncio.Queue | None = None) -> list[Ticket]:
+        """Hand the jobs to the decode loop; all or none (a full queue is a 503 with Retry-After)."""
+        from taps_ray.spec.continuous import Request
         from taps_ray.spec.verify import SamplingParams
 
-        first = jobs[0]
-        params = SamplingParams(temperature=first.temperature, top_p=first.top_p, top_k=first.top_k)
-        proposer = self.proposers[first.proposer]
-        verifier = _Observed(TargetBatch(self.target.model), jobs)
-        generations = run_loop(
-            verifier,
-            proposer,
-            [job.prompt for job in jobs],
-            params,
-            [job.max_tokens for job in jobs],
-            self.stop_ids,
-            seeds=[job.seed for job in jobs],
-            draft_below=self.cfg.serve.draft_below,
-        )
-        outcomes = []
-        for job, generation in zip(jobs, generations):
-            steps = generation.steps
-            speculative = Speculative(
-                proposer=first.proposer,
-                tau=round(generation.tau, 4),
-                tau_taps=round(generation.tau_taps, 4),
-                steps=len(steps),
-                accepted_tokens=sum(s.accepted for s in steps),
-                head_fractions=_head_fractions(steps, list(proposer.head_names)),
-                batch_size=len(jobs),
-                decode_s=round(generation.wall_s, 4),
-            )
-            outcomes.append(
-                Outcome(
-                    tokens=generation.tokens,
-                    finish_reason="stop" if generation.finished_by == "stop" else "length",
-                    speculative=speculative.model_dump(),
-                )
-            )
-        return outcomes
+        tickets: list[Ticket] = []
+        try:
+            for index, job in enumerate(jobs):
+                params = SamplingParams(temperature=job.temperature, top_p=job.top_p, top_k=job.top_k)
+                request = Request(prompt=job.prompt, proposer=self.proposers[job.proposer], params=params,
+                                  max_tokens=job.max_tokens, seed=job.seed, top_logprobs=job.top_logprobs,
+                                  stop=self.output.stop_rule(stops))
+                tickets.append(self.loop.submit(request, model, updates, index))
+        except Overloaded as error:
+            for ticket in tickets:
+                ticket.cancel()
+            raise ApiError(503, str(error), None, "overloaded", retry_after_s=error.retry_after_s) from None
+        return tickets
 
-    async def _run(self, job: Job) -> Outcome:
-        outcome = await self.decode(job)
-        if outcome.error is not None:
-            raise RuntimeError(f"decoding failed: {outcome.error}")
-        return outcome
-
-    # -- text ------------------------------------------------------------------------------------------------
-
-    def _text(self, tokens: list[int]) -> str:
-        if tokens and tokens[-1] in self.stop_ids:
-            tokens = tokens[:-1]
-        return self.tokenizer.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-
-    def _finish(self, outcome: Outcome, stops: list[str]) -> tuple[str, str]:
-        text, finish = self._text(outcome.tokens), outcome.finish_reason
-        cuts = [text.find(s) for s in stops if s in text]
-        if cuts:
-            text, finish = text[: min(cuts)], "stop"
-        return text, finish
-
-    @staticmethod
-    def _usage(prompt: list[int], outcome: Outcome) -> Usage:
-        return Usage(
-            prompt_tokens=len(prompt), completion_tokens=len(outcome.tokens), total_tokens=len(prompt) + len(outcome.tokens)
-        )
+    def _result(self, result: Result) -> Result:
+        if result.error is None:
+            return result
+        if self.loop.closing:
+            raise ApiError(503, "this replica shut down before the request finished; retry", None, "overloaded",
+                           retry_after_s=1)
+        raise RuntimeError(f"decoding failed: {result.error}")
 
     # -- endpoints -------------------------------------------------------------------------------------------
+
+    def check_health(self) -> None:
+        """Serve's periodic health check: fails when the decode loop has work but makes no progress."""
+        self.loop.check_health()
+
+    async def __del__(self) -> None:
+        """Graceful shutdown (Serve has already drained in-flight requests for graceful_shutdown_timeout_s):
+        refuse new work, give the running batch a last moment, and fail what is left with a 503."""
+        if hasattr(self, "loop"):  # __init__ may have failed before it
+            await self.loop.shutdown(SHUTDOWN_GRACE_S)
 
     @api.get("/healthz", summary="liveness and what is loaded")
     def healthz(self) -> dict[str, Any]:
@@ -403,6 +318,8 @@ class TapsService:
             "heads": sorted(self.heads),
             "missing_heads": self.missing,
             "models": self.model_names(),
+            "running": self.batcher.live,
+            "waiting": self.batcher.waiting,
         }
 
     @api.get("/v1/models", response_model=ModelList, summary="the models (proposers) this service can use")
@@ -434,112 +351,132 @@ class TapsService:
         return get_swagger_ui_html(openapi_url="openapi.json", title="taps-ray API")
 
     @api.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES, summary="text completion")
-    async def completions(self, body: CompletionRequest):
+    async def completions(self, body: CompletionRequest, request: Request):
+        request.state.model = body.model
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        offsets: dict[int, int] = defaultdict(int)
 
-        def chunk(piece: str, reason: str | None) -> dict[str, Any]:
+        def logprobs(index: int, taken: list[TokenLogprob]) -> dict[str, Any] | None:
+            if body.logprobs is None:
+                return None
+            formatted = self.output.completion_logprobs(taken, offsets[index])
+            offsets[index] += sum(len(t) for t in formatted.tokens)
+            return formatted.model_dump()
+
+        def chunk(index: int, piece: str, reason: str | None, taken: list[TokenLogprob]) -> dict[str, Any]:
             return {
                 "id": rid, "object": "text_completion", "created": created, "model": body.model,
-                "choices": [{"index": 0, "text": piece, "finish_reason": reason, "logprobs": None}],
+                "choices": [{"index": index, "text": piece, "finish_reason": reason, "logprobs": logprobs(index, taken)}],
             }
 
-        def response(text: str, finish: str, usage: Usage, speculative: Speculative) -> CompletionResponse:
-            choice = CompletionChoice(index=0, text=text, finish_reason=finish)
-            return CompletionResponse(id=rid, created=created, model=body.model, choices=[choice], usage=usage,
-                                      speculative=speculative)
+        def response(results: list[Result], jobs: list[Job]) -> CompletionResponse:
+            choices = []
+            for index, result in enumerate(results):
+                text, finish = self.output.finish(result, body.stop_strings)
+                choices.append(CompletionChoice(index=index, text=text, finish_reason=finish,
+                                                logprobs=self._completion_logprobs(body, result)))
+            return CompletionResponse(id=rid, created=created, model=body.model, choices=choices,
+                                      usage=usage(results), speculative=self._speculative(results, jobs))
 
-        return await self._respond(body, self._completion_prompt(body.prompt), body.max_tokens, chunk, response)
+        top = body.logprobs
+        jobs = [self._job(body, self._completion_prompt(p), top) for p in body.prompts]
+        return await self._respond(body, jobs, chunk, response, "text_completion")
 
     @api.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES, summary="chat completion")
-    async def chat_completions(self, body: ChatCompletionRequest):
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+        request.state.model = body.model
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         first = [True]
 
-        def chunk(piece: str, reason: str | None) -> dict[str, Any]:
+        def chunk(index: int, piece: str, reason: str | None, taken: list[TokenLogprob]) -> dict[str, Any]:
             delta: dict[str, Any] = {"content": piece} if piece or reason is None else {}
             if first[0]:
                 delta["role"] = "assistant"
                 first[0] = False
+            logprobs = self.output.chat_logprobs(taken).model_dump() if body.logprobs else None
             return {
                 "id": rid, "object": "chat.completion.chunk", "created": created, "model": body.model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}],
+                "choices": [{"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}],
             }
 
-        def response(text: str, finish: str, usage: Usage, speculative: Speculative) -> ChatCompletionResponse:
-            choice = ChatChoice(index=0, message=ChatCompletionMessage(content=text), finish_reason=finish)
-            return ChatCompletionResponse(id=rid, created=created, model=body.model, choices=[choice], usage=usage,
-                                          speculative=speculative)
+        def response(results: list[Result], jobs: list[Job]) -> ChatCompletionResponse:
+            (result,) = results
+            text, finish = self.output.finish(result, body.stop_strings)
+            logprobs = self.output.chat_logprobs(result.logprobs) if body.logprobs else None
+            choice = ChatChoice(index=0, message=ChatCompletionMessage(content=text), finish_reason=finish,
+                                logprobs=logprobs)
+            return ChatCompletionResponse(id=rid, created=created, model=body.model, choices=[choice],
+                                          usage=usage(results), speculative=self._speculative(results, jobs))
 
-        max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
-        return await self._respond(body, self._chat_prompt(body.messages), max_tokens, chunk, response)
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        jobs = [self._job(body, self._chat_prompt(body.messages), top)]
+        return await self._respond(body, jobs, chunk, response, "chat.completion.chunk")
 
-    async def _respond(self, body: SamplingFields, prompt: list[int], max_tokens: int | None,
-                       chunk: Callable[[str, str | None], dict], response: Callable[..., BaseModel]):
-        """Decode one request; stream chunks (SSE) or return the whole response built by `response`."""
-        job = self._job(body, prompt, max_tokens)
+    def _completion_logprobs(self, body: CompletionRequest, result: Result) -> CompletionLogprobs | None:
+        return None if body.logprobs is None else self.output.completion_logprobs(result.logprobs)
+
+    def _speculative(self, results: list[Result], jobs: list[Job]) -> Speculative:
+        proposer = self.proposers[jobs[0].proposer]
+        return speculative(results, jobs[0].proposer, list(proposer.head_names))
+
+    async def _respond(self, body: SamplingFields, jobs: list[Job], chunk: Callable[..., dict],
+                       response: Callable[[list[Result], list[Job]], BaseModel], chunk_object: str):
+        """Decode a request's prompts; stream chunks (SSE) or return the whole response built by `response`."""
         if body.stream:
-            return self._stream(job, body.stop_strings, chunk)
-        outcome = await self._run(job)
-        text, finish = self._finish(outcome, body.stop_strings)
-        return response(text, finish, self._usage(prompt, outcome), Speculative(**outcome.speculative))
+            return self._stream(body, jobs, chunk, chunk_object)
+        tickets = self._submit(jobs, body.stop_strings, body.model)
+        results = [self._result(await ticket.wait()) for ticket in tickets]
+        return response(results, jobs)
 
-    def _stream(self, job: Job, stops: list[str], make_chunk: Callable[[str, str | None], dict]) -> StreamingResponse:
-        """Server-sent events, one chunk per verification step as the batch decodes, then usage and [DONE].
-
-        Text is sent only once it can no longer change: not while it ends in a partial UTF-8 character, and
-        (with stop strings) never the last len(longest stop)-1 characters, which a stop string could still
-        claim. So the chunks always concatenate to exactly the non-streamed text.
-        """
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[list[int] | None] = asyncio.Queue()
-        job.listener = lambda tokens: loop.call_soon_threadsafe(queue.put_nowait, tokens)
-        task = asyncio.ensure_future(self._run(job))
-        task.add_done_callback(lambda _: queue.put_nowait(None))
-        stop_ids, hold = set(self.stop_ids), max((len(x) for x in stops), default=1) - 1
+    def _stream(self, body: SamplingFields, jobs: list[Job], make_chunk: Callable[..., dict],
+                chunk_object: str) -> StreamingResponse:
+        """Server-sent events: per choice, one chunk per verification step as it decodes (text that can no longer
+        change, see `ChoiceStream`), then its finish chunk; with `stream_options.include_usage` a last chunk with
+        empty choices and the usage; then [DONE]."""
+        updates: asyncio.Queue = asyncio.Queue()
+        tickets = self._submit(jobs, body.stop_strings, body.model, updates)  # a 503 before the stream starts
+        choices = [ChoiceStream(self.output, body.stop_strings) for _ in jobs]
 
         def event(payload: dict[str, Any]) -> str:
             return f"data: {json.dumps(payload)}\n\n"
 
         async def events() -> AsyncIterator[str]:
-            tokens: list[int] = []
-            sent, done = "", False
+            results: list[Result | None] = [None] * len(jobs)
             try:
-                while (new := await queue.get()) is not None:
-                    for token in new:
-                        if done:
-                            break
-                        tokens.append(token)
-                        done = token in stop_ids or len(tokens) >= job.max_tokens
-                    text = self._text(tokens)
-                    if text.endswith("\ufffd") or not text.startswith(sent):
+                while any(r is None for r in results):
+                    index, update = await updates.get()
+                    stream = choices[index]
+                    if update is not None:
+                        piece = stream.add(update.tokens, update.logprobs)
+                        if piece:
+                            yield event(make_chunk(index, piece, None, stream.take_logprobs()))
                         continue
-                    safe = len(text) - hold
-                    cuts = [text.find(x) for x in stops if x in text]
-                    safe = min([safe, *cuts])
-                    if safe > len(sent):
-                        yield event(make_chunk(text[len(sent) : safe], None))
-                        sent = text[:safe]
-                outcome = await task
+                    result = results[index] = self._result(await tickets[index].wait())
+                    rest, finish = stream.close(result)
+                    if rest:
+                        yield event(make_chunk(index, rest, None, stream.take_logprobs()))
+                    last = make_chunk(index, "", finish, stream.take_logprobs())
+                    last["speculative"] = speculative(
+                        [result], jobs[index].proposer, list(self.proposers[jobs[index].proposer].head_names)
+                    ).model_dump()
+                    yield event(last)
             except Exception as error:  # the decode failed after the stream began: say so in the stream
                 logger.exception("streamed decode failed")
-                yield event(ErrorResponse(error=ErrorDetail(message=f"decoding failed: {error}", type="server_error")).model_dump())
+                detail = ErrorDetail(message=f"decoding failed: {error}", type="server_error")
+                yield event(ErrorResponse(error=detail).model_dump())
                 yield "data: [DONE]\n\n"
                 return
             finally:
-                if not task.done():  # the client went away; the batch still finishes, nobody listens
-                    job.listener = None
-            text, finish = self._finish(outcome, stops)
-            if not text.startswith(sent):  # cannot happen with monotone decoding; never send a wrong total
-                logger.warning("streamed prefix %r is not a prefix of the final text %r", sent, text)
-            elif len(text) > len(sent):
-                yield event(make_chunk(text[len(sent) :], None))
-            last = make_chunk("", finish)
-            last["usage"] = self._usage(job.prompt, outcome).model_dump()
-            last["speculative"] = outcome.speculative
-            yield event(last)
+                for ticket in tickets:  # the client went away: its sequences leave the batch
+                    ticket.cancel()
+            if body.include_usage:
+                yield event({"id": make_chunk(0, "", None, [])["id"], "object": chunk_object,
+                             "created": int(time.time()), "model": body.model, "choices": [],
+                             "usage": usage(results).model_dump()})
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
 
 
 # --- building and starting the application -------------------------------------------------------------------
@@ -569,12 +506,17 @@ def _find_config(path: str) -> tuple[StudyConfig, Path]:
 
 
 def build_app(cfg: StudyConfig, base_dir: str | Path | None = None) -> serve.Application:
-    """The bound Serve application for a study config (replicas, batch limits and heads from `cfg.serve`)."""
+    """The bound Serve application for a study config (replicas, batch limits and heads from `cfg.serve`).
+
+    A replica takes in enough requests to fill its batch and its own queue, so it is the replica that answers
+    503 + Retry-After when full (Serve's own `max_queued_requests` would count requests still being routed).
+    """
     cfg = _resolve_paths(cfg, Path(base_dir) if base_dir is not None else Path.cwd())
     s = cfg.serve
+    scaling = {"autoscaling_config": s.autoscaling_config} if s.autoscaling_config else {"num_replicas": s.num_replicas}
     return TapsService.options(
-        num_replicas=s.num_replicas,
-        max_ongoing_requests=max(s.max_ongoing_requests, s.max_batch_size),
+        **scaling,
+        max_ongoing_requests=max(s.max_ongoing_requests, s.max_batch_size + s.max_queued_requests + 1),
         ray_actor_options={"num_cpus": s.replica_num_cpus},
     ).bind(cfg.model_dump(mode="json"))
 

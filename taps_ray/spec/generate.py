@@ -73,7 +73,7 @@ def record_step(tree: DraftTree, verdict: Verdict, new_tokens: int, draft_s: flo
     )
 
 
-def _extend(generation: Generation, new: list[int], stop_ids: set[int], max_new_tokens: int) -> int:
+def extend_tokens(generation: Generation, new: list[int], stop_ids: set[int], max_new_tokens: int) -> int:
     """Append new tokens, cut at the first stop token or at max_new_tokens; returns how many were kept."""
     kept = 0
     for token in new:
@@ -152,7 +152,7 @@ def run_loop(
         heads[b] = chosen_head(states[b])
 
     for b, committed in enumerate(started):
-        _extend(generations[b], committed.tokens, stops, budgets[b])
+        extend_tokens(generations[b], committed.tokens, stops, budgets[b])
     for b, committed in enumerate(started):  # after every sequence is extended, so `draft` counts the finished
         if not generations[b].finished_by:
             draft(b, committed)
@@ -165,7 +165,7 @@ def run_loop(
             if committed is None:
                 continue
             generation = generations[b]
-            kept = _extend(generation, committed.tokens, stops, budgets[b])
+            kept = extend_tokens(generation, committed.tokens, stops, budgets[b])
             step = record_step(trees[b], committed.verdict, kept, draft_times[b], verify_s, heads[b])
             generation.steps.append(step)
             trees[b] = None

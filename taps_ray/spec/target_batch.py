@@ -29,6 +29,15 @@ class Committed:
     features: torch.Tensor  # [m, d] target features of the newly committed positions
     next_tokens: torch.Tensor  # [m] the token after each of those positions; the last is the next root
     verdict: Verdict | None = None
+    logits: torch.Tensor | None = None  # with `keep_logits`: the target's logits this step computed (a view, no copy)
+
+    def target_logprobs(self) -> torch.Tensor:
+        """[len(tokens), V] log-probabilities of the target's raw distribution at each committed token; computed
+        only when asked (the batch must keep logits)."""
+        if self.logits is None:
+            raise ValueError("this batch did not keep the target's logits (TargetBatch(keep_logits=True))")
+        rows = self.verdict.nodes if self.verdict is not None else [0]
+        return torch.log_softmax(self.logits[rows].float(), dim=-1)
 
 
 @dataclass
@@ -40,12 +49,11 @@ class TreeOutput:
 
 
 def _pad_width(tensor: torch.Tensor, width: int) -> torch.Tensor:
-    """Zero-pad a [B, heads, slots, d] cache tensor to `width` slots."""
+    """Zero-pad a [B, heads, slots, d] cache tensor to `width` slots (slots past a length are never attended)."""
     missing = width - tensor.shape[2]
     if missing <= 0:
         return tensor
-    pad = tensor.new_zeros(tensor.shape[0], tensor.shape[1], missing, tensor.shape[3])
-    return torch.cat([tensor, pad], dim=2)
+    return torch.nn.functional.pad(tensor, (0, 0, 0, missing))
 
 
 class TargetBatch:
@@ -56,30 +64,45 @@ class TargetBatch:
       good and its row leaves the cache (`live` says which sequence each row holds).
     * `step_rows(rows, trees)`, the Ray pool's: trees for some cache rows only; the other rows, and rows whose
       tree is None, sit this step out and keep their cache, length and generator. `keep_rows` evicts.
+
+    Sampling parameters are per row (`row_params`), so requests with different parameters share one forward;
+    `params` is what `start` was given for the whole batch (the pool groups batches by it). `keep_logits`: every
+    `Committed` carries a view of the target's logits, for callers that report log-probabilities.
     """
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, keep_logits: bool = False) -> None:
         self.model = model
+        self.keep_logits = keep_logits
         self.cache = DynamicCache()
         self.lengths = torch.zeros(0, dtype=torch.long, device=self.device)
         self.params = SamplingParams()
+        self.row_params: list[SamplingParams] = []
         self.generators: list[torch.Generator] = []
         self.live: list[int] = []  # the sequence (numbered as it joined) in each cache row
         self.joined = 0  # sequences numbered so far
         self.timings = {"forward": 0.0, "accept": 0.0, "commit": 0.0}  # seconds, summed over steps (profiling)
 
     @torch.no_grad()
-    def start(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Committed]:
-        """Prefill and pick each sequence's first token; sequence b samples with its own seeded generator."""
-        self.params = params
+    def start(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], seeds: list[int]
+    ) -> list[Committed]:
+        """Prefill and pick each sequence's first token; sequence b samples with its own seeded generator and
+        its own parameters (one `SamplingParams` for all, or one per prompt)."""
+        row_params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(row_params) != len(prompts):
+            raise ValueError(f"got {len(row_params)} sampling parameters for {len(prompts)} prompts")
+        self.params = row_params[0] if isinstance(params, list) and row_params else params
+        self.row_params = row_params
         self.generators = [torch.Generator(device=self.device).manual_seed(seed) for seed in seeds]
         outputs = self.prefill(prompts)
         self.live = list(range(len(prompts)))
         self.joined = len(prompts)
         started = []
-        for prompt, out, generator in zip(prompts, outputs, self.generators):
-            root = sample_root(out.logits[-1], params, generator)
-            started.append(Committed([root], out.hidden, torch.tensor(prompt[1:] + [root], device=self.device)))
+        for prompt, out, row, generator in zip(prompts, outputs, row_params, self.generators, strict=True):
+            root = sample_root(out.logits[-1], row, generator)
+            logits = out.logits if self.keep_logits else None
+            next_tokens = torch.tensor(prompt[1:] + [root], device=self.device)
+            started.append(Committed([root], out.hidden, next_tokens, logits=logits))
         return started
 
     def step(self, trees: list[DraftTree | None]) -> list[Committed | None]:
@@ -108,19 +131,24 @@ class TargetBatch:
         return out
 
     def merge(self, other: TargetBatch) -> None:
-        """Append `other`'s sequences after these. Both must share the model and the sampling parameters.
+        """Append `other`'s sequences after these (a request joins a running batch between steps); rows keep
+        their own sampling parameters and generators.
 
         Slots beyond a sequence's length are never attended (the context is masked by `lengths`), so
         zero-padding the narrower cache keeps the invariant "cache width = longest sequence" and every value.
         """
-        if self.params != other.params:
-            raise ValueError("only batches with the same sampling parameters can share a forward")
+        if self.model is not other.model:
+            raise ValueError("only batches of the same model can share a forward")
         width = max(self.cache.get_seq_length(), other.cache.get_seq_length())
-        for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
-            mine.keys = torch.cat([_pad_width(mine.keys, width), _pad_width(theirs.keys, width)], dim=0)
-            mine.values = torch.cat([_pad_width(mine.values, width), _pad_width(theirs.values, width)], dim=0)
+        if self.batch_size == 0:
+            self.cache = other.cache
+        else:
+            for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
+                mine.keys = torch.cat([_pad_width(mine.keys, width), _pad_width(theirs.keys, width)], dim=0)
+                mine.values = torch.cat([_pad_width(mine.values, width), _pad_width(theirs.values, width)], dim=0)
         self.lengths = torch.cat([self.lengths, other.lengths])
         self.generators = [*self.generators, *other.generators]
+        self.row_params = [*self.row_params, *other.row_params]
         self.live = [*self.live, *(self.joined + b for b in other.live)]
         self.joined += other.joined
 
@@ -136,6 +164,7 @@ class TargetBatch:
             layer.values = layer.values[index, :, :width].contiguous()
         self.lengths = lengths
         self.generators = [self.generators[i] for i in keep]
+        self.row_params = [self.row_params[i] for i in keep]
         self.live = [self.live[i] for i in keep]
 
     def _take_rows(self, rows: list[int]) -> TargetBatch:
@@ -143,8 +172,9 @@ class TargetBatch:
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         lengths = self.lengths[index]
         width = int(lengths.max())
-        sub = TargetBatch(self.model)
+        sub = TargetBatch(self.model, keep_logits=self.keep_logits)
         sub.params = self.params
+        sub.row_params = [self.row_params[i] for i in rows]
         sub.cache = DynamicCache(
             ddp_cache_data=[(l.keys[index, :, :width], l.values[index, :, :width]) for l in self.cache.layers]
         )
@@ -171,8 +201,8 @@ class TargetBatch:
         outputs = self.verify(trees)
         t1 = time.perf_counter()
         verdicts = [
-            None if tree is None else accept(tree, out.logits, self.params, generator)
-            for tree, out, generator in zip(trees, outputs, self.generators)
+            None if tree is None else accept(tree, out.logits, params, generator)
+            for tree, out, params, generator in zip(trees, outputs, self.row_params, self.generators, strict=True)
         ]
         t2 = time.perf_counter()
         self.commit([v.nodes if v is not None else [] for v in verdicts])
@@ -187,6 +217,7 @@ class TargetBatch:
                 features=out.hidden[verdict.nodes],
                 next_tokens=torch.tensor(verdict.tokens[1:] + [verdict.bonus], device=self.device),
                 verdict=verdict,
+                logits=out.logits if self.keep_logits else None,
             )
             for verdict, out in zip(verdicts, outputs)
         ]

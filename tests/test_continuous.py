@@ -1,0 +1,180 @@
+"""Continuous batching (taps_ray.spec.continuous): requests join and leave the running batch between steps.
+
+Exactness is the point: whatever joins or leaves, and whichever proposer or sampling parameters its
+neighbours use, a sequence's tokens are what it would decode alone (T=0: the target's greedy chain).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from taps_ray.spec.continuous import ContinuousBatcher, Request, Result
+from taps_ray.spec.generate import NOT_DRAFTED, run_loop
+from taps_ray.spec.proposers import PlainDecoding
+from taps_ray.spec.target_batch import TargetBatch
+from taps_ray.spec.verify import SamplingParams
+
+from oracles import GreedyOracle
+
+GREEDY = SamplingParams()
+
+
+def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=[], pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
+def _request(results: dict, key, prompt, proposer, n, params=GREEDY, seed=0, **extra) -> Request:
+    def done(result: Result) -> None:
+        results[key] = result
+
+    return Request(prompt=prompt, proposer=proposer, params=params, max_tokens=n, seed=seed, on_done=done, **extra)
+
+
+def _drain(batcher: ContinuousBatcher, limit: int = 500) -> list[int]:
+    """Step until idle; returns the live batch size after each step."""
+    sizes = []
+    while batcher.busy and len(sizes) < limit:
+        batcher.step()
+        sizes.append(batcher.live)
+    assert not batcher.busy
+    return sizes
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_target):
+    model, tok = tiny_target.model, tiny_target.tokenizer
+    bos = tok.encode("<|im_start|>")[0]
+    prompts = [[bos] + tok.encode(t) for t in ("hi there", "a long prompt about numbers 1 2 3 4", "math: 12*7=", "x")]
+    return model, bos, prompts
+
+
+def test_requests_joining_mid_batch_decode_exactly_with_mixed_proposers(setup):
+    model, bos, prompts = setup
+    oracle = GreedyOracle(model, first_token=bos, depth=4)
+    batcher = ContinuousBatcher(model, stop_ids=[], max_batch_size=3)
+    results: dict = {}
+    budgets = [20, 30, 12, 16]
+    proposers = [oracle, PlainDecoding(), oracle, oracle]
+    batcher.submit(_request(results, 0, prompts[0], proposers[0], budgets[0]))
+    batcher.submit(_request(results, 1, prompts[1], proposers[1], budgets[1]))
+    for _ in range(3):
+        batcher.step()
+    assert batcher.live == 2
+    batcher.submit(_request(results, 2, prompts[2], proposers[2], budgets[2]))  # joins a running batch
+    batcher.submit(_request(results, 3, prompts[3], proposers[3], budgets[3]))  # waits: max_batch_size=3
+    batcher.step()
+    assert batcher.live == 3 and batcher.waiting == 1
+    sizes = _drain(batcher)
+    assert max(sizes) == 3 and sizes[-1] == 0
+    for i, prompt in enumerate(prompts):
+        result = results[i]
+        assert result.error is None and result.generation.finished_by == "length"
+        assert result.generation.tokens == _hf_greedy(model, prompt, budgets[i]), i
+    for i in (0, 2, 3):  # the oracle's drafts were accepted inside the shared batch
+        assert max(s.accepted for s in results[i].generation.steps) == 4
+    assert all(s.tree_size == 1 for s in results[1].generation.steps)
+    assert results[2].max_batch == 3 and results[3].max_batch >= 2 and results[0].max_batch == 3
+
+
+def test_draft_below_decides_per_step_from_the_live_batch(setup):
+    model, bos, prompts = setup
+    oracle = GreedyOracle(model, first_token=bos, depth=4)
+    batcher = ContinuousBatcher(model, stop_ids=[], max_batch_size=4, draft_below=2)
+    results: dict = {}
+    batcher.submit(_request(results, "short", prompts[0], oracle, 5))
+    batcher.submit(_request(results, "long", prompts[1], oracle, 30))
+    _drain(batcher)
+    long = results["long"].generation
+    assert long.tokens == _hf_greedy(model, prompts[1], 30)
+    heads = [s.head for s in long.steps]
+    paused = len(results["short"].generation.steps)
+    assert heads[:paused] == [NOT_DRAFTED] * paused  # two live sequences: plain steps
+    assert set(heads[paused:]) == {0} and max(s.accepted for s in long.steps[paused:]) == 4  # alone: drafting
+
+
+def test_sampling_parameters_are_per_sequence_and_follow_each_seed(setup):
+    model, _, prompts = setup
+    sampled = SamplingParams(temperature=0.8, top_k=50)
+    alone = run_loop(TargetBatch(model), PlainDecoding(), [prompts[1]], sampled, 12, [], seeds=[11])[0].tokens
+    batcher = ContinuousBatcher(model, stop_ids=[], max_batch_size=4)
+    results: dict = {}
+    batcher.submit(_request(results, "greedy", prompts[0], PlainDecoding(), 10))
+    batcher.step()
+    batcher.submit(_request(results, "sampled", prompts[1], PlainDecoding(), 12, params=sampled, seed=11))
+    _drain(batcher)
+    assert results["sampled"].generation.tokens == alone
+    assert results["greedy"].generation.tokens == _hf_greedy(model, prompts[0], 10)
+
+
+def test_stop_condition_ends_decoding_at_the_step_that_completes_it(setup):
+    model, bos, prompts = setup
+    expected = _hf_greedy(model, prompts[2], 24)
+    marker = expected[6]
+    first = expected.index(marker)
+
+    def stop(tokens: list[int], new: int) -> int | None:
+        for k in range(len(tokens) - new, len(tokens)):
+            if tokens[k] == marker:
+                return k + 1
+        return None
+
+    batcher = ContinuousBatcher(model, stop_ids=[], max_batch_size=2)
+    results: dict = {}
+    steps: list[list[int]] = []
+    batcher.submit(_request(results, 0, prompts[2], GreedyOracle(model, first_token=bos), 24, stop=stop,
+                            on_tokens=lambda tokens, _: steps.append(tokens)))
+    _drain(batcher)
+    generation = results[0].generation
+    assert generation.tokens == expected[: first + 1] and generation.finished_by == "stop"
+    assert sum(steps, []) == generation.tokens  # streamed per step, nothing past the cut
+    assert sum(s.new_tokens for s in generation.steps) + 1 == len(generation.tokens)
+
+
+def test_logprobs_come_from_the_target_distribution(setup):
+    model, bos, prompts = setup
+    batcher = ContinuousBatcher(model, stop_ids=[], max_batch_size=2)
+    results: dict = {}
+    batcher.submit(_request(results, 0, prompts[0], GreedyOracle(model, first_token=bos), 8, top_logprobs=3))
+    batcher.submit(_request(results, 1, prompts[1], PlainDecoding(), 4))
+    _drain(batcher)
+    tokens, logprobs = results[0].generation.tokens, results[0].logprobs
+    assert [lp.token for lp in logprobs] == tokens and results[1].logprobs == []
+    with torch.no_grad():
+        full = model(torch.tensor([prompts[0] + tokens])).logits[0].float().log_softmax(-1)
+    for i, lp in enumerate(logprobs):
+        row = full[len(prompts[0]) - 1 + i]
+        assert lp.logprob == pytest.approx(float(row[lp.token]), abs=1e-3)
+        assert len(lp.top) == 3 and lp.top[0][0] == lp.token  # greedy: the chosen token is the most likely
+        assert [t for t, _ in lp.top] == row.topk(3).indices.tolist()
+
+
+def test_cancelled_and_failed_requests_end_cleanly(setup):
+    model, _, prompts = setup
+    batcher = ContinuousBatcher(model, stop_ids=[], max_batch_size=2)
+    results: dict = {}
+    keep = _request(results, "keep", prompts[0], PlainDecoding(), 10)
+    gone = _request(results, "gone", prompts[1], PlainDecoding(), 30)
+    batcher.submit(keep)
+    batcher.submit(gone)
+    batcher.step()
+    gone.cancelled = True
+    _drain(batcher)
+    assert results["gone"].generation.finished_by == "cancelled"
+    assert results["keep"].generation.tokens == _hf_greedy(model, prompts[0], 10)
+    batcher.submit(_request(results, "late", prompts[2], PlainDecoding(), 10))
+    batcher.fail_all("shutting down")
+    assert results["late"].error == "RuntimeError: shutting down" and not batcher.busy
+
+
+def test_a_request_done_at_its_first_token_never_reaches_a_verification_step(setup):
+    model, _, prompts = setup
+    batcher = ContinuousBatcher(model, stop_ids=[], max_batch_size=2)
+    results: dict = {}
+    batcher.submit(_request(results, "one", prompts[0], PlainDecoding(), 1))
+    batcher.submit(_request(results, "more", prompts[1], PlainDecoding(), 3))
+    _drain(batcher)
+    assert results["one"].generation.tokens == _hf_greedy(model, prompts[0], 1)
+    assert results["one"].generation.steps == [] and len(results["more"].generation.steps) == 2
+    assert results["more"].max_batch == 1  # the finished request left before the first step
