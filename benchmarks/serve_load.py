@@ -38,7 +38,7 @@ for _name, _value in (("HF_HUB_OFFLINE", "1"), ("RAY_AUTH_MODE", "disabled"), ("
 
 import httpx  # noqa: E402
 
-from taps_ray.eval.store import atomic_write_text  # noqa: E402
+from taps_ray.fsio import atomic_write_text  # noqa: E402
 
 QUESTIONS = [
     "What is 12 times 7?",

@@ -303,14 +303,14 @@ def test_second_trainer_waits_for_the_first(base, tmp_path):
     import threading
     import time
 
-    from taps_ray.training.features import exclusive_lock
+    from taps_ray.fsio import folder_lock
 
     cfg, target = fresh(base, tmp_path)
     folder = head_dir(cfg, "eagle2", "chat")
     order = []
 
     def other_process():
-        with exclusive_lock(folder.parent / f".{folder.name}.lock"):
+        with folder_lock(folder):
             order.append("holder")
             time.sleep(0.5)
         order.append("released")

@@ -128,7 +128,7 @@ def init_ray(cfg: StudyConfig, address: str | None = None) -> None:
 def stage_data(cfg: StudyConfig, log: Callable[[str], None]) -> dict[str, Any]:
     from taps_ray.data.mixtures import build_mixture
     from taps_ray.data.sources import load_questions
-    from taps_ray.eval.store import atomic_write_text
+    from taps_ray.fsio import atomic_write_json
 
     data_dir = cfg.resolved_data_dir()
     summary: dict[str, Any] = {"mixtures": {}, "benchmarks": {}}
@@ -137,7 +137,7 @@ def stage_data(cfg: StudyConfig, log: Callable[[str], None]) -> dict[str, Any]:
         summary["mixtures"][name] = len(conversations)
     for bench, limit in cfg.eval.benchmarks.items():
         summary["benchmarks"][bench] = len(load_questions(bench, data_dir, limit=limit))
-    atomic_write_text(cfg.work_path("data.json"), json.dumps(summary, indent=2))
+    atomic_write_json(cfg.work_path("data.json"), summary)
     log(f"data: mixtures {summary['mixtures']}, benchmark questions {summary['benchmarks']}")
     return summary
 
@@ -302,9 +302,9 @@ def run_sweep(
         results["stages"][stage] = {"seconds": round(seconds, 1), **_jsonable(out)}
         log(f"stage {stage} finished in {seconds / 60:.1f} min")
     results["seconds"] = round(time.perf_counter() - sweep_start, 1)
-    from taps_ray.eval.store import atomic_write_text
+    from taps_ray.fsio import atomic_write_json
 
-    atomic_write_text(cfg.work_path("sweep.json"), json.dumps(results, indent=2, default=str))
+    atomic_write_json(cfg.work_path("sweep.json"), results, default=str)
     log(f"sweep finished in {results['seconds'] / 60:.1f} min: "
         + ", ".join(f"{k} {v['seconds'] / 60:.1f} min" for k, v in results["stages"].items()))
     return results

@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from taps_ray.config import StudyConfig
-from taps_ray.eval.store import atomic_write_text
+from taps_ray.fsio import atomic_write_json
 from taps_ray.models.draft_head import DraftHead
 from taps_ray.models.target import Target, load_target
 from taps_ray.spec.draft_vocab import draft_vocabulary
@@ -85,5 +85,5 @@ def cached_agreement(cfg: StudyConfig, head_path: str | Path, domains: Sequence[
     if cache.is_file():
         return json.loads(cache.read_text())
     result = evaluate_agreement(cfg, head_path, list(domains), target=target)
-    atomic_write_text(cache, json.dumps(result, indent=2))
+    atomic_write_json(cache, result)
     return result

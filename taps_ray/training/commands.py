@@ -26,7 +26,7 @@ from typing import Sequence
 import torch
 
 from taps_ray.config import StudyConfig, load_config
-from taps_ray.eval.store import atomic_write_text
+from taps_ray.fsio import atomic_write_json, atomic_write_text
 from taps_ray.models.target import Target, load_target
 from taps_ray.training.agreement import DEFAULT_DOMAINS, cached_agreement
 from taps_ray.training.features import extract_features
@@ -109,7 +109,7 @@ def cmd_agreement_report(cfg: StudyConfig, domains: Sequence[str] = DEFAULT_DOMA
     }
     folder = Path(output) if output else Path(cfg.reports_dir)
     folder.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(folder / "heads.json", json.dumps(summary, indent=2))
+    atomic_write_json(folder / "heads.json", summary)
     return write_report(summary, folder, domains)
 
 
