@@ -16,7 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo (or the job's working dir) first
 
-from taps_ray.cluster.sweep import add_arguments, config_from_args, init_ray, run_sweep  # noqa: E402
+from taps_ray.cluster.runtime import start_ray  # noqa: E402
+from taps_ray.cluster.sweep import add_arguments, config_from_args, run_sweep  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     cfg = config_from_args(args)
-    init_ray(cfg, args.address)  # ray.init(address=cfg.ray.address or None, ...)
+    start_ray(cfg.ray, args.address)
     command = " ".join(["python jobs/sweep.py", *(argv if argv is not None else sys.argv[1:])])
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     results = run_sweep(cfg, quick=args.quick, stages=stages, command=command)

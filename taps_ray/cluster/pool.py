@@ -423,7 +423,8 @@ class EvalPool:
     def __init__(self, config, heads: dict | None = None, env: dict[str, str] | None = None) -> None:
         import ray
 
-        from taps_ray.cluster.actors import DrafterActor, TargetWorker, process_runtime_env, runtime_env_vars
+        from taps_ray.cluster.actors import DrafterActor, TargetWorker
+        from taps_ray.cluster.runtime import process_runtime_env, runtime_env_vars
 
         self.config = config
         r = config.ray

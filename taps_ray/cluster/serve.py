@@ -66,6 +66,7 @@ from taps_ray.cluster.api_schemas import (
     Speculative,
     Usage,
 )
+from taps_ray.cluster.runtime import start_ray, start_serve
 from taps_ray.config import HeadKind, StudyConfig, load_config, parse_config
 
 logger = logging.getLogger("ray.serve")
@@ -603,22 +604,17 @@ def start(cfg: StudyConfig, host: str | None = None, port: int | None = None, ba
     """Start Serve's HTTP proxy on host:port and deploy the app (Ray must be initialised); returns the URL."""
     host = host or cfg.serve.host
     port = port or cfg.serve.port
-    serve.start(http_options={"host": host, "port": port})
+    start_serve(host, port)
     serve.run(build_app(cfg, base_dir), name=APP_NAME, route_prefix="/", blocking=False)
     return f"http://{host}:{port}"
 
 
 def cmd_serve(cfg: StudyConfig, host: str | None = None, port: int | None = None, blocking: bool = True) -> str:
-    """`taps serve`: a local loopback Ray (unless cfg.ray.address joins one), the app, then block until Ctrl-C."""
+    """`taps serve`: a local loopback Ray (unless cfg.ray.address or RAY_ADDRESS names one to join), the app,
+    then block until Ctrl-C."""
     import ray
 
-    started_ray = False
-    if not ray.is_initialized():
-        if cfg.ray.address:
-            ray.init(address=cfg.ray.address)
-        else:
-            ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1")
-        started_ray = True
+    started_ray = start_ray(cfg.ray)
     url = start(cfg, host, port)
     print(f"taps serve: {url}  (models: GET {url}/v1/models, health: GET {url}/healthz; Ctrl-C stops)", flush=True)
     if not blocking:

@@ -27,10 +27,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from taps_ray.cluster.runtime import process_runtime_env, runtime_env_vars, start_ray
 from taps_ray.config import StudyConfig, load_config
 
 STAGES = ("data", "features", "train", "eval", "report")
-LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray's single-machine mode, everything on 127.0.0.1
 QUICK_COMBINATIONS = ("confidence-routed", "merged")
 
 
@@ -91,35 +91,10 @@ def absolute_paths(cfg: StudyConfig) -> StudyConfig:
 
 
 def remote_env(cfg: StudyConfig) -> dict[str, str]:
-    from taps_ray.cluster.actors import runtime_env_vars
-
     env = runtime_env_vars()
     if cfg.data_dir:
         env["TAPS_DATA_DIR"] = cfg.data_dir
     return env
-
-
-def init_ray(cfg: StudyConfig, address: str | None = None) -> None:
-    """Join a cluster when an address is given (or RAY_ADDRESS is set, as under `ray job submit`);
-    otherwise start a local Ray on loopback with the config's CPUs."""
-    address = address or cfg.ray.address or os.environ.get("RAY_ADDRESS")
-    if not address:
-        # A single-machine Ray: Ray then takes 127.0.0.1 as the node address, and every listener (GCS, raylet,
-        # workers, agents) binds to loopback; `_node_ip_address` alone leaves the gRPC ports on 0.0.0.0.
-        os.environ.setdefault(LOOPBACK_ENV, "0")
-    import ray
-
-    if ray.is_initialized():
-        return
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # inherited by a local Ray's workers (Tune trials too)
-    if address:
-        ray.init(address=address)
-    else:
-        if os.environ.get(LOOPBACK_ENV) == "0":
-            from ray._private import ray_constants  # read when ray was first imported: it may predate us
-
-            ray_constants.ENABLE_RAY_CLUSTER = False
-        ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1")
 
 
 # --- stages --------------------------------------------------------------------------------------------------
@@ -147,7 +122,7 @@ def _features_remote():
 
     @ray.remote
     def extract(payload: str, names: list[str], env: dict[str, str]) -> dict:
-        from taps_ray.cluster.actors import prepare_process
+        from taps_ray.cluster.runtime import prepare_process
         from taps_ray.config import parse_config
         from taps_ray.models.target import load_target
         from taps_ray.training.features import extract_features
@@ -176,8 +151,6 @@ def stage_features(cfg: StudyConfig, env: dict[str, str], log: Callable[[str], N
         log(f"features: all {len(names)} feature sets cached; nothing to do")
         return {"extracted": [], "cached": names}
     log(f"features: extracting {missing} (cached: {[n for n in names if n not in missing]})")
-    from taps_ray.cluster.actors import process_runtime_env
-
     task = _features_remote().options(
         num_cpus=cfg.ray.target_num_cpus, num_gpus=cfg.ray.target_num_gpus, runtime_env=process_runtime_env()
     )
@@ -267,7 +240,7 @@ def run_sweep(
     log: Callable[[str], None] = log_line,
     command: str | None = None,
 ) -> dict[str, Any]:
-    """Run the study's stages in order on the current Ray (see `init_ray`); returns per-stage results."""
+    """Run the study's stages in order on the current Ray (see `runtime.start_ray`); returns per-stage results."""
     import ray
 
     stages = list(stages or STAGES)
@@ -277,8 +250,7 @@ def run_sweep(
     if quick:
         cfg = quick_config(cfg)
     cfg = absolute_paths(cfg)
-    if not ray.is_initialized():
-        init_ray(cfg)
+    start_ray(cfg.ray)
     env = remote_env(cfg)
     cfg.work_path().mkdir(parents=True, exist_ok=True)
     log(f"study {cfg.name}: stages {', '.join(stages)}; work dir {cfg.work_dir}; Ray {ray.cluster_resources()}")
@@ -346,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
 def cmd_sweep(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
-    init_ray(cfg, args.address)
+    start_ray(cfg.ray, args.address)
     command = f"python jobs/sweep.py --config {args.config}" + (" --quick" if args.quick else "")
     results = run_sweep(cfg, quick=args.quick, stages=stages, command=command)
     failed = results["stages"].get("eval", {}).get("failed", []) + results["stages"].get("train", {}).get("failed", [])
