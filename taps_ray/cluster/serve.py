@@ -68,13 +68,13 @@ from taps_ray.cluster.api_schemas import (
 )
 from taps_ray.cluster.runtime import start_ray, start_serve
 from taps_ray.config import HeadKind, StudyConfig, load_config, parse_config
+from taps_ray.spec.verify import MIN_TEMPERATURE
 
 logger = logging.getLogger("ray.serve")
 
 APP_NAME = "taps"
 ALIASES = {"routed": "confidence-routed"}
 REPO_ROOT = Path(__file__).resolve().parents[2]
-MIN_TEMPERATURE = 1e-6
 MIN_TOP_P = 1e-6
 
 api = FastAPI(
@@ -278,9 +278,10 @@ class TapsService:
                 "invalid_value",
             )
         seed = body.seed if body.seed is not None else random.getrandbits(63)
-        # Numerical floors (the engine samples in float32): logits / T overflows for T below ~1e-37 and a top_p
-        # below float32's smallest value rounds to 0 and drops every token. top_p < 1e-6 keeps only the most
-        # likely token exactly like 1e-6 does (its probability is >= 1/vocab > 1e-6); T < 1e-6 is as sharp.
+        # Numerical floors (the engine samples in float32): a top_p below float32's smallest value rounds to 0 and
+        # drops every token; top_p < 1e-6 keeps only the most likely token exactly like 1e-6 does (its probability
+        # is >= 1/vocab > 1e-6). T is floored at the engine's MIN_TEMPERATURE, the floor the engine applies anyway,
+        # so requests below it share one batch group.
         temperature = body.temperature if body.temperature == 0 else max(body.temperature, MIN_TEMPERATURE)
         top_p = max(body.top_p, MIN_TOP_P)
         return Job(proposer, temperature, top_p, body.top_k, prompt, max_tokens, seed)
