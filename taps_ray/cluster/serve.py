@@ -68,6 +68,7 @@ from taps_ray.cluster.api_schemas import (
 )
 from taps_ray.cluster.runtime import start_ray, start_serve
 from taps_ray.config import HeadKind, StudyConfig, load_config, parse_config
+from taps_ray.eval.diagnostics import routing_fractions
 from taps_ray.spec.verify import MIN_TEMPERATURE
 
 logger = logging.getLogger("ray.serve")
@@ -141,20 +142,10 @@ class _Observed:
 
 
 def _head_fractions(steps: list[Any], head_names: list[str]) -> dict[str, float]:
-    from taps_ray.spec.generate import NOT_DRAFTED
-
-    if not head_names or not steps:
+    """The evaluation's routing fractions by head name, rounded for the response; {} for plain decoding."""
+    if not head_names:
         return {}
-    counts: dict[str, int] = defaultdict(int)
-    for step in steps:
-        if step.head == NOT_DRAFTED:
-            name = "none"
-        elif step.head < 0:
-            name = "merged"
-        else:
-            name = head_names[step.head] if step.head < len(head_names) else str(step.head)
-        counts[name] += 1
-    return {name: round(count / len(steps), 4) for name, count in counts.items()}
+    return {name: round(fraction, 4) for name, fraction in routing_fractions(steps, head_names).items()}
 
 
 def _resolve_paths(cfg: StudyConfig, base: Path) -> StudyConfig:

@@ -15,6 +15,8 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from taps_ray.spec.generate import NOT_DRAFTED
+
 
 def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else math.nan
@@ -64,9 +66,9 @@ def tau(records: Sequence[Any]) -> float:
 
 
 def routing_fractions(records: Iterable[Any], head_names: Sequence[str] | None = None) -> dict[Any, float]:
-    """Fraction of verification steps that used each head's tree (key -1 = a merged tree).
+    """Fraction of verification steps that used each head's tree (key -1 = a merged tree, `NOT_DRAFTED` = none).
 
-    With `head_names`, heads are keyed by name ("merged" for -1); otherwise by index.
+    With `head_names`, heads are keyed by name ("merged" for -1, "none" for `NOT_DRAFTED`); otherwise by index.
     """
     counts = Counter(r.head for r in records)
     total = sum(counts.values())
@@ -76,6 +78,8 @@ def routing_fractions(records: Iterable[Any], head_names: Sequence[str] | None =
     def key(head: int) -> Any:
         if head_names is None:
             return head
+        if head == NOT_DRAFTED:
+            return "none"
         return "merged" if head < 0 else head_names[head]
 
     return {key(h): counts[h] / total for h in sorted(counts)}
