@@ -13,7 +13,7 @@ from taps_ray.config import MixtureConfig
 from taps_ray.data import sources
 from taps_ray.data.chat import build_prompt_ids, end_of_turn_ids, tokenize_conversation
 from taps_ray.data.commands import cmd_list, cmd_show
-from taps_ray.data.mixtures import MixtureError, build_mixture, mixture_counts, split_heldout
+from taps_ray.data.mixtures import MixtureError, build_mixture, mixture_counts
 from taps_ray.data.sources import DataUnavailable, list_datasets, load_conversations, load_questions, resolve
 
 REPO = Path(__file__).resolve().parents[1]
@@ -245,12 +245,3 @@ def test_mixture_larger_than_corpus_is_a_clear_error():
     config = MixtureConfig(mixture={"mathinstruct": 1.0}, size=10_000, seed=0)
     with pytest.raises(MixtureError, match="mathinstruct.*7473"):
         build_mixture(config)
-
-
-def test_split_heldout():
-    items = list(range(100))
-    train, held = split_heldout(items, 0.05, seed=1)
-    assert len(held) == 5 and len(train) == 95 and sorted(train + held) == items
-    assert split_heldout(items, 0.05, seed=1) == (train, held)
-    assert split_heldout(items, 0.05, seed=2)[1] != held
-    assert len(split_heldout(items[:3], 0.05, seed=0)[1]) == 1
