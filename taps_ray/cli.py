@@ -11,6 +11,8 @@ import os
 import sys
 from collections.abc import Callable
 
+from taps_ray.config import HEAD_KINDS
+
 Handler = Callable[[argparse.Namespace], int]
 
 
@@ -38,12 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser("train", help="train (or resume) one draft head on one mixture")
     _add_config(train)
-    train.add_argument("--kind", choices=("eagle2", "hass"), required=True)
+    train.add_argument("--kind", choices=HEAD_KINDS, required=True)
     train.add_argument("--mixture", required=True, help="a mixture name from the config (math, chat, mixed, ...)")
 
     evaluate = commands.add_parser("eval", help="evaluate proposers × benchmarks × temperatures (resumable)")
     _add_config(evaluate)
-    evaluate.add_argument("--kinds", nargs="+", choices=("eagle2", "hass"), help="default: train.kinds")
+    evaluate.add_argument("--kinds", nargs="+", choices=HEAD_KINDS, help="default: train.kinds")
     evaluate.add_argument("--proposers", nargs="+", help="default: eval.proposers")
     evaluate.add_argument("--benchmarks", nargs="+", help="default: every benchmark in eval.benchmarks")
     evaluate.add_argument("--temperatures", nargs="+", type=float, help="default: eval.temperatures")
@@ -52,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(gen)
     gen.add_argument("--proposer", default="math", help="plain, a head (math, chat, ...) or a combination")
     gen.add_argument("--prompt", required=True)
-    gen.add_argument("--kind", choices=("eagle2", "hass"), default="eagle2")
+    gen.add_argument("--kind", choices=HEAD_KINDS, default="eagle2")
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None, help="default: the config's")
@@ -74,10 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(serve_cmd)
     serve_cmd.add_argument("--host", default=None, help="listen address (default: serve.host, 127.0.0.1)")
     serve_cmd.add_argument("--port", type=int, default=None, help="port (default: serve.port, 8000)")
-    serve_cmd.add_argument("--head-kind", choices=("eagle2", "hass"), default=None, help="default: serve.head_kind")
+    serve_cmd.add_argument("--head-kind", choices=HEAD_KINDS, default=None, help="default: serve.head_kind")
     bench = commands.add_parser("bench", help="wall-clock speed vs plain decoding, HF greedy, prompt lookup, assisted")
     _add_config(bench)
-    bench.add_argument("--kind", choices=("eagle2", "hass"), default="eagle2")
+    bench.add_argument("--kind", choices=HEAD_KINDS, default="eagle2")
     bench.add_argument("--proposers", nargs="+", default=["math", "chat", "confidence-routed", "merged"])
     bench.add_argument("--per-benchmark", type=int, default=10, help="GSM8K and MT-Bench first turns each")
     bench.add_argument("--max-new-tokens", type=int, default=96)

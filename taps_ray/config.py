@@ -8,13 +8,23 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 DType = Literal["float32", "bfloat16", "float16", "float64"]
 HeadKind = Literal["eagle2", "hass"]
+HEAD_KINDS: tuple[str, ...] = get_args(HeadKind)
+
+
+def check_head_kind(kind: str) -> str:
+    """`kind` if it names a head kind, else a ValueError that lists them."""
+    if kind not in HEAD_KINDS:
+        raise ValueError(f"unknown head kind {kind!r}; use {' or '.join(HEAD_KINDS)}")
+    return kind
+
+
 TRAIN_CORPORA = ("mathinstruct", "sharegpt")
 BENCHMARKS = ("mt_bench", "gsm8k", "math_500", "svamp")
 
@@ -87,7 +97,7 @@ class FeatureConfig(_Strict):
 
 
 class TrainConfig(_Strict):
-    kinds: list[HeadKind] = ["eagle2", "hass"]
+    kinds: list[HeadKind] = list(HEAD_KINDS)
     mixtures: list[str] = Field(default_factory=lambda: ["math", "chat"])
     epochs: int = Field(2, gt=0)
     max_tokens: int | None = Field(None, gt=0, description="stop after this many trained tokens (per head)")

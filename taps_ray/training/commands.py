@@ -25,7 +25,7 @@ from typing import Sequence
 
 import torch
 
-from taps_ray.config import StudyConfig, load_config
+from taps_ray.config import HEAD_KINDS, StudyConfig, load_config
 from taps_ray.fsio import atomic_write_json, atomic_write_text
 from taps_ray.models.target import Target, load_target
 from taps_ray.training.agreement import DEFAULT_DOMAINS, cached_agreement
@@ -252,7 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if name in ("features", "train"):
             p.add_argument("--mixture", default=None, required=name == "train")
         if name == "train":
-            p.add_argument("--kind", choices=("eagle2", "hass"), required=True)
+            p.add_argument("--kind", choices=HEAD_KINDS, required=True)
         if name == "report":
             p.add_argument("--output", default=None, help="folder for heads.md (default: the config's reports_dir)")
             p.add_argument("--render-only", action="store_true",

@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from taps_ray.config import StudyConfig
+from taps_ray.config import StudyConfig, check_head_kind
 from taps_ray.fsio import atomic_dir, folder_lock
 from taps_ray.models.draft_head import DraftHead, new_head
 from taps_ray.models.target import Target, load_target
@@ -242,8 +242,7 @@ def train_head(cfg: StudyConfig, kind: str, mixture_name: str, report: Report | 
     ``report(metrics)`` is called after every epoch's checkpoint is written. ``stop_after_epochs`` ends the
     run early after that many epochs of this call, as a kill would (for tests); no ``final`` is written then.
     """
-    if kind not in ("eagle2", "hass"):
-        raise ValueError(f"unknown head kind {kind!r}; use eagle2 or hass")
+    check_head_kind(kind)
     folder = head_dir(cfg, kind, mixture_name)
     with folder_lock(folder):  # a second process training the same head waits, then reuses it
         return _train_head(cfg, kind, mixture_name, report, target, progress, stop_after_epochs)
