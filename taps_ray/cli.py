@@ -7,7 +7,6 @@ data, missing model or head, unknown proposer) print one line and exit 2 instead
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Callable
 
@@ -152,8 +151,6 @@ def _report(args: argparse.Namespace) -> int:
 def _sweep(args: argparse.Namespace) -> int:
     from taps_ray.cluster.sweep import cmd_sweep
 
-    if args.data_dir:
-        os.environ["TAPS_DATA_DIR"] = args.data_dir
     return cmd_sweep(args)
 
 
@@ -193,11 +190,9 @@ HANDLERS: dict[str, Handler] = {
 
 
 def _config(args: argparse.Namespace):
-    from taps_ray.config import load_config
+    from taps_ray.config import load_config, with_overrides
 
-    if args.data_dir:
-        os.environ["TAPS_DATA_DIR"] = args.data_dir
-    return load_config(args.config)
+    return with_overrides(load_config(args.config), data_dir=args.data_dir)
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

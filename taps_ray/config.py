@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 DType = Literal["float32", "bfloat16", "float16", "float64"]
 HeadKind = Literal["eagle2", "hass"]
 HEAD_KINDS: tuple[str, ...] = get_args(HeadKind)
+DATA_DIR_ENV = "TAPS_DATA_DIR"
 
 
 def check_head_kind(kind: str) -> str:
@@ -240,7 +241,8 @@ class StudyConfig(_Strict):
         return self
 
     def resolved_data_dir(self) -> Path | None:
-        value = os.environ.get("TAPS_DATA_DIR") or self.data_dir
+        """TAPS_DATA_DIR (which a --data-dir flag sets, see `with_overrides`) over the YAML's data_dir."""
+        value = os.environ.get(DATA_DIR_ENV) or self.data_dir
         return Path(value).expanduser() if value else None
 
     def work_path(self, *parts: str) -> Path:
@@ -278,3 +280,18 @@ def load_config(path: str | os.PathLike) -> StudyConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"config {path} must be a YAML mapping of fields, got {type(data).__name__}")
     return parse_config(data, str(path))
+
+
+def with_overrides(cfg: StudyConfig, *, data_dir: str | None = None, work_dir: str | None = None,
+                   reports_dir: str | None = None) -> StudyConfig:
+    """The one place command-line values override a loaded config (None keeps the config's value).
+
+    The data folder's precedence is: the flag, then TAPS_DATA_DIR, then the YAML's data_dir. A flag is also
+    written to TAPS_DATA_DIR, so the data loaders and every process started later (Ray actors, Tune trials)
+    see the same folder.
+    """
+    if data_dir:
+        os.environ[DATA_DIR_ENV] = data_dir
+    update = {"data_dir": data_dir, "work_dir": work_dir, "reports_dir": reports_dir}
+    update = {key: value for key, value in update.items() if value}
+    return cfg.model_copy(update=update) if update else cfg

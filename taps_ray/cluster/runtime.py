@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from taps_ray.config import RayConfig
+from taps_ray.config import DATA_DIR_ENV, RayConfig
 
 LOOPBACK = "127.0.0.1"
 # "0" puts Ray in its single-machine mode: it takes 127.0.0.1 as the node address and binds every gRPC server
@@ -30,7 +30,7 @@ ENV_KEYS = (
     "TRANSFORMERS_OFFLINE",
     "HF_DATASETS_OFFLINE",
     "HF_HOME",
-    "TAPS_DATA_DIR",
+    DATA_DIR_ENV,
     "TAPS_CACHE",
     "TOKENIZERS_PARALLELISM",
 )

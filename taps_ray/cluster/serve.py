@@ -67,7 +67,7 @@ from taps_ray.cluster.api_schemas import (
     Usage,
 )
 from taps_ray.cluster.runtime import start_ray, start_serve
-from taps_ray.config import HeadKind, StudyConfig, load_config, parse_config
+from taps_ray.config import HeadKind, StudyConfig, load_config, parse_config, with_overrides
 from taps_ray.eval.diagnostics import routing_fractions
 from taps_ray.spec.verify import MIN_TEMPERATURE
 
@@ -587,9 +587,7 @@ def app_builder(args: dict[str, str]) -> serve.Application:
                                        "max_batch_size": parsed.max_batch_size}.items() if v is not None}
     if serve_update:
         cfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update=serve_update)})
-    if parsed.work_dir:
-        cfg = cfg.model_copy(update={"work_dir": parsed.work_dir})
-    return build_app(cfg, base)
+    return build_app(with_overrides(cfg, work_dir=parsed.work_dir), base)
 
 
 def start(cfg: StudyConfig, host: str | None = None, port: int | None = None, base_dir: str | Path | None = None) -> str:

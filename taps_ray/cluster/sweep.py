@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from taps_ray.cluster.runtime import process_runtime_env, runtime_env_vars, start_ray
-from taps_ray.config import StudyConfig, load_config
+from taps_ray.config import DATA_DIR_ENV, StudyConfig, load_config, with_overrides
 
 STAGES = ("data", "features", "train", "eval", "report")
 QUICK_COMBINATIONS = ("confidence-routed", "merged")
@@ -93,7 +93,7 @@ def absolute_paths(cfg: StudyConfig) -> StudyConfig:
 def remote_env(cfg: StudyConfig) -> dict[str, str]:
     env = runtime_env_vars()
     if cfg.data_dir:
-        env["TAPS_DATA_DIR"] = cfg.data_dir
+        env[DATA_DIR_ENV] = cfg.data_dir
     return env
 
 
@@ -299,13 +299,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> StudyConfig:
-    cfg = load_config(args.config)
-    update = {}
-    if args.work_dir:
-        update["work_dir"] = args.work_dir
-    if args.reports_dir:
-        update["reports_dir"] = args.reports_dir
-    return cfg.model_copy(update=update) if update else cfg
+    """The config with the flags applied (`taps sweep` also has the global --data-dir; jobs/sweep.py has not)."""
+    return with_overrides(load_config(args.config), data_dir=getattr(args, "data_dir", None), work_dir=args.work_dir,
+                          reports_dir=args.reports_dir)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,7 @@ from typing import Sequence
 
 import torch
 
-from taps_ray.config import HEAD_KINDS, StudyConfig, load_config
+from taps_ray.config import HEAD_KINDS, StudyConfig, load_config, with_overrides
 from taps_ray.fsio import atomic_write_json, atomic_write_text
 from taps_ray.models.target import Target, load_target
 from taps_ray.training.agreement import DEFAULT_DOMAINS, cached_agreement
@@ -248,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in ("features", "train", "report"):
         p = sub.add_parser(name)
         p.add_argument("--config", required=True)
-        p.add_argument("--data-dir", default=None, help="local data directory (overrides the config's data_dir)")
+        p.add_argument("--data-dir", default=None, help="local data directory (overrides TAPS_DATA_DIR and the config's data_dir)")
         if name in ("features", "train"):
             p.add_argument("--mixture", default=None, required=name == "train")
         if name == "train":
@@ -259,9 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                            help="only re-render heads.md from the heads.json of an earlier run")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    cfg = load_config(args.config)
-    if args.data_dir:
-        cfg = cfg.model_copy(update={"data_dir": args.data_dir})
+    cfg = with_overrides(load_config(args.config), data_dir=args.data_dir)
     if args.command == "features":
         cmd_features(cfg, args.mixture)
     elif args.command == "train":
