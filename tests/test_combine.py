@@ -414,8 +414,6 @@ def test_accepted_vs_rejected_and_fractions():
     paused = [*records, _record([], [], [], head=NOT_DRAFTED)]  # drafting paused: a step that verified only the root
     assert diagnostics.routing_fractions(paused, ["math", "chat"]) == {
         "none": pytest.approx(1 / 4), "merged": pytest.approx(2 / 4), "math": pytest.approx(1 / 4)}
-    assert diagnostics.accepted_source_fractions(records) == {0: pytest.approx(1 / 3), 1: pytest.approx(2 / 3)}
-    assert diagnostics.mean_node_confidence(records) == pytest.approx(2.5 / 5)
     assert diagnostics.tau(records) == 1.0
 
 

@@ -50,16 +50,6 @@ def accepted_vs_rejected(records: Iterable[Any], source: int | None = None) -> d
     return out
 
 
-def mean_node_confidence(records: Iterable[Any]) -> float:
-    """Mean cumulative confidence over every drafted node of every step (the §6.3 router score)."""
-    return _mean([c for r in records for c in r.node_confidence])
-
-
-def mean_node_entropy(records: Iterable[Any]) -> float:
-    """Mean node entropy over every drafted node of every step."""
-    return _mean([e for r in records for e in r.node_entropy])
-
-
 def tau(records: Sequence[Any]) -> float:
     """Tokens per verification step (Spec-Bench #MAT, trimmed new tokens), as `Generation.tau`."""
     return sum(r.new_tokens for r in records) / len(records) if records else math.nan
@@ -83,13 +73,6 @@ def routing_fractions(records: Iterable[Any], head_names: Sequence[str] | None =
         return "merged" if head < 0 else head_names[head]
 
     return {key(h): counts[h] / total for h in sorted(counts)}
-
-
-def accepted_source_fractions(records: Iterable[Any]) -> dict[int, float]:
-    """For merged trees: the fraction of accepted drafted nodes that each head drafted (`node_source`)."""
-    counts = Counter(src for r in records for src, acc in zip(r.node_source, r.node_accepted) if acc)
-    total = sum(counts.values())
-    return {s: counts[s] / total for s in sorted(counts)} if total else {}
 
 
 def signal_agreement(

@@ -365,8 +365,3 @@ def _train_head(cfg: StudyConfig, kind: str, mixture_name: str, report: Report |
         bar.close()
     assert last_dir is not None
     return write_final(folder, last_dir, state)
-
-
-def load_final_metrics(head_path: str | Path) -> dict:
-    path = Path(head_path) / METRICS_FILE
-    return json.loads(path.read_text()) if path.is_file() else {}
