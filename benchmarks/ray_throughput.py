@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a single-machine Ray: every listener on loopback
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
@@ -116,6 +115,7 @@ def evaluation(cfg: StudyConfig, target, heads_cfg: StudyConfig, kind: str, prop
 
     from taps_ray.cluster.actors import pack_heads
     from taps_ray.cluster.eval_pool import EvalPool
+    from taps_ray.cluster.runtime import start_ray
     from taps_ray.eval.runner import run_cell
     from taps_ray.eval.store import Cell, ResultsStore
     from taps_ray.proposer_setup import load_heads
@@ -125,7 +125,7 @@ def evaluation(cfg: StudyConfig, target, heads_cfg: StudyConfig, kind: str, prop
     threads = torch.get_num_threads()
     results: dict = {"cells": [c.id for c in cells], "in_process": [], "ray": {d: [] for d in drafters}, "identical": {}}
     reference = {}
-    ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    start_ray(cfg.ray, log_to_driver=False)
     try:
         pools = {}
         for d in drafters:

@@ -32,13 +32,12 @@ from collections import defaultdict
 from pathlib import Path
 from urllib.parse import urlparse
 
-for _name, _value in (("HF_HUB_OFFLINE", "1"), ("RAY_AUTH_MODE", "disabled"), ("RAY_USAGE_STATS_ENABLED", "0"),
-                      ("TOKENIZERS_PARALLELISM", "false")):
+for _name, _value in (("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
     os.environ.setdefault(_name, _value)
 
 import httpx  # noqa: E402
 
-from taps_ray.eval.store import atomic_write_text  # noqa: E402
+from taps_ray.fsio import atomic_write_text  # noqa: E402
 
 QUESTIONS = [
     "What is 12 times 7?",
@@ -123,9 +122,9 @@ def _expected(cfg, max_tokens: int) -> dict[str, str]:
 
 def _start_service(cfg, random_heads: bool) -> tuple[str, str]:
     """A loopback Ray + Serve in this process; returns (url, note about heads)."""
-    import ray
     from ray import serve
 
+    from taps_ray.cluster.runtime import start_ray, start_serve
     from taps_ray.cluster.serve import build_app
     from taps_ray.models.draft_head import new_head
     from taps_ray.models.target import load_target
@@ -140,9 +139,9 @@ def _start_service(cfg, random_heads: bool) -> tuple[str, str]:
             new_head(target.model.config, seed=seed).save(head_checkpoint(cfg, cfg.serve.head_kind, mixture))
         note = f"random (untrained) {cfg.serve.head_kind} heads for {', '.join(cfg.train.mixtures)}"
         del target
-    ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    start_ray(cfg.ray, log_to_driver=False)
     port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    start_serve(port=port)
     serve.run(build_app(cfg), name="taps-load", route_prefix="/")
     return f"http://127.0.0.1:{port}", note
 

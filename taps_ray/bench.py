@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from taps_ray.config import StudyConfig, TreeConfig
 from taps_ray.data.chat import build_prompt_ids
 from taps_ray.data.sources import load_questions
-from taps_ray.eval.store import atomic_write_text
+from taps_ray.fsio import atomic_write_text
 from taps_ray.models.target import Target, load_target
 from taps_ray.proposer_setup import load_proposers
 from taps_ray.report.tables import fmt, md_table

@@ -7,9 +7,10 @@ data, missing model or head, unknown proposer) print one line and exit 2 instead
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Callable
+
+from taps_ray.config import HEAD_KINDS
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -38,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser("train", help="train (or resume) one draft head on one mixture")
     _add_config(train)
-    train.add_argument("--kind", choices=("eagle2", "hass"), required=True)
+    train.add_argument("--kind", choices=HEAD_KINDS, required=True)
     train.add_argument("--mixture", required=True, help="a mixture name from the config (math, chat, mixed, ...)")
 
     agreement = commands.add_parser("agreement", help="measure the held-out agreement of every trained head (cached)")
@@ -46,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     evaluate = commands.add_parser("eval", help="evaluate proposers × benchmarks × temperatures (resumable)")
     _add_config(evaluate)
-    evaluate.add_argument("--kinds", nargs="+", choices=("eagle2", "hass"), help="default: train.kinds")
+    evaluate.add_argument("--kinds", nargs="+", choices=HEAD_KINDS, help="default: train.kinds")
     evaluate.add_argument("--proposers", nargs="+", help="default: eval.proposers")
     evaluate.add_argument("--benchmarks", nargs="+", help="default: every benchmark in eval.benchmarks")
     evaluate.add_argument("--temperatures", nargs="+", type=float, help="default: eval.temperatures")
@@ -55,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(gen)
     gen.add_argument("--proposer", default="math", help="plain, a head (math, chat, ...) or a combination")
     gen.add_argument("--prompt", required=True)
-    gen.add_argument("--kind", choices=("eagle2", "hass"), default="eagle2")
+    gen.add_argument("--kind", choices=HEAD_KINDS, default="eagle2")
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None, help="default: the config's")
@@ -83,10 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(serve_cmd)
     serve_cmd.add_argument("--host", default=None, help="listen address (default: serve.host, 127.0.0.1)")
     serve_cmd.add_argument("--port", type=int, default=None, help="port (default: serve.port, 8000)")
-    serve_cmd.add_argument("--head-kind", choices=("eagle2", "hass"), default=None, help="default: serve.head_kind")
+    serve_cmd.add_argument("--head-kind", choices=HEAD_KINDS, default=None, help="default: serve.head_kind")
     bench = commands.add_parser("bench", help="wall-clock speed vs plain decoding, HF greedy, prompt lookup, assisted")
     _add_config(bench)
-    bench.add_argument("--kind", choices=("eagle2", "hass"), default="eagle2")
+    bench.add_argument("--kind", choices=HEAD_KINDS, default="eagle2")
     bench.add_argument("--proposers", nargs="+", default=["math", "chat", "confidence-routed", "merged"])
     bench.add_argument("--per-benchmark", type=int, default=10, help="GSM8K and MT-Bench first turns each")
     bench.add_argument("--max-new-tokens", type=int, default=96)
@@ -178,8 +179,6 @@ def _heads_report(args: argparse.Namespace) -> int:
 def _sweep(args: argparse.Namespace) -> int:
     from taps_ray.cluster.sweep import cmd_sweep
 
-    if args.data_dir:
-        os.environ["TAPS_DATA_DIR"] = args.data_dir
     return cmd_sweep(args)
 
 
@@ -221,11 +220,9 @@ HANDLERS: dict[str, Handler] = {
 
 
 def _config(args: argparse.Namespace):
-    from taps_ray.config import load_config
+    from taps_ray.config import load_config, with_overrides
 
-    if args.data_dir:
-        os.environ["TAPS_DATA_DIR"] = args.data_dir
-    return load_config(args.config)
+    return with_overrides(load_config(args.config), data_dir=args.data_dir)
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

@@ -8,13 +8,24 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 DType = Literal["float32", "bfloat16", "float16", "float64"]
 HeadKind = Literal["eagle2", "hass"]
+HEAD_KINDS: tuple[str, ...] = get_args(HeadKind)
+DATA_DIR_ENV = "TAPS_DATA_DIR"
+
+
+def check_head_kind(kind: str) -> str:
+    """`kind` if it names a head kind, else a ValueError that lists them."""
+    if kind not in HEAD_KINDS:
+        raise ValueError(f"unknown head kind {kind!r}; use {' or '.join(HEAD_KINDS)}")
+    return kind
+
+
 TRAIN_CORPORA = ("mathinstruct", "sharegpt")
 BENCHMARKS = ("mt_bench", "gsm8k", "math_500", "svamp")
 
@@ -87,7 +98,7 @@ class FeatureConfig(_Strict):
 
 
 class TrainConfig(_Strict):
-    kinds: list[HeadKind] = ["eagle2", "hass"]
+    kinds: list[HeadKind] = list(HEAD_KINDS)
     mixtures: list[str] = Field(default_factory=lambda: ["math", "chat"])
     epochs: int = Field(2, gt=0)
     max_tokens: int | None = Field(None, gt=0, description="stop after this many trained tokens (per head)")
@@ -236,7 +247,8 @@ class StudyConfig(_Strict):
         return self
 
     def resolved_data_dir(self) -> Path | None:
-        value = os.environ.get("TAPS_DATA_DIR") or self.data_dir
+        """TAPS_DATA_DIR (which a --data-dir flag sets, see `with_overrides`) over the YAML's data_dir."""
+        value = os.environ.get(DATA_DIR_ENV) or self.data_dir
         return Path(value).expanduser() if value else None
 
     def work_path(self, *parts: str) -> Path:
@@ -274,3 +286,18 @@ def load_config(path: str | os.PathLike) -> StudyConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"config {path} must be a YAML mapping of fields, got {type(data).__name__}")
     return parse_config(data, str(path))
+
+
+def with_overrides(cfg: StudyConfig, *, data_dir: str | None = None, work_dir: str | None = None,
+                   reports_dir: str | None = None) -> StudyConfig:
+    """The one place command-line values override a loaded config (None keeps the config's value).
+
+    The data folder's precedence is: the flag, then TAPS_DATA_DIR, then the YAML's data_dir. A flag is also
+    written to TAPS_DATA_DIR, so the data loaders and every process started later (Ray actors, Tune trials)
+    see the same folder.
+    """
+    if data_dir:
+        os.environ[DATA_DIR_ENV] = data_dir
+    update = {"data_dir": data_dir, "work_dir": work_dir, "reports_dir": reports_dir}
+    update = {key: value for key, value in update.items() if value}
+    return cfg.model_copy(update=update) if update else cfg

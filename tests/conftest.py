@@ -8,16 +8,14 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # single-machine mode: every Ray listener on 127.0.0.1
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads starve Ray actors on 2 cores
 
 import pytest
 import torch
 
-from taps_ray.config import StudyConfig, TargetConfig, TinyTargetConfig, load_config
+from taps_ray.cluster.runtime import start_ray
+from taps_ray.config import RayConfig, StudyConfig, TargetConfig, TinyTargetConfig, load_config
 from taps_ray.models.target import Target, load_target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,7 +51,7 @@ def ray_session():
     """One local Ray cluster for the whole test session, loopback only, no dashboard."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    start_ray(RayConfig(num_cpus=2), log_to_driver=False)
     yield ray
     ray.shutdown()
 

@@ -22,7 +22,7 @@ from taps_ray.spec.combine import (
     prune_tree,
     split_budget,
 )
-from taps_ray.spec.generate import StepRecord, generate
+from taps_ray.spec.generate import NOT_DRAFTED, StepRecord, generate
 from taps_ray.spec.proposers import SingleHead
 from taps_ray.spec.registry import UnknownProposer, averaged_weight, build_proposer, combination_names
 from taps_ray.spec.target_batch import TargetBatch
@@ -419,8 +419,9 @@ def test_accepted_vs_rejected_and_fractions():
     assert diagnostics.routing_fractions(records) == {-1: pytest.approx(2 / 3), 0: pytest.approx(1 / 3)}
     named = diagnostics.routing_fractions(records, ["math", "chat"])
     assert named == {"merged": pytest.approx(2 / 3), "math": pytest.approx(1 / 3)}
-    assert diagnostics.accepted_source_fractions(records) == {0: pytest.approx(1 / 3), 1: pytest.approx(2 / 3)}
-    assert diagnostics.mean_node_confidence(records) == pytest.approx(2.5 / 5)
+    paused = [*records, _record([], [], [], head=NOT_DRAFTED)]  # drafting paused: a step that verified only the root
+    assert diagnostics.routing_fractions(paused, ["math", "chat"]) == {
+        "none": pytest.approx(1 / 4), "merged": pytest.approx(2 / 4), "math": pytest.approx(1 / 4)}
     assert diagnostics.tau(records) == 1.0
 
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from taps_ray.config import MixtureConfig
+from taps_ray.config import DATA_DIR_ENV, MixtureConfig, load_config, with_overrides
 from taps_ray.data import sources
 from taps_ray.data.chat import build_prompt_ids, end_of_turn_ids, tokenize_conversation
 from taps_ray.data.commands import cmd_list, cmd_show
-from taps_ray.data.mixtures import MixtureError, build_mixture, mixture_counts, split_heldout
+from taps_ray.data.mixtures import MixtureError, build_mixture, mixture_counts
 from taps_ray.data.sources import DataUnavailable, list_datasets, load_conversations, load_questions, resolve
 
 REPO = Path(__file__).resolve().parents[1]
@@ -247,10 +247,14 @@ def test_mixture_larger_than_corpus_is_a_clear_error():
         build_mixture(config)
 
 
-def test_split_heldout():
-    items = list(range(100))
-    train, held = split_heldout(items, 0.05, seed=1)
-    assert len(held) == 5 and len(train) == 95 and sorted(train + held) == items
-    assert split_heldout(items, 0.05, seed=1) == (train, held)
-    assert split_heldout(items, 0.05, seed=2)[1] != held
-    assert len(split_heldout(items[:3], 0.05, seed=0)[1]) == 1
+def test_data_dir_precedence_is_flag_then_env_then_yaml(monkeypatch, tmp_path):
+    """Every command applies --data-dir through `with_overrides`: flag > TAPS_DATA_DIR > the config's data_dir."""
+    cfg = load_config(REPO / "configs" / "tiny.yaml").model_copy(update={"data_dir": str(tmp_path / "yaml")})
+    monkeypatch.delenv(DATA_DIR_ENV, raising=False)
+    assert cfg.resolved_data_dir() == tmp_path / "yaml"
+    monkeypatch.setenv(DATA_DIR_ENV, str(tmp_path / "env"))
+    assert cfg.resolved_data_dir() == tmp_path / "env"
+    assert with_overrides(cfg).resolved_data_dir() == tmp_path / "env"
+    flagged = with_overrides(cfg, data_dir=str(tmp_path / "flag"), work_dir=str(tmp_path / "work"))
+    assert flagged.resolved_data_dir() == tmp_path / "flag" == sources.local_data_dir()  # loaders see the flag too
+    assert flagged.work_dir == str(tmp_path / "work") and flagged.reports_dir == cfg.reports_dir

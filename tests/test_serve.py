@@ -24,6 +24,7 @@ import yaml
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 
+from taps_ray.cluster.runtime import start_serve
 from taps_ray.cluster.serve import AppArgs, app_builder, build_app
 from taps_ray.data.chat import render_ids
 from taps_ray.models.draft_head import new_head
@@ -77,7 +78,7 @@ def service(ray_session, tiny_config, tiny_target, tmp_path_factory):
     for seed, mixture in enumerate(("math", "chat"), start=1):
         new_head(tiny_target.model.config, seed=seed).save(head_checkpoint(cfg, "eagle2", mixture))
     port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    start_serve(port=port)
     try:
         serve.run(build_app(cfg), name="taps-test", route_prefix="/")
         url = f"http://127.0.0.1:{port}"

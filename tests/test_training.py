@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -114,6 +115,17 @@ def test_features_reused_and_killed_run_redoes_only_missing_shards(base, tmp_pat
     other = cfg.model_copy(deep=True)
     other.features.max_len = 80
     assert features_folder(other, "chat") != folder  # the key follows the settings
+
+
+def test_heldout_rule_is_seeded_and_keeps_both_sides():
+    """The one held-out rule: seeded, about `fraction` held out, at least one of each side from two items up."""
+    items = [SimpleNamespace(id=f"conv-{i}") for i in range(400)]
+    train, held = split_examples(items, 0.05, seed=1)
+    assert 8 <= len(held) <= 35 and len(train) + len(held) == 400
+    assert split_examples(items, 0.05, seed=1) == (train, held)
+    assert split_examples(items, 0.05, seed=2)[1] != held
+    assert [len(part) for part in split_examples(items[:3], 0.05, seed=0)] == [2, 1]
+    assert [len(part) for part in split_examples(items[:3], 0.99, seed=0)] == [1, 2]
 
 
 def test_heldout_split_is_per_id_and_consistent_across_mixtures(base):
@@ -325,14 +337,14 @@ def test_second_trainer_waits_for_the_first(base, tmp_path):
     import threading
     import time
 
-    from taps_ray.training.features import exclusive_lock
+    from taps_ray.fsio import folder_lock
 
     cfg, target = fresh(base, tmp_path)
     folder = head_dir(cfg, "eagle2", "chat")
     order = []
 
     def other_process():
-        with exclusive_lock(folder.parent / f".{folder.name}.lock"):
+        with folder_lock(folder):
             order.append("holder")
             time.sleep(0.5)
         order.append("released")

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import socket
@@ -24,42 +23,12 @@ from typing import Any
 import ray
 import torch
 
+from taps_ray.cluster.runtime import prepare_process
 from taps_ray.cluster.verification import VerificationPool
 from taps_ray.config import StudyConfig, parse_config
 from taps_ray.spec.target_batch import Committed
 from taps_ray.spec.tree import DraftTree
 from taps_ray.spec.verify import SamplingParams
-
-# What a remote process must see as the driver does (offline switches, local data, caches).
-ENV_KEYS = (
-    "HF_HUB_OFFLINE",
-    "TRANSFORMERS_OFFLINE",
-    "HF_DATASETS_OFFLINE",
-    "HF_HOME",
-    "TAPS_DATA_DIR",
-    "TAPS_CACHE",
-    "TOKENIZERS_PARALLELISM",
-)
-
-
-def runtime_env_vars() -> dict[str, str]:
-    return {key: os.environ[key] for key in ENV_KEYS if key in os.environ}
-
-
-def process_runtime_env() -> dict:
-    """Set when the actor's process starts, before torch loads: OpenMP threads sleep instead of spinning while
-    they wait. A drafter and its target worker take turns on the same cores; spinning idle threads of one
-    would steal them from the other (on the shared 2-core CPU that cost 2.5-3x, see taps_ray/training)."""
-    return {"env_vars": {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"), "TOKENIZERS_PARALLELISM": "false"}}
-
-
-def prepare_process(env: dict[str, str], threads: int | None, num_cpus: float) -> int:
-    """Apply the driver's environment and pin torch's thread count (Ray sets OMP_NUM_THREADS to the CPUs)."""
-    os.environ.update(env)
-    n = threads or max(1, math.ceil(num_cpus))
-    torch.set_num_threads(n)
-    return n
-
 
 def _config(payload: str) -> StudyConfig:
     return parse_config(json.loads(payload), "<driver>")

@@ -14,7 +14,8 @@ from typing import Any
 import ray
 import ray.exceptions
 
-from taps_ray.cluster.actors import DrafterActor, TargetWorker, process_runtime_env, runtime_env_vars
+from taps_ray.cluster.actors import DrafterActor, TargetWorker
+from taps_ray.cluster.runtime import process_runtime_env, runtime_env_vars
 from taps_ray.cluster.verification import SessionLost
 
 log = logging.getLogger(__name__)

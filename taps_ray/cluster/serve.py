@@ -66,18 +66,19 @@ from taps_ray.cluster.api_schemas import (
     SamplingFields,
     Speculative,
 )
+from taps_ray.cluster.runtime import start_ray, start_serve
 from taps_ray.cluster.serve_metrics import serve_metrics
 from taps_ray.cluster.serve_output import ChoiceStream, TextOutput, speculative, usage
 from taps_ray.cluster.serve_scheduler import DecodeLoop, Overloaded, Ticket
-from taps_ray.config import HeadKind, StudyConfig, load_config, parse_config
+from taps_ray.config import HeadKind, StudyConfig, load_config, parse_config, with_overrides
 from taps_ray.spec.continuous import ContinuousBatcher, Result, TokenLogprob
+from taps_ray.spec.verify import MIN_TEMPERATURE
 
 logger = logging.getLogger("ray.serve")
 
 APP_NAME = "taps"
 ALIASES = {"routed": "confidence-routed"}
 REPO_ROOT = Path(__file__).resolve().parents[2]
-MIN_TEMPERATURE = 1e-6
 MIN_TOP_P = 1e-6
 SHUTDOWN_GRACE_S = 5.0  # after Serve's own drain: how long the running batch may still finish
 
@@ -234,9 +235,10 @@ class TapsService:
                 "invalid_value",
             )
         seed = body.seed if body.seed is not None else random.getrandbits(63)
-        # Numerical floors (the engine samples in float32): logits / T overflows for T below ~1e-37 and a top_p
-        # below float32's smallest value rounds to 0 and drops every token. top_p < 1e-6 keeps only the most
-        # likely token exactly like 1e-6 does (its probability is >= 1/vocab > 1e-6); T < 1e-6 is as sharp.
+        # Numerical floors (the engine samples in float32): a top_p below float32's smallest value rounds to 0 and
+        # drops every token; top_p < 1e-6 keeps only the most likely token exactly like 1e-6 does (its probability
+        # is >= 1/vocab > 1e-6). T is floored at the engine's MIN_TEMPERATURE, the floor the engine applies anyway,
+        # so requests below it share one batch group.
         temperature = body.temperature if body.temperature == 0 else max(body.temperature, MIN_TEMPERATURE)
         top_p = max(body.top_p, MIN_TOP_P)
         return Job(proposer, temperature, top_p, body.top_k, prompt, max_tokens, seed, top_logprobs)
@@ -532,31 +534,24 @@ def app_builder(args: dict[str, str]) -> serve.Application:
                                        "max_batch_size": parsed.max_batch_size}.items() if v is not None}
     if serve_update:
         cfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update=serve_update)})
-    if parsed.work_dir:
-        cfg = cfg.model_copy(update={"work_dir": parsed.work_dir})
-    return build_app(cfg, base)
+    return build_app(with_overrides(cfg, work_dir=parsed.work_dir), base)
 
 
 def start(cfg: StudyConfig, host: str | None = None, port: int | None = None, base_dir: str | Path | None = None) -> str:
     """Start Serve's HTTP proxy on host:port and deploy the app (Ray must be initialised); returns the URL."""
     host = host or cfg.serve.host
     port = port or cfg.serve.port
-    serve.start(http_options={"host": host, "port": port})
+    start_serve(host, port)
     serve.run(build_app(cfg, base_dir), name=APP_NAME, route_prefix="/", blocking=False)
     return f"http://{host}:{port}"
 
 
 def cmd_serve(cfg: StudyConfig, host: str | None = None, port: int | None = None, blocking: bool = True) -> str:
-    """`taps serve`: a local loopback Ray (unless cfg.ray.address joins one), the app, then block until Ctrl-C."""
+    """`taps serve`: a local loopback Ray (unless cfg.ray.address or RAY_ADDRESS names one to join), the app,
+    then block until Ctrl-C."""
     import ray
 
-    started_ray = False
-    if not ray.is_initialized():
-        if cfg.ray.address:
-            ray.init(address=cfg.ray.address)
-        else:
-            ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1")
-        started_ray = True
+    started_ray = start_ray(cfg.ray)
     url = start(cfg, host, port)
     print(f"taps serve: {url}  (models: GET {url}/v1/models, health: GET {url}/healthz; Ctrl-C stops)", flush=True)
     if not blocking:

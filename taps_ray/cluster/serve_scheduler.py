@@ -12,13 +12,12 @@ import asyncio
 import logging
 import math
 import time
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from taps_ray.cluster.serve_metrics import ServeMetrics
+from taps_ray.eval.diagnostics import head_counts
 from taps_ray.spec.continuous import ContinuousBatcher, Request, Result, TokenLogprob
-from taps_ray.spec.generate import NOT_DRAFTED
 
 logger = logging.getLogger("ray.serve")
 
@@ -64,19 +63,8 @@ class Ticket:
 
 
 def head_steps(result: Result, head_names: list[str]) -> dict[str, int]:
-    """Verification steps per head whose tree was verified ("merged", "none" when drafting was paused); empty
-    for plain decoding (no heads)."""
-    counts: Counter = Counter()
-    if not head_names:
-        return {}
-    for step in result.generation.steps:
-        if step.head == NOT_DRAFTED:
-            counts["none"] += 1
-        elif step.head < 0:
-            counts["merged"] += 1
-        else:
-            counts[head_names[step.head] if step.head < len(head_names) else str(step.head)] += 1
-    return dict(counts)
+    """Verification steps per head of one request (`diagnostics.head_counts`); empty for plain decoding."""
+    return dict(head_counts(result.generation.steps, head_names)) if head_names else {}
 
 
 class DecodeLoop:

@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from taps_ray import workdir
-from taps_ray.config import StudyConfig, load_config
+from taps_ray.cluster.runtime import process_runtime_env, runtime_env_vars
+from taps_ray.config import DATA_DIR_ENV, StudyConfig, load_config, with_overrides
 
 STAGES = ("data", "features", "train", "eval", "report")
-LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray's single-machine mode, everything on 127.0.0.1
 QUICK_COMBINATIONS = ("confidence-routed", "merged")
 
 
@@ -93,35 +93,10 @@ def absolute_paths(cfg: StudyConfig) -> StudyConfig:
 
 
 def remote_env(cfg: StudyConfig) -> dict[str, str]:
-    from taps_ray.cluster.actors import runtime_env_vars
-
     env = runtime_env_vars()
     if cfg.data_dir:
-        env["TAPS_DATA_DIR"] = cfg.data_dir
+        env[DATA_DIR_ENV] = cfg.data_dir
     return env
-
-
-def init_ray(cfg: StudyConfig, address: str | None = None) -> None:
-    """Join a cluster when an address is given (or RAY_ADDRESS is set, as under `ray job submit`);
-    otherwise start a local Ray on loopback with the config's CPUs."""
-    address = address or cfg.ray.address or os.environ.get("RAY_ADDRESS")
-    if not address:
-        # A single-machine Ray: Ray then takes 127.0.0.1 as the node address, and every listener (GCS, raylet,
-        # workers, agents) binds to loopback; `_node_ip_address` alone leaves the gRPC ports on 0.0.0.0.
-        os.environ.setdefault(LOOPBACK_ENV, "0")
-    import ray
-
-    if ray.is_initialized():
-        return
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # inherited by a local Ray's workers (Tune trials too)
-    if address:
-        ray.init(address=address)
-    else:
-        if os.environ.get(LOOPBACK_ENV) == "0":
-            from ray._private import ray_constants  # read when ray was first imported: it may predate us
-
-            ray_constants.ENABLE_RAY_CLUSTER = False
-        ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1")
 
 
 # --- stages --------------------------------------------------------------------------------------------------
@@ -130,7 +105,7 @@ def init_ray(cfg: StudyConfig, address: str | None = None) -> None:
 def stage_data(cfg: StudyConfig, log: Callable[[str], None]) -> dict[str, Any]:
     from taps_ray.data.mixtures import build_mixture
     from taps_ray.data.sources import load_questions
-    from taps_ray.eval.store import atomic_write_text
+    from taps_ray.fsio import atomic_write_json
 
     data_dir = cfg.resolved_data_dir()
     summary: dict[str, Any] = {"mixtures": {}, "benchmarks": {}}
@@ -139,7 +114,7 @@ def stage_data(cfg: StudyConfig, log: Callable[[str], None]) -> dict[str, Any]:
         summary["mixtures"][name] = len(conversations)
     for bench, limit in cfg.eval.benchmarks.items():
         summary["benchmarks"][bench] = len(load_questions(bench, data_dir, limit=limit))
-    atomic_write_text(workdir.data_summary(cfg), json.dumps(summary, indent=2))
+    atomic_write_json(workdir.data_summary(cfg), summary)
     log(f"data: mixtures {summary['mixtures']}, benchmark questions {summary['benchmarks']}")
     return summary
 
@@ -149,7 +124,7 @@ def _target_remote():
 
     @ray.remote
     def run(payload: str, env: dict[str, str], job: Callable[..., dict], args: tuple) -> dict:
-        from taps_ray.cluster.actors import prepare_process
+        from taps_ray.cluster.runtime import prepare_process
         from taps_ray.config import parse_config
         from taps_ray.models.target import load_target
 
@@ -164,8 +139,6 @@ def _target_remote():
 def on_target(cfg: StudyConfig, env: dict[str, str], job: Callable[..., dict], *args: Any) -> dict:
     """`job(cfg, target, *args)` in one Ray task with the target's resources (a GPU on a cluster)."""
     import ray
-
-    from taps_ray.cluster.actors import process_runtime_env
 
     task = _target_remote().options(
         num_cpus=cfg.ray.target_num_cpus, num_gpus=cfg.ray.target_num_gpus, runtime_env=process_runtime_env()
@@ -291,7 +264,7 @@ def run_sweep(
     log: Callable[[str], None] = log_line,
     command: str | None = None,
 ) -> dict[str, Any]:
-    """Run the study's stages in order on the current Ray (see `init_ray`); returns per-stage results."""
+    """Run the study's stages in order on the current Ray (see `runtime.start_ray`); returns per-stage results."""
     import ray
 
     stages = list(stages or STAGES)
@@ -301,8 +274,7 @@ def run_sweep(
     if quick:
         cfg = quick_config(cfg)
     cfg = absolute_paths(cfg)
-    if not ray.is_initialized():
-        init_ray(cfg)
+    start_ray(cfg.ray)
     env = remote_env(cfg)
     workdir.root(cfg).mkdir(parents=True, exist_ok=True)
     log(f"study {cfg.name}: stages {', '.join(stages)}; work dir {cfg.work_dir}; Ray {ray.cluster_resources()}")
@@ -326,9 +298,9 @@ def run_sweep(
         results["stages"][stage] = {"seconds": round(seconds, 1), **_jsonable(out)}
         log(f"stage {stage} finished in {seconds / 60:.1f} min")
     results["seconds"] = round(time.perf_counter() - sweep_start, 1)
-    from taps_ray.eval.store import atomic_write_text
+    from taps_ray.fsio import atomic_write_json
 
-    atomic_write_text(workdir.sweep_summary(cfg), json.dumps(results, indent=2, default=str))
+    atomic_write_json(workdir.sweep_summary(cfg), results, default=str)
     log(f"sweep finished in {results['seconds'] / 60:.1f} min: "
         + ", ".join(f"{k} {v['seconds'] / 60:.1f} min" for k, v in results["stages"].items()))
     return results
@@ -351,19 +323,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> StudyConfig:
-    cfg = load_config(args.config)
-    update = {}
-    if args.work_dir:
-        update["work_dir"] = args.work_dir
-    if args.reports_dir:
-        update["reports_dir"] = args.reports_dir
-    return cfg.model_copy(update=update) if update else cfg
+    """The config with the flags applied (`taps sweep` also has the global --data-dir; jobs/sweep.py has not)."""
+    return with_overrides(load_config(args.config), data_dir=getattr(args, "data_dir", None), work_dir=args.work_dir,
+                          reports_dir=args.reports_dir)
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
-    init_ray(cfg, args.address)
+    start_ray(cfg.ray, args.address)
     command = f"python jobs/sweep.py --config {args.config}" + (" --quick" if args.quick else "")
     results = run_sweep(cfg, quick=args.quick, stages=stages, command=command)
     failed = results["stages"].get("eval", {}).get("failed", []) + results["stages"].get("train", {}).get("failed", [])

@@ -28,6 +28,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from taps_ray.config import StudyConfig, parse_config
+from taps_ray.fsio import atomic_dir
 from taps_ray.workdir import FINAL, head_checkpoint, head_dir, tune_dir
 
 log = logging.getLogger(__name__)
@@ -69,13 +70,8 @@ def _copy_in(source: Path, target: Path) -> None:
     """Copy a checkpoint folder into place atomically (a folder that exists is complete)."""
     if target.exists():
         return
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.with_name(f".{target.name}.restore-{os.getpid()}-{time.time_ns()}")
-    shutil.copytree(source, staging)
-    try:
-        os.replace(staging, target)
-    except OSError:  # someone else put it there first
-        shutil.rmtree(staging, ignore_errors=True)
+    with atomic_dir(target, replace=False) as staging:  # someone else may put it there first: theirs wins
+        shutil.copytree(source, staging, dirs_exist_ok=True)
 
 
 def restore_checkpoint(cfg: StudyConfig, kind: str, mixture: str, folder: Path) -> str | None:

@@ -59,22 +59,3 @@ def build_mixture(mixture: MixtureConfig, data_dir: str | os.PathLike | None = N
         out.extend(seeded_sample(corpus, count, mixture.seed))
     random.Random(mixture.seed).shuffle(out)
     return out
-
-
-def split_heldout(convs: Sequence[T], fraction: float, seed: int) -> tuple[list[T], list[T]]:
-    """(train, heldout): a seeded random `fraction` held out (at least one item when there are two or more).
-
-    Both parts keep the input order.
-    """
-    if not 0 <= fraction < 1:
-        raise ValueError(f"held-out fraction must be in [0, 1), got {fraction}")
-    n = len(convs)
-    n_held = round(n * fraction)
-    if fraction > 0 and n >= 2:
-        n_held = min(max(n_held, 1), n - 1)
-    order = list(range(n))
-    random.Random(seed).shuffle(order)
-    held = set(order[:n_held])
-    train = [c for i, c in enumerate(convs) if i not in held]
-    heldout = [c for i, c in enumerate(convs) if i in held]
-    return train, heldout

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal
 
 from taps_ray.relpaths import shown_path
+from taps_ray.config import DATA_DIR_ENV
 
 Role = Literal["eval", "train"]
 SourceKind = Literal["local", "package", "hub"]
@@ -226,7 +227,7 @@ def canonical_name(name: str) -> str:
 
 def local_data_dir(data_dir: str | os.PathLike | None = None) -> Path | None:
     """The local data directory: the argument, else TAPS_DATA_DIR, else None."""
-    value = data_dir if data_dir not in (None, "") else os.environ.get("TAPS_DATA_DIR")
+    value = data_dir if data_dir not in (None, "") else os.environ.get(DATA_DIR_ENV)
     return Path(value).expanduser() if value else None
 
 

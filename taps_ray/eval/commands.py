@@ -12,7 +12,8 @@ from tqdm import tqdm
 from taps_ray.config import StudyConfig
 from taps_ray.eval.metrics import PLAIN, summarize
 from taps_ray.eval.runner import eval_dtype, run_cell
-from taps_ray.eval.store import Cell, ResultsStore, atomic_write_parquet
+from taps_ray.eval.store import Cell, ResultsStore
+from taps_ray.fsio import atomic_write_parquet
 from taps_ray.models.target import load_target
 from taps_ray.proposer_setup import load_heads, load_proposers
 from taps_ray.spec.generate import generate

@@ -15,6 +15,8 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from taps_ray.spec.generate import NOT_DRAFTED
+
 
 def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else math.nan
@@ -48,44 +50,33 @@ def accepted_vs_rejected(records: Iterable[Any], source: int | None = None) -> d
     return out
 
 
-def mean_node_confidence(records: Iterable[Any]) -> float:
-    """Mean cumulative confidence over every drafted node of every step (the router score of docs/algorithms.md#per-question-confidence-router)."""
-    return _mean([c for r in records for c in r.node_confidence])
-
-
-def mean_node_entropy(records: Iterable[Any]) -> float:
-    """Mean node entropy over every drafted node of every step."""
-    return _mean([e for r in records for e in r.node_entropy])
-
-
 def tau(records: Sequence[Any]) -> float:
     """Tokens per verification step (Spec-Bench #MAT, trimmed new tokens), as `Generation.tau`."""
     return sum(r.new_tokens for r in records) / len(records) if records else math.nan
 
 
-def routing_fractions(records: Iterable[Any], head_names: Sequence[str] | None = None) -> dict[Any, float]:
-    """Fraction of verification steps that used each head's tree (key -1 = a merged tree).
+def head_counts(records: Iterable[Any], head_names: Sequence[str] | None = None) -> Counter:
+    """Verification steps per head whose tree was verified (key -1 = a merged tree, `NOT_DRAFTED` = none).
 
-    With `head_names`, heads are keyed by name ("merged" for -1); otherwise by index.
+    With `head_names`, heads are keyed by name ("merged" for -1, "none" for `NOT_DRAFTED`); otherwise by index.
     """
     counts = Counter(r.head for r in records)
-    total = sum(counts.values())
-    if not total:
-        return {}
+    if head_names is None:
+        return counts
 
-    def key(head: int) -> Any:
-        if head_names is None:
-            return head
+    def name(head: int) -> str:
+        if head == NOT_DRAFTED:
+            return "none"
         return "merged" if head < 0 else head_names[head]
 
-    return {key(h): counts[h] / total for h in sorted(counts)}
+    return Counter({name(h): counts[h] for h in sorted(counts)})
 
 
-def accepted_source_fractions(records: Iterable[Any]) -> dict[int, float]:
-    """For merged trees: the fraction of accepted drafted nodes that each head drafted (`node_source`)."""
-    counts = Counter(src for r in records for src, acc in zip(r.node_source, r.node_accepted) if acc)
+def routing_fractions(records: Iterable[Any], head_names: Sequence[str] | None = None) -> dict[Any, float]:
+    """Fraction of verification steps that used each head's tree, keyed as in `head_counts`."""
+    counts = head_counts(records, head_names)
     total = sum(counts.values())
-    return {s: counts[s] / total for s in sorted(counts)} if total else {}
+    return {key: n / total for key, n in counts.items()} if total else {}
 
 
 def signal_agreement(

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pandas as pd
+
+from taps_ray.fsio import atomic_write_json, atomic_write_parquet
 
 
 @dataclass(frozen=True)
@@ -33,36 +34,6 @@ class Cell:
         return asdict(self)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode())
-
-
-def atomic_write_parquet(path: Path, frame: pd.DataFrame) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        frame.to_parquet(tmp, index=False)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 class ResultsStore:
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = Path(root)
@@ -78,11 +49,11 @@ class ResultsStore:
         atomic_write_parquet(folder / "steps.parquet", steps)
         atomic_write_parquet(folder / "questions.parquet", questions)
         (folder / "failed.json").unlink(missing_ok=True)
-        atomic_write_text(folder / "done.json", json.dumps({**cell.as_dict(), **(meta or {})}, indent=2))
+        atomic_write_json(folder / "done.json", {**cell.as_dict(), **(meta or {})})
 
     def write_failure(self, cell: Cell, error: str, attempts: int) -> None:
         record = {**cell.as_dict(), "error": error, "attempts": attempts}
-        atomic_write_text(self.cell_dir(cell) / "failed.json", json.dumps(record, indent=2))
+        atomic_write_json(self.cell_dir(cell) / "failed.json", record)
 
     def failures(self) -> list[dict]:
         return [json.loads(p.read_text()) for p in sorted(self.root.glob("cells/*/failed.json"))]

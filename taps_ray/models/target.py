@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from transformers import PreTrainedTokenizerBase
 
 from taps_ray.config import TargetConfig
+from taps_ray.fsio import atomic_dir
 
 SMOLLM2_ALIAS = "smollm2-135m-instruct"
 TINY_ALIAS = "tiny-random-llama"
@@ -78,9 +77,7 @@ def smollm2_folder() -> Path:
     if (folder / _COMPLETE_MARK).is_file():
         return folder
     gguf = _smollm2_gguf()
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_ALIAS}-", dir=folder.parent))
-    try:
+    with atomic_dir(folder) as staging:  # replaces a stale folder: interrupted, or an older cache format
         loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         config = loaded.config
@@ -91,11 +88,6 @@ def smollm2_folder() -> Path:
         fresh.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         (staging / _COMPLETE_MARK).write_text(str(gguf))
-        if folder.exists():  # a stale folder: interrupted, or an older cache format
-            shutil.rmtree(folder)
-        os.replace(staging, folder)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return folder
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 from pathlib import Path
@@ -10,7 +9,8 @@ from pathlib import Path
 import pandas as pd
 
 from taps_ray.config import StudyConfig
-from taps_ray.eval.store import ResultsStore, atomic_write_parquet, atomic_write_text
+from taps_ray.eval.store import ResultsStore
+from taps_ray.fsio import atomic_write_json, atomic_write_parquet, atomic_write_text
 from taps_ray.relpaths import shown_path
 from taps_ray.report.data import CELLS_FILE, ReportCopy, ReportData, load_report_data
 from taps_ray.report.findings import findings_md
@@ -77,8 +77,6 @@ def build_report(config: StudyConfig, store: ResultsStore | ReportCopy | None = 
     ] if part)
     path = out / "README.md"
     atomic_write_text(path, readme.rstrip() + "\n")
-    for written in (path, out / "summary.json", *(out / "results").glob("*")):
-        written.chmod(0o644)  # atomic writes create 0600 temporaries; the report is for everyone to read
     return path
 
 
@@ -107,7 +105,7 @@ def _clean(value):
 def write_summary_json(data: ReportData, path: Path) -> None:
     keys = [k for k in SUMMARY_KEYS if k in data.summary.columns]
     records = [{k: _clean(v) for k, v in row.items()} for row in data.summary[keys].to_dict("records")]
-    atomic_write_text(path, json.dumps(records, indent=2) + "\n")
+    atomic_write_json(path, records, newline=True)
 
 
 def copy_results(data: ReportData, folder: Path) -> str:
@@ -118,7 +116,7 @@ def copy_results(data: ReportData, folder: Path) -> str:
     folder.mkdir(parents=True)
     atomic_write_parquet(folder / "summary.parquet", data.summary)
     atomic_write_parquet(folder / "questions.parquet", data.questions)
-    atomic_write_text(folder / CELLS_FILE, json.dumps({"cells": data.meta, "failures": data.failures}, indent=1) + "\n")
+    atomic_write_json(folder / CELLS_FILE, {"cells": data.meta, "failures": data.failures}, indent=1, newline=True)
     always = f"summary.parquet, questions.parquet, {CELLS_FILE}"
     root = data.store_root
     sizes = sum(p.stat().st_size for p in root.glob("cells/*/steps.parquet")) if root else 0

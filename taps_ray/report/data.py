@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from taps_ray.config import BENCHMARKS, StudyConfig
+from taps_ray.config import BENCHMARKS, HEAD_KINDS, StudyConfig
 from taps_ray.eval.diagnostics import accepted_vs_rejected, routing_fractions
 from taps_ray.eval.metrics import PLAIN, summarize
 from taps_ray.eval.store import ResultsStore
@@ -73,7 +73,7 @@ class ReportData:
     @property
     def kinds(self) -> list[str]:
         present = set(self.summary["head_kind"]) - {"none"} if not self.summary.empty else set()
-        return [k for k in ("eagle2", "hass") if k in present] + sorted(present - {"eagle2", "hass"})
+        return [k for k in HEAD_KINDS if k in present] + sorted(present - set(HEAD_KINDS))
 
     @property
     def temperatures(self) -> list[float]:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Sequence
 
 from taps_ray.config import StudyConfig
-from taps_ray.eval.store import atomic_write_text
+from taps_ray.fsio import atomic_write_text
 from taps_ray.training.agreement import DEFAULT_DOMAINS, head_finals, read_agreement
 from taps_ray.training.features import MANIFEST, features_folder
 from taps_ray.training.trainer import load_final_metrics

@@ -21,7 +21,7 @@ import torch
 
 from taps_ray.config import StudyConfig
 from taps_ray.data.draft_vocab import draft_vocabulary
-from taps_ray.eval.store import atomic_write_text
+from taps_ray.fsio import atomic_write_json
 from taps_ray.models.draft_head import DraftHead
 from taps_ray.models.target import Target, load_target
 from taps_ray.training.features import extract_features, features_key
@@ -97,7 +97,7 @@ def cached_agreement(cfg: StudyConfig, head_path: str | Path, domains: Sequence[
     if remembered is not None:
         return remembered
     result = evaluate_agreement(cfg, head_path, list(domains), target=target)
-    atomic_write_text(agreement_file(cfg, head_path, domains), json.dumps(result, indent=2))
+    atomic_write_json(agreement_file(cfg, head_path, domains), result)
     return result
 
 

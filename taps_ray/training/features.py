@@ -6,7 +6,7 @@ dtype, and the target's top-K next-token probabilities and token ids [L, K] (for
 
 The target runs on right-padded batches whose attention mask is built from the sequence lengths (never from
 ``ids != pad``, docs/algorithms.md#feature-extraction). Conversations are cut into shards of ``features.shard_size``, each written atomically
-(temporary file + ``os.replace``) as one safetensors file, so a killed run redoes only the missing shards.
+(`taps_ray.fsio`) as one safetensors file, so a killed run redoes only the missing shards.
 ``manifest.json``, also written atomically, marks the whole set complete; a later call with the same key reuses it.
 
 The cache key hashes everything that changes the stored tensors: the target (name, tiny settings, dtype),
@@ -17,12 +17,10 @@ copied from that set instead of being run through the target again.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +32,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from taps_ray.config import StudyConfig
-from taps_ray.eval.store import atomic_write_text
+from taps_ray.fsio import atomic_path, atomic_write_json, folder_lock
 from taps_ray.models.target import Target, load_target
 from taps_ray.workdir import features_dir
 
@@ -113,35 +111,6 @@ def features_folder(cfg: StudyConfig, mixture_name: str) -> Path:
     return features_dir(cfg, features_key(cfg, mixture_name))
 
 
-@contextlib.contextmanager
-def exclusive_lock(path: Path) -> Iterator[None]:
-    """Hold an exclusive advisory lock on `path` (created if needed); a second process blocks until it is free.
-
-    Two processes building the same feature set or training the same head (a sweep trial and a report, say)
-    then run one after the other, and the second one finds the work done instead of racing the first.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as handle:
-        try:
-            import fcntl
-        except ImportError:  # not POSIX: no locking
-            yield
-            return
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("waiting for another process holding %s", path)
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _write_json_atomic(path: Path, data: Any) -> None:
-    atomic_write_text(path, json.dumps(data, indent=2))
-
-
 # --- shards ----------------------------------------------------------------------------------------------------
 
 def write_shard(path: Path, examples: Sequence[Example], meta: dict[str, Any]) -> None:
@@ -156,9 +125,8 @@ def write_shard(path: Path, examples: Sequence[Example], meta: dict[str, Any]) -
         "topk_ids": torch.cat([ex.topk_ids for ex in examples]).to(torch.int32),
     }
     metadata = {"ids": json.dumps([ex.id for ex in examples]), "meta": json.dumps(meta)}
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file(tensors, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata=metadata)
 
 
 def read_shard_meta(path: Path) -> tuple[list[str], dict[str, Any]]:
@@ -389,7 +357,7 @@ def extract_features(cfg: StudyConfig, mixture_name: str, target: Target | None 
     finished = _finished(folder)
     if finished is not None:
         return finished
-    with exclusive_lock(folder.parent / f".{folder.name}.lock"):
+    with folder_lock(folder):  # a second process (a sweep trial, a report) waits, then finds the set done
         finished = _finished(folder)  # another process may have finished the set while this one waited
         return finished if finished is not None else _extract_features(cfg, mixture_name, folder, target, progress)
 
@@ -413,7 +381,7 @@ def _extract_features(cfg: StudyConfig, mixture_name: str, folder: Path, target:
     for leftover in folder.glob(".*.tmp-*"):  # half-written files of a killed run
         leftover.unlink(missing_ok=True)
     spec = feature_spec(cfg, mixture_name)
-    _write_json_atomic(folder / "spec.json", spec)
+    atomic_write_json(folder / "spec.json", spec)
     conversations = build_mixture(cfg.mixtures[mixture_name], data_dir=cfg.resolved_data_dir())
     size = cfg.features.shard_size
     chunks = [conversations[i: i + size] for i in range(0, len(conversations), size)]
@@ -461,7 +429,7 @@ def _extract_features(cfg: StudyConfig, mixture_name: str, folder: Path, target:
         "torch_threads": torch.get_num_threads(),
     }
     manifest = {"key": folder.name, "spec": spec, "shards": shards, "stats": stats, "created": time.time()}
-    _write_json_atomic(manifest_path, manifest)
+    atomic_write_json(manifest_path, manifest)
     log.info("features %s: %d conversations, %d tokens (%d computed), %.0f tokens/s", folder.name, n,
              stats["tokens"], stats["computed_tokens"], stats["tokens_per_s"] or 0)
     return FeatureSet(folder, manifest, {**stats, "reused": False, "extracted_shards": len(missing),

@@ -20,6 +20,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from taps_ray.config import check_head_kind
 from taps_ray.models.draft_head import DraftHead
 
 MaskAlignment = Literal["predicted", "ref"]
@@ -191,9 +192,7 @@ class LossSettings:
     @classmethod
     def for_kind(cls, kind: str, train: object) -> "LossSettings":
         """EAGLE-2: regression + soft CE, one pass. HASS: + top-K distillation and ``train.hca_passes`` passes."""
-        if kind not in ("eagle2", "hass"):
-            raise ValueError(f"unknown head kind {kind!r}; use eagle2 or hass")
-        hass = kind == "hass"
+        hass = check_head_kind(kind) == "hass"
         return cls(
             reg_weight=train.reg_weight,
             cls_weight=train.cls_weight,

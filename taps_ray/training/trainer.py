@@ -34,11 +34,12 @@ from typing import Callable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from taps_ray.config import StudyConfig
+from taps_ray.config import StudyConfig, check_head_kind
 from taps_ray.data.draft_vocab import draft_vocabulary
+from taps_ray.fsio import atomic_dir, folder_lock
 from taps_ray.models.draft_head import DraftHead, new_head
 from taps_ray.models.target import Target, load_target
-from taps_ray.training.features import Example, FeatureSet, exclusive_lock, extract_features
+from taps_ray.training.features import Example, FeatureSet, extract_features
 from taps_ray.training.losses import Batch, FrozenTarget, LossSettings, run_passes
 from taps_ray.workdir import FINAL, head_dir
 
@@ -188,30 +189,12 @@ def run_fingerprint(cfg: StudyConfig, kind: str, features: FeatureSet) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _replace_dir(staging: Path, final: Path) -> None:
-    """Move a fully written folder into place (the old one, if any, is removed afterwards)."""
-    old = None
-    if final.exists():
-        old = final.with_name(f".{final.name}.old-{os.getpid()}-{time.time_ns()}")
-        os.replace(final, old)
-    os.replace(staging, final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _staging(folder: Path, name: str) -> Path:
-    path = folder / f".{name}.tmp-{os.getpid()}-{time.time_ns()}"
-    path.mkdir(parents=True)
-    return path
-
-
 def save_epoch(folder: Path, epoch: int, head: DraftHead, optimizer, scheduler, state: dict) -> Path:
-    staging = _staging(folder, f"epoch-{epoch}")
-    head.save(staging)
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, staging / OPTIMIZER_FILE)
-    (staging / STATE_FILE).write_text(json.dumps(state, indent=2))
     target = folder / f"epoch-{epoch}"
-    _replace_dir(staging, target)
+    with atomic_dir(target) as staging:
+        head.save(staging)
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, staging / OPTIMIZER_FILE)
+        (staging / STATE_FILE).write_text(json.dumps(state, indent=2))
     for older in folder.glob("epoch-*"):  # optimizer state only in the newest epoch
         if older != target and (older / OPTIMIZER_FILE).exists():
             (older / OPTIMIZER_FILE).unlink()
@@ -219,12 +202,11 @@ def save_epoch(folder: Path, epoch: int, head: DraftHead, optimizer, scheduler, 
 
 
 def write_final(folder: Path, epoch_dir: Path, state: dict) -> Path:
-    staging = _staging(folder, FINAL)
-    for name in ("model.safetensors", "config.json"):
-        shutil.copy2(epoch_dir / name, staging / name)
-    (staging / METRICS_FILE).write_text(json.dumps(state, indent=2))
     final = folder / FINAL
-    _replace_dir(staging, final)
+    with atomic_dir(final) as staging:
+        for name in ("model.safetensors", "config.json"):
+            shutil.copy2(epoch_dir / name, staging / name)
+        (staging / METRICS_FILE).write_text(json.dumps(state, indent=2))
     return final
 
 
@@ -258,10 +240,9 @@ def train_head(cfg: StudyConfig, kind: str, mixture_name: str, report: Report | 
     ``report(metrics)`` is called after every epoch's checkpoint is written. ``stop_after_epochs`` ends the
     run early after that many epochs of this call, as a kill would (for tests); no ``final`` is written then.
     """
-    if kind not in ("eagle2", "hass"):
-        raise ValueError(f"unknown head kind {kind!r}; use eagle2 or hass")
+    check_head_kind(kind)
     folder = head_dir(cfg, kind, mixture_name)
-    with exclusive_lock(folder.parent / f".{folder.name}.lock"):
+    with folder_lock(folder):  # a second process training the same head waits, then reuses it
         return _train_head(cfg, kind, mixture_name, report, target, progress, stop_after_epochs)
 
 
@@ -385,5 +366,6 @@ def _train_head(cfg: StudyConfig, kind: str, mixture_name: str, report: Report |
 
 
 def load_final_metrics(head_path: str | Path) -> dict:
+    """A finished head's training record (`metrics.json`), {} when the head has none."""
     path = Path(head_path) / METRICS_FILE
     return json.loads(path.read_text()) if path.is_file() else {}

@@ -1,0 +1,90 @@
+"""The one way this project starts or joins Ray, and what every Ray process it starts must see.
+
+* `start_ray`: joins a cluster when an address is given (argument, `ray.address`, or RAY_ADDRESS as under
+  `ray job submit`); otherwise starts a new single-machine Ray whose every listener (GCS, raylet, agents, workers,
+  the driver's own) is bound to 127.0.0.1, with no dashboard.
+* `start_serve`: Ray Serve's HTTP proxy, on 127.0.0.1 unless a host is configured.
+* `runtime_env_vars`, `process_runtime_env`, `prepare_process`: the driver's environment, OpenMP behaviour and
+  torch thread count, applied in each actor or task process.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from taps_ray.config import DATA_DIR_ENV, RayConfig
+
+LOOPBACK = "127.0.0.1"
+# "0" puts Ray in its single-machine mode: it takes 127.0.0.1 as the node address and binds every gRPC server
+# there; `_node_ip_address` alone leaves the GCS, raylet and worker ports on 0.0.0.0.
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+# A local Ray of one user needs no token and reports nothing home; set unless the caller chose otherwise.
+LOCAL_RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+
+# What a remote process must see as the driver does (offline switches, local data, caches).
+ENV_KEYS = (
+    "HF_HUB_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+    "HF_DATASETS_OFFLINE",
+    "HF_HOME",
+    DATA_DIR_ENV,
+    "TAPS_CACHE",
+    "TOKENIZERS_PARALLELISM",
+)
+
+
+def start_ray(cfg: RayConfig, address: str | None = None, *, log_to_driver: bool = True) -> bool:
+    """Join or start Ray (see the module docstring); returns False when Ray was already initialised.
+
+    A True return means this call started the connection, and its caller owns `ray.shutdown()`.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = address or cfg.address or os.environ.get("RAY_ADDRESS")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # inherited by a local Ray's workers (Tune trials too)
+    if address:
+        ray.init(address=address, log_to_driver=log_to_driver)
+        return True
+    for key, value in LOCAL_RAY_ENV.items():
+        os.environ.setdefault(key, value)
+    os.environ.setdefault(LOOPBACK_ENV, "0")
+    if os.environ[LOOPBACK_ENV] == "0":
+        from ray._private import ray_constants  # read when ray was first imported: it may predate the line above
+
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    # "local": a new instance even when another Ray runs on this machine (None would join that one)
+    ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False, _node_ip_address=LOOPBACK,
+             log_to_driver=log_to_driver)
+    return True
+
+
+def start_serve(host: str = LOOPBACK, port: int = 8000) -> None:
+    """Start Ray Serve's HTTP proxy on host:port (Ray must be initialised)."""
+    from ray import serve
+
+    serve.start(http_options={"host": host, "port": port})
+
+
+def runtime_env_vars() -> dict[str, str]:
+    """The driver's values of `ENV_KEYS`, to hand to an actor or task."""
+    return {key: os.environ[key] for key in ENV_KEYS if key in os.environ}
+
+
+def process_runtime_env() -> dict:
+    """Set when the actor's process starts, before torch loads: OpenMP threads sleep instead of spinning while
+    they wait. A drafter and its target worker take turns on the same cores; spinning idle threads of one
+    would steal them from the other (on the shared 2-core CPU that cost 2.5-3x, see taps_ray/training)."""
+    return {"env_vars": {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"), "TOKENIZERS_PARALLELISM": "false"}}
+
+
+def prepare_process(env: dict[str, str], threads: int | None, num_cpus: float) -> int:
+    """Apply the driver's environment and pin torch's thread count (Ray sets OMP_NUM_THREADS to the CPUs)."""
+    os.environ.update(env)
+    n = threads or max(1, math.ceil(num_cpus))
+    torch.set_num_threads(n)
+    return n
