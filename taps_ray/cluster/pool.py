@@ -396,10 +396,11 @@ class VerificationPool:
 
 
 def is_retryable(error: BaseException) -> bool:
-    """An actor died (or restarted under a running cell): the cell is worth another attempt."""
+    """An actor died (or restarted under a running cell), or its node died with the cell's finished result
+    still in that node's object store: the cell is worth another attempt."""
     import ray.exceptions
 
-    return isinstance(error, (ray.exceptions.RayActorError, SessionLost))
+    return isinstance(error, (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError, ray.exceptions.NodeDiedError, SessionLost))
 
 
 CellHook = Callable[..., None]
@@ -423,7 +424,7 @@ class EvalPool:
     def __init__(self, config, heads: dict | None = None, env: dict[str, str] | None = None) -> None:
         import ray
 
-        from taps_ray.cluster.actors import DrafterActor, TargetWorker, process_runtime_env, runtime_env_vars
+        from taps_ray.cluster.actors import TargetWorker, process_runtime_env, runtime_env_vars
 
         self.config = config
         r = config.ray
@@ -432,9 +433,9 @@ class EvalPool:
         restarts = dict(max_restarts=r.actor_max_restarts, max_task_retries=0, runtime_env=process_runtime_env())
         self._restarts = restarts
         self.workers = [
-            TargetWorker.options(num_cpus=r.target_num_cpus, num_gpus=r.target_num_gpus, max_concurrency=1000, **restarts).remote(
-                payload, env
-            )
+            TargetWorker.options(
+                num_cpus=r.target_num_cpus, num_gpus=r.target_num_gpus, resources=r.target_resources, max_concurrency=1000, **restarts
+            ).remote(payload, env)
             for _ in range(r.num_target_workers)
         ]
         heads_ref = ray.put(heads or {})
@@ -442,10 +443,7 @@ class EvalPool:
             (payload, self.workers[i % len(self.workers)], f"drafter-{i}-{id(self)}", heads_ref, env)
             for i in range(r.num_drafters)
         ]
-        self.drafters = [
-            DrafterActor.options(num_cpus=r.drafter_num_cpus, num_gpus=r.drafter_num_gpus, **restarts).remote(*args)
-            for args in self._drafter_args
-        ]
+        self.drafters = [self._new_drafter(args) for args in self._drafter_args]
 
     def __enter__(self) -> "EvalPool":
         return self
@@ -565,12 +563,15 @@ class EvalPool:
             ray.kill(drafter, no_restart=True)
         except Exception:  # already gone
             pass
-        from taps_ray.cluster.actors import DrafterActor
-
         index = self.drafters.index(drafter)
-        r = self.config.ray
-        replacement = DrafterActor.options(
-            num_cpus=r.drafter_num_cpus, num_gpus=r.drafter_num_gpus, **self._restarts
-        ).remote(*self._drafter_args[index])
+        replacement = self._new_drafter(self._drafter_args[index])
         self.drafters[index] = replacement
         return replacement
+
+    def _new_drafter(self, args: tuple):
+        from taps_ray.cluster.actors import DrafterActor
+
+        r = self.config.ray
+        return DrafterActor.options(
+            num_cpus=r.drafter_num_cpus, num_gpus=r.drafter_num_gpus, resources=r.drafter_resources, **self._restarts
+        ).remote(*args)

@@ -179,7 +179,8 @@ def stage_features(cfg: StudyConfig, env: dict[str, str], log: Callable[[str], N
     from taps_ray.cluster.actors import process_runtime_env
 
     task = _features_remote().options(
-        num_cpus=cfg.ray.target_num_cpus, num_gpus=cfg.ray.target_num_gpus, runtime_env=process_runtime_env()
+        num_cpus=cfg.ray.target_num_cpus, num_gpus=cfg.ray.target_num_gpus, resources=cfg.ray.target_resources,
+        runtime_env=process_runtime_env(),
     )
     stats = ray.get(task.remote(cfg.model_dump_json(), missing, env))
     for name, s in stats.items():
