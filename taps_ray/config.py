@@ -187,6 +187,10 @@ class RayConfig(_Strict):
     max_cell_retries: int = Field(2, ge=0)
     target_num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves per target worker")
     drafter_num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves per drafter actor")
+    target_resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources per target worker and features task, e.g. "
+        "{'accelerator_type:A100': 0.001} to keep them on one kind of GPU node")
+    drafter_resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per drafter actor")
     torch_threads: int | None = Field(
         None, gt=0, description="torch threads of target workers, drafters and the features task (None: their CPUs)"
     )

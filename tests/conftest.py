@@ -14,8 +14,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads s
 import pytest
 import torch
 
-from taps_ray.cluster.runtime import start_ray
-from taps_ray.config import RayConfig, StudyConfig, TargetConfig, TinyTargetConfig, load_config
+from taps_ray.config import StudyConfig, TargetConfig, TinyTargetConfig, load_config
 from taps_ray.models.target import Target, load_target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,13 +46,29 @@ def smollm2_fp32() -> Target:
 
 
 @pytest.fixture(scope="session")
-def ray_session():
-    """One local Ray cluster for the whole test session, loopback only, no dashboard."""
+def ray_cluster():
+    """One Ray cluster for the whole test session: a 2-CPU head on loopback, no dashboard. It is a
+    `ray.cluster_utils.Cluster`, so the multi-node test adds (and removes) nodes to this same cluster."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 2, "node_ip_address": "127.0.0.1", "include_dashboard": False,
+                        "object_store_memory": 512 * 1024**2},
+    )
+    ray.init(address=cluster.address, log_to_driver=False)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_session(ray_cluster):
+    """The session's Ray module, connected to `ray_cluster`."""
     import ray
 
-    start_ray(RayConfig(num_cpus=2), log_to_driver=False)
-    yield ray
-    ray.shutdown()
+    return ray
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -352,6 +353,16 @@ def test_tune_stage_resumes_and_skips_finished_heads(ray_session, tiny_config, t
     assert again["trained"] == [] and sorted(again["skipped"]) == ["eagle2-chat", "eagle2-math"]
     assert {p: p.stat().st_mtime_ns for p in heads.glob("*/final/model.safetensors")} == finals
 
+    # one head lost after the experiment (e.g. trained on a node without the shared work dir): the rerun has
+    # fewer heads to train, yet it is the same study, so it restores the same experiment instead of a new one
+    shutil.rmtree(heads / "eagle2-chat" / "final")
+    restored = run_training(cfg, log_line=lambda _: None)
+    assert restored["experiment"] == result["experiment"] and restored["restored_experiment"]
+    assert not result["restored_experiment"]
+    assert restored["trained"] == ["eagle2-chat"] and restored["skipped"] == ["eagle2-math"] and not restored["failed"]
+    assert head_finished(cfg, "eagle2", "chat")  # the final head came back from Tune's checkpoint
+    assert [p.name for p in Path(result["experiment"]).parent.iterdir() if p.is_dir()] == [Path(result["experiment"]).name]
+
 
 # --- cluster.yaml ----------------------------------------------------------------------------------------------
 
@@ -366,4 +377,11 @@ def test_cluster_yaml_is_a_valid_autoscaler_config():
     assert types[config["head_node_type"]]["node_config"]["InstanceType"].startswith("m5.")
     assert any(t.get("resources", {}).get("GPU", 0) >= 1 for t in types.values())
     setup = " && ".join(config["setup_commands"])
-    assert setup.index("torch==") < setup.index("pip install -q -e") < setup.index("--no-deps -r")
+    assert setup.index("torch==") < setup.index("constraints.txt -e") < setup.index("--no-deps -r")
+    assert setup.count("-c /home/ray/taps-ray/constraints.txt") == 2  # torch and the project, both pinned
+    ray_version = next(line.split("==")[1] for line in (REPO / "constraints.txt").read_text().splitlines() if line.startswith("ray=="))
+    assert config["docker"]["image"] == f"rayproject/ray:{ray_version}-py311-gpu"  # a pinned image, the tested Ray
+    assert all(t["node_config"]["ImageId"].startswith(("ami-", "resolve:ssm:")) for t in types.values())
+    commands = config["initialization_commands"] + config["setup_commands"]
+    assert not any("|| true" in c for c in commands)  # a missing shared work dir stops `ray up`
+    assert any(c.startswith("mountpoint -q /mnt/taps ||") and "exit 1" in c for c in config["initialization_commands"])

@@ -22,8 +22,10 @@ log = logging.getLogger(__name__)
 
 
 def is_retryable(error: BaseException) -> bool:
-    """An actor died (or restarted under a running cell): the cell is worth another attempt."""
-    return isinstance(error, (ray.exceptions.RayActorError, SessionLost))
+    """An actor died (or restarted under a running cell), or its node died with the cell's finished result
+    still in that node's object store: the cell is worth another attempt."""
+    lost = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError, ray.exceptions.NodeDiedError, SessionLost)
+    return isinstance(error, lost)
 
 
 CellHook = Callable[..., None]
@@ -52,9 +54,10 @@ class EvalPool:
         restarts = dict(max_restarts=r.actor_max_restarts, max_task_retries=0, runtime_env=process_runtime_env())
         self._restarts = restarts
         self.workers = [
-            TargetWorker.options(num_cpus=r.target_num_cpus, num_gpus=r.target_num_gpus, max_concurrency=1000, **restarts).remote(
-                payload, env
-            )
+            TargetWorker.options(
+                num_cpus=r.target_num_cpus, num_gpus=r.target_num_gpus, resources=r.target_resources,
+                max_concurrency=1000, **restarts,
+            ).remote(payload, env)
             for _ in range(r.num_target_workers)
         ]
         heads_ref = ray.put(heads or {})
@@ -62,10 +65,7 @@ class EvalPool:
             (payload, self.workers[i % len(self.workers)], f"drafter-{i}-{id(self)}", heads_ref, env)
             for i in range(r.num_drafters)
         ]
-        self.drafters = [
-            DrafterActor.options(num_cpus=r.drafter_num_cpus, num_gpus=r.drafter_num_gpus, **restarts).remote(*args)
-            for args in self._drafter_args
-        ]
+        self.drafters = [self._new_drafter(args) for args in self._drafter_args]
 
     def __enter__(self) -> "EvalPool":
         return self
@@ -174,9 +174,12 @@ class EvalPool:
         except Exception:  # already gone
             pass
         index = self.drafters.index(drafter)
-        r = self.config.ray
-        replacement = DrafterActor.options(
-            num_cpus=r.drafter_num_cpus, num_gpus=r.drafter_num_gpus, **self._restarts
-        ).remote(*self._drafter_args[index])
+        replacement = self._new_drafter(self._drafter_args[index])
         self.drafters[index] = replacement
         return replacement
+
+    def _new_drafter(self, args: tuple):
+        r = self.config.ray
+        return DrafterActor.options(
+            num_cpus=r.drafter_num_cpus, num_gpus=r.drafter_num_gpus, resources=r.drafter_resources, **self._restarts
+        ).remote(*args)

@@ -141,7 +141,8 @@ def on_target(cfg: StudyConfig, env: dict[str, str], job: Callable[..., dict], *
     import ray
 
     task = _target_remote().options(
-        num_cpus=cfg.ray.target_num_cpus, num_gpus=cfg.ray.target_num_gpus, runtime_env=process_runtime_env()
+        num_cpus=cfg.ray.target_num_cpus, num_gpus=cfg.ray.target_num_gpus, resources=cfg.ray.target_resources,
+        runtime_env=process_runtime_env(),
     )
     return ray.get(task.remote(cfg.model_dump_json(), env, job, args))
 

@@ -8,8 +8,11 @@ Resuming happens at three levels, cheapest first:
 
 1. finished heads are skipped before Tune starts (their `final` checkpoint exists and was trained with
    today's settings — the trainer's run fingerprint);
-2. an interrupted experiment (same heads to train) is restored with `Tuner.restore` from its storage
-   (`ray.storage_path`, default `<work_dir>/tune`): finished trials stay finished, the others restart;
+2. the experiment is the study's, one trial per head (its name comes from the config name, head kinds,
+   mixtures and every head's settings, not from the heads still to train), so a rerun after an interruption
+   finds it and restores it with `Tuner.restore` from its storage (`ray.storage_path`, default
+   `<work_dir>/tune`, or s3://... on a cluster): finished trials stay finished, the others restart; a trial
+   whose head was already trained only reports it;
 3. a restarted trial continues from the trainer's own newest epoch checkpoint in the work dir; on a
    cluster without a shared work dir it first copies Tune's last checkpoint of the trial back into it.
 """
@@ -20,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -110,7 +114,10 @@ def _trial(config: dict, study: str = "", env: dict | None = None) -> None:
         epochs_reported.append(metrics.get("epoch"))
         tune.report(_numeric(metrics), checkpoint=tune.Checkpoint.from_directory(metrics["checkpoint"]))
 
-    final = _trainer().train_head(cfg, kind, mixture, report=report, progress=False)
+    if head_finished(cfg, kind, mixture):  # trained before this experiment: only report it
+        final = _trainer().head_dir(cfg, kind, mixture) / "final"
+    else:
+        final = _trainer().train_head(cfg, kind, mixture, report=report, progress=False)
     state = json.loads((final / _trainer().METRICS_FILE).read_text())
     last = state["history"][-1] if state.get("history") else {}
     tune.report(
@@ -119,11 +126,16 @@ def _trial(config: dict, study: str = "", env: dict | None = None) -> None:
     )
 
 
-def experiment_name(cfg: StudyConfig, todo: list[tuple[str, str]]) -> str:
-    """Same heads to train with the same settings -> same experiment, so a rerun restores it."""
-    fingerprints = [(k, m, expected_fingerprint(cfg, k, m)) for k, m in todo]
+def experiment_name(cfg: StudyConfig) -> str:
+    """The study's experiment: config name, head kinds, mixtures and a digest of every head's settings.
+
+    It does not depend on which heads are still to train, so a rerun after some heads finished finds the
+    same experiment and restores it; changed settings name a new one.
+    """
+    fingerprints = [(k, m, expected_fingerprint(cfg, k, m)) for k, m in head_pairs(cfg)]
     digest = hashlib.sha256(json.dumps(fingerprints).encode()).hexdigest()[:10]
-    return f"{EXPERIMENT_PREFIX}-{digest}"
+    label = "-".join([cfg.name, "+".join(cfg.train.kinds), "+".join(dict.fromkeys(cfg.train.mixtures))])
+    return f"{EXPERIMENT_PREFIX}-{re.sub(r'[^A-Za-z0-9_.+-]', '_', label)}-{digest}"
 
 
 def storage_path(cfg: StudyConfig) -> str:
@@ -147,11 +159,11 @@ def run_training(
         return {**summary, "trained": [], "failed": [], "restored_experiment": False, "seconds": 0.0}
     start = time.perf_counter()
     storage = storage_path(cfg)
-    name = experiment_name(cfg, todo)
+    name = experiment_name(cfg)
     path = f"{storage.rstrip('/')}/{name}"
     if "://" not in storage:
         Path(storage).mkdir(parents=True, exist_ok=True)
-    param_space = {"head": tune.grid_search([list(p) for p in todo])}
+    param_space = {"head": tune.grid_search([list(p) for p in pairs])}  # the whole study: restorable as is
     trainable = tune.with_resources(
         tune.with_parameters(_trial, study=cfg.model_dump_json(), env=env or {}),
         {"cpu": cfg.ray.trial_cpus, "gpu": cfg.ray.trial_gpus},
@@ -161,7 +173,7 @@ def run_training(
         log_line(f"train: restoring the interrupted Tune experiment {path}")
         tuner = tune.Tuner.restore(path, trainable, resume_unfinished=True, resume_errored=True, param_space=param_space)
     else:
-        log_line(f"train: {len(todo)} trials ({', '.join(f'{k}-{m}' for k, m in todo)}) -> {path}")
+        log_line(f"train: {len(pairs)} trials, {len(todo)} to train ({', '.join(f'{k}-{m}' for k, m in todo)}) -> {path}")
         tuner = tune.Tuner(
             trainable,
             param_space=param_space,
@@ -184,6 +196,8 @@ def run_training(
         if result.error is not None:
             failed.append(label)
             log_line(f"train: {label} FAILED: {str(result.error)[:300]}")
+            continue
+        if (kind, mixture) not in todo:  # finished before this run: listed under skipped
             continue
         if not head_finished(cfg, kind, mixture) and result.checkpoint is not None:
             with result.checkpoint.as_directory() as folder:  # a trial on another node without shared disk
