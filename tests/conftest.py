@@ -14,6 +14,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads s
 import pytest
 import torch
 
+from taps_ray.cluster.runtime import loopback_cluster
 from taps_ray.config import StudyConfig, TargetConfig, TinyTargetConfig, load_config
 from taps_ray.models.target import Target, load_target
 
@@ -50,14 +51,8 @@ def ray_cluster():
     """One Ray cluster for the whole test session: a 2-CPU head on loopback, no dashboard. It is a
     `ray.cluster_utils.Cluster`, so the multi-node test adds (and removes) nodes to this same cluster."""
     import ray
-    from ray.cluster_utils import Cluster
 
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 2, "node_ip_address": "127.0.0.1", "include_dashboard": False,
-                        "object_store_memory": 512 * 1024**2},
-    )
-    ray.init(address=cluster.address, log_to_driver=False)
+    cluster = loopback_cluster(num_cpus=2, object_store_memory=512 * 1024**2)
     yield cluster
     ray.shutdown()
     cluster.shutdown()

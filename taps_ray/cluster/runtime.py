@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Any
 
 import torch
 
@@ -50,6 +51,15 @@ def start_ray(cfg: RayConfig, address: str | None = None, *, log_to_driver: bool
     if address:
         ray.init(address=address, log_to_driver=log_to_driver)
         return True
+    _loopback_only()
+    # "local": a new instance even when another Ray runs on this machine (None would join that one)
+    ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False, _node_ip_address=LOOPBACK,
+             log_to_driver=log_to_driver)
+    return True
+
+
+def _loopback_only() -> None:
+    """Put this process, and every Ray process it starts, in Ray's single-machine loopback mode."""
     for key, value in LOCAL_RAY_ENV.items():
         os.environ.setdefault(key, value)
     os.environ.setdefault(LOOPBACK_ENV, "0")
@@ -57,10 +67,23 @@ def start_ray(cfg: RayConfig, address: str | None = None, *, log_to_driver: bool
         from ray._private import ray_constants  # read when ray was first imported: it may predate the line above
 
         ray_constants.ENABLE_RAY_CLUSTER = False
-    # "local": a new instance even when another Ray runs on this machine (None would join that one)
-    ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False, _node_ip_address=LOOPBACK,
-             log_to_driver=log_to_driver)
-    return True
+
+
+def loopback_cluster(num_cpus: int, object_store_memory: int | None = None) -> Any:
+    """A real multi-node Ray cluster on this machine (`ray.cluster_utils.Cluster`), every listener on 127.0.0.1,
+    with this process connected as its driver. Nodes added with `add_node(node_ip_address=LOOPBACK, ...)` have
+    their own resources, so placement, node loss and retries are tested without any other address."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    _loopback_only()
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": num_cpus, "node_ip_address": LOOPBACK, "include_dashboard": False,
+                        "object_store_memory": object_store_memory},
+    )
+    ray.init(address=cluster.address, log_to_driver=False)
+    return cluster
 
 
 def start_serve(host: str = LOOPBACK, port: int = 8000) -> None:

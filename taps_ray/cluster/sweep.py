@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from taps_ray import workdir
-from taps_ray.cluster.runtime import process_runtime_env, runtime_env_vars
+from taps_ray.cluster.runtime import process_runtime_env, runtime_env_vars, start_ray
 from taps_ray.config import DATA_DIR_ENV, StudyConfig, load_config, with_overrides
 
 STAGES = ("data", "features", "train", "eval", "report")

@@ -115,7 +115,7 @@ def _trial(config: dict, study: str = "", env: dict | None = None) -> None:
         tune.report(_numeric(metrics), checkpoint=tune.Checkpoint.from_directory(metrics["checkpoint"]))
 
     if head_finished(cfg, kind, mixture):  # trained before this experiment: only report it
-        final = _trainer().head_dir(cfg, kind, mixture) / "final"
+        final = head_checkpoint(cfg, kind, mixture)
     else:
         final = _trainer().train_head(cfg, kind, mixture, report=report, progress=False)
     state = json.loads((final / _trainer().METRICS_FILE).read_text())
@@ -150,7 +150,6 @@ def run_training(
     """Train every missing head of train.kinds × train.mixtures with Ray Tune; returns what happened."""
     from ray import tune
 
-    trainer = _trainer()
     pairs = head_pairs(cfg)
     todo = [p for p in pairs if not head_finished(cfg, *p)]
     summary: dict[str, Any] = {"heads": len(pairs), "skipped": [f"{k}-{m}" for k, m in pairs if (k, m) not in todo]}
