@@ -16,7 +16,7 @@ export TOKENIZERS_PARALLELISM ?= false
 # The single-process benchmark keeps the default policy, which is faster for back-to-back small kernels.
 RAY_OMP := OMP_WAIT_POLICY=$(or $(OMP_WAIT_POLICY),PASSIVE)
 
-.PHONY: install test test-fast sweep sweep-quick report bench clean-venv
+.PHONY: install test test-fast sweep sweep-quick report bench clean-venv print-data-dir
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -62,3 +62,6 @@ bench: install
 
 clean-venv:
 	rm -rf $(VENV)
+
+print-data-dir:
+	@echo $(TAPS_DATA_DIR)

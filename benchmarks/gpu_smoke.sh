@@ -29,7 +29,7 @@ command -v "$PYTHON" >/dev/null 2>&1 || fail "$PYTHON not found; set PYTHON=/pat
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
 export TOKENIZERS_PARALLELISM=false RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
-if [ -z "${TAPS_DATA_DIR:-}" ] && [ -d "$REPO/../shared/data" ]; then export TAPS_DATA_DIR="$REPO/../shared/data"; fi
+export TAPS_DATA_DIR="${TAPS_DATA_DIR:-$(make -s --no-print-directory print-data-dir)}"  # the Makefile owns the default
 
 # --- 1. setup ---------------------------------------------------------------------------------------------------
 start=$SECONDS
