@@ -64,8 +64,8 @@ def verification(cfg: StudyConfig, target, heads_cfg: StudyConfig, kind: str, ba
                  repeats: int) -> list[dict]:
     """Tree tokens verified per second by TargetBatch.step, trees drafted (untimed) by the first head."""
     from taps_ray.proposer_setup import load_proposers
-    from taps_ray.spec.target_batch import TargetBatch
-    from taps_ray.spec.verify import SamplingParams
+    from taps_ray.engine.target_batch import TargetBatch
+    from taps_ray.engine.verify import SamplingParams
 
     name = heads_cfg.train.mixtures[0]
     proposer = load_proposers(heads_cfg, [name], target=target, kind=kind)[name]

@@ -29,9 +29,9 @@ from taps_ray.fsio import atomic_write_text
 from taps_ray.models.target import Target, load_target
 from taps_ray.proposer_setup import load_proposers
 from taps_ray.report.tables import fmt, md_table
-from taps_ray.spec.generate import run_loop
-from taps_ray.spec.target_batch import TargetBatch
-from taps_ray.spec.verify import SamplingParams
+from taps_ray.engine.generate import run_loop
+from taps_ray.engine.target_batch import TargetBatch
+from taps_ray.engine.verify import SamplingParams
 
 GREEDY = SamplingParams()
 # Llama-3-8B-Instruct shapes, for the paper-scale estimate (parameters in millions).

@@ -14,8 +14,8 @@ from taps_ray.config import StudyConfig
 from taps_ray.data.draft_vocab import draft_vocabulary
 from taps_ray.models.draft_head import DraftHead
 from taps_ray.models.target import Target
-from taps_ray.spec.proposers import PlainDecoding, Proposer
-from taps_ray.spec.registry import build_proposer
+from taps_ray.engine.proposers import PlainDecoding, Proposer
+from taps_ray.engine.registry import build_proposer
 from taps_ray.workdir import head_checkpoint
 
 

@@ -27,10 +27,10 @@ from taps_ray.eval.runner import run_cell
 from taps_ray.eval.store import Cell, ResultsStore
 from taps_ray.models.draft_head import new_head
 from taps_ray.proposer_setup import load_heads
-from taps_ray.spec.generate import generate, run_loop
-from taps_ray.spec.registry import build_proposer
-from taps_ray.spec.target_batch import TargetBatch
-from taps_ray.spec.verify import SamplingParams
+from taps_ray.engine.generate import generate, run_loop
+from taps_ray.engine.registry import build_proposer
+from taps_ray.engine.target_batch import TargetBatch
+from taps_ray.engine.verify import SamplingParams
 from taps_ray.workdir import head_checkpoint, head_dir, heads_root, results_dir
 
 REPO = Path(__file__).resolve().parents[1]

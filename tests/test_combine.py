@@ -11,7 +11,7 @@ from scipy import stats
 from taps_ray.config import TreeConfig
 from taps_ray.eval import diagnostics
 from taps_ray.models.draft_head import DraftHead, new_head
-from taps_ray.spec.combine import (
+from taps_ray.engine.combine import (
     ConfidenceRouted,
     EntropyRouted,
     Merged,
@@ -22,12 +22,12 @@ from taps_ray.spec.combine import (
     prune_tree,
     split_budget,
 )
-from taps_ray.spec.generate import NOT_DRAFTED, StepRecord, generate
-from taps_ray.spec.proposers import SingleHead
-from taps_ray.spec.registry import UnknownProposer, averaged_weight, build_proposer, combination_names
-from taps_ray.spec.target_batch import TargetBatch
-from taps_ray.spec.tree import DraftContext, HeadCache, build_tree
-from taps_ray.spec.verify import SamplingParams, accept_stochastic, processed_probs
+from taps_ray.engine.generate import NOT_DRAFTED, StepRecord, generate
+from taps_ray.engine.proposers import SingleHead
+from taps_ray.engine.registry import UnknownProposer, averaged_weight, build_proposer, combination_names
+from taps_ray.engine.target_batch import TargetBatch
+from taps_ray.engine.tree import DraftContext, HeadCache, build_tree
+from taps_ray.engine.verify import SamplingParams, accept_stochastic, processed_probs
 
 from oracles import GreedyOracle
 

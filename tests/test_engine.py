@@ -8,11 +8,11 @@ from scipy import stats
 
 from taps_ray.config import TreeConfig
 from taps_ray.models.draft_head import new_head
-from taps_ray.spec.generate import NOT_DRAFTED, generate, run_loop
-from taps_ray.spec.proposers import PlainDecoding, SingleHead
-from taps_ray.spec.target_batch import TargetBatch
-from taps_ray.spec.tree import DraftContext, HeadCache, build_tree, draft_eagle2, extend_context
-from taps_ray.spec.verify import SamplingParams, accept_greedy, accept_stochastic, processed_probs
+from taps_ray.engine.generate import NOT_DRAFTED, generate, run_loop
+from taps_ray.engine.proposers import PlainDecoding, SingleHead
+from taps_ray.engine.target_batch import TargetBatch
+from taps_ray.engine.tree import DraftContext, HeadCache, build_tree, draft_eagle2, extend_context
+from taps_ray.engine.verify import SamplingParams, accept_greedy, accept_stochastic, processed_probs
 
 from oracles import FixedTree, GreedyOracle, Recording
 
@@ -251,7 +251,7 @@ def test_sampling_is_lossless_chi_square(small_vocab_target, params):
 
 def test_chi_square_detects_a_broken_acceptance_rule(small_vocab_target, monkeypatch):
     """The distribution test has power: always accepting the first candidate must fail it."""
-    import taps_ray.spec.verify as verify
+    import taps_ray.engine.verify as verify
 
     model = small_vocab_target.model
     prompt = [1, 2, 3]

@@ -149,14 +149,14 @@ def test_chat_completion_greedy_equals_hf_for_every_proposer(service, client, ti
         assert choice.finish_reason in ("stop", "length")
         assert response.usage.completion_tokens >= 1
         assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
-        spec = response.model_extra["speculative"]
-        assert spec["tau"] >= 1.0 and spec["steps"] >= 1 and spec["batch_size"] >= 1
+        speculative = response.model_extra["speculative"]
+        assert speculative["tau"] >= 1.0 and speculative["steps"] >= 1 and speculative["batch_size"] >= 1
         if model == "plain":
-            assert spec["head_fractions"] == {}
+            assert speculative["head_fractions"] == {}
         else:
-            assert abs(sum(spec["head_fractions"].values()) - 1.0) < 1e-3
+            assert abs(sum(speculative["head_fractions"].values()) - 1.0) < 1e-3
             if model in ("math", "chat"):
-                assert spec["head_fractions"] == {model: 1.0}
+                assert speculative["head_fractions"] == {model: 1.0}
 
 
 def test_completions_endpoint_greedy_and_token_prompt(service, tiny_target):

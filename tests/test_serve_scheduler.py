@@ -8,9 +8,9 @@ import threading
 import pytest
 
 from taps_ray.cluster.serve_scheduler import DecodeLoop, Overloaded
-from taps_ray.spec.continuous import ContinuousBatcher, Request
-from taps_ray.spec.proposers import PlainDecoding
-from taps_ray.spec.verify import SamplingParams
+from taps_ray.engine.continuous import ContinuousBatcher, Request
+from taps_ray.engine.proposers import PlainDecoding
+from taps_ray.engine.verify import SamplingParams
 
 
 class Gated(PlainDecoding):

@@ -1,4 +1,4 @@
-"""Ray actors around the engine; thin on purpose: decoding is `taps_ray.spec`, batching is `cluster.verification`.
+"""Ray actors around the engine; thin on purpose: decoding is `taps_ray.engine`, batching is `cluster.verification`.
 
 * `TargetWorker` (async actor): holds the target and a `VerificationPool` of sessions; drafters call
   `start` / `step` / `close` on it, and it verifies the trees of many sessions in one batched forward.
@@ -26,9 +26,9 @@ import torch
 from taps_ray.cluster.runtime import prepare_process
 from taps_ray.cluster.verification import VerificationPool
 from taps_ray.config import StudyConfig, parse_config
-from taps_ray.spec.target_batch import Committed
-from taps_ray.spec.tree import DraftTree
-from taps_ray.spec.verify import SamplingParams
+from taps_ray.engine.target_batch import Committed
+from taps_ray.engine.tree import DraftTree
+from taps_ray.engine.verify import SamplingParams
 
 def _config(payload: str) -> StudyConfig:
     return parse_config(json.loads(payload), "<driver>")

@@ -13,7 +13,7 @@ registered combination. Every response carries `usage` and a `speculative` block
 of steps each head drafted, how many sequences shared the verification batch).
 
 Batching is continuous: every prompt becomes one `Job`, handed to the replica's decode loop
-(serve_scheduler.py around spec/continuous.py). It joins the running batch at the next verification step
+(serve_scheduler.py around engine/continuous.py). It joins the running batch at the next verification step
 (up to `serve.max_batch_size` sequences; beyond that it waits, up to `serve.max_queued_requests`, then 503)
 and leaves when finished. One target forward per step verifies every live sequence's tree, whatever its model
 (proposer) or sampling parameters; each sequence keeps its own seed, so outputs never depend on the company.
@@ -71,8 +71,8 @@ from taps_ray.cluster.serve_metrics import serve_metrics
 from taps_ray.cluster.serve_output import ChoiceStream, TextOutput, speculative, usage
 from taps_ray.cluster.serve_scheduler import DecodeLoop, Overloaded, Ticket
 from taps_ray.config import HeadKind, StudyConfig, load_config, parse_config, with_overrides
-from taps_ray.spec.continuous import ContinuousBatcher, Result, TokenLogprob
-from taps_ray.spec.verify import MIN_TEMPERATURE
+from taps_ray.engine.continuous import ContinuousBatcher, Result, TokenLogprob
+from taps_ray.engine.verify import MIN_TEMPERATURE
 
 logger = logging.getLogger("ray.serve")
 
@@ -140,7 +140,7 @@ class TapsService:
 
         from taps_ray.models.target import load_target
         from taps_ray.proposer_setup import load_proposers
-        from taps_ray.spec.registry import proposer_names
+        from taps_ray.engine.registry import proposer_names
 
         self.cfg = parse_config(config, "<serve deployment>")
         serve_cfg = self.cfg.serve
@@ -274,8 +274,8 @@ class TapsService:
     def _submit(self, jobs: list[Job], stops: list[str], model: str,
                 updates: asyncio.Queue | None = None) -> list[Ticket]:
         """Hand the jobs to the decode loop; all or none (a full queue is a 503 with Retry-After)."""
-        from taps_ray.spec.continuous import Request
-        from taps_ray.spec.verify import SamplingParams
+        from taps_ray.engine.continuous import Request
+        from taps_ray.engine.verify import SamplingParams
 
         tickets: list[Ticket] = []
         try:

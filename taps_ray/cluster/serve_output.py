@@ -21,7 +21,7 @@ from taps_ray.cluster.api_schemas import (
     Usage,
 )
 from taps_ray.cluster.serve_scheduler import head_steps
-from taps_ray.spec.continuous import Result, TokenLogprob
+from taps_ray.engine.continuous import Result, TokenLogprob
 
 
 class TextOutput:

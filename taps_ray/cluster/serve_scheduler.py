@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from taps_ray.cluster.serve_metrics import ServeMetrics
 from taps_ray.eval.diagnostics import head_counts
-from taps_ray.spec.continuous import ContinuousBatcher, Request, Result, TokenLogprob
+from taps_ray.engine.continuous import ContinuousBatcher, Request, Result, TokenLogprob
 
 logger = logging.getLogger("ray.serve")
 

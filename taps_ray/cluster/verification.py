@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from taps_ray.spec.target_batch import Committed, TargetBatch
-from taps_ray.spec.tree import DraftTree
-from taps_ray.spec.verify import SamplingParams
+from taps_ray.engine.target_batch import Committed, TargetBatch
+from taps_ray.engine.tree import DraftTree
+from taps_ray.engine.verify import SamplingParams
 
 log = logging.getLogger(__name__)
 

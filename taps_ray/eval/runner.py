@@ -19,9 +19,9 @@ from taps_ray.eval.store import Cell
 from taps_ray.models.draft_head import DraftHead
 from taps_ray.models.target import Target
 from taps_ray.proposer_setup import load_proposers
-from taps_ray.spec.generate import Generation, Verifier, run_loop
-from taps_ray.spec.target_batch import TargetBatch
-from taps_ray.spec.verify import SamplingParams
+from taps_ray.engine.generate import Generation, Verifier, run_loop
+from taps_ray.engine.target_batch import TargetBatch
+from taps_ray.engine.verify import SamplingParams
 
 VerifierFactory = Callable[[], Verifier]
 

@@ -14,7 +14,7 @@ import torch
 
 from taps_ray.config import TreeConfig
 from taps_ray.models.draft_head import DraftHead
-from taps_ray.spec.tree import DraftContext, DraftTree, HeadCache, draft_eagle2, root_only
+from taps_ray.engine.tree import DraftContext, DraftTree, HeadCache, draft_eagle2, root_only
 
 
 class Proposer(Protocol):

@@ -17,7 +17,7 @@ import torch
 from taps_ray.config import StudyConfig, TreeConfig
 from taps_ray.models.draft_head import DraftHead
 from taps_ray.models.target import Target
-from taps_ray.spec.combine import (
+from taps_ray.engine.combine import (
     build_averaged,
     build_confidence_routed,
     build_entropy_routed,
@@ -25,8 +25,8 @@ from taps_ray.spec.combine import (
     build_merged_budget,
     build_merged_dedup,
 )
-from taps_ray.spec.proposers import PlainDecoding, Proposer, SingleHead
-from taps_ray.spec.tree import DraftContext
+from taps_ray.engine.proposers import PlainDecoding, Proposer, SingleHead
+from taps_ray.engine.tree import DraftContext
 
 Builder = Callable[[dict[str, DraftHead], DraftContext, TreeConfig], Proposer]
 

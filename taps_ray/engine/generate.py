@@ -13,10 +13,10 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel
 
-from taps_ray.spec.proposers import Proposer
-from taps_ray.spec.target_batch import Committed, TargetBatch
-from taps_ray.spec.tree import DraftTree, root_only
-from taps_ray.spec.verify import SamplingParams, Verdict
+from taps_ray.engine.proposers import Proposer
+from taps_ray.engine.target_batch import Committed, TargetBatch
+from taps_ray.engine.tree import DraftTree, root_only
+from taps_ray.engine.verify import SamplingParams, Verdict
 
 NOT_DRAFTED = -2  # StepRecord.head of a step that verified only the root (drafting paused by `draft_below`)
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from taps_ray.spec.tree import DraftTree
-from taps_ray.spec.verify import SamplingParams, Verdict, accept, sample_root
+from taps_ray.engine.tree import DraftTree
+from taps_ray.engine.verify import SamplingParams, Verdict, accept, sample_root
 
 
 @dataclass

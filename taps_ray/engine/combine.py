@@ -31,8 +31,8 @@ import torch
 
 from taps_ray.config import TreeConfig
 from taps_ray.models.draft_head import DraftHead
-from taps_ray.spec.proposers import Proposer, SingleHead
-from taps_ray.spec.tree import DraftContext, DraftTree, build_tree
+from taps_ray.engine.proposers import Proposer, SingleHead
+from taps_ray.engine.tree import DraftContext, DraftTree, build_tree
 
 # --- checkpoint averaging (docs/algorithms.md#weight-averaging) ---------------------------------------------
 
@@ -379,7 +379,7 @@ def per_question_confidence_choice(
     return ranked[0]
 
 
-# --- builders (named in spec/registry.py) ------------------------------------------------------------------
+# --- builders (named in engine/registry.py) ----------------------------------------------------------------
 
 
 def _first_two(heads: dict[str, DraftHead], name: str) -> list[tuple[str, DraftHead]]:

@@ -27,11 +27,11 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from taps_ray.spec.generate import NOT_DRAFTED, Generation, chosen_head, extend_tokens, record_step
-from taps_ray.spec.proposers import Proposer
-from taps_ray.spec.target_batch import Committed, TargetBatch
-from taps_ray.spec.tree import DraftTree, root_only
-from taps_ray.spec.verify import SamplingParams
+from taps_ray.engine.generate import NOT_DRAFTED, Generation, chosen_head, extend_tokens, record_step
+from taps_ray.engine.proposers import Proposer
+from taps_ray.engine.target_batch import Committed, TargetBatch
+from taps_ray.engine.tree import DraftTree, root_only
+from taps_ray.engine.verify import SamplingParams
 
 logger = logging.getLogger(__name__)
 
