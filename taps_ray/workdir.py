@@ -17,6 +17,7 @@ from pathlib import Path
 from taps_ray.config import StudyConfig
 
 FINAL = "final"  # the finished checkpoint inside a head's training folder
+EPOCH_GLOB = "epoch-*"  # the epoch checkpoints inside a head's training folder
 
 
 def root(cfg: StudyConfig) -> Path:
@@ -57,6 +58,11 @@ def head_dir(cfg: StudyConfig, kind: str, mixture: str) -> Path:
 def head_checkpoint(cfg: StudyConfig, kind: str, mixture: str) -> Path:
     """The finished head that evaluation, serving and benchmarks load."""
     return head_dir(cfg, kind, mixture) / FINAL
+
+
+def epoch_checkpoint(head_folder: Path, epoch: int) -> Path:
+    """The checkpoint a head's trainer leaves after `epoch` (weights, optimizer state of the newest, state.json)."""
+    return head_folder / f"epoch-{epoch}"
 
 
 def agreement_cache(checkpoint: Path, key: str) -> Path:

@@ -194,17 +194,10 @@ def stage_train(cfg: StudyConfig, env: dict[str, str], log: Callable[[str], None
 
 def _prepare_draft_vocabulary(cfg: StudyConfig) -> None:
     """Build the shared reduced draft vocabulary once, here, instead of racing in every drafter."""
-    if getattr(cfg.tree, "draft_vocab_size", None) is None:
-        return
-    try:
-        from taps_ray.data.draft_vocab import draft_vocabulary
-    except ImportError:
-        return
-    from taps_ray.models.target import load_tokenizer
+    from taps_ray.data.draft_vocab import draft_vocabulary
+    from taps_ray.models.target import Target, load_tokenizer
 
     tokenizer = load_tokenizer(cfg.target.name)
-    from taps_ray.models.target import Target
-
     stop_ids = Target(model=None, tokenizer=tokenizer, name=cfg.target.name).stop_token_ids
     draft_vocabulary(cfg, tokenizer, stop_ids)
 

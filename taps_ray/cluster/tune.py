@@ -33,7 +33,7 @@ from typing import Any
 
 from taps_ray.config import StudyConfig, parse_config
 from taps_ray.fsio import atomic_dir
-from taps_ray.workdir import FINAL, head_checkpoint, head_dir, tune_dir
+from taps_ray.workdir import FINAL, epoch_checkpoint, head_checkpoint, head_dir, tune_dir
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def restore_checkpoint(cfg: StudyConfig, kind: str, mixture: str, folder: Path) 
     heads = head_dir(cfg, kind, mixture)
     if (folder / trainer.STATE_FILE).is_file():
         epoch = json.loads((folder / trainer.STATE_FILE).read_text()).get("epoch")
-        target = heads / f"epoch-{epoch}"
+        target = epoch_checkpoint(heads, epoch)
     elif (folder / trainer.METRICS_FILE).is_file():
         target = heads / FINAL
     else:

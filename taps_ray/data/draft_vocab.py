@@ -7,13 +7,13 @@ heads of a study so routers and merged trees draft over the same ids. Stop token
 from __future__ import annotations
 
 from collections import Counter
-import os
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from taps_ray.config import StudyConfig
 from taps_ray.data.sources import load_conversations
+from taps_ray.fsio import atomic_path
 from taps_ray.workdir import draft_vocab_file
 
 SAMPLE_PER_CORPUS = 4000
@@ -56,9 +56,7 @@ def draft_vocabulary(config: StudyConfig, tokenizer, stop_ids: list[int]) -> tor
     if key not in _LOADED:
         if not file.is_file():
             vocab = frequent_tokens(tokenizer, _assistant_texts(config), size, stop_ids)
-            file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = file.with_name(f".{file.name}.tmp")
-            save_file({"vocab": vocab}, str(tmp))
-            os.replace(tmp, file)  # atomic: a reader never sees half a file
+            with atomic_path(file) as tmp:  # a reader never sees half a file
+                save_file({"vocab": vocab}, str(tmp))
         _LOADED[key] = load_file(str(file))["vocab"]
     return _LOADED[key]

@@ -8,8 +8,6 @@ head A in [0, 1] (`averaged` is w = 0.5). The table is plain data: importing it 
 from __future__ import annotations
 
 import functools
-import math
-import re
 from collections.abc import Callable
 
 import torch
@@ -25,6 +23,7 @@ from taps_ray.engine.combine import (
     build_merged_budget,
     build_merged_dedup,
 )
+from taps_ray.engine.names import AVERAGED_SWEEP, UnknownProposer, averaged_name, averaged_weight
 from taps_ray.engine.proposers import PlainDecoding, Proposer, SingleHead
 from taps_ray.engine.tree import DraftContext
 
@@ -38,35 +37,6 @@ COMBINATIONS: dict[str, Builder] = {
     "merged-dedup": build_merged_dedup,
     "merged-budget": build_merged_budget,
 }
-AVERAGED_SWEEP = (0.0, 0.25, 0.5, 0.75, 1.0)  # the averaged weights `proposer_names` lists (the study's sweep)
-_AVERAGED = re.compile(r"^averaged-w(.*)$")
-
-
-class UnknownProposer(ValueError):
-    pass
-
-
-def averaged_name(w: float) -> str:
-    return "averaged" if w == 0.5 else f"averaged-w{w:g}"
-
-
-def averaged_weight(name: str) -> float | None:
-    """The weight of head A in an `averaged-w{w}` name (`averaged` is 0.5), None for other names."""
-    if name == "averaged":
-        return 0.5
-    match = _AVERAGED.match(name)
-    if match is None:
-        return None
-    try:
-        w = float(match.group(1))
-    except ValueError:
-        w = math.nan
-    if not 0.0 <= w <= 1.0:  # also false for nan
-        raise UnknownProposer(
-            f"proposer {name!r}: the averaging weight after 'averaged-w' must be a number in [0, 1] "
-            "(the weight of head A), e.g. averaged-w0.3"
-        )
-    return w
 
 
 def combination(name: str) -> Builder | None:

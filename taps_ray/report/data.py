@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import pandas as pd
 
 from taps_ray.config import BENCHMARKS, HEAD_KINDS, StudyConfig
 from taps_ray.eval.diagnostics import accepted_vs_rejected, routing_fractions
+from taps_ray.engine.names import averaged_weight
 from taps_ray.eval.metrics import PLAIN, summarize
 from taps_ray.eval.store import ResultsStore
 from taps_ray.workdir import results_dir
@@ -26,15 +26,6 @@ KIND_LABELS = {"eagle2": "EAGLE-2", "hass": "HASS", "none": "none"}
 OURS = ("merged-dedup", "merged-budget")
 COMBINED = ("averaged", "confidence-routed", "entropy-routed", "merged", *OURS)
 CELLS_FILE = "cells.json"  # in a report's results/ copy: done.json of every cell and the failures
-_AVERAGED_W = re.compile(r"^averaged-w(\d+(?:\.\d+)?)$")
-
-
-def averaged_weight(proposer: str) -> float | None:
-    """w (weight of the math head A) of an `averaged-w{w}` proposer; `averaged` is 0.5; None otherwise."""
-    if proposer == "averaged":
-        return 0.5
-    match = _AVERAGED_W.match(proposer)
-    return float(match.group(1)) if match else None
 
 
 @dataclass

@@ -41,7 +41,7 @@ from taps_ray.models.draft_head import DraftHead, new_head
 from taps_ray.models.target import Target, load_target
 from taps_ray.training.features import Example, FeatureSet, extract_features
 from taps_ray.training.losses import Batch, FrozenTarget, LossSettings, run_passes
-from taps_ray.workdir import FINAL, head_dir
+from taps_ray.workdir import EPOCH_GLOB, FINAL, epoch_checkpoint, head_dir
 
 log = logging.getLogger(__name__)
 
@@ -190,12 +190,12 @@ def run_fingerprint(cfg: StudyConfig, kind: str, features: FeatureSet) -> str:
 
 
 def save_epoch(folder: Path, epoch: int, head: DraftHead, optimizer, scheduler, state: dict) -> Path:
-    target = folder / f"epoch-{epoch}"
+    target = epoch_checkpoint(folder, epoch)
     with atomic_dir(target) as staging:
         head.save(staging)
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, staging / OPTIMIZER_FILE)
         (staging / STATE_FILE).write_text(json.dumps(state, indent=2))
-    for older in folder.glob("epoch-*"):  # optimizer state only in the newest epoch
+    for older in folder.glob(EPOCH_GLOB):  # optimizer state only in the newest epoch
         if older != target and (older / OPTIMIZER_FILE).exists():
             (older / OPTIMIZER_FILE).unlink()
     return target
@@ -213,7 +213,7 @@ def write_final(folder: Path, epoch_dir: Path, state: dict) -> Path:
 def latest_checkpoint(folder: Path, fingerprint: str) -> tuple[Path, dict] | None:
     """The newest complete epoch of this run, or None. Checkpoints of another run are removed."""
     found = []
-    for path in folder.glob("epoch-*"):
+    for path in folder.glob(EPOCH_GLOB):
         try:
             state = json.loads((path / STATE_FILE).read_text())
         except (OSError, ValueError):
@@ -293,7 +293,7 @@ def _train_head(cfg: StudyConfig, kind: str, mixture_name: str, report: Report |
         final = folder / FINAL
         if not (final / "model.safetensors").is_file() or json.loads((final / METRICS_FILE).read_text()).get(
                 "fingerprint") != fingerprint:
-            final = write_final(folder, folder / f"epoch-{state['epoch']}", state)
+            final = write_final(folder, epoch_checkpoint(folder, state['epoch']), state)
         return final
 
     head.train()
