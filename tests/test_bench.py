@@ -1,7 +1,9 @@
-"""`taps bench` end to end on the tiny random target: every method decodes the same prompts, ours stay greedy."""
+"""`taps bench` end to end on the tiny random target (every method decodes the same prompts, ours stay greedy),
+and the pure helpers of `benchmarks/serve_load.py` (stream reading, outcome classes, the overload verdict)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -42,3 +44,55 @@ def test_bench_report_with_peers(bench_config):
 def test_bad_tree_setting_names_the_format(bench_config):
     with pytest.raises(ValueError, match="total_token/depth/top_k"):
         BenchOptions(trees=["8-3-2"]).tree_configs(bench_config.tree)
+
+
+def _serve_load():
+    """benchmarks/serve_load.py as a module (benchmarks/ is not a package)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "serve_load.py"
+    spec = importlib.util.spec_from_file_location("serve_load", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_serve_load_reads_a_stream_and_classifies_outcomes():
+    sl = _serve_load()
+    out = sl.Outcome("math", "q", status=200)
+    sl.apply_chunk(out, {"choices": [{"delta": {"role": "assistant"}, "finish_reason": None}]}, 0.1)
+    assert out.ttft is None  # a chunk without content is not the first token
+    sl.apply_chunk(out, {"choices": [{"delta": {"content": "4"}, "finish_reason": None}]}, 0.2)
+    sl.apply_chunk(out, {"choices": [{"delta": {"content": "2"}, "finish_reason": None}]}, 0.3)
+    sl.apply_chunk(out, {"choices": [{"delta": {}, "finish_reason": "stop"}],
+                         "speculative": {"tau": 1.5, "batch_size": 3}}, 0.4)
+    sl.apply_chunk(out, {"choices": [], "usage": {"completion_tokens": 2}}, 0.4)
+    assert (out.text, out.ttft, out.tau, out.batch, out.tokens, out.finished, out.kind) == ("42", 0.2, 1.5, 3, 2, True, "ok")
+    sl.apply_chunk(out, {"error": {"message": "decoding failed"}}, 0.5)
+    assert out.kind == "lost"
+    assert sl.Outcome("m", "q", status=503, retry_after="2").kind == "503"
+    assert sl.Outcome("m", "q", status=503, retry_after="0").kind == "503 without Retry-After"
+    assert sl.Outcome("m", "q", status=503).kind == "503 without Retry-After"
+    assert sl.Outcome("m", "q", status=500).kind == "other 5xx"
+    assert sl.Outcome("m", "q", status=400).kind == "4xx"
+    assert sl.Outcome("m", "q").kind == "lost"
+    assert sl.Outcome("m", "q", status=200, timed_out=True, problem="slow").kind == "hung"
+    assert sl.parse_clients("1,4,8,16") == [1, 4, 8, 16]
+    with pytest.raises(Exception, match="distinct positive"):
+        sl.parse_clients("1,0")
+
+
+def test_serve_load_summary_and_overload_verdict():
+    sl = _serve_load()
+    answers = [sl.Outcome("plain", "q", status=200, latency=latency, ttft=latency / 4, text=text, tokens=10,
+                          tau=1.0, batch=2, finished=True) for latency, text in ((1.0, "a"), (3.0, "b"))]
+    rejected = sl.Outcome("plain", "q", status=503, latency=0.01, retry_after="1", problem="busy")
+    stats = sl.summarize([*answers, rejected], 2.0, {"q": "a"}, ("ok", "503"))
+    assert (stats["ok"], stats["errors"], stats["tokens_per_s"], stats["p50"], stats["ttft50"]) == (2, 1, 10.0, 2.0, 0.5)
+    assert (stats["mismatches"], stats["retry_after"], stats["rejection"], stats["error_samples"]) == (1, [1], "busy", [])
+    assert sl.overload_failures(stats, idle=True) == ["1 answers differ from greedy"]
+    hung = sl.Outcome("plain", "q", status=200, timed_out=True, problem="slow")
+    stats = sl.summarize([answers[0], hung], 2.0, None, ("ok", "503"))
+    assert sl.overload_failures(stats, idle=False) == [
+        "1 hung", "no 503: the run never filled the queue", "the replica still had requests 30 s after the run"]
