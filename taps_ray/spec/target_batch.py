@@ -7,6 +7,8 @@ with a one-node tree, so speedups compare like with like. A finished sequence (t
 the forward of a batch's tail computes only the sequences still decoding. The Ray pool shares one batch
 between sessions: it merges batches, steps only the rows whose trees arrived and evicts rows, through the
 batch's own methods, so the cache invariant has one owner.
+
+Every tensor and generator lives on the model's device; trees drafted elsewhere are moved here.
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ class Committed:
             raise ValueError("this batch did not keep the target's logits (TargetBatch(keep_logits=True))")
         rows = self.verdict.nodes if self.verdict is not None else [0]
         return torch.log_softmax(self.logits[rows].float(), dim=-1)
+
+    def to(self, device: torch.device | str) -> "Committed":
+        """This result on `device` (a target worker hands CPU copies to drafters that may have no GPU)."""
+        logits = None if self.logits is None else self.logits.to(device)
+        return Committed(self.tokens, self.features.to(device), self.next_tokens.to(device), self.verdict, logits)
 
 
 @dataclass
@@ -197,6 +204,7 @@ class TargetBatch:
         self.lengths = lengths
 
     def _step(self, trees: list[DraftTree | None]) -> list[Committed | None]:
+        trees = [None if tree is None else tree.to(self.device) for tree in trees]
         t0 = time.perf_counter()
         outputs = self.verify(trees)
         t1 = time.perf_counter()
