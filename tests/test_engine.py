@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 from scipy import stats
@@ -187,6 +189,21 @@ def test_finished_sequences_leave_the_batch_and_sampling_follows_each_seed(devic
     for prompt, seed, n, generation in zip(prompts, (5, 6, 7), (2, 14, 6), together):
         alone = run_loop(TargetBatch(model), PlainDecoding(), [prompt], params, n, [], seeds=[seed])[0]
         assert generation.tokens == alone.tokens  # each row kept its own generator as others left
+
+
+def test_results_own_their_storage_so_one_sequence_pickles_to_a_quarter_of_the_batch(tiny_target):
+    """A drafter is shipped its own sequence's rows, never the batch's hidden states or logits behind a view."""
+    prompts = [list(range(100 + 48 * b, 148 + 48 * b)) for b in range(4)]  # equal lengths: equal shares
+    batch = TargetBatch(tiny_target.model, keep_logits=True)
+    started = batch.start(prompts, GREEDY, [0, 1, 2, 3])
+    trees = [build_tree(torch.tensor([int(c.next_tokens[-1]), 5, 6]), torch.tensor([-1, 0, 1])) for c in started]
+    stepped = batch.step(trees)
+    for results in (started, stepped):
+        for c in results:
+            for tensor in (c.features, c.next_tokens, c.logits):
+                assert tensor.untyped_storage().nbytes() == tensor.nbytes  # owns exactly its own elements
+        share = len(pickle.dumps(results[0])) / len(pickle.dumps(results))
+        assert 0.22 < share < 0.28, share
 
 
 @pytest.mark.slow
