@@ -13,12 +13,12 @@ sends `--overload-clients` clients at it, every model in round robin, each reque
 header (the clients wait what it says before their next request), no other 5xx, no stream cut short, and the
 replica idle afterwards.
 
-    # tiny random target, random eagle2 heads in a temporary work dir; a few seconds per point
-    python benchmarks/serve_load.py --config configs/tiny.yaml --random-heads --duration 3 --out /tmp/serve_load.md
+    # tiny random target, random eagle2 heads in a temporary work dir, a few seconds per point; prints the section
+    python benchmarks/serve_load.py --config configs/tiny.yaml --random-heads --duration 3
 
-    # the real report: trained speed heads, fp32 (exact greedy check) and bf16
-    python benchmarks/serve_load.py --config configs/speed.yaml --dtypes float32,bfloat16 \
-        --models plain,math,routed --clients 1,4,8,16 --max-tokens 32 --duration 20 --out reports/serve_load.md
+    # the real report (about 12 minutes): trained speed heads, fp32 (exact greedy check) and bf16
+    python benchmarks/serve_load.py --config configs/speed.yaml --dtypes float32,bfloat16 --models plain,math,routed \
+        --clients 1,4,8,16 --max-tokens 32 --duration 15 --overload-duration 20 --out reports/serve_load.md
 
 Everything stays on this machine: Ray in its loopback mode, Serve's HTTP proxy on 127.0.0.1. Each run
 replaces its own section (named by --label, default the config's name) in --out. Exit status 1 when a point

@@ -26,6 +26,7 @@ from taps_ray.config import StudyConfig, TreeConfig
 from taps_ray.data.chat import build_prompt_ids
 from taps_ray.data.sources import load_questions
 from taps_ray.fsio import atomic_write_text
+from taps_ray.models.device import resolve_device
 from taps_ray.models.target import Target, load_target
 from taps_ray.proposer_setup import load_proposers
 from taps_ray.report.tables import fmt, md_table
@@ -142,7 +143,7 @@ Method = Callable[[list[int]], Decoded]
 
 def _hf_method(target: Target, max_new_tokens: int, **options: object) -> Method:
     def run(prompt: list[int]) -> Decoded:
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=target.device)
         out = target.model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
             eos_token_id=target.stop_token_ids, pad_token_id=target.tokenizer.pad_token_id, **options,
@@ -334,6 +335,7 @@ def cmd_bench(config: StudyConfig, options: BenchOptions, command: str) -> int:
     settings = (f"{options.per_benchmark} first turns each of {', '.join(options.benchmarks)}, "
                 f"{options.max_new_tokens} new tokens, {options.repetitions} interleaved repetitions, batch 1, "
                 f"{options.kind} heads from `{config.work_dir}`, dtype {options.dtype or config.target.dtype}, "
+                f"device {resolve_device(config.target)}, "
                 f"tree {tree.total_token}/{tree.depth}/{tree.top_k} (total_token/depth/top_k; `name@T/D/K` rows "
                 f"use that tree instead), draft vocabulary {tree.draft_vocab_size or 'full'}.")
     print(table.to_string(index=False))

@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 DType = Literal["float32", "bfloat16", "float16", "float64"]
+Device = Literal["auto", "cpu", "cuda"]
 HeadKind = Literal["eagle2", "hass"]
 HEAD_KINDS: tuple[str, ...] = get_args(HeadKind)
 DATA_DIR_ENV = "TAPS_DATA_DIR"
@@ -57,6 +58,9 @@ class TargetConfig(_Strict):
     )
     dtype: DType = "bfloat16"
     attn_implementation: Literal["eager", "sdpa"] = "sdpa"
+    device: Device = Field(
+        "auto", description="auto: CUDA when the process was given a GPU (in Ray: its num_gpus), else the CPU; "
+        "cuda where none exists is an error. Heads, drafting, verification and training follow the target")
     tiny: TinyTargetConfig | None = None
 
     @model_validator(mode="after")
@@ -213,6 +217,7 @@ class ServeConfig(_Strict):
     head_kind: HeadKind = Field("eagle2", description="which trained heads the service loads (<work_dir>/heads/<kind>-<mixture>)")
     max_ongoing_requests: int = Field(32, gt=0, description="requests one replica holds at once (queued + decoding)")
     replica_num_cpus: float = Field(1.0, gt=0, description="CPUs Ray reserves per replica (also its torch threads)")
+    replica_num_gpus: float = Field(0.0, ge=0, description="GPUs Ray reserves per replica (target.device auto then uses it)")
     draft_below: int | None = Field(
         None, gt=0, description="draft only while fewer requests than this decode in one batch; larger batches decode "
         "plainly (lossless either way). None: always draft. Speculation pays while the target's forward is "

@@ -19,8 +19,10 @@ from taps_ray.engine.registry import build_proposer
 from taps_ray.workdir import head_checkpoint
 
 
-def load_heads(cfg: StudyConfig, kind: str, dtype: torch.dtype, mixtures: Sequence[str] | None = None) -> dict[str, DraftHead]:
-    """The trained heads of one kind, keyed by mixture name, in the order of `train.mixtures`."""
+def load_heads(cfg: StudyConfig, kind: str, dtype: torch.dtype, mixtures: Sequence[str] | None = None,
+               device: torch.device | str = "cpu") -> dict[str, DraftHead]:
+    """The trained heads of one kind, keyed by mixture name, in the order of `train.mixtures`, on `device`
+    (the target's)."""
     heads = {}
     for mixture in cfg.train.mixtures if mixtures is None else mixtures:
         folder = head_checkpoint(cfg, kind, mixture)
@@ -29,7 +31,7 @@ def load_heads(cfg: StudyConfig, kind: str, dtype: torch.dtype, mixtures: Sequen
                 f"no trained {kind} head for mixture {mixture!r} at {folder}; "
                 f"run `taps train --config <cfg> --kind {kind} --mixture {mixture}` (or the sweep) first"
             )
-        heads[mixture] = DraftHead.load(folder, dtype=dtype).eval()
+        heads[mixture] = DraftHead.load(folder, dtype=dtype, device=device).eval()
     return heads
 
 
@@ -59,7 +61,7 @@ def load_proposers(
         needed = heads_needed(cfg, names)
         if needed and kind is None:
             raise ValueError(f"proposers {list(names)} draft with trained heads: say which kind to load")
-        heads = load_heads(cfg, kind, dtype or target.dtype, needed) if needed else {}
+        heads = load_heads(cfg, kind, dtype or target.dtype, needed, target.device) if needed else {}
     drafts = any(name != PlainDecoding.name for name in names)
     vocab = draft_vocabulary(cfg, target.tokenizer, target.stop_token_ids) if drafts else None
     return {name: build_proposer(name, target, heads, cfg.tree, vocab) for name in names}

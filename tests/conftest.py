@@ -23,6 +23,10 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 
 torch.set_num_threads(2)
 
+# Devices the engine and lossless tests run on: the CPU always, CUDA where present. Every other fixture pins
+# the CPU, so a GPU machine runs the same tests with the same numbers plus the CUDA copies.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
 
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
@@ -33,7 +37,8 @@ def shared_data() -> Path:
 def tiny_config(tmp_path_factory: pytest.TempPathFactory) -> StudyConfig:
     config = load_config(REPO / "configs" / "tiny.yaml")
     work = tmp_path_factory.mktemp("tiny-work")
-    return config.model_copy(update={"work_dir": str(work), "reports_dir": str(work / "reports")})
+    target = config.target.model_copy(update={"device": "cpu"})
+    return config.model_copy(update={"work_dir": str(work), "reports_dir": str(work / "reports"), "target": target})
 
 
 @pytest.fixture(scope="session")
@@ -41,9 +46,17 @@ def tiny_target(tiny_config: StudyConfig) -> Target:
     return load_target(tiny_config.target)
 
 
-@pytest.fixture(scope="session")
-def smollm2_fp32() -> Target:
-    return load_target(TargetConfig(name="smollm2-135m-instruct", dtype="float32"))
+@pytest.fixture(scope="session", params=DEVICES)
+def device_target(request: pytest.FixtureRequest, tiny_config: StudyConfig, tiny_target: Target) -> Target:
+    """The tiny target on each available device (fp32, as `tiny_target`)."""
+    if request.param == "cpu":
+        return tiny_target
+    return load_target(tiny_config.target.model_copy(update={"device": request.param}))
+
+
+@pytest.fixture(scope="session", params=DEVICES)
+def smollm2_fp32(request: pytest.FixtureRequest) -> Target:
+    return load_target(TargetConfig(name="smollm2-135m-instruct", dtype="float32", device=request.param))
 
 
 @pytest.fixture(scope="session")
@@ -74,6 +87,7 @@ def small_vocab_target() -> Target:
         dtype="float32",
         tiny=TinyTargetConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                               num_key_value_heads=1, vocab_size=5, seed=3),
+        device="cpu",
     )
     target = load_target(config)
     with torch.no_grad():  # moderate, non-degenerate next-token distributions

@@ -33,11 +33,12 @@ class GreedyOracle:
 
     def propose(self, state: OracleState, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[DraftTree, OracleState]:
         history = state.history + next_tokens.tolist()
-        chain, ids = [], torch.tensor([history])
+        device = self.model.device
+        chain, ids = [], torch.tensor([history], device=device)
         for _ in range(self.depth):
             token = int(self.model(ids).logits[0, -1].argmax())
             chain.append(token)
-            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+            ids = torch.cat([ids, torch.tensor([[token]], device=device)], dim=1)
         correct = state.step % (self.depth + 1)  # 0..depth correct tokens, cycling over steps
         vocab = self.model.config.vocab_size
         tokens, parents = [history[-1]], [-1]
@@ -48,7 +49,8 @@ class GreedyOracle:
             tokens += [drafted, sibling]
             parents += [parent, parent]
             parent = len(tokens) - 2
-        tree = build_tree(torch.tensor(tokens), torch.tensor(parents), confidence=torch.rand(len(tokens) - 1))
+        tree = build_tree(torch.tensor(tokens, device=device), torch.tensor(parents, device=device),
+                          confidence=torch.rand(len(tokens) - 1, device=device))
         return tree, OracleState(history=history, step=state.step + 1)
 
 
@@ -65,8 +67,9 @@ class FixedTree:
         return None
 
     def propose(self, state: None, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[DraftTree, None]:
-        tokens = torch.tensor([int(next_tokens[-1])] + self.tokens)
-        return build_tree(tokens, torch.tensor([-1] + self.parents)), None
+        device = next_tokens.device
+        tokens = torch.tensor([int(next_tokens[-1])] + self.tokens, device=device)
+        return build_tree(tokens, torch.tensor([-1] + self.parents, device=device)), None
 
 
 @dataclass

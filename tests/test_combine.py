@@ -40,36 +40,35 @@ def _context(target) -> DraftContext:
     return DraftContext(target.model.get_input_embeddings(), target.model.lm_head)
 
 
-def _sharp_head(config, seed: int, scale: float = 30.0) -> DraftHead:
+def _sharp_head(config, seed: int, scale: float = 30.0, device: torch.device | str = "cpu") -> DraftHead:
     """A random head with a scaled-up fc: larger outputs, sharper draft distributions, confident trees."""
-    head = new_head(config, seed=seed)
+    head = new_head(config, seed=seed, device=device)
     with torch.no_grad():
         head.fc.weight.mul_(scale)
     return head
 
 
+def _heads(target) -> dict[str, DraftHead]:
+    config, device = target.model.config, target.device
+    return {"math": _sharp_head(config, seed=1, scale=20.0, device=device), "chat": new_head(config, seed=2, device=device)}
+
+
+def _hf_greedy(target, prompt: list[int], n: int, stops: list[int] | None) -> list[int]:
+    """HF greedy on the target's device; `stops` None: the model's own end-of-sequence tokens."""
+    ids = torch.tensor([prompt], device=target.device)
+    out = target.model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=stops, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
 @pytest.fixture(scope="module")
 def heads(tiny_target) -> dict[str, DraftHead]:
-    config = tiny_target.model.config
-    return {"math": _sharp_head(config, seed=1, scale=20.0), "chat": new_head(config, seed=2)}
+    return _heads(tiny_target)
 
 
 @pytest.fixture(scope="module")
 def prompts(tiny_target) -> list[list[int]]:
     tok = tiny_target.tokenizer
     return [tok.encode("Hello there, how are you"), tok.encode("2+2=")]
-
-
-@pytest.fixture(scope="module")
-def expected(tiny_target, prompts) -> list[list[int]]:
-    model, stops = tiny_target.model, tiny_target.stop_token_ids
-    outs = []
-    for prompt in prompts:
-        out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=stops, pad_token_id=0
-        )
-        outs.append(out[0, len(prompt) :].tolist())
-    return outs
 
 
 @pytest.fixture(scope="module")
@@ -91,11 +90,12 @@ def test_registered_names():
 
 
 @pytest.mark.parametrize("name", combination_names())
-def test_every_combination_is_lossless_greedy(tiny_target, heads, prompts, expected, name):
-    proposer = build_proposer(name, tiny_target, heads, TREE)
-    generations = generate(tiny_target.model, proposer, prompts, GREEDY, MAX_NEW, tiny_target.stop_token_ids)
-    for generation, want in zip(generations, expected):
-        assert generation.tokens == want
+def test_every_combination_is_lossless_greedy(device_target, prompts, name):
+    proposer = build_proposer(name, device_target, _heads(device_target), TREE)
+    stops = device_target.stop_token_ids
+    generations = generate(device_target.model, proposer, prompts, GREEDY, MAX_NEW, stops)
+    for generation, prompt in zip(generations, prompts):
+        assert generation.tokens == _hf_greedy(device_target, prompt, MAX_NEW, stops)
         heads_used = {s.head for s in generation.steps}
         if name.startswith("merged"):
             assert heads_used == {-1}
@@ -123,14 +123,13 @@ def test_any_averaging_weight_builds_and_a_bad_one_names_the_fix(tiny_target, he
             build_proposer(bad, tiny_target, heads, TREE)
 
 
-def test_merged_variants_with_an_accepting_oracle_are_lossless(tiny_target, heads):
+def test_merged_variants_with_an_accepting_oracle_are_lossless(device_target):
     """Oracle + random head: real acceptances through the merged tree; dedup accepts exactly as plain merge."""
-    model, tok = tiny_target.model, tiny_target.tokenizer
+    model, tok = device_target.model, device_target.tokenizer
     bos = tok.encode("<|im_start|>")[0]
     prompt = [bos] + tok.encode("math: 12*7=")
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, pad_token_id=0)
-    want = out[0, len(prompt) :].tolist()
-    random_part = SingleHead("chat", heads["chat"], _context(tiny_target), TREE)
+    want = _hf_greedy(device_target, prompt, 10, None)
+    random_part = SingleHead("chat", _heads(device_target)["chat"], _context(device_target), TREE)
     results = {}
     for mode in ("concat", "dedup", "budget"):
         merged = Merged([GreedyOracle(model, first_token=bos, depth=3), random_part], mode=mode, budget=TREE.total_token - 1)

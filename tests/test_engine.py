@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 from scipy import stats
@@ -21,13 +23,14 @@ GREEDY = SamplingParams()
 
 def _hf_greedy(model, prompt: list[int], n: int, stop_ids: list[int]) -> list[int]:
     out = model.generate(
-        torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=stop_ids, pad_token_id=0
+        torch.tensor([prompt], device=model.device), max_new_tokens=n, do_sample=False, eos_token_id=stop_ids,
+        pad_token_id=0,
     )
     return out[0, len(prompt) :].tolist()
 
 
 def _random_head_proposer(target, tree: TreeConfig, seed: int = 0) -> SingleHead:
-    head = new_head(target.model.config, seed=seed)
+    head = new_head(target.model.config, seed=seed, device=target.device)
     context = DraftContext(target.model.get_input_embeddings(), target.model.lm_head)
     return SingleHead("random", head, context, tree)
 
@@ -103,18 +106,18 @@ def test_draft_stable_cache_equals_fresh_prefill(tiny_target):
 # --- lossless greedy -----------------------------------------------------------------------------------------
 
 
-def test_greedy_equals_hf_generate_random_head_batch(tiny_target):
-    model, tok = tiny_target.model, tiny_target.tokenizer
+def test_greedy_equals_hf_generate_random_head_batch(device_target):
+    model, tok = device_target.model, device_target.tokenizer
     prompts = [tok.encode("Hello there, how are you"), tok.encode("x"), list(range(100, 180)), tok.encode("2+2=")]
-    proposer = _random_head_proposer(tiny_target, TreeConfig(total_token=8, depth=3, top_k=3))
-    stops = tiny_target.stop_token_ids
+    proposer = _random_head_proposer(device_target, TreeConfig(total_token=8, depth=3, top_k=3))
+    stops = device_target.stop_token_ids
     batched = generate(model, proposer, prompts, GREEDY, 24, stops)
     for prompt, generation in zip(prompts, batched):
         assert generation.tokens == _hf_greedy(model, prompt, 24, stops)
 
 
-def test_greedy_oracle_accepts_and_stays_lossless_batch_and_alone(tiny_target):
-    model, tok = tiny_target.model, tiny_target.tokenizer
+def test_greedy_oracle_accepts_and_stays_lossless_batch_and_alone(device_target):
+    model, tok = device_target.model, device_target.tokenizer
     bos = tok.encode("<|im_start|>")[0]
     prompts = [[bos] + tok.encode(t) for t in ("a long prompt about numbers 1 2 3 4 5 6 7 8", "hi", "math: 12*7=")]
     oracle = GreedyOracle(model, first_token=bos, depth=4)
@@ -176,8 +179,8 @@ def test_draft_below_pauses_drafting_while_the_batch_is_large_and_resumes_with_w
         run_loop(TargetBatch(model), oracle, prompts, GREEDY, [4, 4], [])
 
 
-def test_finished_sequences_leave_the_batch_and_sampling_follows_each_seed(tiny_target):
-    model, tok = tiny_target.model, tiny_target.tokenizer
+def test_finished_sequences_leave_the_batch_and_sampling_follows_each_seed(device_target):
+    model, tok = device_target.model, device_target.tokenizer
     prompts = [tok.encode(t) for t in ("short one", "a longer prompt that keeps going", "third")]
     params = SamplingParams(temperature=1.0)
     batch = TargetBatch(model)
@@ -186,6 +189,21 @@ def test_finished_sequences_leave_the_batch_and_sampling_follows_each_seed(tiny_
     for prompt, seed, n, generation in zip(prompts, (5, 6, 7), (2, 14, 6), together):
         alone = run_loop(TargetBatch(model), PlainDecoding(), [prompt], params, n, [], seeds=[seed])[0]
         assert generation.tokens == alone.tokens  # each row kept its own generator as others left
+
+
+def test_results_own_their_storage_so_one_sequence_pickles_to_a_quarter_of_the_batch(tiny_target):
+    """A drafter is shipped its own sequence's rows, never the batch's hidden states or logits behind a view."""
+    prompts = [list(range(100 + 48 * b, 148 + 48 * b)) for b in range(4)]  # equal lengths: equal shares
+    batch = TargetBatch(tiny_target.model, keep_logits=True)
+    started = batch.start(prompts, GREEDY, [0, 1, 2, 3])
+    trees = [build_tree(torch.tensor([int(c.next_tokens[-1]), 5, 6]), torch.tensor([-1, 0, 1])) for c in started]
+    stepped = batch.step(trees)
+    for results in (started, stepped):
+        for c in results:
+            for tensor in (c.features, c.next_tokens, c.logits):
+                assert tensor.untyped_storage().nbytes() == tensor.nbytes  # owns exactly its own elements
+        share = len(pickle.dumps(results[0])) / len(pickle.dumps(results))
+        assert 0.22 < share < 0.28, share
 
 
 @pytest.mark.slow
@@ -204,6 +222,8 @@ def test_greedy_lossless_on_smollm2_fp32(smollm2_fp32):
         generations = generate(target.model, proposer, prompts, GREEDY, 24, target.stop_token_ids)
         for prompt, generation in zip(prompts, generations):
             assert generation.tokens == _hf_greedy(target.model, prompt, 24, target.stop_token_ids)
+        if proposer is oracle:
+            assert sum(s.accepted for g in generations for s in g.steps) > 0
 
 
 # --- lossless sampling ---------------------------------------------------------------------------------------
@@ -290,22 +310,23 @@ def test_greedy_acceptance_picks_longest_path_first_row_on_ties():
     assert verdict.nodes == [0, 1, 2] and verdict.bonus == 4
 
 
-def test_reduced_draft_vocabulary_drafts_only_its_ids_and_stays_lossless(tiny_target):
+def test_reduced_draft_vocabulary_drafts_only_its_ids_and_stays_lossless(device_target):
     from taps_ray.data.draft_vocab import frequent_tokens
 
-    model, tok = tiny_target.model, tiny_target.tokenizer
+    model, tok, device = device_target.model, device_target.tokenizer, device_target.device
     texts = ["The answer is 42.", "Let us add 3 and 4 to get 7.", "Hello! How can I help you today?"] * 3
-    vocab = frequent_tokens(tok, texts, size=20, always=tiny_target.stop_token_ids)
-    assert vocab.numel() == 20 and set(tiny_target.stop_token_ids) <= set(vocab.tolist())
-    head = new_head(model.config, seed=2)
+    vocab = frequent_tokens(tok, texts, size=20, always=device_target.stop_token_ids)  # on the CPU, as stored
+    assert vocab.numel() == 20 and set(device_target.stop_token_ids) <= set(vocab.tolist())
+    head = new_head(model.config, seed=2, device=device)
     context = DraftContext(model.get_input_embeddings(), model.lm_head, vocab)
     proposer = SingleHead("reduced", head, context, TreeConfig(total_token=8, depth=3, top_k=3))
     prompt = tok.encode("The answer is")
-    features = model.model(torch.tensor([prompt])).last_hidden_state[0]
-    tree, _ = proposer.propose(HeadCache(), features, torch.tensor(prompt[1:] + [5]))
+    features = model.model(torch.tensor([prompt], device=device)).last_hidden_state[0]
+    tree, _ = proposer.propose(HeadCache(), features, torch.tensor(prompt[1:] + [5], device=device))
+    assert tree.tokens.device.type == device.type
     assert set(tree.tokens[1:].tolist()) <= set(vocab.tolist())
-    generation = generate(model, proposer, [prompt], GREEDY, 20, tiny_target.stop_token_ids)[0]
-    assert generation.tokens == _hf_greedy(model, prompt, 20, tiny_target.stop_token_ids)
+    generation = generate(model, proposer, [prompt], GREEDY, 20, device_target.stop_token_ids)[0]
+    assert generation.tokens == _hf_greedy(model, prompt, 20, device_target.stop_token_ids)
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1e-300), SamplingParams(temperature=1.0, top_p=5e-324)])

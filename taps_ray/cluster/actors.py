@@ -6,6 +6,10 @@
   target's embeddings and LM head (the draft context); it runs `eval.runner.run_cell` with a
   `WorkerVerifier` — the engine's `Verifier` seam — that forwards start/step to its target worker. The
   loop, the proposers and the acceptance rule are the in-process ones, so tokens are the same.
+
+Each process computes on its own device (`models.device.resolve_device`: the GPU Ray granted it, else the
+CPU); what crosses between them (trees in, `Committed` out) travels as CPU tensors, so a CPU drafter can
+talk to a GPU worker, and each side moves what it receives to its own device.
 """
 
 from __future__ import annotations
@@ -51,13 +55,14 @@ def pack_heads(config: StudyConfig, kinds: list[str]) -> dict[str, dict[str, dic
     return packed
 
 
-def unpack_heads(config: StudyConfig, kind: str, packed: dict, dtype: torch.dtype, scratch: Path) -> dict:
+def unpack_heads(config: StudyConfig, kind: str, packed: dict, dtype: torch.dtype, scratch: Path,
+                 device: torch.device) -> dict:
     from taps_ray.models.draft_head import DraftHead
     from taps_ray.proposer_setup import load_heads
 
     files = packed.get(kind)
     if not files:  # nothing shipped: read the (shared) work dir, as the in-process path does
-        return load_heads(config, kind, dtype)
+        return load_heads(config, kind, dtype, device=device)
     missing = [m for m in config.train.mixtures if m not in files]
     if missing:
         raise FileNotFoundError(f"no trained {kind} head for mixtures {missing}; run the train stage first")
@@ -67,7 +72,7 @@ def unpack_heads(config: StudyConfig, kind: str, packed: dict, dtype: torch.dtyp
         folder.mkdir(parents=True, exist_ok=True)
         for name, data in files[mixture].items():
             (folder / name).write_bytes(data)
-        heads[mixture] = DraftHead.load(folder, dtype=dtype).eval()
+        heads[mixture] = DraftHead.load(folder, dtype=dtype, device=device).eval()
     return heads
 
 
@@ -87,7 +92,7 @@ class WorkerVerifier:
         return committed
 
     def step(self, trees: list[DraftTree | None]) -> list[Committed | None]:
-        return ray.get(self.worker.step.remote(self.sid, trees))
+        return ray.get(self.worker.step.remote(self.sid, [None if t is None else t.to("cpu") for t in trees]))
 
     def close(self, quiet: bool = False) -> None:
         if self.sid is None:
@@ -118,10 +123,11 @@ class TargetWorker:
         self.started = time.time()
 
     async def start(self, prompts, params, seeds, owner: str = "") -> tuple[str, list[Committed]]:
-        return await self.pool.start(prompts, params, seeds, owner)
+        sid, committed = await self.pool.start(prompts, params, seeds, owner)
+        return sid, [c.to("cpu") for c in committed]
 
     async def step(self, sid: str, trees: list) -> list:
-        return await self.pool.step(sid, trees)
+        return [None if c is None else c.to("cpu") for c in await self.pool.step(sid, trees)]
 
     async def close(self, sid: str) -> None:
         await self.pool.close(sid)
@@ -163,7 +169,9 @@ class DrafterActor:
         from taps_ray.eval.runner import eval_dtype
 
         if kind not in self.heads:
-            self.heads[kind] = unpack_heads(self.config, kind, self.packed, eval_dtype(self.config), self.scratch / "heads")
+            self.heads[kind] = unpack_heads(
+                self.config, kind, self.packed, eval_dtype(self.config), self.scratch / "heads", self.target.device
+            )
         return self.heads[kind]
 
     def run_cell(self, cell: dict) -> tuple[Any, Any, dict]:

@@ -179,7 +179,9 @@ class TapsService:
 
         mixtures = self.cfg.train.mixtures
         missing = [m for m in mixtures if not head_checkpoint(self.cfg, self.kind, m).is_dir()]
-        heads = load_heads(self.cfg, self.kind, self.target.dtype, [m for m in mixtures if m not in missing])
+        heads = load_heads(
+            self.cfg, self.kind, self.target.dtype, [m for m in mixtures if m not in missing], self.target.device
+        )
         if missing:
             logger.warning(
                 "taps serve: no trained %s head for %s under %s, so only %s can be served; train them with "
@@ -519,7 +521,7 @@ def build_app(cfg: StudyConfig, base_dir: str | Path | None = None) -> serve.App
     return TapsService.options(
         **scaling,
         max_ongoing_requests=max(s.max_ongoing_requests, s.max_batch_size + s.max_queued_requests + 1),
-        ray_actor_options={"num_cpus": s.replica_num_cpus},
+        ray_actor_options={"num_cpus": s.replica_num_cpus, "num_gpus": s.replica_num_gpus},
     ).bind(cfg.model_dump(mode="json"))
 
 

@@ -202,12 +202,13 @@ def merge_trees(trees: Sequence[DraftTree], dedup: bool = False) -> DraftTree:
             confidence.append(tree_conf[j - 1])
             entropy.append(tree_ent[j - 1])
             source.append(index)
+    device = trees[0].tokens.device
     return build_tree(
-        torch.tensor(tokens),
-        torch.tensor(parents),
-        confidence=torch.tensor(confidence, dtype=torch.float32),
-        entropy=torch.tensor(entropy, dtype=torch.float32),
-        source=torch.tensor(source, dtype=torch.long),
+        torch.tensor(tokens, device=device),
+        torch.tensor(parents, device=device),
+        confidence=torch.tensor(confidence, dtype=torch.float32, device=device),
+        entropy=torch.tensor(entropy, dtype=torch.float32, device=device),
+        source=torch.tensor(source, dtype=torch.long, device=device),
     )
 
 
@@ -235,10 +236,11 @@ def _subtree(tree: DraftTree, keep: list[int]) -> DraftTree:
     nodes = [0] + sorted(keep)
     new_index = {old: new for new, old in enumerate(nodes)}
     parents = tree.parents.tolist()
-    drafted = torch.tensor(nodes[1:], dtype=torch.long) - 1
+    device = tree.tokens.device
+    drafted = torch.tensor(nodes[1:], dtype=torch.long, device=device) - 1
     return build_tree(
         tree.tokens[nodes],
-        torch.tensor([-1] + [new_index[parents[j]] for j in nodes[1:]]),
+        torch.tensor([-1] + [new_index[parents[j]] for j in nodes[1:]], device=device),
         confidence=tree.confidence[drafted],
         entropy=tree.entropy[drafted],
         source=tree.source[drafted],

@@ -206,7 +206,8 @@ class ContinuousBatcher:
 
     def _draft(self, seq: _Sequence, drafting: bool) -> None:
         if not drafting:
-            seq.tree, seq.draft_s, seq.head = root_only(int(seq.pending[-1][1][-1])), 0.0, NOT_DRAFTED
+            root = seq.pending[-1][1][-1]
+            seq.tree, seq.draft_s, seq.head = root_only(int(root), root.device), 0.0, NOT_DRAFTED
             return
         features = torch.cat([f for f, _ in seq.pending])
         next_tokens = torch.cat([n for _, n in seq.pending])

@@ -57,8 +57,9 @@ class Generation:
 
 
 def record_step(tree: DraftTree, verdict: Verdict, new_tokens: int, draft_s: float, verify_s: float, head: int) -> StepRecord:
-    accepted = torch.zeros(tree.size, dtype=torch.bool)
-    accepted[verdict.nodes] = True
+    accepted = [False] * tree.size
+    for node in verdict.nodes:
+        accepted[node] = True
     return StepRecord(
         accepted=verdict.accepted,
         new_tokens=new_tokens,
@@ -68,7 +69,7 @@ def record_step(tree: DraftTree, verdict: Verdict, new_tokens: int, draft_s: flo
         head=head,
         node_confidence=tree.confidence.tolist(),
         node_entropy=tree.entropy.tolist(),
-        node_accepted=accepted[1:].tolist(),
+        node_accepted=accepted[1:],
         node_source=tree.source.tolist(),
     )
 
@@ -142,7 +143,8 @@ def run_loop(
         unfinished = sum(not g.finished_by for g in generations)
         if draft_below is not None and unfinished >= draft_below:
             missed[b].append(committed)
-            trees[b], draft_times[b], heads[b] = root_only(int(committed.next_tokens[-1])), 0.0, NOT_DRAFTED
+            root = committed.next_tokens[-1]
+            trees[b], draft_times[b], heads[b] = root_only(int(root), root.device), 0.0, NOT_DRAFTED
             return
         parts, missed[b] = [*missed[b], committed], []
         features, next_tokens = torch.cat([c.features for c in parts]), torch.cat([c.next_tokens for c in parts])

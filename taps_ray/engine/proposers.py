@@ -42,7 +42,7 @@ class PlainDecoding:
         return None
 
     def propose(self, state: None, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[DraftTree, None]:
-        return root_only(int(next_tokens[-1])), None
+        return root_only(int(next_tokens[-1]), next_tokens.device), None
 
 
 @dataclass

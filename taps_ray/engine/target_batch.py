@@ -7,6 +7,10 @@ with a one-node tree, so speedups compare like with like. A finished sequence (t
 the forward of a batch's tail computes only the sequences still decoding. The Ray pool shares one batch
 between sessions: it merges batches, steps only the rows whose trees arrived and evicts rows, through the
 batch's own methods, so the cache invariant has one owner.
+
+Every tensor and generator lives on the model's device; trees drafted elsewhere are moved here. What a step
+hands back (`Committed`) owns its storage, never a view into the batch's tensors, so shipping one sequence's
+result (pickling it to a Ray drafter) ships that sequence's rows only.
 """
 
 from __future__ import annotations
@@ -29,15 +33,19 @@ class Committed:
     features: torch.Tensor  # [m, d] target features of the newly committed positions
     next_tokens: torch.Tensor  # [m] the token after each of those positions; the last is the next root
     verdict: Verdict | None = None
-    logits: torch.Tensor | None = None  # with `keep_logits`: the target's logits this step computed (a view, no copy)
+    logits: torch.Tensor | None = None  # with `keep_logits`: [len(tokens), V] the target's logits at each token
 
     def target_logprobs(self) -> torch.Tensor:
         """[len(tokens), V] log-probabilities of the target's raw distribution at each committed token; computed
         only when asked (the batch must keep logits)."""
         if self.logits is None:
             raise ValueError("this batch did not keep the target's logits (TargetBatch(keep_logits=True))")
-        rows = self.verdict.nodes if self.verdict is not None else [0]
-        return torch.log_softmax(self.logits[rows].float(), dim=-1)
+        return torch.log_softmax(self.logits.float(), dim=-1)
+
+    def to(self, device: torch.device | str) -> "Committed":
+        """This result on `device` (a target worker hands CPU copies to drafters that may have no GPU)."""
+        logits = None if self.logits is None else self.logits.to(device)
+        return Committed(self.tokens, self.features.to(device), self.next_tokens.to(device), self.verdict, logits)
 
 
 @dataclass
@@ -67,7 +75,7 @@ class TargetBatch:
 
     Sampling parameters are per row (`row_params`), so requests with different parameters share one forward;
     `params` is what `start` was given for the whole batch (the pool groups batches by it). `keep_logits`: every
-    `Committed` carries a view of the target's logits, for callers that report log-probabilities.
+    `Committed` carries the target's logits at its tokens, for callers that report log-probabilities.
     """
 
     def __init__(self, model: PreTrainedModel, keep_logits: bool = False) -> None:
@@ -100,9 +108,9 @@ class TargetBatch:
         started = []
         for prompt, out, row, generator in zip(prompts, outputs, row_params, self.generators, strict=True):
             root = sample_root(out.logits[-1], row, generator)
-            logits = out.logits if self.keep_logits else None
+            logits = out.logits.clone() if self.keep_logits else None
             next_tokens = torch.tensor(prompt[1:] + [root], device=self.device)
-            started.append(Committed([root], out.hidden, next_tokens, logits=logits))
+            started.append(Committed([root], out.hidden.clone(), next_tokens, logits=logits))  # clones: own storage
         return started
 
     def step(self, trees: list[DraftTree | None]) -> list[Committed | None]:
@@ -197,6 +205,7 @@ class TargetBatch:
         self.lengths = lengths
 
     def _step(self, trees: list[DraftTree | None]) -> list[Committed | None]:
+        trees = [None if tree is None else tree.to(self.device) for tree in trees]
         t0 = time.perf_counter()
         outputs = self.verify(trees)
         t1 = time.perf_counter()
@@ -214,10 +223,10 @@ class TargetBatch:
             if verdict is None
             else Committed(
                 tokens=verdict.tokens[1:] + [verdict.bonus],
-                features=out.hidden[verdict.nodes],
+                features=out.hidden[verdict.nodes],  # indexing by a list copies: the result owns its rows
                 next_tokens=torch.tensor(verdict.tokens[1:] + [verdict.bonus], device=self.device),
                 verdict=verdict,
-                logits=out.logits if self.keep_logits else None,
+                logits=out.logits[verdict.nodes] if self.keep_logits else None,
             )
             for verdict, out in zip(verdicts, outputs)
         ]

@@ -1,12 +1,13 @@
 """Draft trees: the data every proposer hands to the verifier, and EAGLE-2 dynamic tree drafting.
 
 A tree is a handful of explicit tensors (tokens, parents, depths, ancestor mask, root-to-leaf retrieve rows,
-per-node confidence and entropy), so routers and merged trees are small functions over trees.
+per-node confidence and entropy), so routers and merged trees are small functions over trees. A tree lives
+on the device of the head that drafted it (of its tokens); the verifier moves it to its own (`DraftTree.to`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +30,13 @@ class DraftTree:
 
     def __post_init__(self) -> None:
         if self.source is None:
-            self.source = torch.zeros(self.size - 1, dtype=torch.long)
+            self.source = torch.zeros(self.size - 1, dtype=torch.long, device=self.tokens.device)
+
+    def to(self, device: torch.device | str) -> "DraftTree":
+        """This tree on `device` (itself when it is there already)."""
+        if self.tokens.device == torch.device(device):
+            return self
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
     @property
     def size(self) -> int:
@@ -53,10 +60,11 @@ def build_tree(
 ) -> DraftTree:
     """Derive depth, ancestor mask and retrieve rows from parent pointers (parents must precede children)."""
     size = int(tokens.numel())
+    device = tokens.device
     parent_list = parents.tolist()
     if parent_list[0] != -1 or any(not (0 <= p < i) for i, p in enumerate(parent_list) if i):
         raise ValueError(f"invalid tree: node 0 must be the root and every parent must precede its child: {parent_list}")
-    mask = torch.zeros(size, size, dtype=torch.bool)
+    mask = torch.zeros(size, size, dtype=torch.bool, device="cpu")  # filled row by row on the host, moved once
     depth = [0] * size
     mask[0, 0] = True
     for node in range(1, size):
@@ -75,22 +83,22 @@ def build_tree(
         rows.append(path + [-1] * (width - len(path)))
     # Lexicographic row order (-1 last): the stochastic verifier then tries siblings in drafted-rank order.
     rows.sort(key=lambda row: [r if r >= 0 else size for r in row])
-    empty = torch.zeros(size - 1, dtype=torch.float32)
+    empty = torch.zeros(size - 1, dtype=torch.float32, device=device)
     return DraftTree(
         tokens=tokens.long(),
-        parents=parents.long(),
-        depth=torch.tensor(depth, dtype=torch.long),
-        mask=mask,
-        retrieve=torch.tensor(rows, dtype=torch.long),
-        confidence=empty.clone() if confidence is None else confidence.float(),
-        entropy=empty.clone() if entropy is None else entropy.float(),
-        source=source,
+        parents=parents.long().to(device),
+        depth=torch.tensor(depth, dtype=torch.long, device=device),
+        mask=mask.to(device),
+        retrieve=torch.tensor(rows, dtype=torch.long, device=device),
+        confidence=empty.clone() if confidence is None else confidence.float().to(device),
+        entropy=empty.clone() if entropy is None else entropy.float().to(device),
+        source=None if source is None else source.to(device),
     )
 
 
-def root_only(root: int) -> DraftTree:
+def root_only(root: int, device: torch.device | str) -> DraftTree:
     """The degenerate tree of plain autoregressive decoding: verify the root, accept nothing drafted."""
-    return build_tree(torch.tensor([root]), torch.tensor([-1]))
+    return build_tree(torch.tensor([root], device=device), torch.tensor([-1], device=device))
 
 
 def _entropy(log_probs: torch.Tensor) -> torch.Tensor:
@@ -112,6 +120,8 @@ class DraftContext:
 
     def __post_init__(self) -> None:
         weight = self.lm_head.weight
+        if self.vocab is not None:
+            self.vocab = self.vocab.to(weight.device)  # drafted indices map to ids on the drafting device
         self._weight = weight if self.vocab is None else weight[self.vocab].contiguous()
 
     def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -134,14 +144,18 @@ class HeadCache:
 def extend_context(
     head: DraftHead, ctx: DraftContext, cache: HeadCache, features: torch.Tensor, next_tokens: torch.Tensor
 ) -> tuple[torch.Tensor, HeadCache]:
-    """Step A: feed (h_p, x_{p+1}) pairs of newly committed positions; returns the last output and new cache."""
+    """Step A: feed (h_p, x_{p+1}) pairs of newly committed positions; returns the last output and new cache.
+
+    The committed tensors may come from another device (a target worker hands back CPU tensors); they move
+    to the head's."""
     m = int(next_tokens.numel())
-    positions = torch.arange(cache.length, cache.length + m).unsqueeze(0)
-    mask = torch.ones(m, cache.length + m, dtype=torch.bool).tril(diagonal=cache.length)
-    dtype = next(head.parameters()).dtype
+    weight = next(head.parameters())
+    dtype, device = weight.dtype, weight.device
+    positions = torch.arange(cache.length, cache.length + m, device=device).unsqueeze(0)
+    mask = torch.ones(m, cache.length + m, dtype=torch.bool, device=device).tril(diagonal=cache.length)
     out, kv = head(
-        ctx.embed(next_tokens.unsqueeze(0)).to(dtype),
-        features.unsqueeze(0).to(dtype),
+        ctx.embed(next_tokens.to(device).unsqueeze(0)).to(dtype),
+        features.unsqueeze(0).to(device=device, dtype=dtype),
         positions,
         mask[None, None],
         cache.kv,
@@ -167,7 +181,7 @@ def draft_eagle2(
     """
     hidden, cache = extend_context(head, ctx, cache, features, next_tokens)
     root = int(next_tokens[-1])
-    dtype = hidden.dtype
+    dtype, device = hidden.dtype, hidden.device
     n_draft = total_token - 1
     k = top_k
 
@@ -176,21 +190,21 @@ def draft_eagle2(
     tokens = ctx.token_ids(index)
     cand_tokens, cand_scores = [tokens], [scores]
     cand_entropy = [_entropy(log_p).expand(k)]
-    cand_parent = [torch.full((k,), -1, dtype=torch.long)]  # flat index of each candidate's parent
+    cand_parent = [torch.full((k,), -1, dtype=torch.long, device=device)]  # flat index of each candidate's parent
 
     frontier_tokens, frontier_scores = tokens, scores
     frontier_hidden = hidden.expand(k, -1)
-    frontier_flat = torch.arange(k)
-    ancestors = torch.eye(k, dtype=torch.bool)
+    frontier_flat = torch.arange(k, device=device)
+    ancestors = torch.eye(k, dtype=torch.bool, device=device)
     tree_kv = cache.kv
     position = cache.length
     passes = depth if n_draft > k else 0  # a tree no wider than one level needs no expansion
     for level in range(passes):
-        mask = torch.cat([torch.ones(k, cache.length, dtype=torch.bool), ancestors], dim=1)
+        mask = torch.cat([torch.ones(k, cache.length, dtype=torch.bool, device=device), ancestors], dim=1)
         out, tree_kv = head(
             ctx.embed(frontier_tokens.unsqueeze(0)).to(dtype),
             frontier_hidden.unsqueeze(0),
-            torch.full((1, k), position + level),
+            torch.full((1, k), position + level, device=device),
             mask[None, None],
             tree_kv,
         )
@@ -209,7 +223,7 @@ def draft_eagle2(
         frontier_hidden = out[0, rows]
         frontier_scores = best_scores
         frontier_flat = offset + best
-        ancestors = torch.cat([ancestors[rows], torch.eye(k, dtype=torch.bool)], dim=1)
+        ancestors = torch.cat([ancestors[rows], torch.eye(k, dtype=torch.bool, device=device)], dim=1)
 
     all_tokens = torch.cat(cand_tokens)
     all_scores = torch.cat(cand_scores)
@@ -218,15 +232,15 @@ def draft_eagle2(
     # Stable descending sort: on equal scores the lower flat index (a parent before its child) wins.
     order = torch.sort(-all_scores, stable=True).indices[:n_draft]
     selected = order.sort().values
-    node_of_flat = torch.full((all_tokens.numel(),), -1, dtype=torch.long)
-    node_of_flat[selected] = torch.arange(1, selected.numel() + 1)
+    node_of_flat = torch.full((all_tokens.numel(),), -1, dtype=torch.long, device=device)
+    node_of_flat[selected] = torch.arange(1, selected.numel() + 1, device=device)
     parent_flat = all_parents[selected]
     parents = torch.where(parent_flat < 0, 0, node_of_flat[parent_flat.clamp(min=0)])
     if (parents < 0).any():
         raise AssertionError("EAGLE-2 selection kept a node without its parent")
     tree = build_tree(
-        torch.cat([torch.tensor([root]), all_tokens[selected]]),
-        torch.cat([torch.tensor([-1]), parents]),
+        torch.cat([torch.tensor([root], device=device), all_tokens[selected]]),
+        torch.cat([torch.tensor([-1], device=device), parents]),
         confidence=all_scores[selected].exp(),
         entropy=all_entropy[selected],
     )

@@ -61,7 +61,7 @@ class Verdict:
 
 
 def _candidates(tree: DraftTree) -> torch.Tensor:
-    padded = torch.cat([tree.tokens, torch.tensor([-1])])
+    padded = torch.cat([tree.tokens, torch.tensor([-1], device=tree.tokens.device)])
     return padded[tree.retrieve]  # -1 index picks the pad slot
 
 
@@ -110,7 +110,7 @@ def accept_stochastic(
             if token < 0 or token in tried:
                 continue
             tried.add(token)
-            if float(torch.rand((), generator=generator)) < float(probs[token]):
+            if float(torch.rand((), generator=generator, device=generator.device)) < float(probs[token]):
                 taken = (row, token)
                 break
             probs = _remove(probs, token)

@@ -58,7 +58,7 @@ def cmd_eval(config: StudyConfig, cells: list[Cell]) -> int:
         return 0
     target = load_target(config.target, dtype=config.eval.dtype)
     heads_by_kind = {
-        kind: load_heads(config, kind, eval_dtype(config)) for kind in sorted({c.head_kind for c in todo} - {NO_HEAD})
+        kind: load_heads(config, kind, eval_dtype(config), device=target.device) for kind in sorted({c.head_kind for c in todo} - {NO_HEAD})
     }
     answers = sum(_answers_per_cell(config, c) for c in todo)
     failed = 0

@@ -163,7 +163,8 @@ class DraftHead(nn.Module):
         (folder / CONFIG_FILE).write_text(self.config.model_dump_json(indent=2))
 
     @classmethod
-    def load(cls, folder: str | Path, dtype: torch.dtype = torch.float32) -> "DraftHead":
+    def load(cls, folder: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> "DraftHead":
+        """A saved head in `dtype` on `device` (the target's: a head drafts from the target's features)."""
         folder = Path(folder)
         if not (folder / CONFIG_FILE).is_file() or not (folder / WEIGHTS_FILE).is_file():
             raise FileNotFoundError(
@@ -173,7 +174,7 @@ class DraftHead(nn.Module):
         config = DraftHeadConfig.model_validate_json((folder / CONFIG_FILE).read_text())
         head = cls(config)
         head.load_trainable(load_file(str(folder / WEIGHTS_FILE)))
-        return head.to(dtype)
+        return head.to(device=device, dtype=dtype)
 
     def load_trainable(self, tensors: dict[str, torch.Tensor]) -> None:
         """Strict load of the trainable weights (a missing or unexpected key is an error, never ignored)."""
@@ -184,8 +185,10 @@ class DraftHead(nn.Module):
         self.load_state_dict(tensors, strict=False)
 
 
-def new_head(target_config: PretrainedConfig, dtype: torch.dtype = torch.float32, seed: int = 0, **extra: object) -> DraftHead:
-    """A freshly initialised head shaped after the target (Llama-style init, std = initializer_range)."""
+def new_head(target_config: PretrainedConfig, dtype: torch.dtype = torch.float32, seed: int = 0,
+             device: torch.device | str = "cpu", **extra: object) -> DraftHead:
+    """A freshly initialised head shaped after the target (Llama-style init, std = initializer_range), on
+    `device`; initialised on the CPU, so a seed gives the same weights on every device."""
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
@@ -198,7 +201,7 @@ def new_head(target_config: PretrainedConfig, dtype: torch.dtype = torch.float32
                     nn.init.zeros_(module.bias)
     finally:
         torch.random.set_rng_state(generator_state)
-    return head.to(dtype)
+    return head.to(device=device, dtype=dtype)
 
 
 # --- checkpoints of the reference implementations (SafeAILab/EAGLE, HASS, TAPS) -----------------------------------

@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerBase
 
 from taps_ray.config import TargetConfig
 from taps_ray.fsio import atomic_dir
+from taps_ray.models.device import resolve_device
 
 SMOLLM2_ALIAS = "smollm2-135m-instruct"
 TINY_ALIAS = "tiny-random-llama"
@@ -39,6 +40,11 @@ class Target:
     @property
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Where the target computes; heads, drafting and every batch tensor follow it."""
+        return self.model.device
 
     @property
     def stop_token_ids(self) -> list[int]:
@@ -126,8 +132,10 @@ def _tiny_model(config: TargetConfig, tokenizer: PreTrainedTokenizerBase, dtype:
 
 
 def load_target(config: TargetConfig, dtype: str | None = None) -> Target:
-    """Load the target in eval mode with gradients off; `dtype` overrides the config's."""
+    """Load the target in eval mode with gradients off, on `resolve_device(config)`; `dtype` overrides the
+    config's (configs for GPUs say bfloat16 or float16 with sdpa attention; the CPU keeps what the config says)."""
     wanted = torch_dtype(dtype or config.dtype)
+    device = resolve_device(config)
     if config.name == TINY_ALIAS:
         tokenizer = load_tokenizer(TINY_ALIAS)
         model = _tiny_model(config, tokenizer, wanted)
@@ -145,6 +153,7 @@ def load_target(config: TargetConfig, dtype: str | None = None) -> Target:
                 f"cannot load target {config.name!r}: {hint}. Use the alias {SMOLLM2_ALIAS!r}, "
                 "a local HF folder, or go online so the Hub id can be downloaded"
             ) from None
+    model.to(device)
     model.eval()
     model.requires_grad_(False)
     if tokenizer.pad_token_id is None:

@@ -46,7 +46,7 @@ def evaluate_agreement(cfg: StudyConfig, head_path: str | Path, corpus_mixture: 
     domains = [corpus_mixture] if isinstance(corpus_mixture, str) else list(corpus_mixture)
     if target is None:
         target = load_target(cfg.target)
-    head = DraftHead.load(head_path, torch.float32)
+    head = DraftHead.load(head_path, torch.float32, device=target.device)
     vocab = draft_vocabulary(cfg, target.tokenizer, target.stop_token_ids)
     frozen = FrozenTarget.from_model(target.model, torch.float32, vocab)
     settings = LossSettings.for_kind("eagle2", cfg.train)

@@ -158,15 +158,16 @@ def read_shard(path: Path) -> list[Example]:
 
 @torch.no_grad()
 def target_features(target: Target, sequences: Sequence[Sequence[int]], top_k: int) -> list[tuple[torch.Tensor, ...]]:
-    """One right-padded forward of the target over `sequences`: per sequence (hidden [L,d], top-K probs, ids)."""
-    model = target.model
-    lengths = torch.tensor([len(s) for s in sequences])
+    """One right-padded forward of the target over `sequences`: per sequence (hidden [L,d], top-K probs, ids),
+    computed on the target's device and stored as CPU copies."""
+    model, device = target.model, target.device
+    lengths = torch.tensor([len(s) for s in sequences], device=device)
     t = int(lengths.max())
     pad = target.tokenizer.pad_token_id or 0
-    ids = torch.full((len(sequences), t), pad, dtype=torch.long)
+    ids = torch.full((len(sequences), t), pad, dtype=torch.long, device=device)
     for i, s in enumerate(sequences):
-        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-    attention = (torch.arange(t)[None, :] < lengths[:, None]).long()
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long, device=device)
+    attention = (torch.arange(t, device=device)[None, :] < lengths[:, None]).long()
     hidden = model.model(input_ids=ids, attention_mask=attention).last_hidden_state  # post final norm
     lm_head = model.get_output_embeddings()
     out = []
@@ -174,7 +175,7 @@ def target_features(target: Target, sequences: Sequence[Sequence[int]], top_k: i
         h = hidden[i, :n]
         probs = torch.softmax(lm_head(h).float(), dim=-1)
         top = probs.topk(top_k, dim=-1)
-        out.append((h.clone(), top.values.clone(), top.indices.clone()))
+        out.append(tuple(x.to("cpu", copy=True) for x in (h, top.values, top.indices)))
     return out
 
 
@@ -239,11 +240,11 @@ def greedy_answers(target: Target, prompts: Sequence[Sequence[int]], batch_size:
     done = 0
     for batch in _length_batches([len(p) for p in prompts], batch_size):
         t = max(len(prompts[i]) for i in batch)
-        ids = torch.full((len(batch), t), pad, dtype=torch.long)
-        attention = torch.zeros((len(batch), t), dtype=torch.long)
+        ids = torch.full((len(batch), t), pad, dtype=torch.long, device=target.device)
+        attention = torch.zeros((len(batch), t), dtype=torch.long, device=target.device)
         for row, i in enumerate(batch):
             p = prompts[i]
-            ids[row, t - len(p):] = torch.tensor(list(p))
+            ids[row, t - len(p):] = torch.tensor(list(p), device=target.device)
             attention[row, t - len(p):] = 1
         generated = target.model.generate(
             input_ids=ids, attention_mask=attention, max_new_tokens=max_new_tokens, do_sample=False,

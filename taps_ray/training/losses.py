@@ -42,8 +42,10 @@ class FrozenTarget:
     def __post_init__(self) -> None:
         self._draft_row = None  # target id -> lm_head row (-1 outside the draft vocabulary), built once
         if self.vocab is not None:
-            self._draft_row = torch.full((int(self.embed.shape[0]),), -1, dtype=torch.long)
-            self._draft_row[self.vocab] = torch.arange(self.vocab.numel())
+            device = self.embed.device
+            self.vocab = self.vocab.to(device)
+            self._draft_row = torch.full((int(self.embed.shape[0]),), -1, dtype=torch.long, device=device)
+            self._draft_row[self.vocab] = torch.arange(self.vocab.numel(), device=device)
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, dtype: torch.dtype = torch.float32,
@@ -80,6 +82,11 @@ class Batch:
     def tokens(self) -> int:
         return int(self.lengths.sum())
 
+    def to(self, device: torch.device | str) -> "Batch":
+        """The batch on the head's device (stored features are collated on the CPU)."""
+        return Batch(*(None if x is None else x.to(device) for x in (
+            self.input_ids, self.loss_mask, self.hidden, self.lengths, self.topk_probs, self.topk_ids)))
+
 
 @dataclass
 class Shifted:
@@ -98,7 +105,7 @@ class Shifted:
 def uniform_noise(shape: torch.Size | tuple[int, ...], lengths: torch.Tensor, std: float,
                   generator: torch.Generator | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """(U[0,1) − 0.5) · std · 512 / L per sample (docs/algorithms.md#input-shift-and-noise); ``lengths`` [B] are the samples' true lengths."""
-    u = torch.rand(shape, generator=generator, dtype=dtype)
+    u = torch.rand(shape, generator=generator, dtype=dtype, device=lengths.device)
     scale = std * 512.0 / lengths.to(dtype).clamp(min=1)
     return (u - 0.5) * scale.view(-1, *([1] * (len(shape) - 1)))
 
@@ -107,7 +114,7 @@ def shift_batch(batch: Batch, noise_std: float = 0.0, generator: torch.Generator
                 dtype: torch.dtype = torch.float32, mask_alignment: MaskAlignment = "predicted") -> Shifted:
     hidden = batch.hidden.to(dtype)
     b, t, _ = hidden.shape
-    ar = torch.arange(t)
+    ar = torch.arange(t, device=hidden.device)
     valid = ar[None, :] < batch.lengths[:, None]
     feat_in = hidden
     if noise_std > 0:
@@ -139,14 +146,14 @@ def shift_batch(batch: Batch, noise_std: float = 0.0, generator: torch.Generator
 def causal_mask(valid: torch.Tensor) -> torch.Tensor:
     """bool [B,1,T,T]: causal ∧ key padding (True = may attend)."""
     t = valid.shape[1]
-    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    causal = torch.ones(t, t, dtype=torch.bool, device=valid.device).tril()
     return causal[None, None] & valid[:, None, None, :]
 
 
-def version_index(t: int, n: int) -> torch.Tensor:
+def version_index(t: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """[T,T] long: which feature version query row r reads at key column c (−1 where c > r), docs/algorithms.md#hass-harmonized-objective."""
-    r = torch.arange(t)[:, None]
-    c = torch.arange(t)[None, :]
+    r = torch.arange(t, device=device)[:, None]
+    c = torch.arange(t, device=device)[None, :]
     delta = r - c
     version = torch.where(delta <= n - 2, n - 1 - delta, torch.zeros_like(delta))
     return torch.where(delta >= 0, version, torch.full_like(delta, -1))
@@ -173,7 +180,7 @@ def hca_forward(head: DraftHead, token_embeddings: torch.Tensor, versions: list[
         values.append(v)
     keys.append(k_new)
     values.append(v_new)
-    sel = version_index(t, n)
+    sel = version_index(t, n, valid.device)
     key_ok = valid[:, None, None, :]  # [B,1,1,T]
     mask = torch.cat([(sel == i)[None, None] & key_ok for i in range(n)], dim=-1)  # [B,1,T,n*T]
     attended = head.attend(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), mask)
@@ -264,7 +271,8 @@ def run_passes(head: DraftHead, batch: Batch, frozen: FrozenTarget, settings: Lo
     The caller zeroes gradients before and clips/steps after. ``passes`` overrides the settings (evaluation
     uses it to measure agreement at simulated draft depth j for any head).
     """
-    dtype = next(head.parameters()).dtype
+    weight = next(head.parameters())
+    dtype, batch = weight.dtype, batch.to(weight.device)
     shifted = shift_batch(batch, settings.noise_std if noise else 0.0, generator, dtype, settings.mask_alignment)
     dist = TargetDistribution.build(shifted, frozen)
     emb = frozen.embeddings(shifted.tok_in).to(dtype)

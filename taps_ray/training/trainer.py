@@ -1,8 +1,9 @@
 """Train one draft head (EAGLE-2 or HASS) on the cached target features of one mixture.
 
-AdamW (β = 0.9, 0.95), gradient clipping by value, linear warm-up then cosine decay, in fp32 on the CPU (or
-wherever the head lives). The budget is ``train.epochs`` epochs, cut short by ``train.max_tokens`` trained
-tokens when set; the schedule is planned for the exact number of steps that budget gives.
+AdamW (β = 0.9, 0.95), gradient clipping by value, linear warm-up then cosine decay, in fp32 on the target's
+device (`target.device`); stored features stay on the CPU and each batch moves to the head. The budget is
+``train.epochs`` epochs, cut short by ``train.max_tokens`` trained tokens when set; the schedule is planned
+for the exact number of steps that budget gives.
 
 Held-out split: a conversation is held out when a hash of (train.seed, its id) falls below
 ``train.heldout_fraction``. The rule depends only on the id, so a conversation held out of one mixture is held
@@ -268,8 +269,8 @@ def _train_head(cfg: StudyConfig, kind: str, mixture_name: str, report: Report |
         shutil.rmtree(leftover, ignore_errors=True)
     fingerprint = run_fingerprint(cfg, kind, features)
 
-    head = new_head(target.model.config, torch.float32, seed=t.seed, kind=kind, target=cfg.target.name,
-                    trained_on=mixture_name)
+    head = new_head(target.model.config, torch.float32, seed=t.seed, device=target.device, kind=kind,
+                    target=cfg.target.name, trained_on=mixture_name)
     optimizer = torch.optim.AdamW(head.parameters(), lr=t.lr, betas=(0.9, 0.95), weight_decay=t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(plan.steps, t.warmup_ratio, t.min_lr_ratio))
     state: dict = {
@@ -284,7 +285,7 @@ def _train_head(cfg: StudyConfig, kind: str, mixture_name: str, report: Report |
     if resumed is not None:
         path, saved = resumed
         head.load_trainable(DraftHead.load(path).trainable_state())
-        opt = torch.load(path / OPTIMIZER_FILE, weights_only=False)
+        opt = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=False)  # loading moves it to the head
         optimizer.load_state_dict(opt["optimizer"])
         scheduler.load_state_dict(opt["scheduler"])
         state = saved
@@ -303,7 +304,7 @@ def _train_head(cfg: StudyConfig, kind: str, mixture_name: str, report: Report |
     last_dir = None
     try:
         for epoch in range(state["epoch"] + 1, plan.epochs + 1):
-            generator = torch.Generator().manual_seed(t.seed * 100003 + epoch)
+            generator = torch.Generator(device=target.device).manual_seed(t.seed * 100003 + epoch)
             batches = epoch_batches(train_ex, t.batch_size, t.seed, epoch)[: plan.steps_per_epoch[epoch - 1]]
             sums: dict[str, float] = {}
             weight, epoch_tokens, start, cpu_start = 0.0, 0, time.perf_counter(), time.process_time()

@@ -1,0 +1,39 @@
+"""Which device a process computes on: the one resolution every model, head, batch and generator follows.
+
+`target.device: auto` means the GPU when this process was given one: inside a Ray actor or task that is what
+Ray granted it (`ray.get_gpu_ids()`, i.e. its `num_gpus`), since a CPU actor on a GPU node still sees the
+node's GPUs; outside Ray it is whatever torch can use. `cuda` where there is none is a config error.
+"""
+
+from __future__ import annotations
+
+import ray
+import torch
+
+from taps_ray.config import ConfigError, TargetConfig
+
+
+def _in_ray_worker() -> bool:
+    return ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE
+
+
+def gpu_granted() -> bool:
+    """True when this process may use a GPU: Ray gave it one (in an actor or task), else torch sees one."""
+    if not torch.cuda.is_available():
+        return False
+    return bool(ray.get_gpu_ids()) if _in_ray_worker() else True
+
+
+def resolve_device(target: TargetConfig) -> torch.device:
+    """The device `target.device` names in this process (auto: CUDA when granted a GPU, else the CPU)."""
+    if target.device == "cpu":
+        return torch.device("cpu")
+    if gpu_granted():
+        return torch.device("cuda")
+    if target.device == "cuda":
+        raise ConfigError(
+            "target.device is 'cuda' but this process has no GPU (torch.cuda.is_available() is False or Ray granted "
+            "it none): set target.device to auto or cpu, or give the process a GPU (ray.target_num_gpus, "
+            "ray.drafter_num_gpus, ray.trial_gpus, serve.replica_num_gpus)"
+        )
+    return torch.device("cpu")

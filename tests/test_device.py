@@ -1,0 +1,84 @@
+"""Device resolution (`target.device`), the clear failure of a CUDA request without a GPU, and a guard that
+engine code names the device of every tensor it creates."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from taps_ray.cluster.serve import build_app
+from taps_ray.config import ConfigError, TargetConfig
+from taps_ray.models.device import resolve_device
+from taps_ray.models.target import load_target
+
+REPO = Path(__file__).resolve().parents[1]
+CONSTRUCTORS = {"tensor", "zeros", "ones", "full", "arange", "eye", "empty", "rand", "randn", "randint", "Generator"}
+
+
+def test_auto_is_the_cpu_without_a_gpu_and_cpu_is_always_the_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device(TargetConfig(device="auto")) == torch.device("cpu")
+    assert resolve_device(TargetConfig(device="cpu")) == torch.device("cpu")
+    assert resolve_device(TargetConfig()) == torch.device("cpu")  # auto is the default
+
+
+def test_auto_follows_the_gpu_when_there_is_one(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # outside Ray: what torch sees
+    assert resolve_device(TargetConfig(device="auto")) == torch.device("cuda")
+    assert resolve_device(TargetConfig(device="cpu")) == torch.device("cpu")
+
+
+def test_asking_for_cuda_without_one_fails_with_one_line_naming_the_fix(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    config = TargetConfig(name="tiny-random-llama", dtype="float32", device="cuda")
+    with pytest.raises(ConfigError) as error:
+        load_target(config)
+    message = str(error.value)
+    assert "\n" not in message
+    assert "target.device is 'cuda'" in message and "set target.device to auto or cpu" in message
+    assert "num_gpus" in message
+
+
+def test_unknown_device_is_a_config_error():
+    with pytest.raises(ValueError, match="device"):
+        TargetConfig(device="tpu")
+
+
+def test_a_ray_task_without_gpus_resolves_auto_to_the_cpu(ray_session):
+    @ray_session.remote(num_cpus=0, num_gpus=0)
+    def where() -> str:
+        return str(resolve_device(TargetConfig(device="auto")))
+
+    assert ray_session.get(where.remote()) == "cpu"
+
+
+def test_serve_replicas_reserve_the_configured_gpus(tiny_config):
+    serve_cfg = tiny_config.serve.model_copy(update={"replica_num_gpus": 0.5})
+    app = build_app(tiny_config.model_copy(update={"serve": serve_cfg}))
+    assert app._bound_deployment.ray_actor_options == {"num_cpus": serve_cfg.replica_num_cpus, "num_gpus": 0.5}
+
+
+def _deviceless_constructors(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "torch"
+            and node.func.attr in CONSTRUCTORS
+            and not any(k.arg == "device" for k in node.keywords)
+        ):
+            found.append(f"{path.relative_to(REPO)}:{node.lineno} torch.{node.func.attr}")
+    return found
+
+
+def test_engine_serve_and_bench_name_the_device_of_every_tensor_and_generator():
+    files = [*sorted((REPO / "taps_ray" / "engine").glob("*.py")), REPO / "taps_ray" / "bench.py",
+             *sorted((REPO / "taps_ray" / "cluster").glob("serve*.py")), REPO / "taps_ray" / "training" / "losses.py"]
+    assert len(files) > 10, "the scan found no engine modules: the check would be blind"
+    offenders = [hit for path in files for hit in _deviceless_constructors(path)]
+    assert offenders == [], f"give these device= (the model's, or the tree's): {offenders}"
