@@ -15,7 +15,7 @@ import ray
 import ray.exceptions
 
 from taps_ray.cluster.actors import DrafterActor, TargetWorker
-from taps_ray.cluster.runtime import process_runtime_env, runtime_env_vars
+from taps_ray.cluster.runtime import process_runtime_env
 from taps_ray.cluster.verification import SessionLost
 
 log = logging.getLogger(__name__)
@@ -47,22 +47,22 @@ class EvalPool:
     """
 
     def __init__(self, config, heads: dict | None = None, env: dict[str, str] | None = None) -> None:
+        """`env`: variables on top of the driver's `runtime.ENV_KEYS`, set in every actor's process."""
         self.config = config
         r = config.ray
-        env = {**runtime_env_vars(), **(env or {})}
         payload = config.model_dump_json()
-        restarts = dict(max_restarts=r.actor_max_restarts, max_task_retries=0, runtime_env=process_runtime_env())
+        restarts = dict(max_restarts=r.actor_max_restarts, max_task_retries=0, runtime_env=process_runtime_env(env))
         self._restarts = restarts
         self.workers = [
             TargetWorker.options(
                 num_cpus=r.target_num_cpus, num_gpus=r.target_num_gpus, resources=r.target_resources,
                 max_concurrency=1000, **restarts,
-            ).remote(payload, env)
+            ).remote(payload)
             for _ in range(r.num_target_workers)
         ]
         heads_ref = ray.put(heads or {})
         self._drafter_args = [
-            (payload, self.workers[i % len(self.workers)], f"drafter-{i}-{id(self)}", heads_ref, env)
+            (payload, self.workers[i % len(self.workers)], f"drafter-{i}-{id(self)}", heads_ref)
             for i in range(r.num_drafters)
         ]
         self.drafters = [self._new_drafter(args) for args in self._drafter_args]

@@ -123,13 +123,13 @@ def _target_remote():
     import ray
 
     @ray.remote
-    def run(payload: str, env: dict[str, str], job: Callable[..., dict], args: tuple) -> dict:
+    def run(payload: str, job: Callable[..., dict], args: tuple) -> dict:
         from taps_ray.cluster.runtime import prepare_process
         from taps_ray.config import parse_config
         from taps_ray.models.target import load_target
 
         cfg = parse_config(json.loads(payload), "<driver>")
-        threads = prepare_process(env, cfg.ray.torch_threads, cfg.ray.target_num_cpus)
+        threads = prepare_process(cfg.ray.torch_threads, cfg.ray.target_num_cpus)
         os.environ["OMP_NUM_THREADS"] = str(threads)
         return job(cfg, load_target(cfg.target), *args)
 
@@ -142,9 +142,9 @@ def on_target(cfg: StudyConfig, env: dict[str, str], job: Callable[..., dict], *
 
     task = _target_remote().options(
         num_cpus=cfg.ray.target_num_cpus, num_gpus=cfg.ray.target_num_gpus, resources=cfg.ray.target_resources,
-        runtime_env=process_runtime_env(),
+        runtime_env=process_runtime_env(env),
     )
-    return ray.get(task.remote(cfg.model_dump_json(), env, job, args))
+    return ray.get(task.remote(cfg.model_dump_json(), job, args))
 
 
 def extract_stats(cfg: StudyConfig, target, names: list[str]) -> dict[str, dict]:
