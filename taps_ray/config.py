@@ -99,6 +99,9 @@ class FeatureConfig(_Strict):
     )
     regenerate_max_new_tokens: int = Field(192, gt=0)
     shard_size: int = Field(64, gt=0, description="conversations per feature shard (a killed run redoes only missing shards)")
+    num_workers: int = Field(
+        1, gt=0, description="Ray tasks the sweep's features stage splits a set's missing shards over, each holding "
+        "the target with `ray.target_*` resources (one per GPU); the shards are the same for any number")
 
 
 class TrainConfig(_Strict):

@@ -110,6 +110,34 @@ def test_actors_give_the_in_process_tokens(pool, cfg, reference, tmp_path):
     assert stats["forwards"] > 0 and stats["open_sessions"] == 0
 
 
+def _placement(actor) -> tuple[str, str]:
+    """(placement group id, node id) of a live actor, as the GCS records it."""
+    from ray._private.state import state
+    from ray.core.generated import gcs_pb2
+
+    info = gcs_pb2.ActorTableData.FromString(state._connect_and_get_accessor().get_actor_info(actor._actor_id))
+    return info.placement_group_id.hex(), info.address.node_id.hex()
+
+
+def test_each_worker_and_its_drafters_share_one_placement_group(ray_session, cfg):
+    ray = ray_session
+    two = cfg.model_copy(update={"ray": cfg.ray.model_copy(update={"num_target_workers": 2, "num_drafters": 3})})
+    with EvalPool(two, pack_heads(two, ["eagle2"])) as pool:
+        pool.ready(timeout=300)
+        groups = list(pool.groups)
+        tables = [ray.util.placement_group_table(g) for g in groups]
+        assert [t["strategy"] for t in tables] == ["PACK", "PACK"] and {t["state"] for t in tables} == {"CREATED"}
+        # worker 0 with drafters 0 and 2, worker 1 with drafter 1: one bundle each, the worker's first
+        assert [len(t["bundles"]) for t in tables] == [3, 2]
+        assert all(b == {"CPU": 0.1} for t in tables for b in t["bundles"].values())
+        members = [[pool.workers[0], pool.drafters[0], pool.drafters[2]], [pool.workers[1], pool.drafters[1]]]
+        for group, table, actors in zip(groups, tables, members):
+            for index, actor in enumerate(actors):
+                group_id, node_id = _placement(actor)
+                assert group_id == group.id.hex() and node_id == table["bundles_to_node_id"][index]
+    assert {ray.util.placement_group_table(g)["state"] for g in groups} == {"REMOVED"}  # shutdown frees the bundles
+
+
 # --- batching across sessions (no Ray: the worker's core) ------------------------------------------------------
 
 

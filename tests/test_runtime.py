@@ -61,3 +61,21 @@ def test_ray_and_serve_listen_on_loopback_only(ray_session):
     assert {os.getpid(), worker_pid} <= {pid for _, _, pid, _ in listeners}  # the driver's and a worker's gRPC servers
     exposed = [(ip, p, name) for ip, p, _, name in listeners if ip not in LOOPBACKS]
     assert not exposed, f"Ray listeners off loopback: {exposed}"
+
+
+def test_actor_environment_is_set_before_anything_is_imported(ray_session, monkeypatch):
+    """The driver's HF/TAPS settings reach a task's process through its `runtime_env`: huggingface_hub reads
+    them once, at import, and sees them."""
+    from taps_ray.cluster.runtime import process_runtime_env
+
+    ray = ray_session
+    monkeypatch.setenv("HF_HOME", "/nonexistent/taps-hf-home")  # one of runtime.ENV_KEYS, set on the driver only
+
+    @ray.remote
+    def seen() -> tuple[str, int, str]:
+        from huggingface_hub import constants
+
+        return constants.HF_HOME, constants.HF_HUB_ETAG_TIMEOUT, os.environ["OMP_WAIT_POLICY"]
+
+    task = seen.options(runtime_env=process_runtime_env({"HF_HUB_ETAG_TIMEOUT": "17"}))
+    assert ray.get(task.remote(), timeout=120) == ("/nonexistent/taps-hf-home", 17, "PASSIVE")

@@ -358,3 +358,47 @@ def test_second_trainer_waits_for_the_first(base, tmp_path):
     order.append("trained")
     thread.join()
     assert order == ["holder", "released", "trained"]
+
+
+TIMINGS = {"extract_s", "extract_cpu_s", "total_s", "total_cpu_s", "regenerate_s"}  # wall-clock, differ per run
+
+
+def _shard_content(path: Path) -> tuple[dict, bytes]:
+    """A safetensors shard as (its header, its tensor bytes), the timings in the header's metadata left out."""
+    raw = path.read_bytes()
+    size = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8: 8 + size])
+    meta = json.loads(header["__metadata__"].pop("meta"))
+    return {**header, "meta": {k: v for k, v in meta.items() if k not in TIMINGS}}, raw[8 + size:]
+
+
+@pytest.mark.parametrize("num_workers", [1, 3])
+def test_sharded_ray_features_match_the_in_process_shards_byte_for_byte(base, tmp_path, ray_session, num_workers):
+    from taps_ray.cluster.target_tasks import extract_feature_sets
+
+    cfg, target = base
+    local = cfg.model_copy(deep=True, update={"work_dir": str(tmp_path / "local")})
+    reference = extract_features(local, "chat", target=target, progress=False)
+    sharded = cfg.model_copy(deep=True, update={"work_dir": str(tmp_path / "ray")})
+    sharded.features.num_workers = num_workers
+    sharded.ray.target_num_cpus = 0.25
+    sharded.ray.torch_threads = torch.get_num_threads()  # the in-process extraction's: the same float sums
+
+    stats = extract_feature_sets(sharded, {}, ["chat"])["chat"]
+    folder = features_folder(sharded, "chat")
+    shards = sorted(folder.glob("shard-*.safetensors"))
+    assert [p.name for p in shards] == [Path(p).name for p in reference.shard_paths()] and len(shards) == 3
+    assert stats["extracted_shards"] == 3 and not stats["reused"]
+    for ours, theirs in zip(shards, reference.shard_paths()):
+        assert _shard_content(ours) == _shard_content(theirs), ours.name
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert [s["ids"] for s in manifest["shards"]] == [s["ids"] for s in reference.manifest["shards"]]
+
+    # a killed sweep: no manifest, one shard missing; the rerun writes that shard alone, then the manifest
+    (folder / "manifest.json").unlink()
+    shards[1].unlink()
+    mtimes = {p: p.stat().st_mtime_ns for p in (shards[0], shards[2])}
+    again = extract_feature_sets(sharded, {}, ["chat"])["chat"]
+    assert again["extracted_shards"] == 1 and again["conversations"] == stats["conversations"]
+    assert all(p.stat().st_mtime_ns == t for p, t in mtimes.items())
+    assert _shard_content(shards[1]) == _shard_content(reference.shard_paths()[1])

@@ -112,11 +112,11 @@ class WorkerVerifier:
 class TargetWorker:
     """The target model plus per-session KV caches; verifies drafters' trees in batched forwards."""
 
-    def __init__(self, payload: str, env: dict[str, str]) -> None:
+    def __init__(self, payload: str) -> None:
         from taps_ray.models.target import load_target
 
         config = _config(payload)
-        self.threads = prepare_process(env, config.ray.torch_threads, config.ray.target_num_cpus)
+        self.threads = prepare_process(config.ray.torch_threads, config.ray.target_num_cpus)
         self.target = load_target(config.target, dtype=config.eval.dtype)
         r = config.ray
         self.pool = VerificationPool(self.target.model, r.max_batch, r.max_wait_ms, r.session_ttl_s)
@@ -146,11 +146,11 @@ class TargetWorker:
 class DrafterActor:
     """Draft heads + the draft side of the loop; evaluates whole cells against its target worker."""
 
-    def __init__(self, payload: str, worker: Any, name: str, heads: dict, env: dict[str, str]) -> None:
+    def __init__(self, payload: str, worker: Any, name: str, heads: dict) -> None:
         from taps_ray.models.target import load_target
 
         self.config = _config(payload)
-        self.threads = prepare_process(env, self.config.ray.torch_threads, self.config.ray.drafter_num_cpus)
+        self.threads = prepare_process(self.config.ray.torch_threads, self.config.ray.drafter_num_cpus)
         self.worker = worker
         self.name = name
         self.packed = heads

@@ -1,5 +1,9 @@
 """The driver's pool of actors: N `TargetWorker`s, D `DrafterActor`s (drafter i uses worker i mod N), cells
 dispatched to idle drafters, written to the results store as they finish, retried when an actor dies.
+
+Each worker and its drafters share one placement group (strategy PACK): Ray reserves their bundles together,
+on one node when one has room, so a drafter's per-step round trip to its worker stays on that node. When a
+node dies, Ray reschedules the bundles that were on it and restarts their actors there.
 """
 
 from __future__ import annotations
@@ -13,10 +17,13 @@ from typing import Any
 
 import ray
 import ray.exceptions
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from taps_ray.cluster.actors import DrafterActor, TargetWorker
-from taps_ray.cluster.runtime import process_runtime_env, runtime_env_vars
+from taps_ray.cluster.runtime import process_runtime_env
 from taps_ray.cluster.verification import SessionLost
+from taps_ray.config import RayConfig
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +36,25 @@ def is_retryable(error: BaseException) -> bool:
 
 
 CellHook = Callable[..., None]
+STRATEGY = "PACK"  # one node when one has room for the whole group, else as few as will hold it
+
+
+def drafters_of(r: RayConfig, worker: int) -> list[int]:
+    """The drafters that send their trees to target worker `worker` (drafter i uses worker i mod N)."""
+    return list(range(worker, r.num_drafters, r.num_target_workers))
+
+
+def _bundle(num_cpus: float, num_gpus: float, resources: dict[str, float]) -> dict[str, float]:
+    """One actor's reservation as a placement-group bundle (Ray rejects zero amounts and empty bundles: an
+    actor that asks for nothing holds a token CPU share)."""
+    bundle = {"CPU": num_cpus, "GPU": num_gpus, **resources}
+    return {name: amount for name, amount in bundle.items() if amount > 0} or {"CPU": 0.01}
+
+
+def worker_bundles(r: RayConfig, num_drafters: int) -> list[dict[str, float]]:
+    """The bundles of one worker's placement group: the worker's, then one per drafter of it."""
+    drafter = _bundle(r.drafter_num_cpus, r.drafter_num_gpus, r.drafter_resources)
+    return [_bundle(r.target_num_cpus, r.target_num_gpus, r.target_resources), *[drafter] * num_drafters]
 
 
 @dataclass
@@ -47,25 +73,28 @@ class EvalPool:
     """
 
     def __init__(self, config, heads: dict | None = None, env: dict[str, str] | None = None) -> None:
+        """`env`: variables on top of the driver's `runtime.ENV_KEYS`, set in every actor's process."""
         self.config = config
         r = config.ray
-        env = {**runtime_env_vars(), **(env or {})}
         payload = config.model_dump_json()
-        restarts = dict(max_restarts=r.actor_max_restarts, max_task_retries=0, runtime_env=process_runtime_env())
-        self._restarts = restarts
+        self._restarts = dict(max_restarts=r.actor_max_restarts, max_task_retries=0, runtime_env=process_runtime_env(env))
+        self.groups = [
+            placement_group(worker_bundles(r, len(drafters_of(r, w))), strategy=STRATEGY)
+            for w in range(r.num_target_workers)
+        ]
         self.workers = [
             TargetWorker.options(
                 num_cpus=r.target_num_cpus, num_gpus=r.target_num_gpus, resources=r.target_resources,
-                max_concurrency=1000, **restarts,
-            ).remote(payload, env)
-            for _ in range(r.num_target_workers)
+                max_concurrency=1000, scheduling_strategy=self._bundle(w, 0), **self._restarts,
+            ).remote(payload)
+            for w in range(r.num_target_workers)
         ]
         heads_ref = ray.put(heads or {})
         self._drafter_args = [
-            (payload, self.workers[i % len(self.workers)], f"drafter-{i}-{id(self)}", heads_ref, env)
+            (payload, self.workers[i % len(self.workers)], f"drafter-{i}-{id(self)}", heads_ref)
             for i in range(r.num_drafters)
         ]
-        self.drafters = [self._new_drafter(args) for args in self._drafter_args]
+        self.drafters = [self._new_drafter(i) for i in range(r.num_drafters)]
 
     def __enter__(self) -> "EvalPool":
         return self
@@ -80,9 +109,16 @@ class EvalPool:
             except Exception:  # already gone
                 pass
         self.drafters, self.workers = [], []
+        for group in self.groups:
+            remove_placement_group(group)
+        self.groups = []
 
     def ready(self, timeout: float | None = None) -> None:
         ray.get([a.ping.remote() for a in [*self.workers, *self.drafters]], timeout=timeout)
+
+    def _bundle(self, worker: int, index: int) -> PlacementGroupSchedulingStrategy:
+        """Bundle `index` of worker `worker`'s placement group (0: the worker, 1 + k: its k-th drafter)."""
+        return PlacementGroupSchedulingStrategy(self.groups[worker], placement_group_bundle_index=index)
 
     def worker_stats(self) -> list[dict]:
         try:
@@ -174,12 +210,15 @@ class EvalPool:
         except Exception:  # already gone
             pass
         index = self.drafters.index(drafter)
-        replacement = self._new_drafter(self._drafter_args[index])
+        replacement = self._new_drafter(index)  # into the bundle its predecessor freed
         self.drafters[index] = replacement
         return replacement
 
-    def _new_drafter(self, args: tuple):
+    def _new_drafter(self, index: int):
         r = self.config.ray
+        worker = index % r.num_target_workers
+        bundle = self._bundle(worker, 1 + drafters_of(r, worker).index(index))
         return DrafterActor.options(
-            num_cpus=r.drafter_num_cpus, num_gpus=r.drafter_num_gpus, resources=r.drafter_resources, **self._restarts
-        ).remote(*args)
+            num_cpus=r.drafter_num_cpus, num_gpus=r.drafter_num_gpus, resources=r.drafter_resources,
+            scheduling_strategy=bundle, **self._restarts,
+        ).remote(*self._drafter_args[index])

@@ -4,8 +4,9 @@
   `ray job submit`); otherwise starts a new single-machine Ray whose every listener (GCS, raylet, agents, workers,
   the driver's own) is bound to 127.0.0.1, with no dashboard.
 * `start_serve`: Ray Serve's HTTP proxy, on 127.0.0.1 unless a host is configured.
-* `runtime_env_vars`, `process_runtime_env`, `prepare_process`: the driver's environment, OpenMP behaviour and
-  torch thread count, applied in each actor or task process.
+* `runtime_env_vars`, `process_runtime_env`: the driver's environment and OpenMP behaviour, handed to each actor
+  or task as its Ray `runtime_env`, so they are set when its process starts, before anything is imported.
+* `prepare_process`: the torch thread count of an actor or task process.
 """
 
 from __future__ import annotations
@@ -98,16 +99,19 @@ def runtime_env_vars() -> dict[str, str]:
     return {key: os.environ[key] for key in ENV_KEYS if key in os.environ}
 
 
-def process_runtime_env() -> dict:
-    """Set when the actor's process starts, before torch loads: OpenMP threads sleep instead of spinning while
-    they wait. A drafter and its target worker take turns on the same cores; spinning idle threads of one
-    would steal them from the other (on the shared 2-core CPU that cost 2.5-3x, see taps_ray/training)."""
-    return {"env_vars": {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"), "TOKENIZERS_PARALLELISM": "false"}}
+def process_runtime_env(env: dict[str, str] | None = None) -> dict:
+    """The `runtime_env` of every actor and task this project starts: its variables are set when the process
+    starts, before torch or transformers are imported (they read the HF offline switches at import). It holds
+    the driver's `ENV_KEYS` (`runtime_env_vars`), then `env` on top, and OpenMP threads that sleep instead of
+    spinning while they wait: a drafter and its target worker take turns on the same cores; spinning idle
+    threads of one would steal them from the other (on the shared 2-core CPU that cost 2.5-3x, see
+    taps_ray/training)."""
+    defaults = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"), "TOKENIZERS_PARALLELISM": "false"}
+    return {"env_vars": {**defaults, **runtime_env_vars(), **(env or {})}}
 
 
-def prepare_process(env: dict[str, str], threads: int | None, num_cpus: float) -> int:
-    """Apply the driver's environment and pin torch's thread count (Ray sets OMP_NUM_THREADS to the CPUs)."""
-    os.environ.update(env)
+def prepare_process(threads: int | None, num_cpus: float) -> int:
+    """Pin torch's thread count (Ray sets OMP_NUM_THREADS to the CPUs): `threads`, else the CPUs reserved."""
     n = threads or max(1, math.ceil(num_cpus))
     torch.set_num_threads(n)
     return n

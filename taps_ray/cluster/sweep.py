@@ -4,7 +4,8 @@
     ray job submit --working-dir . -- python jobs/sweep.py --config configs/paper.yaml   # on a cluster
 
 * data      resolve every corpus and benchmark, build the training mixtures (counts -> <work_dir>/data.json)
-* features  one Ray task (target resources) extracts the missing feature sets (cached, sharded, atomic)
+* features  the missing feature sets, each one's missing shards over `features.num_workers` Ray tasks (target
+            resources), every shard cached and atomic (`cluster.target_tasks`)
 * train     Ray Tune, one trial per head kind x mixture (`cluster.tune`); finished heads are skipped; then one
             Ray task (target resources) measures the held-out agreement of heads not measured yet
 * eval      every cell of the matrix not yet in the results store, through target workers and drafter
@@ -22,14 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from taps_ray import workdir
-from taps_ray.cluster.runtime import process_runtime_env, runtime_env_vars, start_ray
+from taps_ray.cluster.runtime import runtime_env_vars, start_ray
 from taps_ray.config import DATA_DIR_ENV, StudyConfig, load_config, with_overrides
 
 STAGES = ("data", "features", "train", "eval", "report")
@@ -119,45 +119,6 @@ def stage_data(cfg: StudyConfig, log: Callable[[str], None]) -> dict[str, Any]:
     return summary
 
 
-def _target_remote():
-    import ray
-
-    @ray.remote
-    def run(payload: str, env: dict[str, str], job: Callable[..., dict], args: tuple) -> dict:
-        from taps_ray.cluster.runtime import prepare_process
-        from taps_ray.config import parse_config
-        from taps_ray.models.target import load_target
-
-        cfg = parse_config(json.loads(payload), "<driver>")
-        threads = prepare_process(env, cfg.ray.torch_threads, cfg.ray.target_num_cpus)
-        os.environ["OMP_NUM_THREADS"] = str(threads)
-        return job(cfg, load_target(cfg.target), *args)
-
-    return run
-
-
-def on_target(cfg: StudyConfig, env: dict[str, str], job: Callable[..., dict], *args: Any) -> dict:
-    """`job(cfg, target, *args)` in one Ray task with the target's resources (a GPU on a cluster)."""
-    import ray
-
-    task = _target_remote().options(
-        num_cpus=cfg.ray.target_num_cpus, num_gpus=cfg.ray.target_num_gpus, resources=cfg.ray.target_resources,
-        runtime_env=process_runtime_env(),
-    )
-    return ray.get(task.remote(cfg.model_dump_json(), env, job, args))
-
-
-def extract_stats(cfg: StudyConfig, target, names: list[str]) -> dict[str, dict]:
-    """Extract the feature sets `names`; their scalar stats by name."""
-    from taps_ray.training.features import extract_features
-
-    out = {}
-    for name in names:
-        features = extract_features(cfg, name, target=target, progress=False)
-        out[name] = {k: v for k, v in features.stats.items() if isinstance(v, (int, float, str, bool))}
-    return out
-
-
 def stage_features(cfg: StudyConfig, env: dict[str, str], log: Callable[[str], None]) -> dict[str, Any]:
     from taps_ray.training.features import MANIFEST, features_folder
 
@@ -166,8 +127,11 @@ def stage_features(cfg: StudyConfig, env: dict[str, str], log: Callable[[str], N
     if not missing:
         log(f"features: all {len(names)} feature sets cached; nothing to do")
         return {"extracted": [], "cached": names}
-    log(f"features: extracting {missing} (cached: {[n for n in names if n not in missing]})")
-    stats = on_target(cfg, env, extract_stats, missing)
+    from taps_ray.cluster.target_tasks import extract_feature_sets
+
+    log(f"features: extracting {missing} over {cfg.features.num_workers} task(s) "
+        f"(cached: {[n for n in names if n not in missing]})")
+    stats = extract_feature_sets(cfg, env, missing)
     for name, s in stats.items():
         log(f"features {name}: {s.get('conversations')} conversations, {s.get('tokens')} tokens, "
             f"{s.get('tokens_per_s', 0):.0f} tokens/s")
@@ -177,6 +141,7 @@ def stage_features(cfg: StudyConfig, env: dict[str, str], log: Callable[[str], N
 def stage_train(cfg: StudyConfig, env: dict[str, str], log: Callable[[str], None]) -> dict[str, Any]:
     """Train the missing heads with Tune, then measure the held-out agreement of the heads not measured yet
     (cached in each head's folder), so the report stage only reads."""
+    from taps_ray.cluster.target_tasks import on_target
     from taps_ray.cluster.tune import run_training
     from taps_ray.training.agreement import measure_agreement, unmeasured_heads
 

@@ -8,6 +8,8 @@ The target runs on right-padded batches whose attention mask is built from the s
 ``ids != pad``, docs/algorithms.md#feature-extraction). Conversations are cut into shards of ``features.shard_size``, each written atomically
 (`taps_ray.fsio`) as one safetensors file, so a killed run redoes only the missing shards.
 ``manifest.json``, also written atomically, marks the whole set complete; a later call with the same key reuses it.
+The three steps, `plan_shards`, `extract_shards` and `write_manifest`, run in one process here; the sweep runs the
+middle one as parallel Ray tasks (`taps_ray.cluster.features`).
 
 The cache key hashes everything that changes the stored tensors: the target (name, tiny settings, dtype),
 the mixture (corpora and ratios, size, seed), max_len, top_k and the answer-regeneration settings.
@@ -24,7 +26,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from safetensors import safe_open
@@ -350,17 +352,22 @@ def _extract_shard(target: Target, conversations: Sequence[Any], cfg: StudyConfi
     return examples, meta
 
 
+# (the plan, its missing shards) -> (tokens run through the target, torch threads of the processes that ran them)
+ShardRunner = Callable[["ShardPlan", list[tuple[str, list[Any]]]], tuple[int, int | None]]
+
+
 def extract_features(cfg: StudyConfig, mixture_name: str, target: Target | None = None,
-                     progress: bool = True) -> FeatureSet:
-    """The cached features of `mixture_name`, extracting the missing shards first. Returns the set with stats:
-    conversations, tokens, tokens_per_s (of the extraction that produced them), reused (nothing was extracted now)."""
+                     progress: bool = True, run_shards: ShardRunner | None = None) -> FeatureSet:
+    """The cached features of `mixture_name`, extracting the missing shards first (in this process, or by
+    `run_shards`, e.g. Ray tasks). Returns the set with stats: conversations, tokens, tokens_per_s (of the
+    extraction that produced them), reused (nothing was extracted now)."""
     folder = features_folder(cfg, mixture_name)
     finished = _finished(folder)
     if finished is not None:
         return finished
     with folder_lock(folder):  # a second process (a sweep trial, a report) waits, then finds the set done
         finished = _finished(folder)  # another process may have finished the set while this one waited
-        return finished if finished is not None else _extract_features(cfg, mixture_name, folder, target, progress)
+        return finished if finished is not None else _extract_features(cfg, mixture_name, target, progress, run_shards)
 
 
 def _finished(folder: Path) -> FeatureSet | None:
@@ -372,12 +379,37 @@ def _finished(folder: Path) -> FeatureSet | None:
     return FeatureSet(folder, manifest, {**manifest["stats"], "reused": True, "extracted_shards": 0})
 
 
-def _extract_features(cfg: StudyConfig, mixture_name: str, folder: Path, target: Target | None,
-                      progress: bool) -> FeatureSet:
-    manifest_path = folder / MANIFEST
+def _extract_features(cfg: StudyConfig, mixture_name: str, target: Target | None, progress: bool,
+                      run_shards: ShardRunner | None) -> FeatureSet:
+    plan = plan_shards(cfg, mixture_name)
+    missing = plan.missing()
+    if run_shards is None:
+        extracted_tokens, threads = extract_shards(cfg, plan.folder, plan.spec, missing, target, progress), torch.get_num_threads()
+    else:
+        extracted_tokens, threads = run_shards(plan, missing)
+    return write_manifest(cfg, plan, len(missing), extracted_tokens, threads)
 
+
+@dataclass
+class ShardPlan:
+    """How a feature set is cut into shards: `features.shard_size` conversations per file, in mixture order."""
+
+    folder: Path
+    spec: dict[str, Any]
+    conversations: list[Any]
+    shards: list[tuple[str, list[Any]]]  # (file name, its conversations)
+
+    def missing(self) -> list[tuple[str, list[Any]]]:
+        """The shards not yet written (or written from other conversations)."""
+        return [(name, chunk) for name, chunk in self.shards if not _shard_done(self.folder / name, chunk)]
+
+
+def plan_shards(cfg: StudyConfig, mixture_name: str) -> ShardPlan:
+    """Prepare the set's folder (its spec, no half-written files of a killed run) and cut the mixture into
+    shards. The caller holds the set's `folder_lock`: extractions writing this set must not be running."""
     from taps_ray.data.mixtures import build_mixture
 
+    folder = features_folder(cfg, mixture_name)
     folder.mkdir(parents=True, exist_ok=True)
     for leftover in folder.glob(".*.tmp-*"):  # half-written files of a killed run
         leftover.unlink(missing_ok=True)
@@ -385,27 +417,47 @@ def _extract_features(cfg: StudyConfig, mixture_name: str, folder: Path, target:
     atomic_write_json(folder / "spec.json", spec)
     conversations = build_mixture(cfg.mixtures[mixture_name], data_dir=cfg.resolved_data_dir())
     size = cfg.features.shard_size
-    chunks = [conversations[i: i + size] for i in range(0, len(conversations), size)]
-    shard_files = [f"shard-{i:05d}.safetensors" for i in range(len(chunks))]
-    missing = [i for i, name in enumerate(shard_files) if not _shard_done(folder / name, chunks[i])]
+    shards = [(f"shard-{i // size:05d}.safetensors", conversations[i: i + size]) for i in range(0, len(conversations), size)]
+    return ShardPlan(folder, spec, conversations, shards)
+
+
+def extract_shards(cfg: StudyConfig, folder: Path, spec: dict[str, Any], shards: Sequence[tuple[str, Sequence[Any]]],
+                   target: Target | None = None, progress: bool = False) -> int:
+    """Write each of `shards` (file name, conversations) into `folder` that is not done yet, one atomic file
+    each, so a killed or retried run resumes shard by shard. Loads the target only when there is work.
+    Returns the tokens run through the target."""
+    todo = [(name, chunk) for name, chunk in shards if not _shard_done(folder / name, chunk)]
+    if not todo:
+        return 0
+    if target is None:
+        target = load_target(cfg.target)
+    donors = _Donors(folder.parent, spec, folder)
+    log.info("features %s: extracting %d shards (%d conversations available from other mixtures)",
+             folder.name, len(todo), len(donors.index))
+    bar = tqdm(total=None, desc=f"features {folder.name}", unit="tok", unit_scale=True, disable=not progress)
     run_start = time.perf_counter()
     extracted_tokens = 0
+    try:
+        for done, (name, chunk) in enumerate(todo, start=1):
+            examples, meta = _extract_shard(target, chunk, cfg, bar, donors)
+            write_shard(folder / name, examples, meta)
+            extracted_tokens += meta["computed_tokens"]
+            elapsed = time.perf_counter() - run_start
+            bar.set_postfix(shard=f"{done}/{len(todo)}", tok_s=f"{extracted_tokens / max(elapsed, 1e-9):.0f}")
+    finally:
+        bar.close()
+    return extracted_tokens
+
+
+def write_manifest(cfg: StudyConfig, plan: ShardPlan, extracted_shards: int, extracted_tokens: int,
+                   torch_threads: int | None) -> FeatureSet:
+    """Mark the set complete once every shard of `plan` exists: its manifest, with stats summed over shards."""
+    missing = [name for name, _ in plan.missing()]
     if missing:
-        if target is None:
-            target = load_target(cfg.target)
-        donors = _Donors(folder.parent, spec, folder)
-        log.info("features %s: extracting %d of %d shards (%d conversations available from other mixtures)",
-                 folder.name, len(missing), len(chunks), len(donors.index))
-        bar = tqdm(total=None, desc=f"features {mixture_name}", unit="tok", unit_scale=True, disable=not progress)
-        try:
-            for i in missing:
-                examples, meta = _extract_shard(target, chunks[i], cfg, bar, donors)
-                write_shard(folder / shard_files[i], examples, meta)
-                extracted_tokens += meta["computed_tokens"]
-                elapsed = time.perf_counter() - run_start
-                bar.set_postfix(shard=f"{i + 1}/{len(chunks)}", tok_s=f"{extracted_tokens / max(elapsed, 1e-9):.0f}")
-        finally:
-            bar.close()
+        raise RuntimeError(f"features {plan.folder.name}: shards {missing} are missing; the set is not complete")
+    folder, conversations, spec = plan.folder, plan.conversations, plan.spec
+    manifest_path = folder / MANIFEST
+    shard_files = [name for name, _ in plan.shards]
     shards, n = [], 0
     totals = {"tokens": 0, "computed_tokens": 0, "copied": 0, "extract_s": 0.0, "extract_cpu_s": 0.0,
               "regenerate_s": 0.0}
@@ -427,11 +479,11 @@ def _extract_features(cfg: StudyConfig, mixture_name: str, folder: Path, target:
         "tokens_per_s": round(totals["computed_tokens"] / seconds, 1) if seconds > 0 else None,
         "tokens_per_cpu_s": round(totals["computed_tokens"] / cpu, 1) if cpu > 0 else None,
         "regenerate_s": round(totals["regenerate_s"], 3) if cfg.features.regenerate_answers else None,
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": torch_threads,
     }
     manifest = {"key": folder.name, "spec": spec, "shards": shards, "stats": stats, "created": time.time()}
     atomic_write_json(manifest_path, manifest)
     log.info("features %s: %d conversations, %d tokens (%d computed), %.0f tokens/s", folder.name, n,
              stats["tokens"], stats["computed_tokens"], stats["tokens_per_s"] or 0)
-    return FeatureSet(folder, manifest, {**stats, "reused": False, "extracted_shards": len(missing),
+    return FeatureSet(folder, manifest, {**stats, "reused": False, "extracted_shards": extracted_shards,
                                          "extracted_tokens": extracted_tokens})
