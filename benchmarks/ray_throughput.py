@@ -75,7 +75,7 @@ def verification(cfg: StudyConfig, target, heads_cfg: StudyConfig, kind: str, ba
     for size in batches:
         runs = []
         for _ in range(repeats):
-            batch = TargetBatch(target.model)
+            batch = TargetBatch(target.model, feature_layers=feature_layers(proposer))
             committed = batch.start(prompts[:size], params, list(range(size)))
             states = [proposer.init_state() for _ in range(size)]
             seconds, tree_tokens, new_tokens = 0.0, 0, 0
