@@ -64,6 +64,7 @@ def verification(cfg: StudyConfig, target, heads_cfg: StudyConfig, kind: str, ba
                  repeats: int) -> list[dict]:
     """Tree tokens verified per second by TargetBatch.step, trees drafted (untimed) by the first head."""
     from taps_ray.proposer_setup import load_proposers
+    from taps_ray.engine.proposers import feature_layers
     from taps_ray.engine.target_batch import TargetBatch
     from taps_ray.engine.verify import SamplingParams
 
@@ -75,7 +76,7 @@ def verification(cfg: StudyConfig, target, heads_cfg: StudyConfig, kind: str, ba
     for size in batches:
         runs = []
         for _ in range(repeats):
-            batch = TargetBatch(target.model)
+            batch = TargetBatch(target.model, feature_layers=feature_layers(proposer))
             committed = batch.start(prompts[:size], params, list(range(size)))
             states = [proposer.init_state() for _ in range(size)]
             seconds, tree_tokens, new_tokens = 0.0, 0, 0

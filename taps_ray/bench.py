@@ -31,6 +31,7 @@ from taps_ray.models.target import Target, load_target
 from taps_ray.proposer_setup import load_proposers
 from taps_ray.report.tables import fmt, md_table
 from taps_ray.engine.generate import run_loop
+from taps_ray.engine.proposers import feature_layers
 from taps_ray.engine.target_batch import TargetBatch
 from taps_ray.engine.verify import SamplingParams
 
@@ -155,7 +156,7 @@ def _hf_method(target: Target, max_new_tokens: int, **options: object) -> Method
 
 def _ours(target: Target, proposer, max_new_tokens: int) -> Method:
     def run(prompt: list[int]) -> Decoded:
-        batch = TargetBatch(target.model)
+        batch = TargetBatch(target.model, feature_layers=feature_layers(proposer))
         generation = run_loop(batch, proposer, [prompt], GREEDY, max_new_tokens, target.stop_token_ids)[0]
         profile = {"draft": sum(s.draft_s for s in generation.steps), **batch.timings}
         return Decoded(generation.tokens, len(generation.steps), sum(s.new_tokens for s in generation.steps), profile)

@@ -42,6 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--kind", choices=HEAD_KINDS, required=True)
     train.add_argument("--mixture", required=True, help="a mixture name from the config (math, chat, mixed, ...)")
 
+    export = commands.add_parser("export", help="write a trained head in the EAGLE / EAGLE-3 layout vLLM and SGLang load")
+    _add_config(export)
+    export.add_argument("--kind", choices=HEAD_KINDS, required=True)
+    export.add_argument("--mixture", required=True, help="a mixture name from the config (math, chat, mixed, ...)")
+    export.add_argument("--out", required=True, help="the checkpoint folder to write (see docs/export.md)")
+    export.add_argument("--layout", choices=["eagle", "eagle3"], default=None,
+                        help="default: eagle3 for eagle3 heads, eagle for eagle2 and hass heads")
+
     agreement = commands.add_parser("agreement", help="measure the held-out agreement of every trained head (cached)")
     _add_config(agreement)
 
@@ -127,6 +135,19 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from taps_ray.models.draft_head import DraftHead
+    from taps_ray.models.published import export_head
+    from taps_ray.workdir import head_checkpoint
+
+    folder = head_checkpoint(_config(args), args.kind, args.mixture)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"no trained {args.kind} head for mixture {args.mixture!r} at {folder}; train it first")
+    out = export_head(DraftHead.load(folder), args.out, args.layout)
+    print(f"wrote {out} (serve commands: docs/export.md)")
+    return 0
+
+
 def _agreement(args: argparse.Namespace) -> int:
     from taps_ray.training.commands import cmd_agreement
 
@@ -208,6 +229,7 @@ HANDLERS: dict[str, Handler] = {
     "data": _data,
     "features": _features,
     "train": _train,
+    "export": _export,
     "agreement": _agreement,
     "eval": _eval,
     "generate": _generate,

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 DType = Literal["float32", "bfloat16", "float16", "float64"]
 Device = Literal["auto", "cpu", "cuda"]
-HeadKind = Literal["eagle2", "hass"]
+HeadKind = Literal["eagle2", "hass", "eagle3"]
 HEAD_KINDS: tuple[str, ...] = get_args(HeadKind)
 DATA_DIR_ENV = "TAPS_DATA_DIR"
 
@@ -105,7 +105,9 @@ class FeatureConfig(_Strict):
 
 
 class TrainConfig(_Strict):
-    kinds: list[HeadKind] = list(HEAD_KINDS)
+    kinds: list[HeadKind] = Field(
+        default_factory=lambda: ["eagle2", "hass"], description="head kinds to train (eagle3 also extracts three "
+        "more target layers per token, docs/algorithms.md#eagle-3-heads)")
     mixtures: list[str] = Field(default_factory=lambda: ["math", "chat"])
     epochs: int = Field(2, gt=0)
     max_tokens: int | None = Field(None, gt=0, description="stop after this many trained tokens (per head)")
@@ -118,7 +120,8 @@ class TrainConfig(_Strict):
     reg_weight: float = 1.0
     cls_weight: float = 0.1
     topk_weight: float = 1.0
-    hca_passes: int = Field(3, ge=1, description="HASS harmonized-context-alignment forward passes")
+    hca_passes: int = Field(3, ge=1, description="HASS harmonized-context-alignment forward passes; also the "
+                            "training-time-test steps of eagle3 heads")
     heldout_fraction: float = Field(0.05, gt=0, lt=0.5)
     seed: int = 0
     mask_alignment: Literal["predicted", "ref"] = Field(

@@ -168,7 +168,7 @@ def test_hca_two_versions_manual():
     got = hca_forward(head, emb, [f0, g1], positions, valid)
     attn = head.layer.self_attn
     b, t, _ = f0.shape
-    x0, x1 = head.fuse(emb, f0), head.fuse(emb, g1)
+    (x0, _), (x1, _) = head.inputs(emb, f0), head.inputs(emb, g1)
     q, k1, v1 = head.project(x1, positions)
     _, k0, v0 = head.project(x0, positions)
     groups = attn.num_heads // attn.num_kv_heads

@@ -328,7 +328,7 @@ def test_mixed_features_copy_single_domain_conversations(base, tmp_path):
     mixed = extract_features(cfg, "mixed", target=target, progress=False)
     assert mixed.stats["copied_conversations"] == mixed.stats["conversations"] > 0  # nothing recomputed but skips
     for ex in mixed.load()[:3]:
-        (h, _, k), = features_mod.target_features(target, [ex.input_ids.tolist()], cfg.features.top_k)
+        (h, _, k, _), = features_mod.target_features(target, [ex.input_ids.tolist()], cfg.features.top_k)
         assert torch.allclose(ex.hidden, h, atol=1e-4) and torch.equal(ex.topk_ids[:, 0], k[:, 0])
 
 

@@ -82,13 +82,15 @@ def unpack_heads(config: StudyConfig, kind: str, packed: dict, dtype: torch.dtyp
 class WorkerVerifier:
     """The engine's `Verifier`, backed by a session on a `TargetWorker`."""
 
-    def __init__(self, worker: Any, owner: str) -> None:
+    def __init__(self, worker: Any, owner: str, feature_layers: tuple[int, ...] = ()) -> None:
         self.worker = worker
         self.owner = owner
+        self.feature_layers = feature_layers
         self.sid: str | None = None
 
     def start(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Committed]:
-        self.sid, committed = ray.get(self.worker.start.remote(prompts, params, seeds, self.owner))
+        self.sid, committed = ray.get(
+            self.worker.start.remote(prompts, params, seeds, self.owner, self.feature_layers))
         return committed
 
     def step(self, trees: list[DraftTree | None]) -> list[Committed | None]:
@@ -122,8 +124,9 @@ class TargetWorker:
         self.pool = VerificationPool(self.target.model, r.max_batch, r.max_wait_ms, r.session_ttl_s)
         self.started = time.time()
 
-    async def start(self, prompts, params, seeds, owner: str = "") -> tuple[str, list[Committed]]:
-        sid, committed = await self.pool.start(prompts, params, seeds, owner)
+    async def start(self, prompts, params, seeds, owner: str = "", feature_layers: tuple[int, ...] = ()
+                    ) -> tuple[str, list[Committed]]:
+        sid, committed = await self.pool.start(prompts, params, seeds, owner, feature_layers)
         return sid, [c.to("cpu") for c in committed]
 
     async def step(self, sid: str, trees: list) -> list:
@@ -184,10 +187,10 @@ class DrafterActor:
         heads = {} if the_cell.head_kind == NO_HEAD else self._heads(the_cell.head_kind)
         sessions: list[WorkerVerifier] = []
 
-        def verifier() -> WorkerVerifier:
+        def verifier(layers: tuple[int, ...]) -> WorkerVerifier:
             if sessions:  # run_cell asks for a verifier per batch; the previous batch is finished
                 sessions[-1].close()
-            sessions.append(WorkerVerifier(self.worker, self.name))
+            sessions.append(WorkerVerifier(self.worker, self.name, layers))
             return sessions[-1]
 
         start = time.perf_counter()

@@ -72,6 +72,7 @@ from taps_ray.cluster.serve_output import ChoiceStream, TextOutput, speculative,
 from taps_ray.cluster.serve_scheduler import DecodeLoop, Overloaded, Ticket
 from taps_ray.config import HeadKind, StudyConfig, load_config, parse_config, with_overrides
 from taps_ray.engine.continuous import ContinuousBatcher, Result, TokenLogprob
+from taps_ray.engine.proposers import feature_layers
 from taps_ray.engine.verify import MIN_TEMPERATURE
 
 logger = logging.getLogger("ray.serve")
@@ -166,7 +167,11 @@ class TapsService:
         self.created = int(time.time())
         self._openapi: dict[str, Any] | None = None
         self.output = TextOutput(self.tokenizer, self.stop_ids)
-        self.batcher = ContinuousBatcher(self.target.model, self.stop_ids, serve_cfg.max_batch_size, serve_cfg.draft_below)
+        layers = {feature_layers(p) for p in self.proposers.values()} - {()}  # plain drafts from no feature
+        if len(layers) > 1:
+            raise ValueError(f"the served heads draft from different target layers: {sorted(layers)}")
+        self.batcher = ContinuousBatcher(self.target.model, self.stop_ids, serve_cfg.max_batch_size,
+                                         serve_cfg.draft_below, layers.pop() if layers else ())
         self.loop = DecodeLoop(self.batcher, serve_cfg.max_queued_requests, serve_cfg.stall_timeout_s, serve_metrics())
         logger.info(
             "taps serve: target %s, %s heads %s, models %s", self.cfg.target.name, self.kind,

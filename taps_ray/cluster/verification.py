@@ -118,16 +118,18 @@ class VerificationPool:
     # public API (called from the worker's event loop) ------------------------------------------------------
 
     async def start(
-        self, prompts: list[list[int]], params: SamplingParams, seeds: list[int], owner: str = ""
+        self, prompts: list[list[int]], params: SamplingParams, seeds: list[int], owner: str = "",
+        feature_layers: tuple[int, ...] = (),
     ) -> tuple[str, list[Committed]]:
-        """Prefill a new session; returns its id and each sequence's first committed token."""
+        """Prefill a new session; returns its id and each sequence's first committed token. `feature_layers`:
+        the target layers its proposer drafts from (EAGLE-3); only sessions with the same layers share a batch."""
         self._ensure_running()
         loop = asyncio.get_running_loop()
         async with self._lock:
-            batch = TargetBatch(self.model)
+            batch = TargetBatch(self.model, feature_layers=feature_layers)
             committed = await loop.run_in_executor(self._executor, batch.start, prompts, params, seeds)
             self.stats.prefills += 1
-            key = params_key(params)
+            key = f"{params_key(params)}|{list(feature_layers)}"
             group = None
             if self.merge:
                 group = next((g for g in self._groups if g.key == key and g.rows + len(prompts) <= self.max_batch), None)

@@ -31,7 +31,7 @@ import torch
 
 from taps_ray.config import TreeConfig
 from taps_ray.models.draft_head import DraftHead
-from taps_ray.engine.proposers import Proposer, SingleHead
+from taps_ray.engine.proposers import Proposer, SingleHead, feature_layers
 from taps_ray.engine.tree import DraftContext, DraftTree, build_tree
 
 # --- checkpoint averaging (docs/algorithms.md#weight-averaging) ---------------------------------------------
@@ -54,9 +54,13 @@ def average_heads(a: DraftHead, b: DraftHead, w: float) -> DraftHead:
     shapes = {k: (tuple(v.shape), tuple(state_b[k].shape)) for k, v in state_a.items() if v.shape != state_b[k].shape}
     if shapes:
         raise ValueError(f"cannot average draft heads with different shapes (A, B): {shapes}")
+    maps = [k for k, v in state_a.items() if not v.is_floating_point() and not torch.equal(v, state_b[k].to(v.device))]
+    if maps:
+        raise ValueError(f"cannot average draft heads with different draft vocabularies: {maps} differ")
     dtype = next(a.parameters()).dtype
     device = next(a.parameters()).device
-    averaged = {k: (w * v.float() + (1.0 - w) * state_b[k].float().to(v.device)).to(v.dtype) for k, v in state_a.items()}
+    averaged = {k: (w * v.float() + (1.0 - w) * state_b[k].float().to(v.device)).to(v.dtype)
+                if v.is_floating_point() else v for k, v in state_a.items()}
     trained_on = f"{w:g}*[{a.config.trained_on or 'A'}]+{1 - w:g}*[{b.config.trained_on or 'B'}]"
     head = DraftHead(a.config.model_copy(update={"trained_on": trained_on}))
     head.load_trainable(averaged)
@@ -97,6 +101,14 @@ class OverParts:
     @property
     def head_names(self) -> list[str]:
         return [n for p in self.parts for n in p.head_names]
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The parts' target layers; parts read the same committed features, so they must agree."""
+        layers = {feature_layers(p) for p in self.parts}
+        if len(layers) > 1:
+            raise ValueError(f"cannot combine heads that draft from different target layers: {sorted(layers)}")
+        return layers.pop() if layers else ()
 
     def init_state(self) -> RouterState:
         return RouterState(parts=tuple(p.init_state() for p in self.parts), last_head=self.initial_head)

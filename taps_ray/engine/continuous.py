@@ -99,14 +99,17 @@ class ContinuousBatcher:
     """The running batch of one replica. `submit` is thread-safe; `step` runs on one thread at a time."""
 
     def __init__(
-        self, model: PreTrainedModel, stop_ids: list[int], max_batch_size: int, draft_below: int | None = None
+        self, model: PreTrainedModel, stop_ids: list[int], max_batch_size: int, draft_below: int | None = None,
+        feature_layers: tuple[int, ...] = (),
     ) -> None:
+        """`feature_layers`: the target layers the replica's proposers draft from (`proposers.feature_layers`)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         if draft_below is not None and draft_below < 1:
             raise ValueError(f"draft_below must be at least 1 (or None to always draft), got {draft_below}")
         self.model, self.stop_ids = model, set(stop_ids)
         self.max_batch_size, self.draft_below = max_batch_size, draft_below
+        self.feature_layers = feature_layers
         self._waiting: deque[_Sequence] = deque()
         self._lock = threading.Lock()
         self._running: list[_Sequence] = []  # in the row order of `_batch`
@@ -170,7 +173,7 @@ class ContinuousBatcher:
                     fresh.append(seq)
         if not fresh:
             return
-        batch = TargetBatch(self.model, keep_logits=True)
+        batch = TargetBatch(self.model, keep_logits=True, feature_layers=self.feature_layers)
         try:
             t0 = time.perf_counter()
             started = batch.start(

@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel
 
-from taps_ray.engine.proposers import Proposer
+from taps_ray.engine.proposers import Proposer, feature_layers
 from taps_ray.engine.target_batch import Committed, TargetBatch
 from taps_ray.engine.tree import DraftTree, root_only
 from taps_ray.engine.verify import SamplingParams, Verdict
@@ -190,4 +190,5 @@ def generate(
     seeds: list[int] | None = None,
 ) -> list[Generation]:
     """In-process decoding: one `TargetBatch` verifies every sequence's tree in one forward per step."""
-    return run_loop(TargetBatch(model), proposer, prompts, params, max_new_tokens, stop_ids, seeds)
+    batch = TargetBatch(model, feature_layers=feature_layers(proposer))
+    return run_loop(batch, proposer, prompts, params, max_new_tokens, stop_ids, seeds)

@@ -14,7 +14,7 @@ import torch
 
 from taps_ray.config import TreeConfig
 from taps_ray.models.draft_head import DraftHead
-from taps_ray.engine.tree import DraftContext, DraftTree, HeadCache, draft_eagle2, root_only
+from taps_ray.engine.tree import DraftContext, DraftTree, HeadCache, draft_eagle2, head_context, root_only
 
 
 class Proposer(Protocol):
@@ -27,9 +27,16 @@ class Proposer(Protocol):
         """Extend the proposer's context with committed (feature, next token) pairs and draft a tree.
 
         `features` [m, d]: target features of the positions committed since the last call (the prompt on
-        the first call); `next_tokens` [m]: the token after each of them; the last one is the tree's root.
+        the first call; [m, k*d] the fused layers of `feature_layers` for EAGLE-3 proposers); `next_tokens`
+        [m]: the token after each of them; the last one is the tree's root.
         """
         ...
+
+
+def feature_layers(proposer: Proposer) -> tuple[int, ...]:
+    """The target layers a proposer drafts from, for `TargetBatch(feature_layers=...)`: () means the post-norm
+    last layer (every proposer but an EAGLE-3 head's, which says so by a `feature_layers` attribute)."""
+    return tuple(getattr(proposer, "feature_layers", ()))
 
 
 class PlainDecoding:
@@ -54,9 +61,16 @@ class SingleHead:
     context: DraftContext
     tree: TreeConfig
 
+    def __post_init__(self) -> None:
+        self.context = head_context(self.head, self.context)
+
     @property
     def head_names(self) -> list[str]:
         return [self.name]
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return tuple(self.head.config.feature_layers)
 
     def init_state(self) -> HeadCache:
         return HeadCache()

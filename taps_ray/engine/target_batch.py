@@ -11,11 +11,15 @@ batch's own methods, so the cache invariant has one owner.
 Every tensor and generator lives on the model's device; trees drafted elsewhere are moved here. What a step
 hands back (`Committed`) owns its storage, never a view into the batch's tensors, so shipping one sequence's
 result (pickling it to a Ray drafter) ships that sequence's rows only.
+The features handed to proposers are the target's post-norm last layer (EAGLE-2, HASS) or, with
+`feature_layers` (EAGLE-3 proposers, `proposers.feature_layers`), the hidden states of those layers
+concatenated; the target then also returns its intermediate layers, which costs nothing otherwise.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -53,7 +57,7 @@ class TreeOutput:
     """What the target computed for one sequence's tree."""
 
     logits: torch.Tensor  # [T, V]; after a prefill only the last token's [1, V]
-    hidden: torch.Tensor  # [T, d], post-norm features
+    hidden: torch.Tensor  # [T, d] post-norm features, or [T, k*d] the batch's `feature_layers`
 
 
 def _pad_width(tensor: torch.Tensor, width: int) -> torch.Tensor:
@@ -76,11 +80,14 @@ class TargetBatch:
     Sampling parameters are per row (`row_params`), so requests with different parameters share one forward;
     `params` is what `start` was given for the whole batch (the pool groups batches by it). `keep_logits`: every
     `Committed` carries the target's logits at its tokens, for callers that report log-probabilities.
+    `feature_layers`: the `hidden_states` indices whose concatenation is every `Committed.features` (EAGLE-3);
+    empty: the post-norm last layer.
     """
 
-    def __init__(self, model: PreTrainedModel, keep_logits: bool = False) -> None:
+    def __init__(self, model: PreTrainedModel, keep_logits: bool = False, feature_layers: Sequence[int] = ()) -> None:
         self.model = model
         self.keep_logits = keep_logits
+        self.feature_layers = tuple(feature_layers)
         self.cache = DynamicCache()
         self.lengths = torch.zeros(0, dtype=torch.long, device=self.device)
         self.params = SamplingParams()
@@ -145,8 +152,8 @@ class TargetBatch:
         Slots beyond a sequence's length are never attended (the context is masked by `lengths`), so
         zero-padding the narrower cache keeps the invariant "cache width = longest sequence" and every value.
         """
-        if self.model is not other.model:
-            raise ValueError("only batches of the same model can share a forward")
+        if self.model is not other.model or self.feature_layers != other.feature_layers:
+            raise ValueError("only batches of the same model and feature layers can share a forward")
         width = max(self.cache.get_seq_length(), other.cache.get_seq_length())
         if self.batch_size == 0:
             self.cache = other.cache
@@ -180,7 +187,7 @@ class TargetBatch:
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         lengths = self.lengths[index]
         width = int(lengths.max())
-        sub = TargetBatch(self.model, keep_logits=self.keep_logits)
+        sub = TargetBatch(self.model, keep_logits=self.keep_logits, feature_layers=self.feature_layers)
         sub.params = self.params
         sub.row_params = [self.row_params[i] for i in rows]
         sub.cache = DynamicCache(
@@ -240,12 +247,17 @@ class TargetBatch:
     def batch_size(self) -> int:
         return int(self.lengths.numel())
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """The target's post-norm features [B, T, d]; the caller applies the LM head where it needs logits."""
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(post-norm last layer [B, T, d], proposer features); the caller applies the LM head where it needs logits."""
+        layers = self.feature_layers
         out = self.model.model(
-            input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=self.cache, use_cache=True
+            input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=self.cache, use_cache=True,
+            output_hidden_states=bool(layers),
         )
-        return out.last_hidden_state
+        last = out.last_hidden_state
+        return last, torch.cat([out.hidden_states[i] for i in layers], dim=-1) if layers else last
 
     @torch.no_grad()
     def prefill(self, prompts: list[list[int]]) -> list[TreeOutput]:
@@ -264,10 +276,10 @@ class TargetBatch:
         mask = causal[None] & valid[:, None, :]
         mask |= torch.eye(width, dtype=torch.bool, device=self.device)[None]  # padded rows attend to themselves: no NaN rows
         self.cache = DynamicCache()
-        hidden = self._forward(ids, columns.expand(len(prompts), -1), mask[:, None])
+        hidden, features = self._forward(ids, columns.expand(len(prompts), -1), mask[:, None])
         self.lengths = lengths
         last = self.model.lm_head(hidden[torch.arange(len(prompts), device=self.device), lengths - 1])  # [B, V]
-        return [TreeOutput(last[b : b + 1], hidden[b, : len(p)]) for b, p in enumerate(prompts)]
+        return [TreeOutput(last[b : b + 1], features[b, : len(p)]) for b, p in enumerate(prompts)]
 
     @torch.no_grad()
     def verify(self, trees: list[DraftTree | None]) -> list[TreeOutput | None]:
@@ -292,10 +304,10 @@ class TargetBatch:
             positions[b, :n] = self.lengths[b] + tree.depth
             mask[b, :n, :past] = context[b]
             mask[b, :n, past : past + n] = tree.mask
-        hidden = self._forward(ids, positions, mask[:, None])
+        hidden, features = self._forward(ids, positions, mask[:, None])
         logits = self.model.lm_head(hidden)
         return [
-            None if tree is None else TreeOutput(logits[b, : tree.size], hidden[b, : tree.size])
+            None if tree is None else TreeOutput(logits[b, : tree.size], features[b, : tree.size])
             for b, tree in enumerate(trees)
         ]
 

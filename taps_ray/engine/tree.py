@@ -112,25 +112,38 @@ class DraftContext:
     `vocab` (optional) restricts drafting to a subset of token ids (EAGLE-3's reduced draft vocabulary): the
     draft LM head is then a slice of the target's, which is most of a draft step's cost on a CPU. Drafted ids
     are mapped back to the full vocabulary, so verification, and therefore losslessness, is unchanged.
+    `norm` (an EAGLE-3 head's own, see `head_context`): the LM head is the head's, already one row per id of
+    `vocab`, and reads norm(hidden).
     """
 
     embed: torch.nn.Module
     lm_head: torch.nn.Module
     vocab: torch.Tensor | None = None
+    norm: torch.nn.Module | None = None
 
     def __post_init__(self) -> None:
         weight = self.lm_head.weight
         if self.vocab is not None:
             self.vocab = self.vocab.to(weight.device)  # drafted indices map to ids on the drafting device
-        self._weight = weight if self.vocab is None else weight[self.vocab].contiguous()
+        self._weight = weight if self.vocab is None or self.norm is not None else weight[self.vocab].contiguous()
 
     def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft log-probabilities over the draft vocabulary (fp32)."""
+        if self.norm is not None:
+            hidden = self.norm(hidden)
         return F.log_softmax(F.linear(hidden.to(self._weight.dtype), self._weight).float(), dim=-1)
 
     def token_ids(self, index: torch.Tensor) -> torch.Tensor:
         """Map draft-vocabulary indices to target token ids."""
         return index if self.vocab is None else self.vocab[index]
+
+
+def head_context(head: DraftHead, ctx: DraftContext) -> DraftContext:
+    """What `head` drafts with: the target's LM head (EAGLE-2, HASS) or, for an EAGLE-3 head, its own norm, LM
+    head and draft vocabulary (the study's `ctx.vocab` does not apply to it); the token embedding is the target's."""
+    if not head.eagle3:
+        return ctx
+    return DraftContext(ctx.embed, head.lm_head, head.draft_ids(), norm=head.norm)
 
 
 @dataclass
@@ -176,8 +189,9 @@ def draft_eagle2(
 ) -> tuple[DraftTree, HeadCache]:
     """EAGLE-2 dynamic tree: expand the top_k best nodes per level, keep the total_token-1 best candidates.
 
-    `features` [m, d] are the target features of the newly committed positions and `next_tokens` [m] the
-    tokens that follow each of them; the last of these is the tree's root.
+    `features` [m, d] are the target features of the newly committed positions ([m, k*d] fused layers for an
+    EAGLE-3 head, whose deeper levels read its own outputs) and `next_tokens` [m] the tokens that follow each of
+    them; the last of these is the tree's root. `ctx` is the head's (`head_context`).
     """
     hidden, cache = extend_context(head, ctx, cache, features, next_tokens)
     root = int(next_tokens[-1])

@@ -20,10 +20,11 @@ from taps_ray.models.draft_head import DraftHead
 from taps_ray.models.target import Target
 from taps_ray.proposer_setup import load_proposers
 from taps_ray.engine.generate import Generation, Verifier, run_loop
+from taps_ray.engine.proposers import feature_layers
 from taps_ray.engine.target_batch import TargetBatch
 from taps_ray.engine.verify import SamplingParams
 
-VerifierFactory = Callable[[], Verifier]
+VerifierFactory = Callable[[tuple[int, ...]], Verifier]  # the target layers the proposer drafts from -> verifier
 
 
 def question_seed(base: int, question_id: object, turn: int) -> int:
@@ -54,7 +55,8 @@ def run_cell(
     questions = load_questions(cell.benchmark, config.resolved_data_dir(), limit=evaluation.benchmarks[cell.benchmark])
     proposer = load_proposers(config, [cell.proposer], target=target, heads=heads)[cell.proposer]
     params = SamplingParams(temperature=cell.temperature)
-    make_verifier = verifier_factory or (lambda: TargetBatch(target.model))
+    make_verifier = verifier_factory or (lambda layers: TargetBatch(target.model, feature_layers=layers))
+    layers = feature_layers(proposer)
     answers: dict[object, list[str]] = {q.question_id: [] for q in questions}
     step_rows: list[dict] = []
     question_rows: list[dict] = []
@@ -68,7 +70,7 @@ def run_cell(
             ]
             seeds = [question_seed(evaluation.seed, q.question_id, turn) for q in batch]
             generations = run_loop(
-                make_verifier(), proposer, prompts, params, evaluation.max_new_tokens, target.stop_token_ids, seeds
+                make_verifier(layers), proposer, prompts, params, evaluation.max_new_tokens, target.stop_token_ids, seeds
             )
             batch_tokens = sum(len(g.tokens) for g in generations) or 1
             for question, generation in zip(batch, generations):

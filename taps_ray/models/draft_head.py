@@ -2,6 +2,12 @@
 
 The head owns only its trainable weights. The target's embedding and LM head are passed in frozen, so a
 checkpoint holds no copy of them, and heads trained on different data can share one target in memory.
+
+An EAGLE-3 head (`feature_layers` set, docs/algorithms.md#eagle-3-heads) differs in three ways: its `fc` fuses
+the target's hidden states of several layers (low, mid, high: [.., k*d] -> d) instead of mixing in the token;
+its layer's attention reads [norm(token embedding); norm(hidden)] (2d wide) with the hidden as residual; and it
+predicts tokens through its own `norm` and `lm_head` over a reduced draft vocabulary, mapped back to target
+ids by `d2t` (target id = draft id + d2t[draft id]; `t2d` marks the target ids it can draft).
 The attention cache is explicit (a (key, value) tuple returned by `forward`), never a module attribute,
 so two heads can draft side by side without clobbering each other.
 """
@@ -41,6 +47,8 @@ class DraftHeadConfig(BaseModel):
     kind: str = "eagle2"
     target: str = ""
     trained_on: str = ""
+    feature_layers: list[int] = []  # EAGLE-3: the target's hidden_states indices fused by fc (empty: EAGLE-2 head)
+    draft_vocab_size: int | None = None  # EAGLE-3: rows of the head's own LM head (None: vocab_size)
 
     @classmethod
     def from_target(cls, config: PretrainedConfig, **extra: object) -> "DraftHeadConfig":
@@ -76,39 +84,96 @@ class DraftHeadConfig(BaseModel):
         )
 
 
+def eagle3_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's low, mid and high target layers: the inputs of layers 2, L/2 and L-3 (`hidden_states` indices)."""
+    return [min(2, num_layers), num_layers // 2, max(num_layers - 3, 0)]
+
+
 class DraftAttention(nn.Module):
-    def __init__(self, config: DraftHeadConfig) -> None:
+    def __init__(self, config: DraftHeadConfig, input_size: int) -> None:
         super().__init__()
         d, h, kvh, hd = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, hd
-        self.q_proj = nn.Linear(d, h * hd, bias=False)
-        self.k_proj = nn.Linear(d, kvh * hd, bias=False)
-        self.v_proj = nn.Linear(d, kvh * hd, bias=False)
+        self.q_proj = nn.Linear(input_size, h * hd, bias=False)
+        self.k_proj = nn.Linear(input_size, kvh * hd, bias=False)
+        self.v_proj = nn.Linear(input_size, kvh * hd, bias=False)
         self.o_proj = nn.Linear(h * hd, d, bias=False)
 
 
 class DraftDecoderLayer(nn.Module):
     """A Llama decoder layer without the input norm (EAGLE omits it on the head's only layer)."""
 
-    def __init__(self, config: DraftHeadConfig) -> None:
+    def __init__(self, config: DraftHeadConfig, attention_input: int | None = None) -> None:
         super().__init__()
-        self.self_attn = DraftAttention(config)
+        self.self_attn = DraftAttention(config, attention_input or config.hidden_size)
         self.mlp = LlamaMLP(config.llama_config())
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+
+class Eagle3DecoderLayer(DraftDecoderLayer):
+    """EAGLE-3's midlayer: attention over [input_layernorm(embedding); hidden_norm(hidden)], 2d wide."""
+
+    def __init__(self, config: DraftHeadConfig) -> None:
+        super().__init__(config, attention_input=2 * config.hidden_size)
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
 class DraftHead(nn.Module):
     def __init__(self, config: DraftHeadConfig) -> None:
         super().__init__()
         self.config = config
-        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=config.fc_bias)
-        self.layer = DraftDecoderLayer(config)
+        d = config.hidden_size
+        if self.eagle3:
+            self.fc = nn.Linear(len(config.feature_layers) * d, d, bias=config.fc_bias)
+            self.layer = Eagle3DecoderLayer(config)
+            self.norm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
+            rows = config.draft_vocab_size or config.vocab_size
+            self.lm_head = nn.Linear(d, rows, bias=False)
+            self.register_buffer("d2t", torch.zeros(rows, dtype=torch.long))
+            self.register_buffer("t2d", torch.arange(config.vocab_size) < rows)
+        else:
+            self.fc = nn.Linear(2 * d, d, bias=config.fc_bias)
+            self.layer = DraftDecoderLayer(config)
         self.rotary = LlamaRotaryEmbedding(config.llama_config())
 
-    # The forward is split in three pieces so HASS training can attend over several feature versions.
-    def fuse(self, token_embeddings: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        """[B,T,d] embeddings of the next tokens + [B,T,d] target features -> layer input."""
-        return self.fc(torch.cat([token_embeddings.to(features.dtype), features], dim=-1))
+    @property
+    def eagle3(self) -> bool:
+        return bool(self.config.feature_layers)
+
+    # --- EAGLE-3's own vocabulary --------------------------------------------------------------------------
+    def set_draft_vocab(self, vocab: torch.Tensor | None) -> None:
+        """d2t/t2d from the sorted target ids of the draft vocabulary (None: the whole vocabulary)."""
+        rows = self.lm_head.out_features
+        ids = torch.arange(rows) if vocab is None else vocab.long().cpu()
+        if ids.numel() != rows:
+            raise ValueError(f"draft vocabulary of {ids.numel()} ids for an LM head of {rows} rows")
+        self.d2t.copy_(ids - torch.arange(rows))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    def draft_ids(self) -> torch.Tensor:
+        """The target token id of every row of the head's LM head."""
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    def token_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """EAGLE-3: logits over the draft vocabulary of the head's own hidden output."""
+        return self.lm_head(self.norm(hidden))
+
+    # The forward is split in three pieces so HASS and EAGLE-3 training can attend over several feature versions.
+    def inputs(self, token_embeddings: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embeddings [B,T,d] of the next tokens + features -> (attention input, residual).
+
+        EAGLE-2: both are fc([embedding; feature]). EAGLE-3: the target's fused layers ([B,T,k*d]) go through fc,
+        the head's own hidden outputs ([B,T,d], deeper draft steps) do not; the attention then reads
+        [norm(embedding); norm(hidden)] and the residual is the hidden.
+        """
+        if not self.eagle3:
+            x = self.fc(torch.cat([token_embeddings.to(features.dtype), features], dim=-1))
+            return x, x
+        hidden = features if features.shape[-1] == self.config.hidden_size else self.fc(features)
+        emb = self.layer.input_layernorm(token_embeddings.to(hidden.dtype))
+        return torch.cat([emb, self.layer.hidden_norm(hidden)], dim=-1), hidden
 
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rotated queries [B,h,T,hd], keys and values [B,kvh,T,hd] at the given positions [B,T]."""
@@ -144,12 +209,12 @@ class DraftHead(nn.Module):
         cache: KVCache | None = None,
     ) -> tuple[torch.Tensor, KVCache]:
         """Returns the predicted next features [B,T,d] and the cache extended by these T positions."""
-        x = self.fuse(token_embeddings, features)
+        x, residual = self.inputs(token_embeddings, features)
         q, k, v = self.project(x, positions)
         if cache is not None:
             k = torch.cat([cache[0], k], dim=2)
             v = torch.cat([cache[1], v], dim=2)
-        return self.finish(x, self.attend(q, k, v, mask)), (k, v)
+        return self.finish(residual, self.attend(q, k, v, mask)), (k, v)
 
     # --- persistence -------------------------------------------------------------------------------------
     def trainable_state(self) -> dict[str, torch.Tensor]:
@@ -186,13 +251,22 @@ class DraftHead(nn.Module):
 
 
 def new_head(target_config: PretrainedConfig, dtype: torch.dtype = torch.float32, seed: int = 0,
-             device: torch.device | str = "cpu", **extra: object) -> DraftHead:
+             draft_vocab: torch.Tensor | None = None, device: torch.device | str = "cpu",
+             **extra: object) -> DraftHead:
     """A freshly initialised head shaped after the target (Llama-style init, std = initializer_range), on
-    `device`; initialised on the CPU, so a seed gives the same weights on every device."""
+    `device`; initialised on the CPU, so a seed gives the same weights on every device.
+
+    ``kind="eagle3"`` builds an EAGLE-3 head over EAGLE-3's layers and `draft_vocab` (None: the whole vocabulary).
+    """
+    if extra.get("kind") == "eagle3":
+        extra = {"feature_layers": eagle3_layers(target_config.num_hidden_layers), "fc_bias": False,
+                 "draft_vocab_size": None if draft_vocab is None else int(draft_vocab.numel()), **extra}
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
         head = DraftHead(DraftHeadConfig.from_target(target_config, **extra))
+        if head.eagle3:
+            head.set_draft_vocab(draft_vocab)
         std = getattr(target_config, "initializer_range", 0.02)
         for module in head.modules():
             if isinstance(module, nn.Linear):

@@ -3,6 +3,8 @@
 Per conversation we store: ``input_ids`` [L], ``loss_mask`` [L] (assistant content + closing end-of-turn),
 ``hidden`` [L, d] = ``hidden_states[-1]`` (after the final norm, the vector the LM head reads) in the target
 dtype, and the target's top-K next-token probabilities and token ids [L, K] (for the HASS top-K loss).
+When the study trains EAGLE-3 heads, also ``aux`` [L, 3d]: the hidden states of EAGLE-3's low, mid and high
+target layers (`draft_head.eagle3_layers`), concatenated; other studies store no extra layer.
 
 The target runs on right-padded batches whose attention mask is built from the sequence lengths (never from
 ``ids != pad``, docs/algorithms.md#feature-extraction). Conversations are cut into shards of ``features.shard_size``, each written atomically
@@ -12,7 +14,8 @@ The three steps, `plan_shards`, `extract_shards` and `write_manifest`, run in on
 middle one as parallel Ray tasks (`taps_ray.cluster.features`).
 
 The cache key hashes everything that changes the stored tensors: the target (name, tiny settings, dtype),
-the mixture (corpora and ratios, size, seed), max_len, top_k and the answer-regeneration settings.
+the mixture (corpora and ratios, size, seed), max_len, top_k, the answer-regeneration settings and which
+extra layers are kept.
 A conversation already extracted for another mixture under the same settings (same id and same messages) is
 copied from that set instead of being run through the target again.
 """
@@ -35,6 +38,7 @@ from tqdm.auto import tqdm
 
 from taps_ray.config import StudyConfig
 from taps_ray.fsio import atomic_path, atomic_write_json, folder_lock
+from taps_ray.models.draft_head import eagle3_layers
 from taps_ray.models.target import Target, load_target
 from taps_ray.workdir import features_dir
 
@@ -54,6 +58,7 @@ class Example:
     hidden: torch.Tensor  # [L, d] target dtype
     topk_probs: torch.Tensor  # [L, K] float32
     topk_ids: torch.Tensor  # [L, K] long
+    aux: torch.Tensor | None = None  # [L, 3d] target dtype: EAGLE-3's fused layers, when the study keeps them
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -86,6 +91,11 @@ class FeatureSet:
 
 # --- keys and paths --------------------------------------------------------------------------------------------
 
+def keeps_eagle3_layers(cfg: StudyConfig) -> bool:
+    """The extra target layers cost disk and extraction time: they are kept only when an eagle3 head trains."""
+    return "eagle3" in cfg.train.kinds
+
+
 def feature_spec(cfg: StudyConfig, mixture_name: str) -> dict[str, Any]:
     if mixture_name not in cfg.mixtures:
         raise KeyError(f"mixture {mixture_name!r} is not defined in config {cfg.name!r}; known: {sorted(cfg.mixtures)}")
@@ -100,6 +110,8 @@ def feature_spec(cfg: StudyConfig, mixture_name: str) -> dict[str, Any]:
         "top_k": f.top_k,
         "regenerate": {"max_new_tokens": f.regenerate_max_new_tokens} if f.regenerate_answers else None,
     }
+    if keeps_eagle3_layers(cfg):  # absent otherwise, so the keys of studies without eagle3 heads stay unchanged
+        spec["aux_layers"] = "eagle3"
     return spec
 
 
@@ -126,6 +138,8 @@ def write_shard(path: Path, examples: Sequence[Example], meta: dict[str, Any]) -
         "topk_probs": torch.cat([ex.topk_probs for ex in examples]).to(torch.float32),
         "topk_ids": torch.cat([ex.topk_ids for ex in examples]).to(torch.int32),
     }
+    if examples and examples[0].aux is not None:
+        tensors["aux"] = torch.cat([ex.aux for ex in examples]).contiguous()
     metadata = {"ids": json.dumps([ex.id for ex in examples]), "meta": json.dumps(meta)}
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata=metadata)
@@ -152,6 +166,7 @@ def read_shard(path: Path) -> list[Example]:
             hidden=t["hidden"][a:b],
             topk_probs=t["topk_probs"][a:b],
             topk_ids=t["topk_ids"][a:b].long(),
+            aux=t["aux"][a:b] if "aux" in t else None,
         ))
     return out
 
@@ -159,9 +174,11 @@ def read_shard(path: Path) -> list[Example]:
 # --- the target side -------------------------------------------------------------------------------------------
 
 @torch.no_grad()
-def target_features(target: Target, sequences: Sequence[Sequence[int]], top_k: int) -> list[tuple[torch.Tensor, ...]]:
-    """One right-padded forward of the target over `sequences`: per sequence (hidden [L,d], top-K probs, ids),
-    computed on the target's device and stored as CPU copies."""
+def target_features(target: Target, sequences: Sequence[Sequence[int]], top_k: int,
+                    layers: Sequence[int] = ()) -> list[tuple[torch.Tensor | None, ...]]:
+    """One right-padded forward of the target over `sequences`: per sequence (hidden [L,d], top-K probs, ids,
+    aux [L, len(layers)*d] = the `hidden_states` of `layers` concatenated, None without layers), computed on
+    the target's device and stored as CPU copies."""
     model, device = target.model, target.device
     lengths = torch.tensor([len(s) for s in sequences], device=device)
     t = int(lengths.max())
@@ -170,14 +187,17 @@ def target_features(target: Target, sequences: Sequence[Sequence[int]], top_k: i
     for i, s in enumerate(sequences):
         ids[i, : len(s)] = torch.tensor(s, dtype=torch.long, device=device)
     attention = (torch.arange(t, device=device)[None, :] < lengths[:, None]).long()
-    hidden = model.model(input_ids=ids, attention_mask=attention).last_hidden_state  # post final norm
+    output = model.model(input_ids=ids, attention_mask=attention, output_hidden_states=bool(layers))
+    hidden = output.last_hidden_state  # post final norm
+    aux = torch.cat([output.hidden_states[i] for i in layers], dim=-1) if layers else None
     lm_head = model.get_output_embeddings()
     out = []
     for i, n in enumerate(lengths.tolist()):
         h = hidden[i, :n]
         probs = torch.softmax(lm_head(h).float(), dim=-1)
         top = probs.topk(top_k, dim=-1)
-        out.append(tuple(x.to("cpu", copy=True) for x in (h, top.values, top.indices)))
+        copies = tuple(x.to("cpu", copy=True) for x in (h, top.values, top.indices))
+        out.append((*copies, None if aux is None else aux[i, :n].to("cpu", copy=True)))
     return out
 
 
@@ -332,11 +352,14 @@ def _extract_shard(target: Target, conversations: Sequence[Any], cfg: StudyConfi
     meta["skipped"] = len(conversations) - len(samples) - len(copied)
     extract_start, extract_cpu = time.perf_counter(), time.process_time()
     computed: dict[str, Example] = {}
+    layers = eagle3_layers(target.model.config.num_hidden_layers) if keeps_eagle3_layers(cfg) else []
+    meta["aux_layers"] = layers
     for batch in _length_batches([len(s[1]) for s in samples], f.batch_size):
-        outs = target_features(target, [samples[i][1] for i in batch], f.top_k)
-        for i, (h, p, k) in zip(batch, outs):
+        outs = target_features(target, [samples[i][1] for i in batch], f.top_k, layers)
+        for i, (h, p, k, aux) in zip(batch, outs):
             conv_id, ids, mask = samples[i]
-            computed[conv_id] = Example(conv_id, torch.tensor(ids), torch.tensor(mask, dtype=torch.float32), h, p, k)
+            computed[conv_id] = Example(conv_id, torch.tensor(ids), torch.tensor(mask, dtype=torch.float32), h, p, k,
+                                        aux)
         if bar is not None:
             bar.update(sum(len(samples[i][1]) for i in batch))
     examples = [computed.get(c.id) or copied.get(c.id) for c in conversations]

@@ -1,4 +1,4 @@
-"""EAGLE and HASS training objectives for the draft head (docs/algorithms.md#training-losses).
+"""EAGLE, HASS and EAGLE-3 training objectives for the draft head (docs/algorithms.md#training-losses).
 
 One training sample is a conversation with tokens x_0..x_{L-1}, the target's post-norm features h_0..h_{L-1}
 and the target's top-K next-token probabilities. Draft position t receives (h_t + noise, x_{t+1}) and regresses
@@ -10,11 +10,14 @@ Losses are normalised by the mask sum (+1e-5), never by B·T.
 
 HASS Harmonized Context Alignment uses an additive −inf mask (causal ∧ padding) with the version-selection
 rule of docs/algorithms.md#hass-harmonized-objective — not the reference's leaky multiplicative masks.
+
+EAGLE-3 heads (docs/algorithms.md#eagle-3-heads) train on tokens only, with a training-time test: the head is
+unrolled over `passes` steps, each step reading its own previous outputs as hidden inputs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields, field, replace
 from typing import Literal
 
 import torch
@@ -77,6 +80,7 @@ class Batch:
     lengths: torch.Tensor  # [B] long
     topk_probs: torch.Tensor | None = None  # [B,T,K] target probabilities for x_{t+1}
     topk_ids: torch.Tensor | None = None  # [B,T,K] long
+    aux: torch.Tensor | None = None  # [B,T,k*d] the target layers an EAGLE-3 head fuses
 
     @property
     def tokens(self) -> int:
@@ -84,8 +88,7 @@ class Batch:
 
     def to(self, device: torch.device | str) -> "Batch":
         """The batch on the head's device (stored features are collated on the CPU)."""
-        return Batch(*(None if x is None else x.to(device) for x in (
-            self.input_ids, self.loss_mask, self.hidden, self.lengths, self.topk_probs, self.topk_ids)))
+        return Batch(**{f.name: None if (x := getattr(self, f.name)) is None else x.to(device) for f in fields(self)})
 
 
 @dataclass
@@ -169,12 +172,13 @@ def hca_forward(head: DraftHead, token_embeddings: torch.Tensor, versions: list[
     """
     n = len(versions)
     t = token_embeddings.shape[1]
-    xs = [head.fuse(token_embeddings, v) for v in versions]
-    q, k_new, v_new = head.project(xs[-1], positions)
+    xs = [head.inputs(token_embeddings, v) for v in versions]
+    newest, residual = xs[-1]
+    q, k_new, v_new = head.project(newest, positions)
     if n == 1:
-        return head.finish(xs[-1], head.attend(q, k_new, v_new, causal_mask(valid)))
+        return head.finish(residual, head.attend(q, k_new, v_new, causal_mask(valid)))
     keys, values = [], []
-    for i, x in enumerate(xs[:-1]):
+    for x, _ in xs[:-1]:
         _, k, v = head.project(x, positions)
         keys.append(k)
         values.append(v)
@@ -184,7 +188,7 @@ def hca_forward(head: DraftHead, token_embeddings: torch.Tensor, versions: list[
     key_ok = valid[:, None, None, :]  # [B,1,1,T]
     mask = torch.cat([(sel == i)[None, None] & key_ok for i in range(n)], dim=-1)  # [B,1,T,n*T]
     attended = head.attend(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), mask)
-    return head.finish(xs[-1], attended)
+    return head.finish(residual, attended)
 
 
 @dataclass
@@ -198,8 +202,12 @@ class LossSettings:
 
     @classmethod
     def for_kind(cls, kind: str, train: object) -> "LossSettings":
-        """EAGLE-2: regression + soft CE, one pass. HASS: + top-K distillation and ``train.hca_passes`` passes."""
+        """EAGLE-2: regression + soft CE, one pass. HASS: + top-K distillation and ``train.hca_passes`` passes.
+        EAGLE-3: soft CE only, no input noise, ``train.hca_passes`` training-time-test steps."""
         hass = check_head_kind(kind) == "hass"
+        if kind == "eagle3":
+            return cls(reg_weight=0.0, cls_weight=1.0, topk_weight=0.0, passes=train.hca_passes, noise_std=0.0,
+                       mask_alignment=getattr(train, "mask_alignment", "predicted"))
         return cls(
             reg_weight=train.reg_weight,
             cls_weight=train.cls_weight,
@@ -241,16 +249,21 @@ def loss_terms(pred: torch.Tensor, shifted: Shifted, dist: TargetDistribution, f
                with_topk: bool) -> dict[str, torch.Tensor]:
     """Lreg (SmoothL1 β=1, mean over d), Lcls (soft CE), Ltopk (stored top-K, not renormalised), top-1 agreement."""
     reg = F.smooth_l1_loss(pred, shifted.target, reduction="none", beta=1.0).mean(-1)
-    terms = {"reg": (reg * shifted.mask).sum() / dist.norm}
     log_q = torch.log_softmax(frozen.logits(pred[dist.index]), dim=-1)
-    terms["cls"] = -((dist.probs * log_q).sum(-1) * dist.weights).sum() / dist.norm
+    terms = {"reg": (reg * shifted.mask).sum() / dist.norm, **token_terms(log_q, dist)}
     if with_topk:
         if dist.topk_probs is None:
             raise ValueError("the HASS top-K loss needs stored target top-K probabilities in the batch")
         picked = log_q.gather(-1, dist.topk_ids)
         terms["topk"] = -((dist.topk_probs * picked).sum(-1) * dist.weights).sum() / dist.norm
+    return terms
+
+
+def token_terms(log_q: torch.Tensor, dist: TargetDistribution) -> dict[str, torch.Tensor]:
+    """Lcls (soft CE against the target's distribution) and top-1 agreement of draft log-probs [N,V]."""
+    terms = {"cls": -((dist.probs * log_q).sum(-1) * dist.weights).sum() / dist.norm}
     with torch.no_grad():
-        agree = (log_q.argmax(-1) == dist.argmax).to(pred.dtype)
+        agree = (log_q.argmax(-1) == dist.argmax).to(log_q.dtype)
         terms["acc"] = (agree * dist.weights).sum() / dist.norm
     return terms
 
@@ -269,10 +282,12 @@ def run_passes(head: DraftHead, batch: Batch, frozen: FrozenTarget, settings: Lo
     """EAGLE (passes=1) or HASS HCA (passes=J) on one batch; with ``backward`` gradients accumulate per pass.
 
     The caller zeroes gradients before and clips/steps after. ``passes`` overrides the settings (evaluation
-    uses it to measure agreement at simulated draft depth j for any head).
+    uses it to measure agreement at simulated draft depth j for any head). EAGLE-3 heads run `run_ttt`.
     """
     weight = next(head.parameters())
     dtype, batch = weight.dtype, batch.to(weight.device)
+    if head.eagle3:
+        return run_ttt(head, batch, frozen, settings, backward=backward, passes=passes)
     shifted = shift_batch(batch, settings.noise_std if noise else 0.0, generator, dtype, settings.mask_alignment)
     dist = TargetDistribution.build(shifted, frozen)
     emb = frozen.embeddings(shifted.tok_in).to(dtype)
@@ -298,3 +313,68 @@ def run_passes(head: DraftHead, batch: Batch, frozen: FrozenTarget, settings: Lo
             prev = versions[-1]
             versions.append(torch.cat([prev[:, :1], pred[:, :-1]], dim=1).detach())
     return StepResult(loss=total, terms=out, mask_tokens=float(shifted.mask.sum()), tokens=batch.tokens)
+
+
+TTT_DECAY = 0.8  # EAGLE-3 weighs the loss of training-time-test step j by 0.8**j
+
+
+def _ahead(x: torch.Tensor, j: int) -> torch.Tensor:
+    """x[:, t+j] at position t, zero past the end: what position t sees j draft steps later."""
+    if j == 0:
+        return x
+    out = torch.zeros_like(x)
+    out[:, : x.shape[1] - j] = x[:, j:]
+    return out
+
+
+def ttt_steps(head: DraftHead, frozen: FrozenTarget, shifted: Shifted, aux: torch.Tensor, steps: int):
+    """EAGLE-3's training-time test (docs/algorithms.md#eagle-3-heads): yields (step j, its Shifted, hidden [B,T,d]).
+
+    Step 0 reads the fused target layers `aux`; step j reads step j−1's outputs at the same index t, the token
+    x_{t+1+j} and predicts x_{t+2+j} at rotary position t+j, as drafting j levels deep does. Its query at t
+    attends to step 0's keys at positions <= t (the committed context) and to steps 1..j's keys at t only
+    (its own draft chain), so every position unrolls its own draft chain in one pass per step.
+    """
+    b, t = shifted.tok_in.shape
+    dtype = aux.dtype
+    context = causal_mask(shifted.valid)
+    own = torch.eye(t, dtype=torch.bool, device=aux.device)[None, None].expand(b, 1, t, t)
+    hidden = aux
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    for j in range(steps):
+        step = replace(shifted, tok_in=_ahead(shifted.tok_in, j), target=_ahead(shifted.target, j),
+                       mask=_ahead(shifted.mask, j))
+        x, residual = head.inputs(frozen.embeddings(step.tok_in).to(dtype), hidden)
+        q, k, v = head.project(x, shifted.positions + j)
+        keys.append(k)
+        values.append(v)
+        mask = torch.cat([context, *[own] * j], dim=-1)
+        hidden = head.finish(residual, head.attend(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), mask))
+        yield j, step, hidden
+
+
+def run_ttt(head: DraftHead, batch: Batch, frozen: FrozenTarget, settings: LossSettings, *, backward: bool,
+            passes: int | None = None) -> StepResult:
+    """EAGLE-3 training on one batch: Σ_j 0.8^j · soft CE of `ttt_steps` step j through the head's own LM head
+    (token-level only, no feature regression); one backward at the end."""
+    if batch.aux is None:
+        raise ValueError("an EAGLE-3 head trains on fused target layers: the batch has no `aux` features")
+    weight = next(head.parameters())
+    dtype, batch = weight.dtype, batch.to(weight.device)
+    shifted = shift_batch(batch, 0.0, None, dtype, settings.mask_alignment)
+    total = torch.zeros((), dtype=dtype, device=weight.device)
+    out: dict[str, float] = {}
+    for j, step, hidden in ttt_steps(head, frozen, shifted, batch.aux.to(dtype), passes or settings.passes):
+        dist = TargetDistribution.build(step, frozen)
+        log_q = torch.log_softmax(head.token_logits(hidden[dist.index]).float(), dim=-1)
+        terms = token_terms(log_q, dist)
+        total = total + TTT_DECAY**j * settings.cls_weight * terms["cls"]
+        if j == 0:
+            out.update({k: float(v.detach()) for k, v in terms.items()})
+            out["loss0"] = float(terms["cls"].detach()) * settings.cls_weight
+        out[f"acc_{j}"] = float(terms["acc"])
+    if backward:
+        total.backward()
+    return StepResult(loss=float(total.detach()), terms=out, mask_tokens=float(shifted.mask.sum()),
+                      tokens=batch.tokens)

@@ -1,4 +1,4 @@
-"""Train one draft head (EAGLE-2 or HASS) on the cached target features of one mixture.
+"""Train one draft head (EAGLE-2, HASS or EAGLE-3) on the cached target features of one mixture.
 
 AdamW (β = 0.9, 0.95), gradient clipping by value, linear warm-up then cosine decay, in fp32 on the target's
 device (`target.device`); stored features stay on the CPU and each batch moves to the head. The budget is
@@ -102,7 +102,12 @@ def collate(examples: Sequence[Example]) -> Batch:
         n = len(e)
         ids[i, :n], mask[i, :n], hidden[i, :n] = e.input_ids, e.loss_mask, e.hidden
         probs[i, :n], top_ids[i, :n] = e.topk_probs, e.topk_ids
-    return Batch(ids, mask, hidden, lengths, probs, top_ids)
+    aux = None
+    if examples[0].aux is not None:
+        aux = torch.zeros(b, t, examples[0].aux.shape[1], dtype=examples[0].aux.dtype)
+        for i, e in enumerate(examples):
+            aux[i, : len(e)] = e.aux
+    return Batch(ids, mask, hidden, lengths, probs, top_ids, aux)
 
 
 def epoch_batches(examples: Sequence[Example], batch_size: int, seed: int, epoch: int) -> list[list[int]]:
@@ -242,6 +247,8 @@ def train_head(cfg: StudyConfig, kind: str, mixture_name: str, report: Report | 
     run early after that many epochs of this call, as a kill would (for tests); no ``final`` is written then.
     """
     check_head_kind(kind)
+    if kind not in cfg.train.kinds:  # the feature key depends on the kinds (eagle3 keeps extra layers)
+        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"kinds": [*cfg.train.kinds, kind]})})
     folder = head_dir(cfg, kind, mixture_name)
     with folder_lock(folder):  # a second process training the same head waits, then reuses it
         return _train_head(cfg, kind, mixture_name, report, target, progress, stop_after_epochs)
@@ -269,8 +276,10 @@ def _train_head(cfg: StudyConfig, kind: str, mixture_name: str, report: Report |
         shutil.rmtree(leftover, ignore_errors=True)
     fingerprint = run_fingerprint(cfg, kind, features)
 
-    head = new_head(target.model.config, torch.float32, seed=t.seed, device=target.device, kind=kind,
-                    target=cfg.target.name, trained_on=mixture_name)
+    head = new_head(target.model.config, torch.float32, seed=t.seed, draft_vocab=vocab, device=target.device,
+                    kind=kind, target=cfg.target.name, trained_on=mixture_name)
+    if head.eagle3:  # EAGLE-3's own LM head starts as the target's, restricted to the draft vocabulary
+        head.lm_head.weight.data.copy_(frozen.lm_head)
     optimizer = torch.optim.AdamW(head.parameters(), lr=t.lr, betas=(0.9, 0.95), weight_decay=t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(plan.steps, t.warmup_ratio, t.min_lr_ratio))
     state: dict = {
@@ -343,7 +352,7 @@ def _train_head(cfg: StudyConfig, kind: str, mixture_name: str, report: Report |
                 "train_loss": sums.get("loss0", 0.0) / max(weight, 1e-9),
                 "train_acc": sums.get("acc", 0.0) / max(weight, 1e-9),
                 # the EAGLE loss (regression + soft CE), comparable across head kinds; HASS adds its top-K term
-                "heldout_loss": (t.reg_weight * held["reg"] + t.cls_weight * held["cls"]) if held else None,
+                "heldout_loss": (t.reg_weight * held.get("reg", 0.0) + t.cls_weight * held["cls"]) if held else None,
                 "heldout_topk": held.get("topk"),
                 "heldout_acc": held.get("acc"),
                 **{f"heldout_acc_{j}": held.get(f"acc_{j}") for j in range(eval_passes)},
