@@ -1,8 +1,10 @@
 """Proposers by name: what configs, the CLI, Ray actors and the Serve app all use to get a drafter.
 
-Names: `plain` (no drafting), any trained head by its mixture name (`math`, `chat`, `mixed`, ...), the
-combinations of the first two specialised heads in `COMBINATIONS`, and `averaged-w{w}` for any weight w of
-head A in [0, 1] (`averaged` is w = 0.5). The table is plain data: importing it registers nothing.
+Names: `plain` (no drafting), `ngram` (prompt lookup, no head), any trained head by its mixture name (`math`,
+`chat`, `mixed`, ...), the combinations of the first two specialised heads in `COMBINATIONS`, `averaged-w{w}`
+for any weight w of head A in [0, 1] (`averaged` is w = 0.5), and `<name>+ngram` for any of those that drafts
+(`math+ngram`, `merged+ngram`): its tree merged with prompt-lookup drafts. The table is plain data: importing
+it registers nothing.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -24,7 +26,9 @@ from taps_ray.spec.combine import (
     build_merged,
     build_merged_budget,
     build_merged_dedup,
+    with_ngram,
 )
+from taps_ray.spec.ngram import NgramProposer
 from taps_ray.spec.proposers import PlainDecoding, Proposer, SingleHead
 from taps_ray.spec.tree import DraftContext
 
@@ -40,6 +44,10 @@ COMBINATIONS: dict[str, Builder] = {
 }
 AVERAGED_SWEEP = (0.0, 0.25, 0.5, 0.75, 1.0)  # the averaged weights `proposer_names` lists (the study's sweep)
 _AVERAGED = re.compile(r"^averaged-w(.*)$")
+
+
+NGRAM = "ngram"
+NGRAM_SUFFIX = "+ngram"
 
 
 class UnknownProposer(ValueError):
@@ -81,8 +89,22 @@ def combination_names() -> list[str]:
     return [*map(averaged_name, AVERAGED_SWEEP), *COMBINATIONS]
 
 
+def single_names(heads: Sequence[str]) -> list[str]:
+    """The proposers that need at most one of `heads`: plain, each head, n-gram lookup, each head + n-gram."""
+    return ["plain", *heads, NGRAM, *(f"{h}{NGRAM_SUFFIX}" for h in heads)]
+
+
 def proposer_names(config: StudyConfig) -> list[str]:
-    return ["plain", *config.train.mixtures, *combination_names()]
+    return [*single_names(config.train.mixtures), *combination_names()]
+
+
+def heads_used(name: str, mixtures: Sequence[str]) -> list[str]:
+    """The mixtures whose heads proposer `name` drafts with (in `mixtures` order; a combination uses all)."""
+    if name in ("plain", NGRAM):
+        return []
+    if name.endswith(NGRAM_SUFFIX):
+        return heads_used(name.removesuffix(NGRAM_SUFFIX), mixtures)
+    return [name] if name in mixtures else list(mixtures)
 
 
 def build_proposer(
@@ -92,10 +114,18 @@ def build_proposer(
     context = DraftContext(target.model.get_input_embeddings(), target.model.lm_head, vocab)
     if name == "plain":
         return PlainDecoding()
+    if name == NGRAM:
+        return NgramProposer()
+    base = name.removesuffix(NGRAM_SUFFIX)
+    if base != name and base not in ("plain", NGRAM):
+        return with_ngram(build_proposer(base, target, heads, tree, vocab), tree, name)
     if name in heads:
         return SingleHead(name, heads[name], context, tree)
     builder = combination(name)
     if builder is None:
-        known = ", ".join(["plain", *heads, *combination_names()])
-        raise UnknownProposer(f"unknown proposer {name!r}; choose one of: {known} (or averaged-w{{w}}, w in [0, 1])")
+        known = ", ".join([*single_names(list(heads)), *combination_names()])
+        raise UnknownProposer(
+            f"unknown proposer {name!r}; choose one of: {known} (or averaged-w{{w}}, w in [0, 1]; "
+            "or any drafting proposer followed by +ngram)"
+        )
     return builder(heads, context, tree)
