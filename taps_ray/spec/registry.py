@@ -3,8 +3,9 @@
 Names: `plain` (no drafting), `ngram` (prompt lookup, no head), any trained head by its mixture name (`math`,
 `chat`, `mixed`, ...), the combinations of the first two specialised heads in `COMBINATIONS`, `averaged-w{w}`
 for any weight w of head A in [0, 1] (`averaged` is w = 0.5), and `<name>+ngram` for any of those that drafts
-(`math+ngram`, `merged+ngram`): its tree merged with prompt-lookup drafts. The table is plain data: importing
-it registers nothing.
+(`math+ngram`, `merged+ngram`): its tree merged with prompt-lookup drafts, and `auto-<name>` for any of them
+(`auto-math+ngram`): <name> under the per-sequence cost model, which drafts only while it pays. The table is
+plain data: importing it registers nothing.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from taps_ray.spec.combine import (
     build_merged_dedup,
     with_ngram,
 )
+from taps_ray.spec.cost import CostAware
 from taps_ray.spec.ngram import NgramProposer
 from taps_ray.spec.proposers import PlainDecoding, Proposer, SingleHead
 from taps_ray.spec.tree import DraftContext
@@ -48,6 +50,7 @@ _AVERAGED = re.compile(r"^averaged-w(.*)$")
 
 NGRAM = "ngram"
 NGRAM_SUFFIX = "+ngram"
+AUTO_PREFIX = "auto-"  # `auto-<name>`: <name> under the per-sequence cost model (spec/cost.py)
 
 
 class UnknownProposer(ValueError):
@@ -102,6 +105,8 @@ def heads_used(name: str, mixtures: Sequence[str]) -> list[str]:
     """The mixtures whose heads proposer `name` drafts with (in `mixtures` order; a combination uses all)."""
     if name in ("plain", NGRAM):
         return []
+    if name.startswith(AUTO_PREFIX):
+        return heads_used(name.removeprefix(AUTO_PREFIX), mixtures)
     if name.endswith(NGRAM_SUFFIX):
         return heads_used(name.removesuffix(NGRAM_SUFFIX), mixtures)
     return [name] if name in mixtures else list(mixtures)
@@ -116,6 +121,8 @@ def build_proposer(
         return PlainDecoding()
     if name == NGRAM:
         return NgramProposer()
+    if name.startswith(AUTO_PREFIX):
+        return CostAware(build_proposer(name.removeprefix(AUTO_PREFIX), target, heads, tree, vocab), name=name)
     base = name.removesuffix(NGRAM_SUFFIX)
     if base != name and base not in ("plain", NGRAM):
         return with_ngram(build_proposer(base, target, heads, tree, vocab), tree, name)
@@ -126,6 +133,6 @@ def build_proposer(
         known = ", ".join([*single_names(list(heads)), *combination_names()])
         raise UnknownProposer(
             f"unknown proposer {name!r}; choose one of: {known} (or averaged-w{{w}}, w in [0, 1]; "
-            "or any drafting proposer followed by +ngram)"
+            "any drafting proposer followed by +ngram; any proposer after auto- for the cost model)"
         )
     return builder(heads, context, tree)
