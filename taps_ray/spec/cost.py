@@ -1,4 +1,4 @@
-"""Per-sequence cost model: a proposer wrapper that drafts only while drafting pays (`auto-<name>`).
+"""Per-sequence cost model (docs/algorithms.md#cost-model): `auto-<name>` drafts only while drafting pays.
 
 Speculation pays when a drafted step's cost per committed token (draft + verification of the tree, over the
 accepted tokens + 1) is below a plain step's cost per token. Both depend on the prompt (acceptance), the

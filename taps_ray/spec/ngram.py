@@ -1,4 +1,4 @@
-"""Prompt-lookup (n-gram) drafting: copy what followed the latest earlier occurrence of the text's last n-gram.
+"""Prompt-lookup drafting (docs/algorithms.md#prompt-lookup): copy what followed the last n-gram earlier on.
 
 No model and no draft pass: the draft is a chain copied from the prompt and the output so far (prompt lookup
 decoding, HF's `prompt_lookup_num_tokens`), so it costs nothing to draft and pays where answers repeat their
