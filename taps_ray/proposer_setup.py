@@ -14,8 +14,8 @@ from taps_ray.config import StudyConfig
 from taps_ray.data.draft_vocab import draft_vocabulary
 from taps_ray.models.draft_head import DraftHead
 from taps_ray.models.target import Target
-from taps_ray.engine.proposers import PlainDecoding, Proposer
-from taps_ray.engine.registry import build_proposer
+from taps_ray.engine.proposers import Proposer
+from taps_ray.engine.registry import build_proposer, heads_used
 from taps_ray.workdir import head_checkpoint
 
 
@@ -37,9 +37,8 @@ def load_heads(cfg: StudyConfig, kind: str, dtype: torch.dtype, mixtures: Sequen
 
 def heads_needed(cfg: StudyConfig, names: Sequence[str]) -> list[str]:
     """The mixtures whose heads `names` draft with: a single head needs itself, a combination every head."""
-    if any(name != PlainDecoding.name and name not in cfg.train.mixtures for name in names):
-        return list(cfg.train.mixtures)
-    return [mixture for mixture in cfg.train.mixtures if mixture in names]
+    used = {mixture for name in names for mixture in heads_used(name, cfg.train.mixtures)}
+    return [mixture for mixture in cfg.train.mixtures if mixture in used]
 
 
 def load_proposers(
@@ -62,6 +61,6 @@ def load_proposers(
         if needed and kind is None:
             raise ValueError(f"proposers {list(names)} draft with trained heads: say which kind to load")
         heads = load_heads(cfg, kind, dtype or target.dtype, needed, target.device) if needed else {}
-    drafts = any(name != PlainDecoding.name for name in names)
+    drafts = any(heads_used(name, cfg.train.mixtures) for name in names)  # plain and n-gram draft with no head
     vocab = draft_vocabulary(cfg, target.tokenizer, target.stop_token_ids) if drafts else None
     return {name: build_proposer(name, target, heads, cfg.tree, vocab) for name in names}

@@ -23,10 +23,11 @@ def bench_config(tiny_config, tiny_target, tmp_path_factory):
 
 
 def test_bench_ours_match_greedy_and_tree_rows(bench_config):
-    options = BenchOptions(proposers=["math", "merged"], per_benchmark=1, max_new_tokens=8, repetitions=1,
-                           trees=["4/2/2"], peers=False)
+    options = BenchOptions(proposers=["math", "merged", "ngram", "math+ngram"], per_benchmark=1, max_new_tokens=8,
+                           repetitions=1, trees=["4/2/2"], peers=False)
     table, runs = run_bench(bench_config, options)
-    assert list(table.loc[table["prompts"] == "all", "method"]) == ["plain", "math", "merged", "math@4/2/2"]
+    methods = ["plain", "math", "merged", "ngram", "math+ngram", "math@4/2/2"]
+    assert list(table.loc[table["prompts"] == "all", "method"]) == methods
     assert (table["identical_to_greedy"] == 1.0).all()  # fp32 tiny target: every proposer equals plain greedy
     assert runs["math@4/2/2"].steps > 0 and (table["tokens_per_s"] > 0).all()
 

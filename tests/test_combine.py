@@ -301,21 +301,26 @@ def test_budget_merge_uses_exactly_the_budget(tiny_target, probe):
 # --- sampling: lossless on a small vocabulary ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["merged", "merged-dedup"])
+@pytest.mark.parametrize(
+    ("name", "prompt", "root"),
+    [("merged", [1, 2, 3], 4), ("merged-dedup", [1, 2, 3], 4), ("math+ngram", [1, 2, 3, 1, 2], 3)],
+)
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9)])
-def test_merged_sampling_is_lossless_chi_square(small_vocab_target, name, params):
-    """One drafted merged tree, verified by the target; the first two committed tokens follow the target exactly."""
+def test_merged_sampling_is_lossless_chi_square(small_vocab_target, name, prompt, root, params):
+    """One drafted merged tree, verified by the target; the first two committed tokens follow the target exactly.
+    `math+ngram`: the repeated prompt gives a prompt-lookup chain, one-hot drafts beside the head's."""
     model = small_vocab_target.model
     config = model.config
     tree_cfg = TreeConfig(total_token=7, depth=2, top_k=3)
     heads = {"math": _sharp_head(config, seed=1, scale=5.0), "chat": new_head(config, seed=2)}
     proposer = build_proposer(name, small_vocab_target, heads, tree_cfg)
-    prompt, root = [1, 2, 3], 4
     features = model.model(torch.tensor([prompt])).last_hidden_state[0]
     tree, _ = proposer.propose(proposer.init_state(), features, torch.tensor(prompt[1:] + [root]))
     assert int(tree.depth.max()) >= 2
     if name == "merged":
         assert tree.size == 13 and len(set(tree.tokens[tree.depth == 1].tolist())) < int((tree.depth == 1).sum())
+    if name == "math+ngram":
+        assert tree.size == 7 and 1 in tree.source.tolist()  # n-gram nodes made the budget
     batch = TargetBatch(model)
     batch.prefill([prompt])
     logits = batch.verify([tree])[0].logits

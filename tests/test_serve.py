@@ -481,9 +481,10 @@ def test_missing_heads_serve_plain_only(service, tiny_config, tmp_path):
     serve.run(build_app(cfg), name="taps-noheads", route_prefix="/noheads")
     try:
         health = _wait_healthy(f"{service.url}/noheads")
-        assert health["models"] == ["plain"] and health["missing_heads"] == ["math", "chat"]
+        # plain and prompt lookup draft with no trained head, so they are served without any
+        assert health["models"] == ["plain", "ngram"] and health["missing_heads"] == ["math", "chat"]
         models = httpx.get(f"{service.url}/noheads/v1/models").json()
-        assert [card["id"] for card in models["data"]] == ["plain"]
+        assert [card["id"] for card in models["data"]] == ["plain", "ngram"]
         response = httpx.post(f"{service.url}/noheads/v1/chat/completions", json={"model": "routed", "messages": HI})
         assert response.status_code == 404 and "taps train" in response.json()["error"]["message"]
         ok = httpx.post(

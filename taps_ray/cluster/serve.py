@@ -141,7 +141,7 @@ class TapsService:
 
         from taps_ray.models.target import load_target
         from taps_ray.proposer_setup import load_proposers
-        from taps_ray.engine.registry import proposer_names
+        from taps_ray.engine.registry import combination_names, single_names
 
         self.cfg = parse_config(config, "<serve deployment>")
         serve_cfg = self.cfg.serve
@@ -152,12 +152,11 @@ class TapsService:
         self.vocab_size = int(self.target.model.get_input_embeddings().weight.shape[0])
         self.kind = serve_cfg.head_kind
         self.heads, self.missing = self._load_heads()
-        names = ["plain", *self.heads]
+        names = single_names(list(self.heads))  # plain, every head, ngram, every head + ngram
         self.proposers: dict[str, Any] = load_proposers(self.cfg, names, target=self.target, heads=self.heads)
         mixtures = self.cfg.train.mixtures
-        combinations = [n for n in proposer_names(self.cfg) if n != "plain" and n not in mixtures]
         if all(m in self.heads for m in mixtures[:2]) and len(mixtures) >= 2:
-            for name in combinations:
+            for name in combination_names():
                 try:
                     self.proposers.update(load_proposers(self.cfg, [name], target=self.target, heads=self.heads))
                 except Exception as error:  # a combination that cannot use these heads is left out, not fatal

@@ -9,6 +9,9 @@ Head A is the first head of the config (math), head B the second (chat).
 * `merged`: both trees under one shared root, verified together (docs/algorithms.md#merged-tree-verification, the reference method).
 * `merged-dedup` (ours, a change to the method): a trie merge; a node that repeats a path already in the tree
   is drafted once, so the same continuations cost fewer verified nodes.
+* `<proposer>+ngram` (ours, e.g. `math+ngram`): a heterogeneous merge of any proposer's tree with prompt-lookup
+  drafts (engine/ngram.py): the single-head budget of total_token−1 nodes goes to the most confident nodes of
+  either, trie-merged (`rank_merge`), with the n-gram nodes' confidence calibrated per sequence.
 * `merged-budget` (ours): one tree of the single-head size (total_token−1 drafted nodes) split between the
   heads in proportion to their mean confidence, each head's share its most confident nodes, trie-merged.
 
@@ -31,6 +34,7 @@ import torch
 
 from taps_ray.config import TreeConfig
 from taps_ray.models.draft_head import DraftHead
+from taps_ray.engine.ngram import NgramProposer
 from taps_ray.engine.proposers import Proposer, SingleHead, feature_layers
 from taps_ray.engine.tree import DraftContext, DraftTree, build_tree
 
@@ -79,7 +83,7 @@ class RouterState:
     chosen: int | None = None  # entropy routing: the head picked for this sequence
     confidences: tuple[float, ...] = ()  # mean node confidence of each part's last tree (nan if it did not draft)
     entropies: tuple[float, ...] = ()  # mean node entropy of each part's last tree (nan if it did not draft)
-    shares: tuple[int, ...] = ()  # merged-budget: nodes allotted to each part
+    shares: tuple[int, ...] = ()  # merged-budget: nodes allotted to each part; rank merge: nodes each part added
 
 
 def _draft_all(parts: Sequence[Proposer], states: Sequence[Any], features: torch.Tensor, next_tokens: torch.Tensor):
@@ -224,17 +228,21 @@ def merge_trees(trees: Sequence[DraftTree], dedup: bool = False) -> DraftTree:
     )
 
 
-def ranked_nodes(tree: DraftTree) -> list[int]:
-    """Drafted node indices, most confident first; any prefix of this list is a closed subtree.
-
-    The score of a node is the smallest confidence on its path (its own for EAGLE trees, whose cumulative
-    confidences never grow with depth), ties broken by lower index, so a parent always ranks before its child.
-    """
+def path_scores(tree: DraftTree) -> list[float]:
+    """Per node, the smallest confidence on its path (its own for EAGLE trees and n-gram chains, whose
+    cumulative confidences never grow with depth); inf for the root."""
     parents = tree.parents.tolist()
     score = [math.inf] * tree.size
     conf = tree.confidence.tolist()
     for j in range(1, tree.size):
         score[j] = min(conf[j - 1], score[parents[j]])
+    return score
+
+
+def ranked_nodes(tree: DraftTree) -> list[int]:
+    """Drafted node indices, most confident first (`path_scores`, ties to the lower index, so a parent always
+    ranks before its child); any prefix of this list is a closed subtree."""
+    score = path_scores(tree)
     return sorted(range(1, tree.size), key=lambda j: (-score[j], j))
 
 
@@ -318,6 +326,37 @@ def budget_merge(trees: Sequence[DraftTree], budget: int, shares: Sequence[int])
     return merge_trees(pruned, dedup=True)
 
 
+def rank_merge(trees: Sequence[DraftTree], budget: int) -> tuple[DraftTree, tuple[int, ...]]:
+    """A trie-merged tree of the `budget` most confident distinct nodes over all trees, and each tree's count.
+
+    One ranking over every tree's nodes by `path_scores` (ties to the earlier tree): with confidences that
+    estimate a node's chance of being accepted (an EAGLE head's cumulative probability, an n-gram chain's
+    calibrated rate^depth), the budget goes where the expected accepted length grows most, whichever source
+    drafted the node. A node repeating a path already taken is shared and costs nothing (prefix
+    de-duplication). Each tree's contribution is a prefix of its `ranked_nodes`, hence a closed subtree.
+    """
+    ranked = [ranked_nodes(t) for t in trees]
+    entries = []
+    for i, tree in enumerate(trees):
+        score = path_scores(tree)
+        entries += [(-score[j], i, position) for position, j in enumerate(ranked[i])]
+    entries.sort()  # within a tree, positions come in order: every tree is taken as a prefix
+    paths = [_paths(t) for t in trees]
+    taken = [0] * len(trees)
+    added = [0] * len(trees)
+    present: set[tuple[int, ...]] = set()
+    for _, i, position in entries:
+        if len(present) >= budget:
+            break
+        taken[i] = position + 1
+        path = paths[i][ranked[i][position]]
+        if path not in present:
+            present.add(path)
+            added[i] += 1
+    pruned = [_subtree(t, ranked[i][: taken[i]]) for i, t in enumerate(trees)]
+    return merge_trees(pruned, dedup=True), tuple(added)
+
+
 def _paths(tree: DraftTree) -> list[tuple[int, ...]]:
     tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
     paths: list[tuple[int, ...]] = [()]
@@ -330,8 +369,9 @@ def _paths(tree: DraftTree) -> list[tuple[int, ...]]:
 class Merged(OverParts):
     """Every part drafts from the same inputs; their trees are verified together as one tree (last_head = -1).
 
-    mode: "concat" (the reference `_merge_trees`), "dedup" (trie merge) or "budget" (one single-tree budget of
-    `budget` drafted nodes split by mean confidence, then trie-merged).
+    mode: "concat" (the reference `_merge_trees`), "dedup" (trie merge), "budget" (one single-tree budget of
+    `budget` drafted nodes split by mean confidence, then trie-merged) or "rank" (the `budget` most confident
+    nodes of all trees, `rank_merge`: for parts of different kinds, such as a head and n-gram lookup).
     """
 
     mode: str = "concat"
@@ -339,10 +379,10 @@ class Merged(OverParts):
     name: str = "merged"
 
     def __post_init__(self) -> None:
-        if self.mode not in ("concat", "dedup", "budget"):
-            raise ValueError(f"unknown merge mode {self.mode!r}; use concat, dedup or budget")
-        if self.mode == "budget" and (self.budget is None or self.budget < 1):
-            raise ValueError("merge mode 'budget' needs a node budget of at least 1")
+        if self.mode not in ("concat", "dedup", "budget", "rank"):
+            raise ValueError(f"unknown merge mode {self.mode!r}; use concat, dedup, budget or rank")
+        if self.mode in ("budget", "rank") and (self.budget is None or self.budget < 1):
+            raise ValueError(f"merge mode {self.mode!r} needs a node budget of at least 1")
 
     initial_head: ClassVar[int] = -1
 
@@ -355,6 +395,8 @@ class Merged(OverParts):
         if self.mode == "budget":
             shares = tuple(split_budget(self.budget, confidences))
             tree = budget_merge(trees, self.budget, shares)
+        elif self.mode == "rank":
+            tree, shares = rank_merge(trees, self.budget)
         else:
             tree = merge_trees(trees, dedup=self.mode == "dedup")
         return tree, RouterState(
@@ -440,3 +482,8 @@ def build_merged_dedup(heads: dict[str, DraftHead], context: DraftContext, tree:
 def build_merged_budget(heads: dict[str, DraftHead], context: DraftContext, tree: TreeConfig) -> Proposer:
     parts = _single_heads(_first_two(heads, "merged-budget"), context, tree)
     return Merged(parts, mode="budget", budget=tree.total_token - 1, name="merged-budget")
+
+
+def with_ngram(inner: Proposer, tree: TreeConfig, name: str) -> Proposer:
+    """`<proposer>+ngram`: `inner`'s tree and a prompt-lookup chain, ranked into the single-head node budget."""
+    return Merged([inner, NgramProposer()], mode="rank", budget=tree.total_token - 1, name=name)

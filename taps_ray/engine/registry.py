@@ -1,14 +1,17 @@
 """Proposers by name: what configs, the CLI, Ray actors and the Serve app all use to get a drafter.
 
-Names: `plain` (no drafting), any trained head by its mixture name (`math`, `chat`, `mixed`, ...), the
-combinations of the first two specialised heads in `COMBINATIONS`, and `averaged-w{w}` for any weight w of
-head A in [0, 1] (`averaged` is w = 0.5). The table is plain data: importing it registers nothing.
+Names: `plain` (no drafting), `ngram` (prompt lookup, no head), any trained head by its mixture name (`math`,
+`chat`, `mixed`, ...), the combinations of the first two specialised heads in `COMBINATIONS`, `averaged-w{w}`
+for any weight w of head A in [0, 1] (`averaged` is w = 0.5), and `<name>+ngram` for any of those that drafts
+(`math+ngram`, `merged+ngram`): its tree merged with prompt-lookup drafts, and `auto-<name>` for any of them
+(`auto-math+ngram`): <name> under the per-sequence cost model, which drafts only while it pays. The table is
+plain data: importing it registers nothing.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -22,8 +25,11 @@ from taps_ray.engine.combine import (
     build_merged,
     build_merged_budget,
     build_merged_dedup,
+    with_ngram,
 )
+from taps_ray.engine.cost import CostAware
 from taps_ray.engine.names import AVERAGED_SWEEP, UnknownProposer, averaged_name, averaged_weight
+from taps_ray.engine.ngram import NgramProposer
 from taps_ray.engine.proposers import PlainDecoding, Proposer, SingleHead
 from taps_ray.engine.tree import DraftContext
 
@@ -37,6 +43,11 @@ COMBINATIONS: dict[str, Builder] = {
     "merged-dedup": build_merged_dedup,
     "merged-budget": build_merged_budget,
 }
+NGRAM = "ngram"
+NGRAM_SUFFIX = "+ngram"
+AUTO_PREFIX = "auto-"  # `auto-<name>`: <name> under the per-sequence cost model (engine/cost.py)
+
+
 
 
 def combination(name: str) -> Builder | None:
@@ -51,8 +62,24 @@ def combination_names() -> list[str]:
     return [*map(averaged_name, AVERAGED_SWEEP), *COMBINATIONS]
 
 
+def single_names(heads: Sequence[str]) -> list[str]:
+    """The proposers that need at most one of `heads`: plain, each head, n-gram lookup, each head + n-gram."""
+    return ["plain", *heads, NGRAM, *(f"{h}{NGRAM_SUFFIX}" for h in heads)]
+
+
 def proposer_names(config: StudyConfig) -> list[str]:
-    return ["plain", *config.train.mixtures, *combination_names()]
+    return [*single_names(config.train.mixtures), *combination_names()]
+
+
+def heads_used(name: str, mixtures: Sequence[str]) -> list[str]:
+    """The mixtures whose heads proposer `name` drafts with (in `mixtures` order; a combination uses all)."""
+    if name in ("plain", NGRAM):
+        return []
+    if name.startswith(AUTO_PREFIX):
+        return heads_used(name.removeprefix(AUTO_PREFIX), mixtures)
+    if name.endswith(NGRAM_SUFFIX):
+        return heads_used(name.removesuffix(NGRAM_SUFFIX), mixtures)
+    return [name] if name in mixtures else list(mixtures)
 
 
 def build_proposer(
@@ -62,10 +89,20 @@ def build_proposer(
     context = DraftContext(target.model.get_input_embeddings(), target.model.lm_head, vocab)
     if name == "plain":
         return PlainDecoding()
+    if name == NGRAM:
+        return NgramProposer()
+    if name.startswith(AUTO_PREFIX):
+        return CostAware(build_proposer(name.removeprefix(AUTO_PREFIX), target, heads, tree, vocab), name=name)
+    base = name.removesuffix(NGRAM_SUFFIX)
+    if base != name and base not in ("plain", NGRAM):
+        return with_ngram(build_proposer(base, target, heads, tree, vocab), tree, name)
     if name in heads:
         return SingleHead(name, heads[name], context, tree)
     builder = combination(name)
     if builder is None:
-        known = ", ".join(["plain", *heads, *combination_names()])
-        raise UnknownProposer(f"unknown proposer {name!r}; choose one of: {known} (or averaged-w{{w}}, w in [0, 1])")
+        known = ", ".join([*single_names(list(heads)), *combination_names()])
+        raise UnknownProposer(
+            f"unknown proposer {name!r}; choose one of: {known} (or averaged-w{{w}}, w in [0, 1]; "
+            "any drafting proposer followed by +ngram; any proposer after auto- for the cost model)"
+        )
     return builder(heads, context, tree)

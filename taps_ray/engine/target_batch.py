@@ -2,7 +2,9 @@
 
 Sequence b occupies cache slots 0..lengths[b]-1. A verification step appends every sequence's (padded)
 tree after the longest sequence, runs one forward with a per-sequence 4-D mask and positions, then moves
-each sequence's accepted slots down to its own length and crops the cache. Plain decoding is the same step
+each sequence's accepted slots down to its own length and crops the cache. When no mask is needed (every
+sequence fills the cache and drafted a chain of the same size, as plain decoding does) the forward takes the
+model's standard causal path and the commit only crops. Plain decoding is the same step
 with a one-node tree, so speedups compare like with like. A finished sequence (tree None) leaves the cache, so
 the forward of a batch's tail computes only the sequences still decoding. The Ray pool shares one batch
 between sessions: it merges batches, steps only the rows whose trees arrived and evicts rows, through the
@@ -248,9 +250,10 @@ class TargetBatch:
         return int(self.lengths.numel())
 
     def _forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+        self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(post-norm last layer [B, T, d], proposer features); the caller applies the LM head where it needs logits."""
+        """(post-norm last layer [B, T, d], proposer features); the caller applies the LM head where it needs logits.
+        `mask` None: the model's own causal mask over the whole cache."""
         layers = self.feature_layers
         out = self.model.model(
             input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=self.cache, use_cache=True,
@@ -290,6 +293,14 @@ class TargetBatch:
         if width == 0:
             return [None] * len(trees)
         past = self.cache.get_seq_length()
+        if self._causal(trees, past):
+            hidden, features = self._forward(
+                torch.stack([t.tokens for t in trees]).to(self.device),
+                torch.arange(past, past + width, device=self.device).expand(len(trees), -1),
+                None,
+            )
+            logits = self.model.lm_head(hidden)
+            return [TreeOutput(logits[b], features[b]) for b in range(len(trees))]
         batch = len(trees)
         ids = torch.zeros(batch, width, dtype=torch.long, device=self.device)
         positions = torch.zeros(batch, width, dtype=torch.long, device=self.device)
@@ -311,12 +322,26 @@ class TargetBatch:
             for b, tree in enumerate(trees)
         ]
 
+    def _causal(self, trees: list[DraftTree | None], past: int) -> bool:
+        """True when the model's own causal mask is exact: every sequence fills the cache (no context padding)
+        and has a chain of the same size (no tree padding). Plain decoding and chain drafts then skip building
+        a 4-D mask, which the attention kernels also run slower with."""
+        if any(t is None for t in trees) or len({t.size for t in trees}) > 1:
+            return False
+        return bool((self.lengths == past).all()) and all(t.is_chain for t in trees)
+
     def commit(self, accepted_nodes: list[list[int]]) -> None:
         """Keep each sequence's accepted tree slots (root first) right after its committed prefix."""
         start = int(self.lengths.max())  # invariant: the committed region is as wide as the longest sequence
         new_lengths = self.lengths + torch.tensor([len(n) for n in accepted_nodes], device=self.device)
         low = int(self.lengths.min())
         high = int(new_lengths.max())
+        in_place = low == start and all(nodes == list(range(len(nodes))) for nodes in accepted_nodes)
+        if in_place:  # every sequence kept a prefix of its slots (a chain's): nothing moves, only crop
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, :high], layer.values[:, :, :high]
+            self.lengths = new_lengths
+            return
         index = torch.arange(low, high, device=self.device).repeat(self.batch_size, 1)  # identity for slots already committed
         for b, nodes in enumerate(accepted_nodes):
             first = int(self.lengths[b]) - low

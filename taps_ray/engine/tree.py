@@ -43,6 +43,11 @@ class DraftTree:
         return int(self.tokens.numel())
 
     @property
+    def is_chain(self) -> bool:
+        """Every node's parent is the node before it (plain decoding's one-node tree is a chain)."""
+        return bool((self.parents == torch.arange(-1, self.size - 1, device=self.parents.device)).all())
+
+    @property
     def mean_confidence(self) -> float:
         return float(self.confidence.mean()) if self.confidence.numel() else 0.0
 
