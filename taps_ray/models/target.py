@@ -125,6 +125,18 @@ def _tiny_model(config: TargetConfig, tokenizer: PreTrainedTokenizerBase, dtype:
     return model.to(dtype)
 
 
+def model_source(name: str) -> str | Path:
+    """Where a (non-tiny) target's HF files live: the converted folder for the SmolLM2 alias, else `name`."""
+    return smollm2_folder() if name == SMOLLM2_ALIAS else name
+
+
+def with_pad_token(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """Batches are padded: a tokenizer without a pad token pads with its end-of-sequence token."""
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def load_target(config: TargetConfig, dtype: str | None = None) -> Target:
     """Load the target in eval mode with gradients off; `dtype` overrides the config's."""
     wanted = torch_dtype(dtype or config.dtype)
@@ -132,7 +144,7 @@ def load_target(config: TargetConfig, dtype: str | None = None) -> Target:
         tokenizer = load_tokenizer(TINY_ALIAS)
         model = _tiny_model(config, tokenizer, wanted)
     else:
-        source = smollm2_folder() if config.name == SMOLLM2_ALIAS else config.name
+        source = model_source(config.name)
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 source, dtype=wanted, attn_implementation=config.attn_implementation
@@ -147,6 +159,4 @@ def load_target(config: TargetConfig, dtype: str | None = None) -> Target:
             ) from None
     model.eval()
     model.requires_grad_(False)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return Target(model=model, tokenizer=tokenizer, name=config.name)
+    return Target(model=model, tokenizer=with_pad_token(tokenizer), name=config.name)
