@@ -79,11 +79,13 @@ def test_features_content_matches_the_target(base):
     assert ex.input_ids.tolist() == ids and ex.loss_mask.tolist() == mask
     with torch.no_grad():
         out = target.model(input_ids=ex.input_ids[None], output_hidden_states=True)
-    assert torch.allclose(ex.hidden, out.hidden_states[-1][0], atol=1e-4)
+    # stored in half precision: bf16 features (8 significant bits), fp16 probabilities (11)
+    assert torch.allclose(ex.hidden.float(), out.hidden_states[-1][0], rtol=2**-8, atol=1e-4)
     probs = torch.softmax(out.logits[0].float(), -1).topk(cfg.features.top_k, -1)
-    assert torch.allclose(ex.topk_probs, probs.values, atol=1e-4)
+    assert torch.allclose(ex.topk_probs.float(), probs.values, rtol=2**-11, atol=1e-4)
     assert torch.equal(ex.topk_ids[:, 0], probs.indices[:, 0])
-    assert ex.hidden.dtype == torch.float32 and ex.topk_probs.shape[1] == cfg.features.top_k
+    assert ex.hidden.dtype == torch.bfloat16 and ex.topk_probs.dtype == torch.float16
+    assert ex.topk_probs.shape[1] == cfg.features.top_k
 
 
 def test_features_reused_and_killed_run_redoes_only_missing_shards(base, tmp_path, monkeypatch):
@@ -329,7 +331,7 @@ def test_mixed_features_copy_single_domain_conversations(base, tmp_path):
     assert mixed.stats["copied_conversations"] == mixed.stats["conversations"] > 0  # nothing recomputed but skips
     for ex in mixed.load()[:3]:
         (h, _, k), = features_mod.target_features(target, [ex.input_ids.tolist()], cfg.features.top_k)
-        assert torch.allclose(ex.hidden, h, atol=1e-4) and torch.equal(ex.topk_ids[:, 0], k[:, 0])
+        assert torch.allclose(ex.hidden.float(), h, rtol=2**-8, atol=1e-4) and torch.equal(ex.topk_ids[:, 0], k[:, 0])
 
 
 def test_second_trainer_waits_for_the_first(base, tmp_path):

@@ -1,8 +1,13 @@
 """Extract and cache the frozen target's features for a training mixture (docs/algorithms.md#feature-extraction).
 
 Per conversation we store: ``input_ids`` [L], ``loss_mask`` [L] (assistant content + closing end-of-turn),
-``hidden`` [L, d] = ``hidden_states[-1]`` (after the final norm, the vector the LM head reads) in the target
-dtype, and the target's top-K next-token probabilities and token ids [L, K] (for the HASS top-K loss).
+``hidden`` [L, d] = ``hidden_states[-1]`` (after the final norm, the vector the LM head reads), and the target's
+top-K next-token probabilities and token ids [L, K] (for the HASS top-K loss).
+
+Half precision on disk and in memory (the features are most of a study's disk and of training's memory):
+``hidden`` in bfloat16 — the exponent range of fp32, so no target activation overflows, and lossless for a
+bf16 target, the paper setting — and the top-K probabilities in float16, which keeps three more mantissa
+bits than bf16 for values that all lie in [0, 1]. Training casts each batch to its own dtype.
 
 The target runs on right-padded batches whose attention mask is built from the sequence lengths (never from
 ``ids != pad``, docs/algorithms.md#feature-extraction). Conversations are cut into shards of ``features.shard_size``, each written atomically
@@ -38,7 +43,9 @@ from taps_ray.workdir import features_dir
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: hidden in bfloat16, top-K probabilities in float16
+HIDDEN_DTYPE = torch.bfloat16
+PROBS_DTYPE = torch.float16
 MANIFEST = "manifest.json"
 
 
@@ -49,8 +56,8 @@ class Example:
     id: str
     input_ids: torch.Tensor  # [L] long
     loss_mask: torch.Tensor  # [L] float32
-    hidden: torch.Tensor  # [L, d] target dtype
-    topk_probs: torch.Tensor  # [L, K] float32
+    hidden: torch.Tensor  # [L, d] HIDDEN_DTYPE
+    topk_probs: torch.Tensor  # [L, K] PROBS_DTYPE
     topk_ids: torch.Tensor  # [L, K] long
 
     def __len__(self) -> int:
@@ -120,8 +127,8 @@ def write_shard(path: Path, examples: Sequence[Example], meta: dict[str, Any]) -
         "offsets": offsets,
         "input_ids": torch.cat([ex.input_ids for ex in examples]).to(torch.int32),
         "loss_mask": torch.cat([ex.loss_mask for ex in examples]).to(torch.uint8),
-        "hidden": torch.cat([ex.hidden for ex in examples]).contiguous(),
-        "topk_probs": torch.cat([ex.topk_probs for ex in examples]).to(torch.float32),
+        "hidden": torch.cat([ex.hidden for ex in examples]).to(HIDDEN_DTYPE).contiguous(),
+        "topk_probs": torch.cat([ex.topk_probs for ex in examples]).to(PROBS_DTYPE),
         "topk_ids": torch.cat([ex.topk_ids for ex in examples]).to(torch.int32),
     }
     metadata = {"ids": json.dumps([ex.id for ex in examples]), "meta": json.dumps(meta)}
