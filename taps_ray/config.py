@@ -121,6 +121,9 @@ class TrainConfig(_Strict):
     )
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine decay floor, as a fraction of lr")
     eval_batch_size: int = Field(8, gt=0)
+    shuffle_shards: int = Field(
+        4, gt=0, description="feature shards read at once while training: each epoch shuffles the shard order, then "
+        "the examples within each group of this many shards; training memory is this many shards, whatever the corpus")
 
 
 class TreeConfig(_Strict):

@@ -21,9 +21,9 @@ from taps_ray.training import agreement as agreement_mod
 from taps_ray.training.agreement import (
     agreement_file, evaluate_agreement, measure_agreement, trained_heads, unmeasured_heads,
 )
-from taps_ray.training.features import extract_features, features_folder, read_shard
+from taps_ray.training.features import Entry, extract_features, features_folder, read_shard
 from taps_ray.training.losses import causal_mask
-from taps_ray.training.trainer import split_examples, train_head
+from taps_ray.training.trainer import epoch_batches, heldout_batches, split_examples, train_head
 from taps_ray.workdir import features_root, head_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -360,3 +360,19 @@ def test_second_trainer_waits_for_the_first(base, tmp_path):
     order.append("trained")
     thread.join()
     assert order == ["holder", "released", "trained"]
+
+
+def test_epoch_streams_a_few_shards_at_a_time():
+    """Every training example once per epoch, never more than `window` shards per window, seeded per epoch."""
+    entries = [Entry(f"c{s}-{i}", 5 + (7 * i + s) % 13, s) for s in range(10) for i in range(6)]
+    windows = epoch_batches(entries, batch_size=4, seed=3, epoch=1, window=3)
+    seen = [e for window in windows for batch in window for e in batch]
+    assert sorted(seen, key=lambda e: e.id) == sorted(entries, key=lambda e: e.id)
+    assert [len({e.shard for batch in w for e in batch}) for w in windows] == [3, 3, 3, 1]
+    assert all(len(batch) <= 4 for w in windows for batch in w)
+    assert epoch_batches(entries, 4, 3, 1, 3) == windows  # a resumed run replays the epoch
+    assert epoch_batches(entries, 4, 3, 2, 3) != windows
+    held = heldout_batches(entries, 4, 3)
+    assert [sorted({e.shard for batch in w for e in batch}) for w in held] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    lengths = [len(e) for batch in held[0] for e in batch]
+    assert lengths == sorted(lengths)

@@ -29,7 +29,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 from safetensors import safe_open
@@ -64,6 +64,18 @@ class Example:
         return int(self.input_ids.shape[0])
 
 
+@dataclass(frozen=True)
+class Entry:
+    """One stored conversation without its tensors: all that splitting and batch planning read."""
+
+    id: str
+    length: int
+    shard: int  # index into `FeatureSet.shard_paths()`
+
+    def __len__(self) -> int:
+        return self.length
+
+
 @dataclass
 class FeatureSet:
     folder: Path
@@ -81,12 +93,24 @@ class FeatureSet:
     def shard_paths(self) -> list[Path]:
         return [self.folder / shard["file"] for shard in self.manifest["shards"]]
 
-    def iter_examples(self) -> Iterator[Example]:
-        for path in self.shard_paths():
-            yield from read_shard(path)
+    def entries(self) -> list[Entry]:
+        """Every conversation's id, length and shard, read from the shards' offsets alone (no features)."""
+        out = []
+        for index, path in enumerate(self.shard_paths()):
+            with safe_open(str(path), "pt") as f:
+                ids = json.loads(f.metadata()["ids"])
+                lengths = f.get_tensor("offsets").diff().tolist()
+            out.extend(Entry(conv_id, n, index) for conv_id, n in zip(ids, lengths))
+        return out
 
-    def load(self, ids: set[str] | None = None) -> list[Example]:
-        return [ex for ex in self.iter_examples() if ids is None or ex.id in ids]
+    def read(self, shards: Iterable[int], ids: set[str]) -> dict[str, Example]:
+        """The examples `ids` of these shards, by id: what training holds in memory at once."""
+        paths = self.shard_paths()
+        return {ex.id: ex for index in sorted(shards) for ex in read_shard(paths[index]) if ex.id in ids}
+
+    def load(self) -> list[Example]:
+        """Every example at once: for small sets (tests, inspection); training streams with `read`."""
+        return [ex for path in self.shard_paths() for ex in read_shard(path)]
 
 
 # --- keys and paths --------------------------------------------------------------------------------------------
