@@ -194,6 +194,10 @@ class RayConfig(_Strict):
         default_factory=dict, description="custom Ray resources per target worker and features task, e.g. "
         "{'accelerator_type:A100': 0.001} to keep them on one kind of GPU node")
     drafter_resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per drafter actor")
+    target_memory_gb: float | None = Field(
+        None, gt=0, description="host memory (GB = 1e9 bytes) Ray reserves per target worker and features task (None: none declared)")
+    drafter_memory_gb: float | None = Field(None, gt=0, description="host memory (GB) Ray reserves per drafter actor")
+    trial_memory_gb: float | None = Field(None, gt=0, description="host memory (GB) Ray reserves per training trial")
     torch_threads: int | None = Field(
         None, gt=0, description="torch threads of target workers, drafters and the features task (None: their CPUs)"
     )
@@ -203,6 +207,11 @@ class RayConfig(_Strict):
         None, description="Ray Tune storage (None: <work_dir>/tune); shared storage or s3:// on a multi-node cluster"
     )
     max_trial_failures: int = Field(1, ge=0, description="Tune restarts a failed training trial this often")
+
+
+def memory_bytes(gb: float | None) -> int | None:
+    """A `*_memory_gb` setting as Ray's `memory` resource (bytes); None leaves it undeclared."""
+    return None if gb is None else int(gb * 1e9)
 
 
 class ServeConfig(_Strict):

@@ -17,6 +17,7 @@ import ray.exceptions
 from taps_ray.cluster.actors import DrafterActor, TargetWorker
 from taps_ray.cluster.runtime import process_runtime_env, runtime_env_vars
 from taps_ray.cluster.verification import SessionLost
+from taps_ray.config import memory_bytes
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class EvalPool:
         self.workers = [
             TargetWorker.options(
                 num_cpus=r.target_num_cpus, num_gpus=r.target_num_gpus, resources=r.target_resources,
-                max_concurrency=1000, **restarts,
+                memory=memory_bytes(r.target_memory_gb), max_concurrency=1000, **restarts,
             ).remote(payload, env)
             for _ in range(r.num_target_workers)
         ]
@@ -181,5 +182,6 @@ class EvalPool:
     def _new_drafter(self, args: tuple):
         r = self.config.ray
         return DrafterActor.options(
-            num_cpus=r.drafter_num_cpus, num_gpus=r.drafter_num_gpus, resources=r.drafter_resources, **self._restarts
+            num_cpus=r.drafter_num_cpus, num_gpus=r.drafter_num_gpus, resources=r.drafter_resources,
+            memory=memory_bytes(r.drafter_memory_gb), **self._restarts
         ).remote(*args)

@@ -30,7 +30,7 @@ from typing import Any
 
 from taps_ray import workdir
 from taps_ray.cluster.runtime import process_runtime_env, runtime_env_vars, start_ray
-from taps_ray.config import DATA_DIR_ENV, StudyConfig, load_config, with_overrides
+from taps_ray.config import DATA_DIR_ENV, StudyConfig, load_config, memory_bytes, with_overrides
 
 STAGES = ("data", "features", "train", "eval", "report")
 QUICK_COMBINATIONS = ("confidence-routed", "merged")
@@ -142,7 +142,7 @@ def on_target(cfg: StudyConfig, env: dict[str, str], job: Callable[..., dict], *
 
     task = _target_remote().options(
         num_cpus=cfg.ray.target_num_cpus, num_gpus=cfg.ray.target_num_gpus, resources=cfg.ray.target_resources,
-        runtime_env=process_runtime_env(),
+        memory=memory_bytes(cfg.ray.target_memory_gb), runtime_env=process_runtime_env(),
     )
     return ray.get(task.remote(cfg.model_dump_json(), env, job, args))
 
