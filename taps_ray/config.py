@@ -131,6 +131,9 @@ class TrainConfig(_Strict):
     )
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine decay floor, as a fraction of lr")
     eval_batch_size: int = Field(8, gt=0)
+    shuffle_shards: int = Field(
+        4, gt=0, description="feature shards read at once while training: each epoch shuffles the shard order, then "
+        "the examples within each group of this many shards; training memory is this many shards, whatever the corpus")
 
 
 class TreeConfig(_Strict):
@@ -201,6 +204,10 @@ class RayConfig(_Strict):
         default_factory=dict, description="custom Ray resources per target worker and features task, e.g. "
         "{'accelerator_type:A100': 0.001} to keep them on one kind of GPU node")
     drafter_resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per drafter actor")
+    target_memory_gb: float | None = Field(
+        None, gt=0, description="host memory (GB = 1e9 bytes) Ray reserves per target worker and features task (None: none declared)")
+    drafter_memory_gb: float | None = Field(None, gt=0, description="host memory (GB) Ray reserves per drafter actor")
+    trial_memory_gb: float | None = Field(None, gt=0, description="host memory (GB) Ray reserves per training trial")
     torch_threads: int | None = Field(
         None, gt=0, description="torch threads of target workers, drafters and the features task (None: their CPUs)"
     )
@@ -210,6 +217,11 @@ class RayConfig(_Strict):
         None, description="Ray Tune storage (None: <work_dir>/tune); shared storage or s3:// on a multi-node cluster"
     )
     max_trial_failures: int = Field(1, ge=0, description="Tune restarts a failed training trial this often")
+
+
+def memory_bytes(gb: float | None) -> int | None:
+    """A `*_memory_gb` setting as Ray's `memory` resource (bytes); None leaves it undeclared."""
+    return None if gb is None else int(gb * 1e9)
 
 
 class ServeConfig(_Strict):

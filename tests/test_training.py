@@ -21,9 +21,9 @@ from taps_ray.training import agreement as agreement_mod
 from taps_ray.training.agreement import (
     agreement_file, evaluate_agreement, measure_agreement, trained_heads, unmeasured_heads,
 )
-from taps_ray.training.features import extract_features, features_folder, read_shard
+from taps_ray.training.features import Entry, extract_features, features_folder, read_shard
 from taps_ray.training.losses import causal_mask
-from taps_ray.training.trainer import split_examples, train_head
+from taps_ray.training.trainer import epoch_batches, heldout_batches, split_examples, train_head
 from taps_ray.workdir import features_root, head_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -79,11 +79,13 @@ def test_features_content_matches_the_target(base):
     assert ex.input_ids.tolist() == ids and ex.loss_mask.tolist() == mask
     with torch.no_grad():
         out = target.model(input_ids=ex.input_ids[None], output_hidden_states=True)
-    assert torch.allclose(ex.hidden, out.hidden_states[-1][0], atol=1e-4)
+    # stored in half precision: bf16 features (8 significant bits), fp16 probabilities (11)
+    assert torch.allclose(ex.hidden.float(), out.hidden_states[-1][0], rtol=2**-8, atol=1e-4)
     probs = torch.softmax(out.logits[0].float(), -1).topk(cfg.features.top_k, -1)
-    assert torch.allclose(ex.topk_probs, probs.values, atol=1e-4)
+    assert torch.allclose(ex.topk_probs.float(), probs.values, rtol=2**-11, atol=1e-4)
     assert torch.equal(ex.topk_ids[:, 0], probs.indices[:, 0])
-    assert ex.hidden.dtype == torch.float32 and ex.topk_probs.shape[1] == cfg.features.top_k
+    assert ex.hidden.dtype == torch.bfloat16 and ex.topk_probs.dtype == torch.float16
+    assert ex.topk_probs.shape[1] == cfg.features.top_k
 
 
 def test_features_reused_and_killed_run_redoes_only_missing_shards(base, tmp_path, monkeypatch):
@@ -329,7 +331,7 @@ def test_mixed_features_copy_single_domain_conversations(base, tmp_path):
     assert mixed.stats["copied_conversations"] == mixed.stats["conversations"] > 0  # nothing recomputed but skips
     for ex in mixed.load()[:3]:
         (h, _, k, _), = features_mod.target_features(target, [ex.input_ids.tolist()], cfg.features.top_k)
-        assert torch.allclose(ex.hidden, h, atol=1e-4) and torch.equal(ex.topk_ids[:, 0], k[:, 0])
+        assert torch.allclose(ex.hidden.float(), h, rtol=2**-8, atol=1e-4) and torch.equal(ex.topk_ids[:, 0], k[:, 0])
 
 
 def test_second_trainer_waits_for_the_first(base, tmp_path):
@@ -402,3 +404,19 @@ def test_sharded_ray_features_match_the_in_process_shards_byte_for_byte(base, tm
     assert again["extracted_shards"] == 1 and again["conversations"] == stats["conversations"]
     assert all(p.stat().st_mtime_ns == t for p, t in mtimes.items())
     assert _shard_content(shards[1]) == _shard_content(reference.shard_paths()[1])
+
+
+def test_epoch_streams_a_few_shards_at_a_time():
+    """Every training example once per epoch, never more than `window` shards per window, seeded per epoch."""
+    entries = [Entry(f"c{s}-{i}", 5 + (7 * i + s) % 13, s) for s in range(10) for i in range(6)]
+    windows = epoch_batches(entries, batch_size=4, seed=3, epoch=1, window=3)
+    seen = [e for window in windows for batch in window for e in batch]
+    assert sorted(seen, key=lambda e: e.id) == sorted(entries, key=lambda e: e.id)
+    assert [len({e.shard for batch in w for e in batch}) for w in windows] == [3, 3, 3, 1]
+    assert all(len(batch) <= 4 for w in windows for batch in w)
+    assert epoch_batches(entries, 4, 3, 1, 3) == windows  # a resumed run replays the epoch
+    assert epoch_batches(entries, 4, 3, 2, 3) != windows
+    held = heldout_batches(entries, 4, 3)
+    assert [sorted({e.shard for batch in w for e in batch}) for w in held] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    lengths = [len(e) for batch in held[0] for e in batch]
+    assert lengths == sorted(lengths)

@@ -3,7 +3,8 @@
 * `TargetWorker` (async actor): holds the target and a `VerificationPool` of sessions; drafters call
   `start` / `step` / `close` on it, and it verifies the trees of many sessions in one batched forward.
 * `DrafterActor`: holds the draft heads (shipped by the driver, so it needs no shared disk) and the
-  target's embeddings and LM head (the draft context); it runs `eval.runner.run_cell` with a
+  target's embeddings and LM head (the draft context, read alone from the target's weights by
+  `models.draft_parts`: a drafter never loads the target's layers); it runs `eval.runner.run_cell` with a
   `WorkerVerifier` — the engine's `Verifier` seam — that forwards start/step to its target worker. The
   loop, the proposers and the acceptance rule are the in-process ones, so tokens are the same.
 
@@ -24,6 +25,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+import psutil
 import ray
 import torch
 
@@ -107,6 +109,11 @@ class WorkerVerifier:
                 raise
 
 
+def resident_bytes() -> int:
+    """This process's resident memory (what `benchmarks/actor_memory.py` compares across actors)."""
+    return int(psutil.Process().memory_info().rss)
+
+
 # --- actors -------------------------------------------------------------------------------------------------
 
 
@@ -144,13 +151,16 @@ class TargetWorker:
     async def ping(self) -> int:
         return os.getpid()
 
+    async def rss(self) -> int:
+        return resident_bytes()
+
 
 @ray.remote
 class DrafterActor:
     """Draft heads + the draft side of the loop; evaluates whole cells against its target worker."""
 
     def __init__(self, payload: str, worker: Any, name: str, heads: dict) -> None:
-        from taps_ray.models.target import load_target
+        from taps_ray.models.draft_parts import load_draft_target
 
         self.config = _config(payload)
         self.threads = prepare_process(self.config.ray.torch_threads, self.config.ray.drafter_num_cpus)
@@ -160,9 +170,7 @@ class DrafterActor:
         self.heads: dict[str, dict] = {}
         self.scratch = Path(tempfile.mkdtemp(prefix="taps-heads-"))
         weakref.finalize(self, shutil.rmtree, self.scratch, True)  # also at interpreter exit, unlike __del__
-        # The draft side needs only the target's tokenizer, embeddings and LM head: drop its decoder layers.
-        self.target = load_target(self.config.target, dtype=self.config.eval.dtype)
-        self.target.model.model.layers = torch.nn.ModuleList()
+        self.target = load_draft_target(self.config.target, dtype=self.config.eval.dtype)
         try:  # a restarted drafter clears the sessions its previous life left on the worker
             ray.get(self.worker.drop_owner.remote(self.name), timeout=600)
         except Exception:
@@ -211,3 +219,5 @@ class DrafterActor:
     def ping(self) -> int:
         return os.getpid()
 
+    def rss(self) -> int:
+        return resident_bytes()

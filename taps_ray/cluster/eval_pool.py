@@ -23,7 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from taps_ray.cluster.actors import DrafterActor, TargetWorker
 from taps_ray.cluster.runtime import process_runtime_env
 from taps_ray.cluster.verification import SessionLost
-from taps_ray.config import RayConfig
+from taps_ray.config import RayConfig, memory_bytes
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,8 @@ class EvalPool:
         self.workers = [
             TargetWorker.options(
                 num_cpus=r.target_num_cpus, num_gpus=r.target_num_gpus, resources=r.target_resources,
-                max_concurrency=1000, scheduling_strategy=self._bundle(w, 0), **self._restarts,
+                memory=memory_bytes(r.target_memory_gb), max_concurrency=1000, scheduling_strategy=self._bundle(w, 0),
+                **self._restarts,
             ).remote(payload)
             for w in range(r.num_target_workers)
         ]
@@ -220,5 +221,5 @@ class EvalPool:
         bundle = self._bundle(worker, 1 + drafters_of(r, worker).index(index))
         return DrafterActor.options(
             num_cpus=r.drafter_num_cpus, num_gpus=r.drafter_num_gpus, resources=r.drafter_resources,
-            scheduling_strategy=bundle, **self._restarts,
+            memory=memory_bytes(r.drafter_memory_gb), scheduling_strategy=bundle, **self._restarts,
         ).remote(*self._drafter_args[index])

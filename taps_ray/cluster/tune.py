@@ -31,7 +31,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from taps_ray.config import StudyConfig, parse_config
+from taps_ray.config import StudyConfig, memory_bytes, parse_config
 from taps_ray.fsio import atomic_dir
 from taps_ray.workdir import FINAL, epoch_checkpoint, head_checkpoint, head_dir, tune_dir
 
@@ -163,9 +163,10 @@ def run_training(
     if "://" not in storage:
         Path(storage).mkdir(parents=True, exist_ok=True)
     param_space = {"head": tune.grid_search([list(p) for p in pairs])}  # the whole study: restorable as is
+    memory = memory_bytes(cfg.ray.trial_memory_gb)
     trainable = tune.with_resources(
         tune.with_parameters(_trial, study=cfg.model_dump_json(), env=env or {}),
-        {"cpu": cfg.ray.trial_cpus, "gpu": cfg.ray.trial_gpus},
+        {"cpu": cfg.ray.trial_cpus, "gpu": cfg.ray.trial_gpus, **({"memory": memory} if memory else {})},
     )
     restored = tune.Tuner.can_restore(path)
     if restored:

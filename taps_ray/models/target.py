@@ -131,6 +131,18 @@ def _tiny_model(config: TargetConfig, tokenizer: PreTrainedTokenizerBase, dtype:
     return model.to(dtype)
 
 
+def model_source(name: str) -> str | Path:
+    """Where a (non-tiny) target's HF files live: the converted folder for the SmolLM2 alias, else `name`."""
+    return smollm2_folder() if name == SMOLLM2_ALIAS else name
+
+
+def with_pad_token(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """Batches are padded: a tokenizer without a pad token pads with its end-of-sequence token."""
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def load_target(config: TargetConfig, dtype: str | None = None) -> Target:
     """Load the target in eval mode with gradients off, on `resolve_device(config)`; `dtype` overrides the
     config's (configs for GPUs say bfloat16 or float16 with sdpa attention; the CPU keeps what the config says)."""
@@ -140,7 +152,7 @@ def load_target(config: TargetConfig, dtype: str | None = None) -> Target:
         tokenizer = load_tokenizer(TINY_ALIAS)
         model = _tiny_model(config, tokenizer, wanted)
     else:
-        source = smollm2_folder() if config.name == SMOLLM2_ALIAS else config.name
+        source = model_source(config.name)
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 source, dtype=wanted, attn_implementation=config.attn_implementation
@@ -156,6 +168,4 @@ def load_target(config: TargetConfig, dtype: str | None = None) -> Target:
     model.to(device)
     model.eval()
     model.requires_grad_(False)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return Target(model=model, tokenizer=tokenizer, name=config.name)
+    return Target(model=model, tokenizer=with_pad_token(tokenizer), name=config.name)

@@ -24,18 +24,20 @@ from taps_ray.data.draft_vocab import draft_vocabulary
 from taps_ray.fsio import atomic_write_json
 from taps_ray.models.draft_head import DraftHead
 from taps_ray.models.target import Target, load_target
-from taps_ray.training.features import extract_features, features_key
+from taps_ray.training.features import Entry, FeatureSet, extract_features, features_key
 from taps_ray.training.losses import FrozenTarget, LossSettings
-from taps_ray.training.trainer import configure_threads, evaluate, split_examples
+from taps_ray.training.trainer import configure_threads, evaluate, heldout_batches, split_examples, stream_batches
 from taps_ray.workdir import agreement_cache, head_checkpoint, in_workdir
 
 DEFAULT_DOMAINS = ("math", "chat")
 
 
-def heldout_examples(cfg: StudyConfig, mixture_name: str, target: Target | None = None, progress: bool = False):
+def heldout_entries(cfg: StudyConfig, mixture_name: str, target: Target | None = None,
+                    progress: bool = False) -> tuple[FeatureSet, list[Entry]]:
+    """The mixture's feature set and its held-out conversations (their features stay on disk until streamed)."""
     features = extract_features(cfg, mixture_name, target=target, progress=progress)
-    _, held = split_examples(features.load(), cfg.train.heldout_fraction, cfg.train.seed)
-    return held
+    _, held = split_examples(features.entries(), cfg.train.heldout_fraction, cfg.train.seed)
+    return features, held
 
 
 def evaluate_agreement(cfg: StudyConfig, head_path: str | Path, corpus_mixture: str | Sequence[str] = DEFAULT_DOMAINS,
@@ -53,8 +55,9 @@ def evaluate_agreement(cfg: StudyConfig, head_path: str | Path, corpus_mixture: 
     n_passes = passes if passes is not None else max(1, cfg.train.hca_passes)
     out: dict = {"head": in_workdir(cfg, head_path), "kind": head.config.kind, "trained_on": head.config.trained_on}
     for name in domains:
-        held = heldout_examples(cfg, name, target, progress)
-        result = evaluate(head, held, frozen, settings, cfg.train.eval_batch_size, passes=n_passes)
+        features, held = heldout_entries(cfg, name, target, progress)
+        batches = stream_batches(features, heldout_batches(held, cfg.train.eval_batch_size, cfg.train.shuffle_shards))
+        result = evaluate(head, batches, frozen, settings, passes=n_passes)
         out[name] = {
             "acc": result.get("acc"),
             **{f"acc_{j}": result.get(f"acc_{j}") for j in range(n_passes)},

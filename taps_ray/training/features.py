@@ -1,17 +1,22 @@
 """Extract and cache the frozen target's features for a training mixture (docs/algorithms.md#feature-extraction).
 
 Per conversation we store: ``input_ids`` [L], ``loss_mask`` [L] (assistant content + closing end-of-turn),
-``hidden`` [L, d] = ``hidden_states[-1]`` (after the final norm, the vector the LM head reads) in the target
-dtype, and the target's top-K next-token probabilities and token ids [L, K] (for the HASS top-K loss).
+``hidden`` [L, d] = ``hidden_states[-1]`` (after the final norm, the vector the LM head reads), and the target's
+top-K next-token probabilities and token ids [L, K] (for the HASS top-K loss).
 When the study trains EAGLE-3 heads, also ``aux`` [L, 3d]: the hidden states of EAGLE-3's low, mid and high
 target layers (`draft_head.eagle3_layers`), concatenated; other studies store no extra layer.
+
+Half precision on disk and in memory (the features are most of a study's disk and of training's memory):
+``hidden`` in bfloat16 — the exponent range of fp32, so no target activation overflows, and lossless for a
+bf16 target, the paper setting — and the top-K probabilities in float16, which keeps three more mantissa
+bits than bf16 for values that all lie in [0, 1]. Training casts each batch to its own dtype.
 
 The target runs on right-padded batches whose attention mask is built from the sequence lengths (never from
 ``ids != pad``, docs/algorithms.md#feature-extraction). Conversations are cut into shards of ``features.shard_size``, each written atomically
 (`taps_ray.fsio`) as one safetensors file, so a killed run redoes only the missing shards.
 ``manifest.json``, also written atomically, marks the whole set complete; a later call with the same key reuses it.
 The three steps, `plan_shards`, `extract_shards` and `write_manifest`, run in one process here; the sweep runs the
-middle one as parallel Ray tasks (`taps_ray.cluster.features`).
+middle one as parallel Ray tasks (`taps_ray.cluster.target_tasks`).
 
 The cache key hashes everything that changes the stored tensors: the target (name, tiny settings, dtype),
 the mixture (corpora and ratios, size, seed), max_len, top_k, the answer-regeneration settings and which
@@ -29,7 +34,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from safetensors import safe_open
@@ -44,7 +49,9 @@ from taps_ray.workdir import features_dir
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: hidden in bfloat16, top-K probabilities in float16
+HIDDEN_DTYPE = torch.bfloat16
+PROBS_DTYPE = torch.float16
 MANIFEST = "manifest.json"
 
 
@@ -55,13 +62,25 @@ class Example:
     id: str
     input_ids: torch.Tensor  # [L] long
     loss_mask: torch.Tensor  # [L] float32
-    hidden: torch.Tensor  # [L, d] target dtype
-    topk_probs: torch.Tensor  # [L, K] float32
+    hidden: torch.Tensor  # [L, d] HIDDEN_DTYPE
+    topk_probs: torch.Tensor  # [L, K] PROBS_DTYPE
     topk_ids: torch.Tensor  # [L, K] long
     aux: torch.Tensor | None = None  # [L, 3d] target dtype: EAGLE-3's fused layers, when the study keeps them
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One stored conversation without its tensors: all that splitting and batch planning read."""
+
+    id: str
+    length: int
+    shard: int  # index into `FeatureSet.shard_paths()`
+
+    def __len__(self) -> int:
+        return self.length
 
 
 @dataclass
@@ -81,12 +100,24 @@ class FeatureSet:
     def shard_paths(self) -> list[Path]:
         return [self.folder / shard["file"] for shard in self.manifest["shards"]]
 
-    def iter_examples(self) -> Iterator[Example]:
-        for path in self.shard_paths():
-            yield from read_shard(path)
+    def entries(self) -> list[Entry]:
+        """Every conversation's id, length and shard, read from the shards' offsets alone (no features)."""
+        out = []
+        for index, path in enumerate(self.shard_paths()):
+            with safe_open(str(path), "pt") as f:
+                ids = json.loads(f.metadata()["ids"])
+                lengths = f.get_tensor("offsets").diff().tolist()
+            out.extend(Entry(conv_id, n, index) for conv_id, n in zip(ids, lengths))
+        return out
 
-    def load(self, ids: set[str] | None = None) -> list[Example]:
-        return [ex for ex in self.iter_examples() if ids is None or ex.id in ids]
+    def read(self, shards: Iterable[int], ids: set[str]) -> dict[str, Example]:
+        """The examples `ids` of these shards, by id: what training holds in memory at once."""
+        paths = self.shard_paths()
+        return {ex.id: ex for index in sorted(shards) for ex in read_shard(paths[index]) if ex.id in ids}
+
+    def load(self) -> list[Example]:
+        """Every example at once: for small sets (tests, inspection); training streams with `read`."""
+        return [ex for path in self.shard_paths() for ex in read_shard(path)]
 
 
 # --- keys and paths --------------------------------------------------------------------------------------------
@@ -134,8 +165,8 @@ def write_shard(path: Path, examples: Sequence[Example], meta: dict[str, Any]) -
         "offsets": offsets,
         "input_ids": torch.cat([ex.input_ids for ex in examples]).to(torch.int32),
         "loss_mask": torch.cat([ex.loss_mask for ex in examples]).to(torch.uint8),
-        "hidden": torch.cat([ex.hidden for ex in examples]).contiguous(),
-        "topk_probs": torch.cat([ex.topk_probs for ex in examples]).to(torch.float32),
+        "hidden": torch.cat([ex.hidden for ex in examples]).to(HIDDEN_DTYPE).contiguous(),
+        "topk_probs": torch.cat([ex.topk_probs for ex in examples]).to(PROBS_DTYPE),
         "topk_ids": torch.cat([ex.topk_ids for ex in examples]).to(torch.int32),
     }
     if examples and examples[0].aux is not None:

@@ -5,6 +5,11 @@ device (`target.device`); stored features stay on the CPU and each batch moves t
 ``train.epochs`` epochs, cut short by ``train.max_tokens`` trained tokens when set; the schedule is planned
 for the exact number of steps that budget gives.
 
+Features are streamed: the split and the batch plan read only the shards' index (ids and lengths,
+`FeatureSet.entries`); each epoch takes the shards in a seeded shuffled order, ``train.shuffle_shards`` at a
+time, shuffles and batches the examples of those shards, and reads their features only then. Memory is a
+few shards, not the corpus; an epoch's order depends only on (seed, epoch), so a resumed run replays it.
+
 Held-out split: a conversation is held out when a hash of (train.seed, its id) falls below
 ``train.heldout_fraction``. The rule depends only on the id, so a conversation held out of one mixture is held
 out of every mixture that contains it: no head ever trains on another mixture's held-out data, which makes
@@ -30,7 +35,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence, TypeVar
 
 import torch
 from tqdm.auto import tqdm
@@ -40,7 +45,7 @@ from taps_ray.data.draft_vocab import draft_vocabulary
 from taps_ray.fsio import atomic_dir, folder_lock
 from taps_ray.models.draft_head import DraftHead, new_head
 from taps_ray.models.target import Target, load_target
-from taps_ray.training.features import Example, FeatureSet, extract_features
+from taps_ray.training.features import Entry, Example, FeatureSet, extract_features
 from taps_ray.training.losses import Batch, FrozenTarget, LossSettings, run_passes
 from taps_ray.workdir import EPOCH_GLOB, FINAL, epoch_checkpoint, head_dir
 
@@ -50,6 +55,7 @@ STATE_FILE = "state.json"
 OPTIMIZER_FILE = "optimizer.pt"
 METRICS_FILE = "metrics.json"
 Report = Callable[[dict], None]
+Item = TypeVar("Item")  # an Example or an Entry: anything with an `.id`
 
 
 def configure_threads() -> int:
@@ -72,12 +78,13 @@ def is_heldout(conv_id: str, fraction: float, seed: int) -> bool:
     return int.from_bytes(digest[:8], "big") / 2**64 < fraction
 
 
-def split_examples(examples: Sequence[Example], fraction: float, seed: int) -> tuple[list[Example], list[Example]]:
-    """(train, heldout) by the id-hash rule; at least one of each when there are two or more examples."""
+def split_examples(examples: Sequence[Item], fraction: float, seed: int) -> tuple[list[Item], list[Item]]:
+    """(train, heldout) by the id-hash rule; at least one of each when there are two or more examples.
+    Anything with an `.id` splits: training splits the `Entry` index, so it never loads held-out features."""
     train = [e for e in examples if not is_heldout(e.id, fraction, seed)]
     held = [e for e in examples if is_heldout(e.id, fraction, seed)]
     if len(examples) >= 2 and (not held or not train):
-        def rank(e: Example) -> bytes:
+        def rank(e: Item) -> bytes:
             return hashlib.sha256(f"{seed}:{e.id}".encode()).digest()
 
         if not held:
@@ -110,18 +117,59 @@ def collate(examples: Sequence[Example]) -> Batch:
     return Batch(ids, mask, hidden, lengths, probs, top_ids, aux)
 
 
-def epoch_batches(examples: Sequence[Example], batch_size: int, seed: int, epoch: int) -> list[list[int]]:
-    """Seeded shuffle, then length-grouped batches (sorted within pools of 8 batches) in shuffled order."""
+Window = list[list[Entry]]  # the batches drawn from one window of shards: read together, then dropped
+
+
+def shard_windows(entries: Sequence[Entry], shard_order: Sequence[int], window: int) -> list[list[Entry]]:
+    """The entries of `window` shards at a time, shards taken in `shard_order`."""
+    by_shard: dict[int, list[Entry]] = {}
+    for e in entries:
+        by_shard.setdefault(e.shard, []).append(e)
+    order = [shard for shard in shard_order if shard in by_shard]
+    return [[e for shard in order[i: i + window] for e in by_shard[shard]] for i in range(0, len(order), window)]
+
+
+def epoch_batches(entries: Sequence[Entry], batch_size: int, seed: int, epoch: int, window: int) -> list[Window]:
+    """One epoch, seeded: shards in shuffled order, `window` at a time; within a window a shuffle, then
+    length-grouped batches (sorted within pools of 8 batches) in shuffled order."""
     rng = random.Random(f"{seed}:{epoch}")
-    order = list(range(len(examples)))
-    rng.shuffle(order)
+    shard_order = sorted({e.shard for e in entries})
+    rng.shuffle(shard_order)
     pool = batch_size * 8
-    batches = []
-    for start in range(0, len(order), pool):
-        chunk = sorted(order[start: start + pool], key=lambda i: len(examples[i]))
-        batches.extend(chunk[i: i + batch_size] for i in range(0, len(chunk), batch_size))
-    rng.shuffle(batches)
-    return batches
+    windows = []
+    for members in shard_windows(entries, shard_order, window):
+        rng.shuffle(members)
+        batches = []
+        for start in range(0, len(members), pool):
+            chunk = sorted(members[start: start + pool], key=len)
+            batches.extend(chunk[i: i + batch_size] for i in range(0, len(chunk), batch_size))
+        rng.shuffle(batches)
+        windows.append(batches)
+    return windows
+
+
+def heldout_batches(entries: Sequence[Entry], batch_size: int, window: int) -> list[Window]:
+    """Held-out evaluation: shards in stored order, `window` at a time, each window's examples by length."""
+    windows = []
+    for members in shard_windows(entries, sorted({e.shard for e in entries}), window):
+        ordered = sorted(members, key=len)
+        windows.append([ordered[i: i + batch_size] for i in range(0, len(ordered), batch_size)])
+    return windows
+
+
+def stream_batches(features: FeatureSet, windows: Sequence[Window], steps: int | None = None) -> Iterator[Batch]:
+    """The first `steps` (default: all) batches of `windows`, collated; only one window's shards are in memory."""
+    for window in windows:
+        batches = window if steps is None else window[: max(0, steps)]
+        if not batches:
+            return
+        if steps is not None:
+            steps -= len(batches)
+        wanted = [e for batch in batches for e in batch]
+        examples = features.read({e.shard for e in wanted}, {e.id for e in wanted})
+        for batch in batches:
+            yield collate([examples[e.id] for e in batch])
+        del examples  # before the next window is read
 
 
 @dataclass
@@ -131,15 +179,15 @@ class Plan:
     steps_per_epoch: list[int]
 
 
-def plan_budget(examples: Sequence[Example], cfg: StudyConfig) -> Plan:
+def plan_budget(entries: Sequence[Entry], cfg: StudyConfig) -> Plan:
     """Exact number of optimizer steps of the budget: train.epochs, stopped early at train.max_tokens."""
     t = cfg.train
     tokens, per_epoch = 0, []
     for epoch in range(1, t.epochs + 1):
         steps = 0
-        for batch in epoch_batches(examples, t.batch_size, t.seed, epoch):
+        for batch in (b for window in epoch_batches(entries, t.batch_size, t.seed, epoch, t.shuffle_shards) for b in window):
             steps += 1
-            tokens += sum(len(examples[i]) for i in batch)
+            tokens += sum(len(e) for e in batch)
             if t.max_tokens is not None and tokens >= t.max_tokens:
                 break
         per_epoch.append(steps)
@@ -163,17 +211,15 @@ def lr_lambda(total_steps: int, warmup_ratio: float, min_ratio: float) -> Callab
 # --- evaluation ------------------------------------------------------------------------------------------------
 
 @torch.no_grad()
-def evaluate(head: DraftHead, examples: Sequence[Example], frozen: FrozenTarget, settings: LossSettings,
-             batch_size: int, passes: int | None = None) -> dict[str, float]:
+def evaluate(head: DraftHead, batches: Iterable[Batch], frozen: FrozenTarget, settings: LossSettings,
+             passes: int | None = None) -> dict[str, float]:
     """Mask-weighted held-out loss (pass 0) and top-1 agreement with the target (acc_j: simulated depth j+1)."""
     was_training = head.training
     head.eval()
     sums: dict[str, float] = {}
     weight = 0.0
     tokens = 0
-    order = sorted(range(len(examples)), key=lambda i: len(examples[i]))
-    for start in range(0, len(order), batch_size):
-        batch = collate([examples[i] for i in order[start: start + batch_size]])
+    for batch in batches:
         result = run_passes(head, batch, frozen, settings, backward=False, noise=False, passes=passes)
         w = result.mask_tokens
         for name, value in result.terms.items():
@@ -261,8 +307,7 @@ def _train_head(cfg: StudyConfig, kind: str, mixture_name: str, report: Report |
     if target is None:
         target = load_target(cfg.target)
     features = extract_features(cfg, mixture_name, target=target, progress=progress)
-    examples = features.load()
-    train_ex, held_ex = split_examples(examples, t.heldout_fraction, t.seed)
+    train_ex, held_ex = split_examples(features.entries(), t.heldout_fraction, t.seed)
     if not train_ex:
         raise ValueError(f"mixture {mixture_name!r} has no usable training conversations")
     vocab = draft_vocabulary(cfg, target.tokenizer, target.stop_token_ids)
@@ -314,11 +359,10 @@ def _train_head(cfg: StudyConfig, kind: str, mixture_name: str, report: Report |
     try:
         for epoch in range(state["epoch"] + 1, plan.epochs + 1):
             generator = torch.Generator(device=target.device).manual_seed(t.seed * 100003 + epoch)
-            batches = epoch_batches(train_ex, t.batch_size, t.seed, epoch)[: plan.steps_per_epoch[epoch - 1]]
+            windows = epoch_batches(train_ex, t.batch_size, t.seed, epoch, t.shuffle_shards)
             sums: dict[str, float] = {}
             weight, epoch_tokens, start, cpu_start = 0.0, 0, time.perf_counter(), time.process_time()
-            for batch_idx in batches:
-                batch = collate([train_ex[i] for i in batch_idx])
+            for batch in stream_batches(features, windows, plan.steps_per_epoch[epoch - 1]):
                 optimizer.zero_grad(set_to_none=True)
                 result = run_passes(head, batch, frozen, settings, backward=True, generator=generator)
                 torch.nn.utils.clip_grad_value_(head.parameters(), t.grad_clip_value)
@@ -338,7 +382,8 @@ def _train_head(cfg: StudyConfig, kind: str, mixture_name: str, report: Report |
             state["train_seconds"] += seconds
             state["train_cpu_seconds"] = state.get("train_cpu_seconds", 0.0) + cpu_seconds
             eval_start = time.perf_counter()
-            held = evaluate(head, held_ex, frozen, settings, t.eval_batch_size, passes=eval_passes) if held_ex else {}
+            held_batches = stream_batches(features, heldout_batches(held_ex, t.eval_batch_size, t.shuffle_shards))
+            held = evaluate(head, held_batches, frozen, settings, passes=eval_passes) if held_ex else {}
             metrics = {
                 "epoch": epoch,
                 "step": state["step"],
