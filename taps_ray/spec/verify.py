@@ -73,7 +73,12 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
     """Longest root-to-leaf prefix whose tokens equal the target's argmax; ties go to the first row."""
-    target_next = greedy_tokens(logits)
+    return greedy_path(tree, greedy_tokens(logits))
+
+
+def greedy_path(tree: DraftTree, target_next: torch.Tensor) -> Verdict:
+    """Greedy acceptance given the target's next token after each node ([T] long). Only the entries of nodes on
+    the accepted path are read, which lets replay (spec/replay.py) pass the recorded greedy continuation."""
     candidates = _candidates(tree)
     predicted = target_next[tree.retrieve.clamp(min=0)]
     match = (candidates[:, 1:] == predicted[:, :-1]) & (tree.retrieve[:, 1:] >= 0)
