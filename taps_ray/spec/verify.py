@@ -97,6 +97,16 @@ def _remove(probs: torch.Tensor, token: int) -> torch.Tensor:
     return probs / total
 
 
+def _coin(p: float, generator: torch.Generator) -> bool:
+    """True with probability p: one uniform draw from the sequence's generator (U < p)."""
+    return float(torch.rand((), generator=generator)) < p
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from `probs` (multinomial normalises them)."""
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
 def accept_stochastic(
     tree: DraftTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
 ) -> Verdict:
@@ -115,7 +125,7 @@ def accept_stochastic(
             if token < 0 or token in tried:
                 continue
             tried.add(token)
-            if float(torch.rand((), generator=generator)) < float(probs[token]):
+            if _coin(float(probs[token]), generator):
                 taken = (row, token)
                 break
             probs = _remove(probs, token)
@@ -127,8 +137,7 @@ def accept_stochastic(
         alive = [r for r in alive if candidates[r][column] == token]
     if residual is None:
         residual = processed_probs(logits[nodes[-1]], params)
-    bonus = int(torch.multinomial(residual, 1, generator=generator))
-    return Verdict(nodes=nodes, tokens=tree.tokens[nodes].tolist(), bonus=bonus)
+    return Verdict(nodes=nodes, tokens=tree.tokens[nodes].tolist(), bonus=_draw(residual, generator))
 
 
 def accept(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> Verdict:
