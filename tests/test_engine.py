@@ -87,6 +87,25 @@ def test_tree_verified_logits_equal_sequential_logits(tiny_target):
         torch.testing.assert_close(out.logits[node], sequential, atol=1e-4, rtol=1e-4)
 
 
+def test_eager_attention_masks_the_tree_like_sdpa(tiny_config):
+    """Eager attention adds a 4-D mask to the scores: TargetBatch hands it the additive form, so tree logits equal
+    sequential decoding (a boolean mask would mask nothing: measured 0.16 apart on this tree)."""
+    from taps_ray.models.target import load_target
+
+    eager = load_target(tiny_config.target.model_copy(update={"attn_implementation": "eager"}))
+    assert eager.model.config._attn_implementation == "eager"
+    prompt = eager.tokenizer.encode("Tree attention must equal sequential decoding")
+    tree = build_tree(torch.tensor([11, 12, 13, 14, 15, 16]), torch.tensor([-1, 0, 0, 1, 1, 2]))
+    batch = TargetBatch(eager.model)
+    batch.prefill([prompt, prompt[:4]])  # a padded batch: the shorter row's padding must be masked too
+    out = batch.verify([tree, tree])
+    for b, context in enumerate((prompt, prompt[:4])):
+        for node in range(tree.size):
+            path = tree.mask[node].nonzero().flatten()
+            sequential = eager.model(torch.tensor([context + tree.tokens[path].tolist()])).logits[0, -1]
+            torch.testing.assert_close(out[b].logits[node], sequential, atol=1e-4, rtol=1e-4)
+
+
 def test_draft_stable_cache_equals_fresh_prefill(tiny_target):
     head = new_head(tiny_target.model.config, seed=1)
     context = DraftContext(tiny_target.model.get_input_embeddings(), tiny_target.model.lm_head)

@@ -232,7 +232,14 @@ class TargetBatch:
         return int(self.lengths.numel())
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """The target's post-norm features [B, T, d]; the caller applies the LM head where it needs logits."""
+        """The target's post-norm features [B, T, d]; the caller applies the LM head where it needs logits.
+
+        `mask` is boolean (True = may attend). SDPA reads it as such; eager attention adds a 4-D mask to the
+        scores as it is, so a boolean one would mask nothing: it gets the additive form (0 or the dtype's min).
+        """
+        if self.model.config._attn_implementation == "eager":
+            blocked = torch.finfo(self.model.dtype).min
+            mask = torch.zeros(mask.shape, dtype=self.model.dtype, device=mask.device).masked_fill(~mask, blocked)
         out = self.model.model(
             input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=self.cache, use_cache=True
         )
