@@ -29,7 +29,7 @@ from taps_ray.spec.target_batch import TargetBatch
 from taps_ray.spec.tree import DraftContext, HeadCache, build_tree
 from taps_ray.spec.verify import SamplingParams, accept_stochastic, processed_probs
 
-from oracles import GreedyOracle
+from oracles import GreedyOracle, fit_head
 
 GREEDY = SamplingParams()
 TREE = TreeConfig(total_token=8, depth=3, top_k=3)
@@ -73,6 +73,13 @@ def expected(tiny_target, prompts) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
+def fitted_heads(tiny_target, prompts, expected) -> dict[str, DraftHead]:
+    """Heads fitted to the target's continuations of `prompts` (same start weights): combinations accept drafts."""
+    sequences = [p + e for p, e in zip(prompts, expected)]
+    return {"math": fit_head(tiny_target, sequences, steps=30), "chat": fit_head(tiny_target, sequences[1:], steps=20)}
+
+
+@pytest.fixture(scope="module")
 def probe(tiny_target):
     """(features, next_tokens) of a prompt, as the loop hands them to a proposer on its first call."""
     prompt = tiny_target.tokenizer.encode("The quick brown fox")
@@ -91,7 +98,11 @@ def test_registered_names():
 
 
 @pytest.mark.parametrize("name", combination_names())
-def test_every_combination_is_lossless_greedy(tiny_target, heads, prompts, expected, name):
+def test_every_combination_is_lossless_greedy(tiny_target, heads, fitted_heads, prompts, expected, name):
+    accepting = build_proposer(name, tiny_target, fitted_heads, TREE)
+    generations = generate(tiny_target.model, accepting, prompts, GREEDY, MAX_NEW, tiny_target.stop_token_ids)
+    assert [g.tokens for g in generations] == expected
+    assert sum(s.accepted for g in generations for s in g.steps) > 0  # not vacuous: drafts were accepted
     proposer = build_proposer(name, tiny_target, heads, TREE)
     generations = generate(tiny_target.model, proposer, prompts, GREEDY, MAX_NEW, tiny_target.stop_token_ids)
     for generation, want in zip(generations, expected):

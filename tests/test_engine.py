@@ -14,7 +14,7 @@ from taps_ray.spec.target_batch import TargetBatch
 from taps_ray.spec.tree import DraftContext, HeadCache, build_tree, draft_eagle2, extend_context
 from taps_ray.spec.verify import SamplingParams, accept_greedy, accept_stochastic, processed_probs
 
-from oracles import FixedTree, GreedyOracle, Recording
+from oracles import FixedTree, GreedyOracle, Recording, fit_head
 
 GREEDY = SamplingParams()
 
@@ -128,8 +128,15 @@ def test_greedy_equals_hf_generate_random_head_batch(tiny_target):
     proposer = _random_head_proposer(tiny_target, TreeConfig(total_token=8, depth=3, top_k=3))
     stops = tiny_target.stop_token_ids
     batched = generate(model, proposer, prompts, GREEDY, 24, stops)
-    for prompt, generation in zip(prompts, batched):
-        assert generation.tokens == _hf_greedy(model, prompt, 24, stops)
+    expected = [_hf_greedy(model, prompt, 24, stops) for prompt in prompts]
+    for want, generation in zip(expected, batched):
+        assert generation.tokens == want
+    # the same batch with a head fitted to these continuations: drafts are accepted, and the output is unchanged
+    fitted = SingleHead("fitted", fit_head(tiny_target, [p + e for p, e in zip(prompts, expected)]),
+                        proposer.context, proposer.tree)
+    accepting = generate(model, fitted, prompts, GREEDY, 24, stops)
+    assert [g.tokens for g in accepting] == expected
+    assert sum(s.accepted for g in accepting for s in g.steps) > 0
 
 
 def test_greedy_oracle_accepts_and_stays_lossless_batch_and_alone(tiny_target):
@@ -314,17 +321,21 @@ def test_reduced_draft_vocabulary_drafts_only_its_ids_and_stays_lossless(tiny_ta
 
     model, tok = tiny_target.model, tiny_target.tokenizer
     texts = ["The answer is 42.", "Let us add 3 and 4 to get 7.", "Hello! How can I help you today?"] * 3
-    vocab = frequent_tokens(tok, texts, size=20, always=tiny_target.stop_token_ids)
-    assert vocab.numel() == 20 and set(tiny_target.stop_token_ids) <= set(vocab.tolist())
-    head = new_head(model.config, seed=2)
+    prompt = tok.encode("The answer is")
+    expected = _hf_greedy(model, prompt, 20, tiny_target.stop_token_ids)
+    # the target's own continuation is in the vocabulary, so a head fitted to it gets drafts accepted
+    always = sorted({*tiny_target.stop_token_ids, *expected})
+    vocab = frequent_tokens(tok, texts, size=len(always) + 20, always=always)
+    assert vocab.numel() == len(always) + 20 and set(always) <= set(vocab.tolist())
+    head = fit_head(tiny_target, [prompt + expected])
     context = DraftContext(model.get_input_embeddings(), model.lm_head, vocab)
     proposer = SingleHead("reduced", head, context, TreeConfig(total_token=8, depth=3, top_k=3))
-    prompt = tok.encode("The answer is")
     features = model.model(torch.tensor([prompt])).last_hidden_state[0]
     tree, _ = proposer.propose(HeadCache(), features, torch.tensor(prompt[1:] + [5]))
     assert set(tree.tokens[1:].tolist()) <= set(vocab.tolist())
     generation = generate(model, proposer, [prompt], GREEDY, 20, tiny_target.stop_token_ids)[0]
-    assert generation.tokens == _hf_greedy(model, prompt, 20, tiny_target.stop_token_ids)
+    assert generation.tokens == expected
+    assert sum(s.accepted for s in generation.steps) > 0
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1e-300), SamplingParams(temperature=1.0, top_p=5e-324)])
