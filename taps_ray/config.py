@@ -167,6 +167,11 @@ class EvalConfig(_Strict):
     dtype: DType | None = Field(None, description="overrides target.dtype during evaluation")
     seed: int = 0
     system_prompt: str | None = None
+    replay: bool = Field(
+        True,
+        description="T = 0 cells of draft proposers are replayed from one greedy decode per question, exact and "
+        "without a target run per proposer, but with no speed measured; false runs them live",
+    )
 
     @field_validator("benchmarks")
     @classmethod

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from taps_ray.engine.tree import DraftTree, build_tree
+from taps_ray.models.draft_head import DraftHead, new_head
 
 
 @dataclass
@@ -95,3 +96,35 @@ class Recording:
         seen.extend(next_tokens.tolist())
         tree, inner = self.inner.propose(inner, features, next_tokens)
         return tree, (inner, seen)
+
+
+def fit_head(target, sequences: list[list[int]], seed: int = 0, steps: int = 60, lr: float = 3e-3) -> DraftHead:
+    """A draft head over-fitted to the target's own next tokens on `sequences` (e.g. the greedy continuations a
+    test decodes), so real heads, and the combinations built from them, get drafts accepted on a random target.
+
+    The head learns position p -> the target's argmax at p + 1 from (feature h_p, token x_{p+1}), as EAGLE does.
+    Heads fitted from the same `seed` start from the same weights, so their average drafts sensibly too.
+    """
+    model, device = target.model, target.model.device
+    head = new_head(model.config, seed=seed, device=device)
+    embed, lm_head = model.get_input_embeddings(), model.lm_head
+    batch = []
+    with torch.no_grad():
+        for sequence in sequences:
+            ids = torch.tensor([sequence], device=device)
+            features = model.model(ids).last_hidden_state
+            labels = lm_head(features).argmax(-1)
+            batch.append((embed(ids[:, 1:]), features[:, :-1], labels[0, 1:]))
+    optimizer = torch.optim.Adam(head.parameters(), lr=lr)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = 0.0
+        for tokens, features, labels in batch:
+            n = labels.numel()
+            mask = torch.ones(n, n, dtype=torch.bool, device=device).tril()[None, None]
+            out, _ = head(tokens, features, torch.arange(n, device=device)[None], mask)
+            logits = torch.nn.functional.linear(out[0], lm_head.weight.detach())
+            loss = loss + torch.nn.functional.cross_entropy(logits, labels)
+        loss.backward()
+        optimizer.step()
+    return head.eval()

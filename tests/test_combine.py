@@ -29,7 +29,7 @@ from taps_ray.engine.target_batch import TargetBatch
 from taps_ray.engine.tree import DraftContext, HeadCache, build_tree
 from taps_ray.engine.verify import SamplingParams, accept_stochastic, processed_probs
 
-from oracles import GreedyOracle
+from oracles import GreedyOracle, fit_head
 
 GREEDY = SamplingParams()
 TREE = TreeConfig(total_token=8, depth=3, top_k=3)
@@ -72,6 +72,25 @@ def prompts(tiny_target) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
+def expected(tiny_target, prompts) -> list[list[int]]:
+    model, stops = tiny_target.model, tiny_target.stop_token_ids
+    outs = []
+    for prompt in prompts:
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=stops, pad_token_id=0
+        )
+        outs.append(out[0, len(prompt) :].tolist())
+    return outs
+
+
+@pytest.fixture(scope="module")
+def fitted_heads(tiny_target, prompts, expected) -> dict[str, DraftHead]:
+    """Heads fitted to the target's continuations of `prompts` (same start weights): combinations accept drafts."""
+    sequences = [p + e for p, e in zip(prompts, expected)]
+    return {"math": fit_head(tiny_target, sequences, steps=30), "chat": fit_head(tiny_target, sequences[1:], steps=20)}
+
+
+@pytest.fixture(scope="module")
 def probe(tiny_target):
     """(features, next_tokens) of a prompt, as the loop hands them to a proposer on its first call."""
     prompt = tiny_target.tokenizer.encode("The quick brown fox")
@@ -90,9 +109,14 @@ def test_registered_names():
 
 
 @pytest.mark.parametrize("name", combination_names())
-def test_every_combination_is_lossless_greedy(device_target, prompts, name):
-    proposer = build_proposer(name, device_target, _heads(device_target), TREE)
+def test_every_combination_is_lossless_greedy(device_target, heads, fitted_heads, prompts, expected, name):
+    device = device_target.device
+    accepting = build_proposer(name, device_target, {k: h.to(device) for k, h in fitted_heads.items()}, TREE)
     stops = device_target.stop_token_ids
+    generations = generate(device_target.model, accepting, prompts, GREEDY, MAX_NEW, stops)
+    assert [g.tokens for g in generations] == expected
+    assert sum(s.accepted for g in generations for s in g.steps) > 0  # not vacuous: drafts were accepted
+    proposer = build_proposer(name, device_target, _heads(device_target), TREE)
     generations = generate(device_target.model, proposer, prompts, GREEDY, MAX_NEW, stops)
     for generation, prompt in zip(generations, prompts):
         assert generation.tokens == _hf_greedy(device_target, prompt, MAX_NEW, stops)

@@ -16,7 +16,7 @@ from taps_ray.engine.target_batch import TargetBatch
 from taps_ray.engine.tree import DraftContext, HeadCache, build_tree, draft_eagle2, extend_context
 from taps_ray.engine.verify import SamplingParams, accept_greedy, accept_stochastic, processed_probs
 
-from oracles import FixedTree, GreedyOracle, Recording
+from oracles import FixedTree, GreedyOracle, Recording, fit_head
 
 GREEDY = SamplingParams()
 
@@ -90,6 +90,25 @@ def test_tree_verified_logits_equal_sequential_logits(tiny_target):
         torch.testing.assert_close(out.logits[node], sequential, atol=1e-4, rtol=1e-4)
 
 
+def test_eager_attention_masks_the_tree_like_sdpa(tiny_config):
+    """Eager attention adds a 4-D mask to the scores: TargetBatch hands it the additive form, so tree logits equal
+    sequential decoding (a boolean mask would mask nothing: measured 0.16 apart on this tree)."""
+    from taps_ray.models.target import load_target
+
+    eager = load_target(tiny_config.target.model_copy(update={"attn_implementation": "eager"}))
+    assert eager.model.config._attn_implementation == "eager"
+    prompt = eager.tokenizer.encode("Tree attention must equal sequential decoding")
+    tree = build_tree(torch.tensor([11, 12, 13, 14, 15, 16]), torch.tensor([-1, 0, 0, 1, 1, 2]))
+    batch = TargetBatch(eager.model)
+    batch.prefill([prompt, prompt[:4]])  # a padded batch: the shorter row's padding must be masked too
+    out = batch.verify([tree, tree])
+    for b, context in enumerate((prompt, prompt[:4])):
+        for node in range(tree.size):
+            path = tree.mask[node].nonzero().flatten()
+            sequential = eager.model(torch.tensor([context + tree.tokens[path].tolist()])).logits[0, -1]
+            torch.testing.assert_close(out[b].logits[node], sequential, atol=1e-4, rtol=1e-4)
+
+
 def test_draft_stable_cache_equals_fresh_prefill(tiny_target):
     head = new_head(tiny_target.model.config, seed=1)
     context = DraftContext(tiny_target.model.get_input_embeddings(), tiny_target.model.lm_head)
@@ -112,8 +131,15 @@ def test_greedy_equals_hf_generate_random_head_batch(device_target):
     proposer = _random_head_proposer(device_target, TreeConfig(total_token=8, depth=3, top_k=3))
     stops = device_target.stop_token_ids
     batched = generate(model, proposer, prompts, GREEDY, 24, stops)
-    for prompt, generation in zip(prompts, batched):
-        assert generation.tokens == _hf_greedy(model, prompt, 24, stops)
+    expected = [_hf_greedy(model, prompt, 24, stops) for prompt in prompts]
+    for want, generation in zip(expected, batched):
+        assert generation.tokens == want
+    # the same batch with a head fitted to these continuations: drafts are accepted, and the output is unchanged
+    fitted = SingleHead("fitted", fit_head(device_target, [p + e for p, e in zip(prompts, expected)]),
+                        proposer.context, proposer.tree)
+    accepting = generate(model, fitted, prompts, GREEDY, 24, stops)
+    assert [g.tokens for g in accepting] == expected
+    assert sum(s.accepted for g in accepting for s in g.steps) > 0
 
 
 def test_greedy_oracle_accepts_and_stays_lossless_batch_and_alone(device_target):
@@ -315,18 +341,22 @@ def test_reduced_draft_vocabulary_drafts_only_its_ids_and_stays_lossless(device_
 
     model, tok, device = device_target.model, device_target.tokenizer, device_target.device
     texts = ["The answer is 42.", "Let us add 3 and 4 to get 7.", "Hello! How can I help you today?"] * 3
-    vocab = frequent_tokens(tok, texts, size=20, always=device_target.stop_token_ids)  # on the CPU, as stored
-    assert vocab.numel() == 20 and set(device_target.stop_token_ids) <= set(vocab.tolist())
-    head = new_head(model.config, seed=2, device=device)
+    prompt = tok.encode("The answer is")
+    expected = _hf_greedy(model, prompt, 20, device_target.stop_token_ids)
+    # the target's own continuation is in the vocabulary, so a head fitted to it gets drafts accepted
+    always = sorted({*device_target.stop_token_ids, *expected})
+    vocab = frequent_tokens(tok, texts, size=len(always) + 20, always=always)  # on the CPU, as stored
+    assert vocab.numel() == len(always) + 20 and set(always) <= set(vocab.tolist())
+    head = fit_head(device_target, [prompt + expected])
     context = DraftContext(model.get_input_embeddings(), model.lm_head, vocab)
     proposer = SingleHead("reduced", head, context, TreeConfig(total_token=8, depth=3, top_k=3))
-    prompt = tok.encode("The answer is")
     features = model.model(torch.tensor([prompt], device=device)).last_hidden_state[0]
     tree, _ = proposer.propose(HeadCache(), features, torch.tensor(prompt[1:] + [5], device=device))
     assert tree.tokens.device.type == device.type
     assert set(tree.tokens[1:].tolist()) <= set(vocab.tolist())
     generation = generate(model, proposer, [prompt], GREEDY, 20, device_target.stop_token_ids)[0]
-    assert generation.tokens == _hf_greedy(model, prompt, 20, device_target.stop_token_ids)
+    assert generation.tokens == expected
+    assert sum(s.accepted for s in generation.steps) > 0
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1e-300), SamplingParams(temperature=1.0, top_p=5e-324)])

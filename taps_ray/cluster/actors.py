@@ -167,6 +167,7 @@ class DrafterActor:
         self.worker = worker
         self.name = name
         self.packed = heads
+        self.traces = None  # eval.runner.TraceCache, made on the first cell: replayed cells share greedy decodes
         self.heads: dict[str, dict] = {}
         self.scratch = Path(tempfile.mkdtemp(prefix="taps-heads-"))
         weakref.finalize(self, shutil.rmtree, self.scratch, True)  # also at interpreter exit, unlike __del__
@@ -188,7 +189,7 @@ class DrafterActor:
     def run_cell(self, cell: dict) -> tuple[Any, Any, dict]:
         """One cell through the worker: (steps, questions, info) exactly as `run_cell` returns them in-process."""
         from taps_ray.eval.commands import NO_HEAD
-        from taps_ray.eval.runner import run_cell
+        from taps_ray.eval.runner import TraceCache, is_replayed, run_cell
         from taps_ray.eval.store import Cell
 
         the_cell = Cell(**cell)
@@ -203,7 +204,10 @@ class DrafterActor:
 
         start = time.perf_counter()
         try:
-            steps, questions = run_cell(self.config, the_cell, self.target, heads, verifier_factory=verifier)
+            self.traces = self.traces or TraceCache()
+            steps, questions = run_cell(
+                self.config, the_cell, self.target, heads, verifier_factory=verifier, traces=self.traces
+            )
         finally:
             if sessions:
                 sessions[-1].close(quiet=True)
@@ -213,6 +217,7 @@ class DrafterActor:
             "drafter": self.name,
             "node": socket.gethostname(),
             "path": "ray",
+            "replayed": is_replayed(self.config, the_cell),
         }
         return steps, questions, info
 

@@ -253,8 +253,13 @@ class TargetBatch:
         self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(post-norm last layer [B, T, d], proposer features); the caller applies the LM head where it needs logits.
-        `mask` None: the model's own causal mask over the whole cache."""
+        `mask` None: the model's own causal mask over the whole cache. A boolean `mask` (True = may attend) is
+        read as such by SDPA; eager attention adds a 4-D mask to the scores as it is, so a boolean one would mask
+        nothing: it gets the additive form (0 or the dtype's min)."""
         layers = self.feature_layers
+        if mask is not None and self.model.config._attn_implementation == "eager":
+            blocked = torch.finfo(self.model.dtype).min
+            mask = torch.zeros(mask.shape, dtype=self.model.dtype, device=mask.device).masked_fill(~mask, blocked)
         out = self.model.model(
             input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=self.cache, use_cache=True,
             output_hidden_states=bool(layers),

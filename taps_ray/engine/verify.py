@@ -73,7 +73,12 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
     """Longest root-to-leaf prefix whose tokens equal the target's argmax; ties go to the first row."""
-    target_next = greedy_tokens(logits)
+    return greedy_path(tree, greedy_tokens(logits))
+
+
+def greedy_path(tree: DraftTree, target_next: torch.Tensor) -> Verdict:
+    """Greedy acceptance given the target's next token after each node ([T] long). Only the entries of nodes on
+    the accepted path are read, which lets replay (spec/replay.py) pass the recorded greedy continuation."""
     candidates = _candidates(tree)
     predicted = target_next[tree.retrieve.clamp(min=0)]
     match = (candidates[:, 1:] == predicted[:, :-1]) & (tree.retrieve[:, 1:] >= 0)
@@ -90,6 +95,16 @@ def _remove(probs: torch.Tensor, token: int) -> torch.Tensor:
     if total <= 1e-12:  # only reachable through rounding: the rejected token held all the mass
         raise FloatingPointError("residual distribution vanished after a rejection")
     return probs / total
+
+
+def _coin(p: float, generator: torch.Generator) -> bool:
+    """True with probability p: one uniform draw from the sequence's generator (U < p)."""
+    return float(torch.rand((), generator=generator, device=generator.device)) < p
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from `probs` (multinomial normalises them)."""
+    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def accept_stochastic(
@@ -110,7 +125,7 @@ def accept_stochastic(
             if token < 0 or token in tried:
                 continue
             tried.add(token)
-            if float(torch.rand((), generator=generator, device=generator.device)) < float(probs[token]):
+            if _coin(float(probs[token]), generator):
                 taken = (row, token)
                 break
             probs = _remove(probs, token)
@@ -122,8 +137,7 @@ def accept_stochastic(
         alive = [r for r in alive if candidates[r][column] == token]
     if residual is None:
         residual = processed_probs(logits[nodes[-1]], params)
-    bonus = int(torch.multinomial(residual, 1, generator=generator))
-    return Verdict(nodes=nodes, tokens=tree.tokens[nodes].tolist(), bonus=bonus)
+    return Verdict(nodes=nodes, tokens=tree.tokens[nodes].tolist(), bonus=_draw(residual, generator))
 
 
 def accept(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> Verdict:

@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from taps_ray.config import StudyConfig
 from taps_ray.eval.metrics import PLAIN, summarize
-from taps_ray.eval.runner import eval_dtype, run_cell
+from taps_ray.eval.runner import TraceCache, eval_dtype, is_replayed, run_cell
 from taps_ray.eval.store import Cell, ResultsStore
 from taps_ray.fsio import atomic_write_parquet
 from taps_ray.models.target import load_target
@@ -30,13 +30,16 @@ def plan_cells(
     benchmarks: list[str] | None = None,
     temperatures: list[float] | None = None,
 ) -> list[Cell]:
-    """Plain decoding once per benchmark and temperature, then every proposer of every head kind."""
+    """Plain decoding once per benchmark and temperature, then every proposer of every head kind. With
+    `eval.replay` the T = 0 cells of draft proposers are replayed (runner.is_replayed), the rest run live; the
+    cells of one benchmark and temperature are consecutive, so replayed cells share that benchmark's greedy
+    decodes (runner.TraceCache holds one benchmark at a time)."""
     kinds = kinds or config.train.kinds
     proposers = [p for p in (proposers or config.eval.proposers) if p != PLAIN]
     benchmarks = benchmarks or list(config.eval.benchmarks)
     temperatures = temperatures if temperatures is not None else config.eval.temperatures
     cells = [Cell(NO_HEAD, PLAIN, b, t) for t in temperatures for b in benchmarks]
-    cells += [Cell(k, p, b, t) for k in kinds for t in temperatures for p in proposers for b in benchmarks]
+    cells += [Cell(k, p, b, t) for t in temperatures for b in benchmarks for k in kinds for p in proposers]
     return cells
 
 
@@ -61,18 +64,22 @@ def cmd_eval(config: StudyConfig, cells: list[Cell]) -> int:
         kind: load_heads(config, kind, eval_dtype(config), device=target.device) for kind in sorted({c.head_kind for c in todo} - {NO_HEAD})
     }
     answers = sum(_answers_per_cell(config, c) for c in todo)
+    traces = TraceCache()  # replayed cells of one benchmark share its greedy decodes (plan_cells keeps them together)
     failed = 0
     with tqdm(total=answers, desc="eval", unit="answer") as bar:
         for cell in todo:
             bar.set_postfix_str(cell.id)
             try:
-                steps, questions = run_cell(config, cell, target, heads_by_kind.get(cell.head_kind, {}), progress=bar.update)
+                steps, questions = run_cell(
+                    config, cell, target, heads_by_kind.get(cell.head_kind, {}), progress=bar.update, traces=traces
+                )
             except Exception as error:  # recorded, and the sweep goes on
                 failed += 1
                 store.write_failure(cell, f"{type(error).__name__}: {error}\n{traceback.format_exc()}", attempts=1)
                 print(f"cell {cell.id} failed: {error}", file=sys.stderr)
                 continue
-            store.write_cell(cell, steps, questions, meta={"target": config.target.name, "dtype": str(eval_dtype(config))})
+            meta = {"target": config.target.name, "dtype": str(eval_dtype(config)), "replayed": is_replayed(config, cell)}
+            store.write_cell(cell, steps, questions, meta=meta)
     refresh_summary(config, store)
     return 1 if failed else 0
 

@@ -1,7 +1,9 @@
 """Evaluate one cell (proposer × benchmark × temperature) into step and question records.
 
-Questions are decoded in batches, turn by turn (MT-Bench turn 2 sees the answer to turn 1). The loop is
-the engine's `run_loop`; the caller chooses where the target side runs (in-process or a Ray worker).
+Questions are decoded in batches, turn by turn (MT-Bench turn 2 sees the answer to turn 1). A live cell runs
+the engine's `run_loop`; the caller chooses where the target side runs (in-process or a Ray worker). A replayed
+cell (T = 0 with `eval.replay`, see `is_replayed`) replays the proposer against greedy traces (spec/replay.py)
+that a `TraceCache` keeps across cells, so the target decodes each question once for all proposers.
 """
 
 from __future__ import annotations
@@ -21,10 +23,33 @@ from taps_ray.models.target import Target
 from taps_ray.proposer_setup import load_proposers
 from taps_ray.engine.generate import Generation, Verifier, run_loop
 from taps_ray.engine.proposers import feature_layers
+from taps_ray.engine.replay import GreedyTrace, record_traces, replay
 from taps_ray.engine.target_batch import TargetBatch
 from taps_ray.engine.verify import SamplingParams
+from taps_ray.eval.metrics import PLAIN
 
 VerifierFactory = Callable[[tuple[int, ...]], Verifier]  # the target layers the proposer drafts from -> verifier
+
+
+def is_replayed(config: StudyConfig, cell: Cell) -> bool:
+    """T = 0 cells of draft proposers are replayed when `eval.replay` is on; plain decoding stays live, as the
+    speed baseline."""
+    return config.eval.replay and cell.temperature == 0 and cell.proposer != PLAIN
+
+
+class TraceCache:
+    """Greedy traces by (question, turn) for one benchmark and one feature kind at a time (a trace holds features
+    of every position, so only what is being evaluated stays in memory). The feature kind is the target layers a
+    proposer drafts from: an EAGLE-3 head's traces carry its fused layers, the others the last layer."""
+
+    def __init__(self) -> None:
+        self.key: tuple[str, tuple[int, ...]] | None = None
+        self.traces: dict[tuple[str, int], GreedyTrace] = {}
+
+    def of(self, benchmark: str, layers: tuple[int, ...] = ()) -> dict[tuple[str, int], GreedyTrace]:
+        if (benchmark, tuple(layers)) != self.key:
+            self.key, self.traces = (benchmark, tuple(layers)), {}
+        return self.traces
 
 
 def question_seed(base: int, question_id: object, turn: int) -> int:
@@ -49,14 +74,19 @@ def run_cell(
     heads: dict[str, DraftHead],
     verifier_factory: VerifierFactory | None = None,
     progress: Callable[[int], None] | None = None,
+    traces: TraceCache | None = None,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Returns (steps, questions) frames for the cell; `progress(n)` is called after each batch of n answers."""
+    """Returns (steps, questions) frames for the cell; `progress(n)` is called after each batch of n answers.
+    A replayed cell reads and fills `traces` (pass one cache to every cell of a run to share the target's decodes)."""
     evaluation = config.eval
     questions = load_questions(cell.benchmark, config.resolved_data_dir(), limit=evaluation.benchmarks[cell.benchmark])
     proposer = load_proposers(config, [cell.proposer], target=target, heads=heads)[cell.proposer]
     params = SamplingParams(temperature=cell.temperature)
     make_verifier = verifier_factory or (lambda layers: TargetBatch(target.model, feature_layers=layers))
     layers = feature_layers(proposer)
+    replayed = is_replayed(config, cell)
+    known = (traces or TraceCache()).of(cell.benchmark, layers)
+    budget = (evaluation.max_new_tokens, target.stop_token_ids)
     answers: dict[object, list[str]] = {q.question_id: [] for q in questions}
     step_rows: list[dict] = []
     question_rows: list[dict] = []
@@ -69,9 +99,12 @@ def run_cell(
                 for q in batch
             ]
             seeds = [question_seed(evaluation.seed, q.question_id, turn) for q in batch]
-            generations = run_loop(
-                make_verifier(layers), proposer, prompts, params, evaluation.max_new_tokens, target.stop_token_ids, seeds
-            )
+            if replayed:
+                keys = [(str(q.question_id), turn) for q in batch]
+                traced = _traces(known, keys, prompts, lambda: make_verifier(layers), config, target)
+                generations = replay(proposer, traced, *budget)
+            else:
+                generations = run_loop(make_verifier(layers), proposer, prompts, params, *budget, seeds)
             batch_tokens = sum(len(g.tokens) for g in generations) or 1
             for question, generation in zip(batch, generations):
                 answers[question.question_id].append(answer_text(target, generation))
@@ -81,6 +114,25 @@ def run_cell(
             if progress is not None:
                 progress(len(batch))
     return pd.DataFrame(step_rows), pd.DataFrame(question_rows)
+
+
+def _traces(
+    known: dict[tuple[str, int], GreedyTrace],
+    keys: list[tuple[str, int]],
+    prompts: list[list[int]],
+    make_verifier: VerifierFactory,
+    config: StudyConfig,
+    target: Target,
+) -> list[GreedyTrace]:
+    """The traces of a batch; the questions not yet traced are decoded together (one target run per question)."""
+    todo = [i for i, key in enumerate(keys) if key not in known or known[key].prompt != prompts[i]]
+    if todo:
+        lookahead = config.tree.depth + 1  # an EAGLE-2 tree drafts at most depth + 1 levels below its root
+        new = record_traces(
+            make_verifier, [prompts[i] for i in todo], config.eval.max_new_tokens, target.stop_token_ids, lookahead
+        )
+        known.update((keys[i], trace) for i, trace in zip(todo, new))
+    return [known[key] for key in keys]
 
 
 def _question_row(base: dict, generation: Generation, batch_tokens: int) -> dict:

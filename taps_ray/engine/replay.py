@@ -1,0 +1,128 @@
+"""Exact replay of greedy (T = 0) speculative decoding from one recorded target continuation.
+
+At temperature 0 the tokens a step accepts depend only on the target's greedy continuation: greedy acceptance
+walks the tree along the tokens the target would emit. So the target decodes each prompt once (plain, batched),
+one forward over prompt + continuation gives the features the live loop would hand a proposer, and every
+proposer is then replayed against that record without running the target again: `record_traces` once per
+prompt, `replay` once per proposer. The step records are the live loop's (`run_loop`), except that no
+verification ran: `verify_s` and `wall_s` are NaN (speed is measured by live cells only).
+
+Exactness: in exact arithmetic replay equals the live loop. In floating point the features of one long forward
+and of the live loop's tree forwards differ in the last bits, so a near-tie in a draft head's top-k (or in the
+target's argmax, which the live loop takes from a tree forward) can flip; tests count such cases.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from taps_ray.engine.generate import Generation, Verifier, chosen_head, extend_tokens, record_step
+from taps_ray.engine.proposers import Proposer
+from taps_ray.engine.tree import root_only
+from taps_ray.engine.verify import SamplingParams, greedy_path
+
+GREEDY = SamplingParams()
+NO_TOKEN = -1  # past the recorded continuation: matches no drafted token
+
+
+@dataclass
+class GreedyTrace:
+    """One prompt's greedy continuation, `lookahead` tokens past where decoding stops, and the target's post-norm
+    features of prompt + continuation from one forward ([len(prompt) + len(tokens), d])."""
+
+    prompt: list[int]
+    tokens: list[int]
+    features: torch.Tensor
+    lookahead: int
+
+    @property
+    def sequence(self) -> list[int]:
+        return self.prompt + self.tokens
+
+
+def _end(tokens: list[int], budget: int, stops: set[int]) -> int:
+    """How many of `tokens` the live loop keeps: up to the first stop token or `budget` (the budget while
+    neither is reached, so decoding goes on)."""
+    for i, token in enumerate(tokens[:budget]):
+        if token in stops:
+            return i + 1
+    return budget
+
+
+@torch.no_grad()
+def record_traces(
+    make_verifier: Callable[[], Verifier],
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    stop_ids: list[int],
+    lookahead: int,
+) -> list[GreedyTrace]:
+    """Greedy-decode every prompt (one batched target forward per token) until `lookahead` tokens past its end
+    (stop token or `max_new_tokens`), then one batched forward over each prompt + continuation for the features.
+
+    `lookahead` must cover the deepest drafted node (a tree of depth D reads up to D tokens past the last kept
+    one); `replay` raises when a tree reaches past the record.
+    """
+    stops = set(stop_ids)
+    seeds = [0] * len(prompts)
+    verifier = make_verifier()
+    started = verifier.start(prompts, GREEDY, seeds)
+    tokens = [c.tokens for c in started]
+    device = started[0].next_tokens.device  # the verifier's: trees are built where it verifies
+
+    def tree(b: int):
+        done = len(tokens[b]) >= _end(tokens[b], max_new_tokens, stops) + lookahead
+        return None if done else root_only(tokens[b][-1], device)
+
+    trees = [tree(b) for b in range(len(prompts))]
+    while any(t is not None for t in trees):
+        for b, committed in enumerate(verifier.step(trees)):
+            if committed is not None:
+                tokens[b] = tokens[b] + committed.tokens
+        trees = [tree(b) if trees[b] is not None else None for b in range(len(prompts))]
+    full = [p + t for p, t in zip(prompts, tokens)]
+    features = [c.features for c in make_verifier().start(full, GREEDY, seeds)]
+    return [GreedyTrace(p, t, f, lookahead) for p, t, f in zip(prompts, tokens, features)]
+
+
+@torch.no_grad()
+def replay(proposer: Proposer, traces: list[GreedyTrace], max_new_tokens: int, stop_ids: list[int]) -> list[Generation]:
+    """The generations `run_loop(verifier, proposer, prompts, greedy, max_new_tokens, stop_ids)` would produce,
+    computed from the traces: the proposer drafts exactly as in the live loop, and each tree is accepted by walking
+    it along the recorded continuation."""
+    return [_replay_one(proposer, trace, max_new_tokens, set(stop_ids)) for trace in traces]
+
+
+def _recorded(sequence: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The recorded tokens at `positions`, NO_TOKEN past the end of the record."""
+    inside = positions < sequence.numel()
+    return torch.where(inside, sequence[positions.clamp(max=sequence.numel() - 1)], NO_TOKEN)
+
+
+def _replay_one(proposer: Proposer, trace: GreedyTrace, max_new_tokens: int, stops: set[int]) -> Generation:
+    sequence = torch.tensor(trace.sequence, device=trace.features.device)
+    generation = Generation(prompt=list(trace.prompt), wall_s=math.nan)
+    extend_tokens(generation, trace.tokens[:1], stops, max_new_tokens)
+    state = proposer.init_state()
+    length = len(trace.prompt)  # committed positions; the root (last emitted token) sits at `length`
+    new = slice(0, length)
+    while not generation.finished_by:
+        t0 = time.perf_counter()
+        tree, state = proposer.propose(state, trace.features[new], sequence[new.start + 1 : new.stop + 1])
+        draft_s = time.perf_counter() - t0
+        verdict = greedy_path(tree, _recorded(sequence, length + 1 + tree.depth))
+        if verdict.bonus == NO_TOKEN:
+            raise ValueError(
+                f"a tree of depth {int(tree.depth.max())} reached past the recorded continuation; record the traces "
+                f"with a larger lookahead (now {trace.lookahead})"
+            )
+        kept = extend_tokens(generation, verdict.tokens[1:] + [verdict.bonus], stops, max_new_tokens)
+        generation.steps.append(record_step(tree, verdict, kept, draft_s, math.nan, chosen_head(state)))
+        new = slice(length, length + len(verdict.nodes))
+        length = new.stop
+    return generation
