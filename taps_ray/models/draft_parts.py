@@ -18,6 +18,7 @@ from transformers import AutoConfig
 from transformers.utils import cached_file
 
 from taps_ray.config import TargetConfig
+from taps_ray.models.device import resolve_device
 from taps_ray.models.target import TINY_ALIAS, Target, load_target, load_tokenizer, model_source, torch_dtype
 from taps_ray.models.target import with_pad_token
 
@@ -40,6 +41,11 @@ class DraftParts(torch.nn.Module):
 
     def get_output_embeddings(self) -> torch.nn.Linear:
         return self.lm_head
+
+    @property
+    def device(self) -> torch.device:
+        """Where the drafter drafts (`Target.device` reads it as it reads a model's)."""
+        return self.embed_tokens.weight.device
 
 
 def read_tensors(source: str | Path, names: set[str]) -> dict[str, torch.Tensor]:
@@ -68,7 +74,8 @@ def load_draft_target(config: TargetConfig, dtype: str | None = None) -> Target:
     if config.name == TINY_ALIAS:
         whole = load_target(config, dtype)
         model = whole.model
-        return Target(parts_of(model.get_input_embeddings(), model.get_output_embeddings()), whole.tokenizer, config.name)
+        parts = parts_of(model.get_input_embeddings(), model.get_output_embeddings())
+        return Target(parts.to(resolve_device(config)), whole.tokenizer, config.name)
     wanted = torch_dtype(dtype or config.dtype)
     source = model_source(config.name)
     tied = bool(getattr(AutoConfig.from_pretrained(source), "tie_word_embeddings", False))
@@ -80,4 +87,5 @@ def load_draft_target(config: TargetConfig, dtype: str | None = None) -> Target:
     with torch.device("meta"):  # the weight is assigned below: allocate none here
         lm_head = torch.nn.Linear(embed.embedding_dim, embed.num_embeddings, bias=False)
     lm_head.weight = embed.weight if tied else torch.nn.Parameter(tensors[LM_HEAD].to(wanted), requires_grad=False)
-    return Target(parts_of(embed, lm_head), with_pad_token(load_tokenizer(config.name)), config.name)
+    parts = parts_of(embed, lm_head).to(resolve_device(config))
+    return Target(parts, with_pad_token(load_tokenizer(config.name)), config.name)
