@@ -69,6 +69,27 @@ def test_ngram_alone_is_lossless_and_accepts(tiny_target, repetitive):
     assert sum(s.accepted for s in generation.steps) > 0 and len(generation.steps) < 24
 
 
+def test_ngram_replays_like_the_live_loop_with_the_registry_reach(tiny_target, repetitive):
+    """A prompt-lookup chain can reach deeper below its root than an EAGLE tree (depth + 1): replay must record
+    `draft_reach` tokens past an answer's end, and traces recorded that far replay the live loop step for step."""
+    from taps_ray.engine.registry import draft_reach
+    from taps_ray.engine.replay import record_traces, replay
+    from taps_ray.engine.target_batch import TargetBatch
+
+    history = torch.arange(100, 112)  # twelve distinct tokens, then the first three again: a 3-gram match
+    chain, _ = NgramProposer().propose(NgramState(), torch.zeros(15, 1), torch.cat([history, history[:3]]))
+    assert int(chain.depth.max()) + 1 > TREE.depth + 1  # deeper than the tree settings alone allow for
+    assert int(chain.depth.max()) + 1 <= draft_reach(TREE)
+
+    prompt, _ = repetitive
+    live = generate(tiny_target.model, NgramProposer(), [prompt], GREEDY, 24, [])[0]
+    traces = record_traces(lambda: TargetBatch(tiny_target.model), [prompt], 24, [], draft_reach(TREE))
+    replayed = replay(NgramProposer(), traces, 24, [])[0]
+    assert replayed.tokens == live.tokens
+    assert [(s.accepted, s.new_tokens) for s in replayed.steps] == [(s.accepted, s.new_tokens) for s in live.steps]
+    assert sum(s.accepted for s in replayed.steps) > 0
+
+
 def test_head_plus_ngram_is_lossless_accepts_and_keeps_the_budget(tiny_target, heads, repetitive):
     prompt, want = repetitive
     other = tiny_target.tokenizer.encode("2+2=")

@@ -29,7 +29,7 @@ from taps_ray.engine.combine import (
 )
 from taps_ray.engine.cost import CostAware
 from taps_ray.engine.names import AVERAGED_SWEEP, UnknownProposer, averaged_name, averaged_weight
-from taps_ray.engine.ngram import NgramProposer
+from taps_ray.engine.ngram import NUM_TOKENS, NgramProposer
 from taps_ray.engine.proposers import PlainDecoding, Proposer, SingleHead
 from taps_ray.engine.tree import DraftContext
 
@@ -65,6 +65,14 @@ def combination_names() -> list[str]:
 def single_names(heads: Sequence[str]) -> list[str]:
     """The proposers that need at most one of `heads`: plain, each head, n-gram lookup, each head + n-gram."""
     return ["plain", *heads, NGRAM, *(f"{h}{NGRAM_SUFFIX}" for h in heads)]
+
+
+def draft_reach(tree: TreeConfig) -> int:
+    """How many tokens past a committed root the deepest draft of any proposer named here reads: its deepest node
+    (an EAGLE tree's `tree.depth`, a prompt-lookup chain's `NUM_TOKENS`, alone, merged or cost-aware) plus the
+    bonus token after it. Replay records this far past an answer's end, so a fully accepted draft is always
+    checked against recorded tokens."""
+    return max(tree.depth, NUM_TOKENS) + 1
 
 
 def proposer_names(config: StudyConfig) -> list[str]:

@@ -23,6 +23,7 @@ from taps_ray.models.target import Target
 from taps_ray.proposer_setup import load_proposers
 from taps_ray.engine.generate import Generation, Verifier, run_loop
 from taps_ray.engine.proposers import feature_layers
+from taps_ray.engine.registry import draft_reach
 from taps_ray.engine.replay import GreedyTrace, record_traces, replay
 from taps_ray.engine.target_batch import TargetBatch
 from taps_ray.engine.verify import SamplingParams
@@ -120,16 +121,16 @@ def _traces(
     known: dict[tuple[str, int], GreedyTrace],
     keys: list[tuple[str, int]],
     prompts: list[list[int]],
-    make_verifier: VerifierFactory,
+    make_verifier: Callable[[], Verifier],
     config: StudyConfig,
     target: Target,
 ) -> list[GreedyTrace]:
     """The traces of a batch; the questions not yet traced are decoded together (one target run per question)."""
     todo = [i for i, key in enumerate(keys) if key not in known or known[key].prompt != prompts[i]]
     if todo:
-        lookahead = config.tree.depth + 1  # an EAGLE-2 tree drafts at most depth + 1 levels below its root
         new = record_traces(
-            make_verifier, [prompts[i] for i in todo], config.eval.max_new_tokens, target.stop_token_ids, lookahead
+            make_verifier, [prompts[i] for i in todo], config.eval.max_new_tokens, target.stop_token_ids,
+            draft_reach(config.tree),
         )
         known.update((keys[i], trace) for i, trace in zip(todo, new))
     return [known[key] for key in keys]
