@@ -8,6 +8,7 @@ import pandas as pd
 import pytest
 
 from taps_ray.config import parse_config
+from taps_ray.eval.metrics import summarize
 from taps_ray.eval.store import Cell, ResultsStore
 from taps_ray.report import build_report
 from taps_ray.report.data import ReportCopy, load_report_data, results_source
@@ -54,7 +55,7 @@ def _write(store: ResultsStore, kind: str, proposer: str, bench: str, accepts: l
         n = sum(a + 1 for a in per_step)
         questions.append({
             **base, "prompt_tokens": 10, "tokens": list(range(n)), "n_tokens": n, "new_tokens": n, "committed": n,
-            "steps": len(per_step), "taps_steps": max(len(per_step) - 1, 1), "tau": n / len(per_step),
+            "steps": len(per_step), "taps_steps": len(per_step) - 1, "tau": n / len(per_step),
             "wall_s": n * wall_per_token, "finished_by": "max_new_tokens",
         })
     store.write_cell(cell, pd.DataFrame(steps), pd.DataFrame(questions))
@@ -213,3 +214,15 @@ def test_rendered_report_prints_no_machine_path(tmp_path, monkeypatch):
     assert "(local dir $TAPS_DATA_DIR/gsm8k_train/train.jsonl)" in readme
     assert "results store `…/work/results`" in readme
     assert str(tmp_path) not in readme and "/tmp/" not in readme and "site-packages" not in readme
+
+
+def test_tau_taps_counts_a_one_step_turn_as_taps_does():
+    """TAPS sums each turn's loop index (steps − 1): a one-step turn adds its tokens and no step."""
+    cell = {"head_kind": "eagle2", "proposer": "math", "benchmark": "gsm8k", "temperature": 0.0, "wall_s": 1.0,
+            "n_tokens": 1}
+    rows = [{**cell, "question_id": "0", "turn": 0, "new_tokens": 9, "committed": 9, "steps": 3, "taps_steps": 2},
+            {**cell, "question_id": "1", "turn": 0, "new_tokens": 4, "committed": 4, "steps": 1, "taps_steps": 0}]
+    row = summarize(pd.DataFrame(rows)).iloc[0]
+    assert row["tau_taps"] == pytest.approx(13 / 2) and row["tau"] == pytest.approx(13 / 4)
+    alone = summarize(pd.DataFrame(rows[1:])).iloc[0]
+    assert pd.isna(alone["tau_taps"])  # no turn took two steps: undefined, not 4 / 1
