@@ -4,8 +4,9 @@ Head A is the first head of the config (math), head B the second (chat).
 
 * `averaged`, `averaged-w{w}`: one head whose weights are w·A + (1−w)·B (docs/algorithms.md#weight-averaging); `averaged` is w = 0.5.
 * `confidence-routed`: both heads draft every step; the tree with the higher mean confidence is verified (docs/algorithms.md#confidence-routing).
-* `entropy-routed`: every head drafts once at the start of a sequence; the lowest mean entropy head then
-  drafts alone for the rest of it (docs/algorithms.md#entropy-routing).
+* `entropy-routed`: every head, and the averaged head when there are two (TAPS's candidates), drafts once at the
+  start of a sequence; the lowest mean entropy one then drafts alone for the rest of it
+  (docs/algorithms.md#entropy-routing).
 * `merged`: both trees under one shared root, verified together (docs/algorithms.md#merged-tree-verification, the reference method).
 * `merged-dedup` (ours, a change to the method): a trie merge; a node that repeats a path already in the tree
   is drafted once, so the same continuations cost fewer verified nodes.
@@ -466,9 +467,13 @@ def build_confidence_routed(heads: dict[str, DraftHead], context: DraftContext, 
 
 
 def build_entropy_routed(heads: dict[str, DraftHead], context: DraftContext, tree: TreeConfig) -> Proposer:
+    """Candidates as `names.entropy_candidates`: every head, then the averaged head when there are two."""
     if not heads:
         raise ValueError("proposer 'entropy-routed' needs at least one head")
-    return EntropyRouted(_single_heads(list(heads.items()), context, tree))
+    parts = _single_heads(list(heads.items()), context, tree)
+    if len(heads) >= 2:
+        parts.append(build_averaged(heads, context, tree))
+    return EntropyRouted(parts)
 
 
 def build_merged(heads: dict[str, DraftHead], context: DraftContext, tree: TreeConfig) -> Proposer:

@@ -16,7 +16,7 @@ import pandas as pd
 
 from taps_ray.config import BENCHMARKS, HEAD_KINDS, StudyConfig
 from taps_ray.eval.diagnostics import accepted_vs_rejected, routing_fractions
-from taps_ray.engine.names import averaged_weight
+from taps_ray.engine.names import averaged_weight, entropy_candidates
 from taps_ray.eval.metrics import PLAIN, summarize
 from taps_ray.eval.store import ResultsStore
 from taps_ray.workdir import results_dir
@@ -194,7 +194,8 @@ def routing_table(steps: pd.DataFrame, head_names: list[str]) -> pd.DataFrame:
             unit = "question turns"
         else:
             unit = "steps"
-        names = head_names if max(group["head"], default=0) < len(head_names) else None
+        parts = entropy_candidates(head_names) if proposer == "entropy-routed" else head_names
+        names = parts if max(group["head"], default=0) < len(parts) else None
         for head, fraction in routing_fractions(group.itertuples(index=False), names).items():
             rows.append({"head_kind": kind, "proposer": proposer, "benchmark": bench, "temperature": temperature,
                          "head": str(head), "fraction": fraction, "unit": unit})
