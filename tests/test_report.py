@@ -12,6 +12,7 @@ from taps_ray.eval.metrics import summarize
 from taps_ray.eval.store import Cell, ResultsStore
 from taps_ray.report import build_report
 from taps_ray.report.data import ReportCopy, load_report_data, results_source
+from taps_ray.report.setting import setting_md
 from taps_ray.report.findings import FAILS, HOLDS, UNMEASURED, findings
 from taps_ray.report.uncertainty import tau_difference, tau_interval
 from taps_ray.workdir import results_dir
@@ -226,3 +227,12 @@ def test_tau_taps_counts_a_one_step_turn_as_taps_does():
     assert row["tau_taps"] == pytest.approx(13 / 2) and row["tau"] == pytest.approx(13 / 4)
     alone = summarize(pd.DataFrame(rows[1:])).iloc[0]
     assert pd.isna(alone["tau_taps"])  # no turn took two steps: undefined, not 4 / 1
+
+
+def test_setting_states_that_router_signals_use_the_reduced_draft_vocabulary(tmp_path):
+    config, store = _store(tmp_path)
+    data = load_report_data(config, store)
+    assert "renormalised on these tokens" not in setting_md(data, "taps report")
+    reduced = config.model_copy(update={"tree": config.tree.model_copy(update={"draft_vocab_size": 512})})
+    text = setting_md(load_report_data(reduced, store), "taps report")
+    assert "draft vocabulary 512 tokens (draft confidence and entropy" in text and "not on the full vocabulary" in text
