@@ -13,7 +13,7 @@ from taps_ray.eval.store import Cell, ResultsStore
 from taps_ray.report import build_report
 from taps_ray.report.data import ReportCopy, load_report_data, results_source
 from taps_ray.report.setting import setting_md
-from taps_ray.report.findings import FAILS, HOLDS, UNMEASURED, findings
+from taps_ray.report.findings import FAILS, HOLDS, NOISE, UNMEASURED, findings
 from taps_ray.report.uncertainty import tau_difference, tau_interval
 from taps_ray.workdir import results_dir
 
@@ -133,7 +133,23 @@ def test_report_tables_json_plots_and_findings(tmp_path):
     assert "The math head beats the chat head on GSM8K, MATH-500 and SVAMP, and the chat head beats the math head on " \
            "MT-Bench: HOLDS**" in readme
     assert "Δ from +1.500 nats" in readme
-    assert "GSM8K 75% of steps to math" in readme and "MT-Bench 75% of steps to chat" in readme
+    # per question (TAPS): math wins both GSM8K questions on mean confidence; the live router's majority per question
+    # gives MT-Bench question 1 (one step each) to the lower index, math; per step: 75% of steps each way
+    assert "GSM8K 100% of 2 questions to math (per-question confidence) ✓" in readme
+    assert "confidence-routed: 50% of questions by majority of steps, 75% of steps to chat" in readme
+    assert "| EAGLE-2 | confidence-routed | T = 0 | MT-Bench | chat 50%, math 50% of questions |" in readme
+
+
+def test_a_check_whose_interval_straddles_zero_is_within_noise(tmp_path):
+    config = _config(tmp_path)
+    store = ResultsStore(results_dir(config))
+    # math better on question 0, chat on question 1: the point estimate favours math, the interval straddles zero
+    _write(store, "eagle2", "math", "gsm8k", [[2, 2, 2], [0, 0]])
+    _write(store, "eagle2", "chat", "gsm8k", [[0, 0, 0], [2, 2]])
+    result = {f.key: f for f in findings(load_report_data(config, store))}
+    assert result["a"].verdict == NOISE
+    assert "GSM8K math 2.20 vs chat 1.80 ✓ (Δ +0.40, 95% CI [-" in result["a"].evidence[0]
+    assert result["a"].evidence[0].startswith("EAGLE-2, T = 0: WITHIN NOISE")
 
 
 def test_findings_follow_the_numbers(tmp_path):
@@ -145,8 +161,7 @@ def test_findings_follow_the_numbers(tmp_path):
     result = {f.key: f for f in findings(load_report_data(config, store))}
     assert result["a"].verdict == FAILS
     assert "GSM8K math 1.40 vs chat 3.40 ✗ (Δ -2.00, 95% CI [-" in result["a"].evidence[0]
-    assert "τ comparisons (2): 0 clearly for the claim, 2 clearly against it, 0 within noise" in result["a"].markdown()
-    assert "every failure is within noise" not in result["a"].markdown()
+    assert "intervals (2): 0 clearly for the claim, 2 clearly against it, 0 within noise" in result["a"].markdown()
 
 
 def test_paired_bootstrap_interval_of_a_tau_difference(tmp_path):

@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 import torch
 
 from taps_ray.config import TreeConfig
+from taps_ray.eval.diagnostics import mean_node_confidence
 from taps_ray.models.draft_head import DraftHead
 from taps_ray.engine.ngram import NgramProposer
 from taps_ray.engine.proposers import Proposer, SingleHead, feature_layers
@@ -428,8 +429,8 @@ def per_question_confidence_choice(
         raise ValueError(f"no candidate heads besides the fallback {fallback!r}")
     scores = {}
     for name in candidates:
-        values = [c for record in records_by_head[name] for c in record.node_confidence]
-        scores[name] = sum(values) / len(values) if values else 0.0
+        score = mean_node_confidence(records_by_head[name])
+        scores[name] = 0.0 if math.isnan(score) else score
     ranked = sorted(candidates, key=lambda n: (-scores[n], candidates.index(n)))
     if len(ranked) >= 2 and abs(scores[ranked[0]] - scores[ranked[1]]) < eps:
         return fallback if fallback is not None else candidates[0]
