@@ -25,6 +25,7 @@ from taps_ray.engine.combine import (
 from taps_ray.engine.generate import NOT_DRAFTED, StepRecord, generate
 from taps_ray.engine.proposers import SingleHead
 from taps_ray.engine.registry import UnknownProposer, averaged_weight, build_proposer, combination_names
+from taps_ray.engine.names import entropy_candidates
 from taps_ray.engine.target_batch import TargetBatch
 from taps_ray.engine.tree import DraftContext, HeadCache, build_tree
 from taps_ray.engine.verify import SamplingParams, accept_stochastic, processed_probs
@@ -202,6 +203,23 @@ def test_confidence_routing_picks_the_sharper_head_and_keeps_both_caches(tiny_ta
         # later calls: only the chosen head drafts, from its own cache
         tree, state = entropy.propose(state, features[-1:], torch.tensor([7]))
         assert state.last_head == sharp_index and state.parts[sharp_index].length == len(next_tokens) + 1
+
+
+def test_entropy_routing_candidates_are_every_head_and_the_averaged_head(tiny_target, probe):
+    """TAPS's entropy router picks among MathInstruct, ShareGPT, the mixed head and the averaged head."""
+    config = tiny_target.model.config
+    heads = {"math": new_head(config, seed=2), "chat": new_head(config, seed=3), "mixed": new_head(config, seed=4)}
+    router = build_proposer("entropy-routed", tiny_target, heads, TREE)
+    assert router.head_names == entropy_candidates(list(heads)) == ["math", "chat", "mixed", "averaged"]
+    averaged = router.parts[3].head.trainable_state()
+    for key, value in heads["math"].trainable_state().items():
+        if value.is_floating_point():
+            expected = 0.5 * value + 0.5 * heads["chat"].trainable_state()[key]
+            assert torch.allclose(averaged[key], expected, atol=1e-6), key
+    features, next_tokens = probe
+    _, state = router.propose(router.init_state(), features, next_tokens)
+    assert len(state.entropies) == 4 and state.chosen == min(range(4), key=lambda i: (state.entropies[i], i))
+    assert entropy_candidates(["math"]) == ["math"]  # one head: nothing to average
 
 
 def test_routing_ties_go_to_head_a(tiny_target, probe):

@@ -10,7 +10,7 @@ from scipy import stats
 
 from taps_ray.config import TreeConfig
 from taps_ray.models.draft_head import new_head
-from taps_ray.engine.generate import NOT_DRAFTED, generate, run_loop
+from taps_ray.engine.generate import NOT_DRAFTED, generate, run_loop, step_tokens
 from taps_ray.engine.proposers import PlainDecoding, SingleHead
 from taps_ray.engine.target_batch import TargetBatch
 from taps_ray.engine.tree import DraftContext, HeadCache, build_tree, draft_eagle2, extend_context
@@ -171,6 +171,26 @@ def test_stop_token_inside_accepted_block_cuts_output(tiny_target):
     assert generation.finished_by == "stop"
     assert generation.tokens == expected[: expected.index(stop) + 1]
     assert generation.tokens == _hf_greedy(model, prompt, 30, [stop])
+
+
+def test_spec_bench_new_tokens_trim_after_a_stop_token_but_not_at_the_token_budget(tiny_target):
+    model, tok = tiny_target.model, tiny_target.tokenizer
+    bos = tok.encode("<|im_start|>")[0]
+    prompt = [bos] + tok.encode("budget me somewhere")
+    oracle = GreedyOracle(model, first_token=bos, depth=4)
+    budget = 6  # the oracle commits 1, 2, 3 tokens in steps 0, 1, 2: step 2 crosses the budget
+    cut = generate(model, oracle, [prompt], GREEDY, budget, [])[0]
+    assert cut.finished_by == "length" and len(cut.tokens) == budget
+    # every step, the last included, counts all it committed (a_k + 1); the output itself is cut at the budget
+    assert [s.new_tokens for s in cut.steps] == [s.accepted + 1 for s in cut.steps]
+    assert sum(s.new_tokens for s in cut.steps) + 1 > budget  # the last step crossed the budget with drafts accepted
+
+    expected = _hf_greedy(model, prompt, 30, [])
+    stop = expected[5]
+    stopped = generate(model, oracle, [prompt], GREEDY, 30, [stop])[0]
+    assert stopped.finished_by == "stop"
+    assert sum(s.new_tokens for s in stopped.steps) + 1 == len(stopped.tokens)  # trimmed just after the stop token
+    assert step_tokens([4, 9, 2, 9], {9}) == 2 and step_tokens([4, 5], {9}) == 2
 
 
 def test_draft_below_pauses_drafting_while_the_batch_is_large_and_resumes_with_whole_context(tiny_target):

@@ -8,10 +8,12 @@ import pandas as pd
 import pytest
 
 from taps_ray.config import parse_config
+from taps_ray.eval.metrics import summarize
 from taps_ray.eval.store import Cell, ResultsStore
 from taps_ray.report import build_report
 from taps_ray.report.data import ReportCopy, load_report_data, results_source
-from taps_ray.report.findings import FAILS, HOLDS, UNMEASURED, findings
+from taps_ray.report.setting import setting_md
+from taps_ray.report.findings import FAILS, HOLDS, NOISE, UNMEASURED, findings
 from taps_ray.report.uncertainty import tau_difference, tau_interval
 from taps_ray.workdir import results_dir
 
@@ -54,7 +56,7 @@ def _write(store: ResultsStore, kind: str, proposer: str, bench: str, accepts: l
         n = sum(a + 1 for a in per_step)
         questions.append({
             **base, "prompt_tokens": 10, "tokens": list(range(n)), "n_tokens": n, "new_tokens": n, "committed": n,
-            "steps": len(per_step), "taps_steps": max(len(per_step) - 1, 1), "tau": n / len(per_step),
+            "steps": len(per_step), "taps_steps": len(per_step) - 1, "tau": n / len(per_step),
             "wall_s": n * wall_per_token, "finished_by": "max_new_tokens",
         })
     store.write_cell(cell, pd.DataFrame(steps), pd.DataFrame(questions))
@@ -131,7 +133,23 @@ def test_report_tables_json_plots_and_findings(tmp_path):
     assert "The math head beats the chat head on GSM8K, MATH-500 and SVAMP, and the chat head beats the math head on " \
            "MT-Bench: HOLDS**" in readme
     assert "Δ from +1.500 nats" in readme
-    assert "GSM8K 75% of steps to math" in readme and "MT-Bench 75% of steps to chat" in readme
+    # per question (TAPS): math wins both GSM8K questions on mean confidence; the live router's majority per question
+    # gives MT-Bench question 1 (one step each) to the lower index, math; per step: 75% of steps each way
+    assert "GSM8K 100% of 2 questions to math (per-question confidence) ✓" in readme
+    assert "confidence-routed: 50% of questions by majority of steps, 75% of steps to chat" in readme
+    assert "| EAGLE-2 | confidence-routed | T = 0 | MT-Bench | chat 50%, math 50% of questions |" in readme
+
+
+def test_a_check_whose_interval_straddles_zero_is_within_noise(tmp_path):
+    config = _config(tmp_path)
+    store = ResultsStore(results_dir(config))
+    # math better on question 0, chat on question 1: the point estimate favours math, the interval straddles zero
+    _write(store, "eagle2", "math", "gsm8k", [[2, 2, 2], [0, 0]])
+    _write(store, "eagle2", "chat", "gsm8k", [[0, 0, 0], [2, 2]])
+    result = {f.key: f for f in findings(load_report_data(config, store))}
+    assert result["a"].verdict == NOISE
+    assert "GSM8K math 2.20 vs chat 1.80 ✓ (Δ +0.40, 95% CI [-" in result["a"].evidence[0]
+    assert result["a"].evidence[0].startswith("EAGLE-2, T = 0: WITHIN NOISE")
 
 
 def test_findings_follow_the_numbers(tmp_path):
@@ -143,8 +161,7 @@ def test_findings_follow_the_numbers(tmp_path):
     result = {f.key: f for f in findings(load_report_data(config, store))}
     assert result["a"].verdict == FAILS
     assert "GSM8K math 1.40 vs chat 3.40 ✗ (Δ -2.00, 95% CI [-" in result["a"].evidence[0]
-    assert "τ comparisons (2): 0 clearly for the claim, 2 clearly against it, 0 within noise" in result["a"].markdown()
-    assert "every failure is within noise" not in result["a"].markdown()
+    assert "intervals (2): 0 clearly for the claim, 2 clearly against it, 0 within noise" in result["a"].markdown()
 
 
 def test_paired_bootstrap_interval_of_a_tau_difference(tmp_path):
@@ -213,3 +230,24 @@ def test_rendered_report_prints_no_machine_path(tmp_path, monkeypatch):
     assert "(local dir $TAPS_DATA_DIR/gsm8k_train/train.jsonl)" in readme
     assert "results store `…/work/results`" in readme
     assert str(tmp_path) not in readme and "/tmp/" not in readme and "site-packages" not in readme
+
+
+def test_tau_taps_counts_a_one_step_turn_as_taps_does():
+    """TAPS sums each turn's loop index (steps − 1): a one-step turn adds its tokens and no step."""
+    cell = {"head_kind": "eagle2", "proposer": "math", "benchmark": "gsm8k", "temperature": 0.0, "wall_s": 1.0,
+            "n_tokens": 1}
+    rows = [{**cell, "question_id": "0", "turn": 0, "new_tokens": 9, "committed": 9, "steps": 3, "taps_steps": 2},
+            {**cell, "question_id": "1", "turn": 0, "new_tokens": 4, "committed": 4, "steps": 1, "taps_steps": 0}]
+    row = summarize(pd.DataFrame(rows)).iloc[0]
+    assert row["tau_taps"] == pytest.approx(13 / 2) and row["tau"] == pytest.approx(13 / 4)
+    alone = summarize(pd.DataFrame(rows[1:])).iloc[0]
+    assert pd.isna(alone["tau_taps"])  # no turn took two steps: undefined, not 4 / 1
+
+
+def test_setting_states_that_router_signals_use_the_reduced_draft_vocabulary(tmp_path):
+    config, store = _store(tmp_path)
+    data = load_report_data(config, store)
+    assert "renormalised on these tokens" not in setting_md(data, "taps report")
+    reduced = config.model_copy(update={"tree": config.tree.model_copy(update={"draft_vocab_size": 512})})
+    text = setting_md(load_report_data(reduced, store), "taps report")
+    assert "draft vocabulary 512 tokens (draft confidence and entropy" in text and "not on the full vocabulary" in text

@@ -4,8 +4,9 @@ Head A is the first head of the config (math), head B the second (chat).
 
 * `averaged`, `averaged-w{w}`: one head whose weights are w·A + (1−w)·B (docs/algorithms.md#weight-averaging); `averaged` is w = 0.5.
 * `confidence-routed`: both heads draft every step; the tree with the higher mean confidence is verified (docs/algorithms.md#confidence-routing).
-* `entropy-routed`: every head drafts once at the start of a sequence; the lowest mean entropy head then
-  drafts alone for the rest of it (docs/algorithms.md#entropy-routing).
+* `entropy-routed`: every head, and the averaged head when there are two (TAPS's candidates), drafts once at the
+  start of a sequence; the lowest mean entropy one then drafts alone for the rest of it
+  (docs/algorithms.md#entropy-routing).
 * `merged`: both trees under one shared root, verified together (docs/algorithms.md#merged-tree-verification, the reference method).
 * `merged-dedup` (ours, a change to the method): a trie merge; a node that repeats a path already in the tree
   is drafted once, so the same continuations cost fewer verified nodes.
@@ -33,6 +34,7 @@ from typing import Any, ClassVar
 import torch
 
 from taps_ray.config import TreeConfig
+from taps_ray.eval.diagnostics import mean_node_confidence
 from taps_ray.models.draft_head import DraftHead
 from taps_ray.engine.ngram import NgramProposer
 from taps_ray.engine.proposers import Proposer, SingleHead, feature_layers
@@ -427,8 +429,8 @@ def per_question_confidence_choice(
         raise ValueError(f"no candidate heads besides the fallback {fallback!r}")
     scores = {}
     for name in candidates:
-        values = [c for record in records_by_head[name] for c in record.node_confidence]
-        scores[name] = sum(values) / len(values) if values else 0.0
+        score = mean_node_confidence(records_by_head[name])
+        scores[name] = 0.0 if math.isnan(score) else score
     ranked = sorted(candidates, key=lambda n: (-scores[n], candidates.index(n)))
     if len(ranked) >= 2 and abs(scores[ranked[0]] - scores[ranked[1]]) < eps:
         return fallback if fallback is not None else candidates[0]
@@ -466,9 +468,13 @@ def build_confidence_routed(heads: dict[str, DraftHead], context: DraftContext, 
 
 
 def build_entropy_routed(heads: dict[str, DraftHead], context: DraftContext, tree: TreeConfig) -> Proposer:
+    """Candidates as `names.entropy_candidates`: every head, then the averaged head when there are two."""
     if not heads:
         raise ValueError("proposer 'entropy-routed' needs at least one head")
-    return EntropyRouted(_single_heads(list(heads.items()), context, tree))
+    parts = _single_heads(list(heads.items()), context, tree)
+    if len(heads) >= 2:
+        parts.append(build_averaged(heads, context, tree))
+    return EntropyRouted(parts)
 
 
 def build_merged(heads: dict[str, DraftHead], context: DraftContext, tree: TreeConfig) -> Proposer:

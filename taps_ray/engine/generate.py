@@ -6,6 +6,7 @@ Plain decoding is the same loop with `PlainDecoding`, so every speedup compares 
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -24,7 +25,7 @@ NOT_DRAFTED = -2  # StepRecord.head of a step that verified only the root (draft
 @dataclass
 class StepRecord:
     accepted: int  # drafted tokens accepted (a_k); the step commits a_k + 1 tokens
-    new_tokens: int  # tokens this step added to the output after trimming at stop / max_new_tokens
+    new_tokens: int  # tokens this step committed, trimmed after a stop token only (`step_tokens`)
     tree_size: int  # nodes verified, root included
     draft_s: float
     verify_s: float
@@ -51,9 +52,10 @@ class Generation:
 
     @property
     def tau_taps(self) -> float:
-        """The TAPS/EAGLE reference definition: untrimmed committed tokens over (steps - 1)."""
+        """The TAPS/EAGLE reference definition: untrimmed committed tokens over (steps - 1); nan for a one-step
+        turn, which adds its tokens but no step to a cell's pooled τ_TAPS (docs/algorithms.md#acceptance-length)."""
         committed = sum(s.accepted + 1 for s in self.steps)
-        return committed / max(len(self.steps) - 1, 1)
+        return committed / (len(self.steps) - 1) if len(self.steps) > 1 else math.nan
 
 
 def record_step(tree: DraftTree, verdict: Verdict, new_tokens: int, draft_s: float, verify_s: float, head: int) -> StepRecord:
@@ -87,6 +89,16 @@ def extend_tokens(generation: Generation, new: list[int], stop_ids: set[int], ma
         elif len(generation.tokens) >= max_new_tokens:
             generation.finished_by = "length"
     return kept
+
+
+def step_tokens(new: list[int], stop_ids: set[int]) -> int:
+    """A step's Spec-Bench new tokens: all it committed, cut just after the first stop token. The token budget does
+    not trim it, so the step that crosses `max_new_tokens` keeps its full accepted length
+    (docs/algorithms.md#acceptance-length)."""
+    for i, token in enumerate(new):
+        if token in stop_ids:
+            return i + 1
+    return len(new)
 
 
 def chosen_head(state: object) -> int:
@@ -167,8 +179,9 @@ def run_loop(
             if committed is None:
                 continue
             generation = generations[b]
-            kept = extend_tokens(generation, committed.tokens, stops, budgets[b])
-            step = record_step(trees[b], committed.verdict, kept, draft_times[b], verify_s, heads[b])
+            extend_tokens(generation, committed.tokens, stops, budgets[b])
+            step = record_step(trees[b], committed.verdict, step_tokens(committed.tokens, stops), draft_times[b],
+                               verify_s, heads[b])
             generation.steps.append(step)
             trees[b] = None
         for b, committed in enumerate(results):

@@ -21,6 +21,13 @@ def averaged_name(w: float) -> str:
     return "averaged" if w == 0.5 else f"averaged-w{w:g}"
 
 
+def entropy_candidates(heads: list[str]) -> list[str]:
+    """The parts `entropy-routed` chooses among, in index order (`StepRecord.head`): as TAPS's entropy router, every
+    trained head and then the averaged head (w = 0.5 of the first two) when there are two
+    (docs/algorithms.md#entropy-routing)."""
+    return [*heads, averaged_name(0.5)] if len(heads) >= 2 else list(heads)
+
+
 def averaged_weight(name: str) -> float | None:
     """The weight of head A in an `averaged-w{w}` name (`averaged` is 0.5), None for other names."""
     if name == "averaged":

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from taps_ray.engine.generate import Generation, Verifier, chosen_head, extend_tokens, record_step
+from taps_ray.engine.generate import Generation, Verifier, chosen_head, extend_tokens, record_step, step_tokens
 from taps_ray.engine.proposers import Proposer
 from taps_ray.engine.tree import root_only
 from taps_ray.engine.verify import SamplingParams, greedy_path
@@ -121,8 +121,10 @@ def _replay_one(proposer: Proposer, trace: GreedyTrace, max_new_tokens: int, sto
                 f"a tree of depth {int(tree.depth.max())} reached past the recorded continuation; record the traces "
                 f"with a larger lookahead (now {trace.lookahead})"
             )
-        kept = extend_tokens(generation, verdict.tokens[1:] + [verdict.bonus], stops, max_new_tokens)
-        generation.steps.append(record_step(tree, verdict, kept, draft_s, math.nan, chosen_head(state)))
+        committed = verdict.tokens[1:] + [verdict.bonus]
+        extend_tokens(generation, committed, stops, max_new_tokens)
+        generation.steps.append(record_step(tree, verdict, step_tokens(committed, stops), draft_s, math.nan,
+                                            chosen_head(state)))
         new = slice(length, length + len(verdict.nodes))
         length = new.stop
     return generation

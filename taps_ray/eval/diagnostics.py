@@ -79,6 +79,20 @@ def routing_fractions(records: Iterable[Any], head_names: Sequence[str] | None =
     return {key: n / total for key, n in counts.items()} if total else {}
 
 
+def mean_node_confidence(records: Iterable[Any]) -> float:
+    """Mean confidence over every drafted node of every step (TAPS's per-question routing score); nan if none."""
+    return _mean([c for record in records for c in record.node_confidence])
+
+
+def majority_head(records: Iterable[Any]) -> int | None:
+    """The head whose tree was verified in most of the drafted steps (ties to the lower index); None if none.
+
+    A question's unit for a per-step router: its steps may switch heads, the question goes to the majority.
+    """
+    counts = Counter(r.head for r in records if r.head >= 0)
+    return min(counts, key=lambda h: (-counts[h], h)) if counts else None
+
+
 def signal_agreement(
     confidence: Mapping[str, Sequence[float]],
     entropy: Mapping[str, Sequence[float]],

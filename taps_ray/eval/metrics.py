@@ -9,7 +9,8 @@ PLAIN = "plain"
 
 
 def summarize(questions: pd.DataFrame) -> pd.DataFrame:
-    """One row per cell. tau = Σ new tokens / Σ steps (Spec-Bench), tau_taps = Σ committed / Σ (steps−1)."""
+    """One row per cell. tau = Σ new tokens / Σ steps (Spec-Bench), tau_taps = Σ committed / Σ (steps−1), the sum
+    over turns as TAPS takes it (a one-step turn adds its tokens and no step; nan when no turn took two steps)."""
     if questions.empty:
         return pd.DataFrame(columns=[*CELL_KEYS, "tau", "tau_taps", "steps", "n_questions", "tokens_per_s", "speedup"])
     grouped = questions.groupby(CELL_KEYS, sort=True)
@@ -24,7 +25,7 @@ def summarize(questions: pd.DataFrame) -> pd.DataFrame:
         n_turns=("turn", "size"),
     ).reset_index()
     summary["tau"] = summary["new_tokens"] / summary["steps"].clip(lower=1)
-    summary["tau_taps"] = summary["committed"] / summary["taps_steps"].clip(lower=1)
+    summary["tau_taps"] = summary["committed"] / summary["taps_steps"].where(summary["taps_steps"] > 0)
     summary["tokens_per_s"] = summary["n_tokens"] / summary["wall_s"].clip(lower=1e-9)
     plain = summary[summary["proposer"] == PLAIN][["benchmark", "temperature", "tokens_per_s"]]
     plain = plain.groupby(["benchmark", "temperature"], as_index=False)["tokens_per_s"].mean()

@@ -146,7 +146,7 @@ def _question_row(base: dict, generation: Generation, batch_tokens: int) -> dict
         "new_tokens": sum(s.new_tokens for s in generation.steps),
         "committed": sum(s.accepted + 1 for s in generation.steps),
         "steps": steps,
-        "taps_steps": max(steps - 1, 1),
+        "taps_steps": steps - 1,  # TAPS sums (steps - 1) per turn: a one-step turn adds tokens but no step
         "tau": generation.tau,
         # a batch's wall time is shared out by tokens, so Σ wall over a cell is the time it took
         "wall_s": generation.wall_s * len(generation.tokens) / batch_tokens,

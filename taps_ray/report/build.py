@@ -68,8 +68,11 @@ def build_report(config: StudyConfig, store: ResultsStore | ReportCopy | None = 
         "Mean entropy of the distribution each drafted node was drawn from; accepted = nodes on the accepted path, "
         "rejected = every other drafted node (docs/algorithms.md#diagnostics). Pooled over benchmarks.",
         entropy_md(data),
-        "### Routing", "confidence-routed: share of verification steps whose tree came from each head; entropy-routed: "
-        "share of question turns (the head chosen at the first step drafts the whole turn).", routing_md(data),
+        "### Routing", "Share of questions per head (TAPS's unit): per-question confidence = each question to the head "
+        "(A or B, each decoding it alone) with the higher mean draft confidence, as TAPS's routing table; "
+        "confidence-routed = the head that drafted most of the question's steps, and also its share of verification "
+        "steps; entropy-routed: share of question turns (the head chosen at the first step drafts the whole turn).",
+        routing_md(data),
         "## Findings", findings_md(data),
         "## Plots", "\n".join(plots),
         "## Failed cells", failures_md(data),

@@ -15,8 +15,8 @@ from pathlib import Path
 import pandas as pd
 
 from taps_ray.config import BENCHMARKS, HEAD_KINDS, StudyConfig
-from taps_ray.eval.diagnostics import accepted_vs_rejected, routing_fractions
-from taps_ray.engine.names import averaged_weight
+from taps_ray.eval.diagnostics import accepted_vs_rejected, majority_head, mean_node_confidence, routing_fractions
+from taps_ray.engine.names import averaged_weight, entropy_candidates
 from taps_ray.eval.metrics import PLAIN, summarize
 from taps_ray.eval.store import ResultsStore
 from taps_ray.workdir import results_dir
@@ -24,6 +24,7 @@ from taps_ray.workdir import results_dir
 BENCH_LABELS = {"mt_bench": "MT-Bench", "gsm8k": "GSM8K", "math_500": "MATH-500", "svamp": "SVAMP"}
 KIND_LABELS = {"eagle2": "EAGLE-2", "hass": "HASS", "none": "none"}
 OURS = ("merged-dedup", "merged-budget")
+PER_QUESTION = "per-question confidence"  # TAPS's routing table: each question to the head of higher mean confidence
 COMBINED = ("averaged", "confidence-routed", "entropy-routed", "merged", *OURS)
 CELLS_FILE = "cells.json"  # in a report's results/ copy: done.json of every cell and the failures
 
@@ -34,6 +35,7 @@ class ReportData:
     summary: pd.DataFrame  # one row per cell (metrics.summarize)
     entropy: pd.DataFrame  # head_kind, proposer, temperature, entropy_accepted/rejected, delta_entropy, n_*
     routing: pd.DataFrame  # head_kind, proposer, benchmark, temperature, head, fraction, unit
+    question_routing: pd.DataFrame = field(default_factory=pd.DataFrame)  # `question_routing`: one row per question
     failures: list[dict] = field(default_factory=list)
     meta: list[dict] = field(default_factory=list)  # done.json of every finished cell
     questions: pd.DataFrame = field(default_factory=pd.DataFrame)
@@ -149,11 +151,13 @@ def load_report_data(config: StudyConfig, store: ResultsStore | ReportCopy | Non
     questions = store.questions()
     steps = store.steps()
     meta = store.meta()
+    per_question = question_routing(steps, list(config.train.mixtures))
     return ReportData(
         config=config,
         summary=summarize(questions),
         entropy=entropy_table(steps),
-        routing=routing_table(steps, list(config.train.mixtures)),
+        routing=routing_table(steps, list(config.train.mixtures), per_question),
+        question_routing=per_question,
         failures=store.failures(),
         meta=meta,
         questions=questions,
@@ -179,12 +183,50 @@ def entropy_table(steps: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=columns)
 
 
-def routing_table(steps: pd.DataFrame, head_names: list[str]) -> pd.DataFrame:
-    """Which head drafted: confidence-routed per verification step, entropy-routed per sequence (question × turn)."""
+def question_routing(steps: pd.DataFrame, head_names: list[str]) -> pd.DataFrame:
+    """Which head each question (all its turns) went to, per router (docs/algorithms.md#what-the-reports-count).
+
+    `per-question confidence` (TAPS's unit for its routing shares): heads A and B each decode the question alone;
+    it goes to the one whose drafted nodes have the higher mean confidence (ties to A). `confidence-routed`: the
+    head that drafted the majority of the question's steps under the per-step router (ties to the lower index).
+    """
+    columns = ["head_kind", "temperature", "benchmark", "router", "question_id", "head"]
+    if steps.empty or len(head_names) < 2:
+        return pd.DataFrame(columns=columns)
+    rows = []
+    keys = ["head_kind", "temperature", "benchmark"]
+    pair = steps[steps["proposer"].isin(head_names[:2])]
+    for (kind, temperature, bench), group in pair.groupby(keys, sort=True):
+        scores = {h: {q: mean_node_confidence(g.itertuples(index=False)) for q, g in part.groupby("question_id")}
+                  for h, part in group.groupby("proposer")}
+        if len(scores) < 2:
+            continue
+        a, b = (scores[h] for h in head_names[:2])
+        for q in sorted(set(a) & set(b)):
+            head = head_names[0] if not a[q] < b[q] else head_names[1]
+            rows.append([kind, temperature, bench, PER_QUESTION, q, head])
+    routed = steps[steps["proposer"] == "confidence-routed"]
+    for (kind, temperature, bench, q), group in routed.groupby([*keys, "question_id"], sort=True):
+        head = majority_head(group.itertuples(index=False))
+        if head is not None:
+            rows.append([kind, temperature, bench, "confidence-routed", q,
+                         head_names[head] if head < len(head_names) else str(head)])
+    return pd.DataFrame(rows, columns=columns)
+
+
+def routing_table(steps: pd.DataFrame, head_names: list[str], per_question: pd.DataFrame) -> pd.DataFrame:
+    """Which head drafted: per question (`question_routing`), confidence-routed also per verification step,
+    entropy-routed per sequence (question × turn)."""
     columns = ["head_kind", "proposer", "benchmark", "temperature", "head", "fraction", "unit"]
     if steps.empty:
         return pd.DataFrame(columns=columns)
     rows = []
+    for (kind, router, bench, temperature), group in per_question.groupby(
+        ["head_kind", "router", "benchmark", "temperature"], sort=True
+    ):
+        for head, fraction in group["head"].value_counts(normalize=True).sort_index().items():
+            rows.append({"head_kind": kind, "proposer": router, "benchmark": bench, "temperature": temperature,
+                         "head": head, "fraction": float(fraction), "unit": "questions"})
     routed = steps[steps["proposer"].isin(["confidence-routed", "entropy-routed"])]
     for (kind, proposer, bench, temperature), group in routed.groupby(
         ["head_kind", "proposer", "benchmark", "temperature"], sort=True
@@ -194,7 +236,8 @@ def routing_table(steps: pd.DataFrame, head_names: list[str]) -> pd.DataFrame:
             unit = "question turns"
         else:
             unit = "steps"
-        names = head_names if max(group["head"], default=0) < len(head_names) else None
+        parts = entropy_candidates(head_names) if proposer == "entropy-routed" else head_names
+        names = parts if max(group["head"], default=0) < len(parts) else None
         for head, fraction in routing_fractions(group.itertuples(index=False), names).items():
             rows.append({"head_kind": kind, "proposer": proposer, "benchmark": bench, "temperature": temperature,
                          "head": str(head), "fraction": fraction, "unit": unit})

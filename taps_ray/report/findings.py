@@ -1,10 +1,11 @@
-"""The TAPS claims, each checked against our numbers: HOLDS / DOES NOT HOLD / NOT MEASURED, with the figures.
+"""The TAPS claims, each checked against our numbers: HOLDS / DOES NOT HOLD / WITHIN NOISE / NOT MEASURED.
 
-A claim is checked separately in every setting (head kind × temperature) where its cells exist. It HOLDS when it
-holds in every measured setting, DOES NOT HOLD when it fails in at least one (the count says how many), and is
-NOT MEASURED when no setting has the cells it needs. The verdict follows the point estimates; each τ comparison
-also carries a paired bootstrap interval, and the claim line counts how many comparisons are clear either way and
-how many are within noise, so a reader can tell a real reversal from a coin flip.
+A claim is checked separately in every setting (head kind × temperature) where its cells exist, and every check
+carries a bootstrap interval over questions (paired where two proposers decode the same questions), oriented so
+that Δ > 0 favours the claim. A setting HOLDS when every interval lies above zero, DOES NOT HOLD when any lies
+below, and is WITHIN NOISE otherwise. The claim HOLDS when every measured setting holds, DOES NOT HOLD when one
+fails, is WITHIN NOISE otherwise, and NOT MEASURED when no setting has its cells. Point estimates are shown with
+✓ / ✗ next to each interval.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from taps_ray.report.data import BENCH_LABELS, KIND_LABELS, ReportData
-from taps_ray.report.paper import PAPER_ENTROPY_GAP_NATS, PAPER_ROUTING
-from taps_ray.report.uncertainty import CONFIDENCE, Interval, tau_difference
+import pandas as pd
 
-HOLDS, FAILS, UNMEASURED = "HOLDS", "DOES NOT HOLD", "NOT MEASURED"
+from taps_ray.report.data import BENCH_LABELS, KIND_LABELS, PER_QUESTION, ReportData
+from taps_ray.report.paper import PAPER_ENTROPY_GAP_NATS, PAPER_ROUTING
+from taps_ray.report.uncertainty import CONFIDENCE, Interval, entropy_gap as gap_interval, share_above, tau_difference
+
+HOLDS, FAILS, NOISE, UNMEASURED = "HOLDS", "DOES NOT HOLD", "WITHIN NOISE", "NOT MEASURED"
 MATH_BENCHES = ("gsm8k", "math_500", "svamp")
 NEAR_BEST = 0.02  # "near-best": an average within 2% of the best one
 
@@ -29,33 +32,36 @@ class Finding:
     paper: str
     verdict: str = UNMEASURED
     evidence: list[str] = field(default_factory=list)
-    settings: list[tuple[str, float, bool]] = field(default_factory=list)  # (kind, T, holds)
+    settings: list[tuple[str, float, str]] = field(default_factory=list)  # (kind, T, HOLDS / FAILS / NOISE)
     intervals: list[Interval] = field(default_factory=list)  # oriented: Δ > 0 favours the claim
 
-    def add(self, kind: str, temperature: float, holds: bool, text: str, intervals: list[Interval] = ()) -> None:
-        self.settings.append((kind, temperature, holds))
-        self.intervals.extend(intervals)
-        self.evidence.append(f"{KIND_LABELS.get(kind, kind)}, T = {temperature:g}: {HOLDS if holds else FAILS} — {text}")
+    def add(self, kind: str, temperature: float, text: str, intervals: list[Interval | None]) -> None:
+        """One setting, decided by its intervals (a check without one, e.g. a single question, is within noise)."""
+        signs = [i.sign if i else 0 for i in intervals]
+        status = FAILS if -1 in signs else HOLDS if signs and all(x == 1 for x in signs) else NOISE
+        self.settings.append((kind, temperature, status))
+        self.intervals.extend(i for i in intervals if i)
+        self.evidence.append(f"{KIND_LABELS.get(kind, kind)}, T = {temperature:g}: {status} — {text}")
 
     def decide(self, reason: str = "") -> "Finding":
-        if not self.settings:
+        statuses = [status for *_, status in self.settings]
+        if not statuses:
             self.verdict = UNMEASURED
             if reason:
                 self.evidence.insert(0, reason)
         else:
-            self.verdict = HOLDS if all(h for _, _, h in self.settings) else FAILS
+            self.verdict = FAILS if FAILS in statuses else HOLDS if all(x == HOLDS for x in statuses) else NOISE
         return self
 
     def markdown(self) -> str:
         count = ""
         if self.settings:
-            count = f" (holds in {sum(h for *_, h in self.settings)} of {len(self.settings)} settings)"
+            statuses = [status for *_, status in self.settings]
+            count = f" (holds in {statuses.count(HOLDS)} of {len(statuses)} settings, {statuses.count(NOISE)} within noise)"
         if self.intervals:
             signs = [i.sign for i in self.intervals]
-            count += (f"; τ comparisons ({len(signs)}): {signs.count(1)} clearly for the claim, "
+            count += (f"; intervals ({len(signs)}): {signs.count(1)} clearly for the claim, "
                       f"{signs.count(-1)} clearly against it, {signs.count(0)} within noise")
-            if self.verdict == FAILS and -1 not in signs:
-                count += ", so every failure is within noise"
         lines = [f"- **({self.key}) {self.claim}: {self.verdict}**{count}. Paper: {self.paper}."]
         lines += [f"  - {line}" for line in self.evidence]
         return "\n".join(lines)
@@ -83,8 +89,9 @@ def _common_average(data: ReportData, kind: str, temperature: float, proposers: 
     return benches, {p: sum(data.value(kind, p, b, temperature) for b in benches) / len(benches) for p in proposers}
 
 
-def _difference(data: ReportData, kind: str, temperature: float, a: str, b: str, benches: list[str]) -> Interval | None:
-    return tau_difference(data.questions, kind, temperature, a, b, benches)
+def _difference(data: ReportData, kind: str, temperature: float, a: str, b: str, benches: list[str],
+                scale: float = 1.0) -> Interval | None:
+    return tau_difference(data.questions, kind, temperature, a, b, benches, scale=scale)
 
 
 def _noise(interval: Interval | None) -> str:
@@ -109,12 +116,10 @@ def specialisation(data: ReportData) -> Finding:
                 continue
             ok = c > m if bench == "mt_bench" else m > c
             interval = _difference(data, kind, temperature, math_head, chat_head, [bench])
-            if interval:
-                intervals.append(interval.flipped() if bench == "mt_bench" else interval)
-            checks.append((ok, f"{_b(bench)} math {m:.2f} vs chat {c:.2f} {_mark(ok, m == c)}{_noise(interval)}"))
+            intervals.append(interval.flipped() if interval and bench == "mt_bench" else interval)
+            checks.append(f"{_b(bench)} math {m:.2f} vs chat {c:.2f} {_mark(ok, m == c)}{_noise(interval)}")
         if checks:
-            finding.add(kind, temperature, all(ok for ok, _ in checks), "; ".join(text for _, text in checks),
-                        intervals)
+            finding.add(kind, temperature, "; ".join(checks), intervals)
     return finding.decide("math and chat heads not evaluated on a common benchmark")
 
 
@@ -133,12 +138,14 @@ def robustness(data: ReportData) -> Finding:
             continue
         best = max(averages, key=averages.get)
         mixture = max((h for h in heads if h in mixtures), key=averages.get)
-        ok = averages[mixture] >= averages[best] * (1 - NEAR_BEST)
+        rival = max((h for h in heads if h != mixture), key=averages.get)  # the best other head
+        ok = averages[mixture] >= averages[rival] * (1 - NEAR_BEST)
+        interval = _difference(data, kind, temperature, mixture, rival, benches, scale=1 - NEAR_BEST)
         text = ", ".join(f"{h} {averages[h]:.2f}" for h in heads)
         gap = (averages[best] - averages[mixture]) / averages[best] if averages[best] else 0.0
-        verdict = (f"best: {mixture}" if mixture == best else f"best: {best}; {mixture} is {gap:.1%} below it"
-                   f"{_noise(_difference(data, kind, temperature, mixture, best, benches))}")
-        finding.add(kind, temperature, ok, f"average τ over {', '.join(map(_b, benches))}: {text}; {verdict}")
+        verdict = (f"best: {mixture}" if mixture == best else f"best: {best}; {mixture} is {gap:.1%} below it")
+        finding.add(kind, temperature, f"average τ over {', '.join(map(_b, benches))}: {text}; {verdict}; "
+                    f"{mixture} − {1 - NEAR_BEST:g} × {rival} {_mark(ok, False)}{_noise(interval)}", [interval])
     return finding.decide("no mixture head evaluated next to another single head")
 
 
@@ -151,13 +158,12 @@ def _pairwise(data: ReportData, finding: Finding, winners: list[str], loser: str
                 continue
             ok = averages[winner] > averages[loser] if strict else averages[winner] >= averages[loser]
             interval = _difference(data, kind, temperature, winner, loser, benches)
-            intervals += [interval] if interval else []
-            checks.append((ok, f"{winner} {averages[winner]:.2f} vs {loser} {averages[loser]:.2f} "
-                               f"(average over {', '.join(map(_b, benches))}) "
-                               f"{_mark(ok, averages[winner] == averages[loser])}{_noise(interval)}"))
+            intervals.append(interval)
+            checks.append(f"{winner} {averages[winner]:.2f} vs {loser} {averages[loser]:.2f} "
+                          f"(average over {', '.join(map(_b, benches))}) "
+                          f"{_mark(ok, averages[winner] == averages[loser])}{_noise(interval)}")
         if checks:
-            finding.add(kind, temperature, all(ok for ok, _ in checks), "; ".join(text for _, text in checks),
-                        intervals)
+            finding.add(kind, temperature, "; ".join(checks), intervals)
     return finding.decide(f"{' / '.join(winners)} and {loser} not evaluated on a common benchmark")
 
 
@@ -177,53 +183,67 @@ def entropy_gap(data: ReportData) -> Finding:
     low, high = PAPER_ENTROPY_GAP_NATS
     finding = Finding("e", "Rejected draft tokens have higher entropy than accepted ones (Δ = rejected − accepted > 0)",
                       f"Δ = {low}–{high} nats")
-    frame = data.entropy
+    steps = data.steps
+    if steps.empty or "node_entropy" not in steps:
+        return finding.decide("no cell had both accepted and rejected drafted nodes")
     for kind, temperature in _settings(data):
-        rows = frame[(frame["head_kind"] == kind) & (frame["temperature"] == temperature)
-                     & (frame["n_accepted"] > 0) & (frame["n_rejected"] > 0)] if not frame.empty else frame
-        if rows.empty:
+        setting = steps[(steps["head_kind"] == kind) & (steps["temperature"] == temperature)]
+        gaps = {p: gap_interval(g) for p, g in setting.groupby("proposer", sort=True) if p != "plain"}
+        gaps = {p: i for p, i in gaps.items() if i}
+        if not gaps:
             continue
-        rows = rows.sort_values("delta_entropy")
-        lo, hi = rows.iloc[0], rows.iloc[-1]
-        failing = [f"{r.proposer} {r.delta_entropy:+.3f}" for r in rows.itertuples() if not r.delta_entropy > 0]
-        text = (f"Δ from {lo.delta_entropy:+.3f} nats ({lo.proposer}) to {hi.delta_entropy:+.3f} nats ({hi.proposer}) "
-                f"over {len(rows)} proposers")
+        order = sorted(gaps, key=lambda p: gaps[p].delta)
+        text = (f"Δ from {gaps[order[0]].delta:+.3f} nats ({order[0]}) to {gaps[order[-1]].delta:+.3f} nats "
+                f"({order[-1]}) over {len(gaps)} proposers")
+        failing = [f"{p} {gaps[p].text()}" for p in order if gaps[p].sign != 1]
         if failing:
-            text += f"; Δ ≤ 0 for {', '.join(failing)}"
-        finding.add(kind, temperature, not failing, text)
+            text += f"; not clearly > 0: {', '.join(failing)}"
+        finding.add(kind, temperature, text, list(gaps.values()))
     return finding.decide("no cell had both accepted and rejected drafted nodes")
 
 
 def routing(data: ReportData) -> Finding:
-    finding = Finding("f", "Confidence routing sends most GSM8K steps to the math head and most MT-Bench steps to the "
-                      "chat head", f"{PAPER_ROUTING['gsm8k_to_math']:.1%} of GSM8K to math, "
-                      f"{PAPER_ROUTING['mt_bench_to_chat']:.1%} of MT-Bench to chat")
+    finding = Finding("f", "Confidence routing sends most GSM8K questions to the math head and most MT-Bench questions "
+                      "to the chat head", f"{PAPER_ROUTING['gsm8k_to_math']:.1%} of GSM8K to math, "
+                      f"{PAPER_ROUTING['mt_bench_to_chat']:.1%} of MT-Bench to chat (share of questions)")
     math_head, chat_head = data.specialist("mathinstruct"), data.specialist("sharegpt")
-    frame = data.routing
-    if frame.empty or not (math_head and chat_head):
-        return finding.decide("no confidence-routed cells" if frame.empty else "no math and chat specialist heads")
+    per_question, frame = data.question_routing, data.routing
+    if per_question.empty or not (math_head and chat_head):
+        return finding.decide("no routed questions" if per_question.empty else "no math and chat specialist heads")
 
-    def share(kind: str, temperature: float, proposer: str, bench: str, head: str) -> float:
-        rows = frame[(frame["head_kind"] == kind) & (frame["temperature"] == temperature)
-                     & (frame["proposer"] == proposer) & (frame["benchmark"] == bench)]
+    def picks(kind: str, temperature: float, router: str, bench: str) -> pd.Series:
+        return per_question.loc[(per_question["head_kind"] == kind) & (per_question["temperature"] == temperature)
+                                & (per_question["router"] == router) & (per_question["benchmark"] == bench), "head"]
+
+    def step_share(kind: str, temperature: float, bench: str, head: str) -> float:
+        rows = frame[(frame["head_kind"] == kind) & (frame["temperature"] == temperature) & (frame["unit"] == "steps")
+                     & (frame["proposer"] == "confidence-routed") & (frame["benchmark"] == bench)]
         return float(rows.loc[rows["head"] == head, "fraction"].sum()) if not rows.empty else math.nan
 
     for kind, temperature in _settings(data):
-        checks = []
+        checks, intervals = [], []
         for bench, head in (("gsm8k", math_head), ("mt_bench", chat_head)):
-            value = share(kind, temperature, "confidence-routed", bench, head)
-            if not math.isnan(value):
-                checks.append((value > 0.5, f"{_b(bench)} {value:.0%} of steps to {head} {'✓' if value > 0.5 else '✗'}"))
-        if not checks:
-            continue
-        extra = []
-        for bench, head in (("gsm8k", math_head), ("mt_bench", chat_head)):
-            value = share(kind, temperature, "entropy-routed", bench, head)
-            if not math.isnan(value):
-                extra.append(f"{_b(bench)} {value:.0%} of question turns to {head}")
-        text = "; ".join(t for _, t in checks) + (f" (entropy routing, not judged: {'; '.join(extra)})" if extra else "")
-        finding.add(kind, temperature, all(ok for ok, _ in checks), text)
-    return finding.decide("no confidence-routed cell on GSM8K or MT-Bench")
+            judged = picks(kind, temperature, PER_QUESTION, bench)
+            router = PER_QUESTION
+            if judged.empty:  # no single-head cells of both heads: the per-step router's majority per question
+                judged, router = picks(kind, temperature, "confidence-routed", bench), "confidence-routed"
+            if judged.empty:
+                continue
+            share = float((judged == head).mean())
+            interval = share_above(list(judged == head))
+            intervals.append(interval)
+            text = (f"{_b(bench)} {share:.0%} of {len(judged)} questions to {head} ({router}) "
+                    f"{'✓' if share > 0.5 else '✗'} ({interval.text().replace('Δ', 'share − 50%')})")
+            live = picks(kind, temperature, "confidence-routed", bench)
+            if router == PER_QUESTION and not live.empty:
+                text += f"; confidence-routed: {float((live == head).mean()):.0%} of questions by majority of steps"
+            steps = step_share(kind, temperature, bench, head)
+            if not math.isnan(steps):
+                text += f", {steps:.0%} of steps to {head}"
+            checks.append(text)
+        if checks:
+            finding.add(kind, temperature, "; ".join(checks), intervals)
+    return finding.decide("no routed GSM8K or MT-Bench questions")
 
 
 CLAIMS: list[Callable[[ReportData], Finding]] = [
@@ -241,10 +261,12 @@ def findings_md(data: ReportData, results: list[Finding] | None = None) -> str:
     scale = ""
     if not summary.empty:
         low, high = summary["n_questions"].min(), summary["n_questions"].max()
-        scale = (f" Each cell holds {low if low == high else f'{low}–{high}'} questions. Every τ comparison carries "
-                 f"Δ and its {CONFIDENCE:.0%} interval from a paired bootstrap over questions (resampled within each "
-                 "benchmark, the same resample for both proposers); an interval that straddles zero means the "
-                 "difference is within the noise of this many questions.")
-    intro = ("Each TAPS claim checked against the tables above, separately per head kind × temperature. "
-             "HOLDS = holds in every setting where it was measured." + scale)
+        scale = (f" Each cell holds {low if low == high else f'{low}–{high}'} questions. Every check carries Δ "
+                 f"(oriented so that Δ > 0 favours the claim) and its {CONFIDENCE:.0%} interval from a bootstrap over "
+                 "questions (resampled within each benchmark; paired: the same resample for both proposers, or for "
+                 "accepted and rejected nodes); an interval that straddles zero means the difference is within the "
+                 "noise of this many questions.")
+    intro = ("Each TAPS claim checked against the tables above, separately per head kind × temperature, and decided "
+             "by its intervals: a setting HOLDS when every interval lies above zero, DOES NOT HOLD when one lies "
+             "below, and is WITHIN NOISE otherwise; the claim HOLDS when every measured setting holds." + scale)
     return intro + "\n\n" + "\n".join(f.markdown() for f in results)

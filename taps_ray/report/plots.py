@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from taps_ray.eval.metrics import PLAIN  # noqa: E402
-from taps_ray.report.data import BENCH_LABELS, KIND_LABELS, ReportData, averaged_weight  # noqa: E402
+from taps_ray.report.data import BENCH_LABELS, KIND_LABELS, PER_QUESTION, ReportData, averaged_weight  # noqa: E402
 from taps_ray.report.tables import layout_rows  # noqa: E402
 from taps_ray.report.uncertainty import CONFIDENCE, tau_interval  # noqa: E402
 
@@ -128,7 +128,8 @@ def plot_routing(data: ReportData, out: Path) -> list[Path] | str:
     paths = []
     for kind in data.kinds:
         part = frame[frame["head_kind"] == kind]
-        routers = [r for r in ("confidence-routed", "entropy-routed") if r in set(part["proposer"])]
+        part = part[part["unit"] != "steps"]  # one unit per router: questions, or question turns (entropy routing)
+        routers = [r for r in (PER_QUESTION, "confidence-routed", "entropy-routed") if r in set(part["proposer"])]
         if not routers:
             continue
         fig, axes = plt.subplots(1, len(routers), figsize=(6.5 * len(routers), 4.5), squeeze=False)
@@ -154,7 +155,7 @@ def plot_routing(data: ReportData, out: Path) -> list[Path] | str:
             ax.set_ylim(0, 1)
             ax.set_xlim(-0.75, max(len(groups), 2) - 0.25)
             ax.set_ylabel(f"fraction of {unit} drafted by each head")
-            ax.set_title(f"{router} ({'per step' if unit == 'steps' else 'per question turn'}) — {KIND_LABELS.get(kind, kind)}")
+            ax.set_title(f"{router} (per {unit.removesuffix('s')}) — {KIND_LABELS.get(kind, kind)}")
             ax.legend(fontsize=8, title="head", loc="upper left", bbox_to_anchor=(1.0, 1.0))
         paths.append(_save(fig, out / f"routing_{kind}.png"))
     return paths or "no routed cells"

@@ -82,7 +82,9 @@ def setting_md(data: ReportData, command: str) -> str:
     tree = config.tree
     lines += [
         f"- **Tree**: total_token {tree.total_token}, depth {tree.depth}, top_k {tree.top_k} (TAPS: 60 / 5 / 10)"
-        + (f"; draft vocabulary {tree.draft_vocab_size} tokens" if getattr(tree, "draft_vocab_size", None) else "")
+        + (f"; draft vocabulary {tree.draft_vocab_size} tokens (draft confidence and entropy, hence routing and the "
+           "entropy diagnostics, are of the head's distribution renormalised on these tokens, not on the full "
+           "vocabulary as in TAPS)" if getattr(tree, "draft_vocab_size", None) else "")
         + ".",
         f"- **Decoding**: temperatures {', '.join(f'{t:g}' for t in config.eval.temperatures)}; max_new_tokens "
         f"{config.eval.max_new_tokens}; batch {config.eval.batch_size}; seed {config.eval.seed}.",

@@ -1,8 +1,9 @@
-"""Paired bootstrap intervals for differences of τ between two proposers.
+"""Paired bootstrap intervals over questions, one per claim check (docs/algorithms.md#what-the-reports-count).
 
 Every proposer decodes the same questions, so most of the spread between questions (easy vs hard prompts) is shared.
 Resampling questions with replacement, within each benchmark, and recomputing both pooled τs on the same resample
-gives the noise of the *difference*, which is what a claim like "the math head beats the chat head" rests on.
+gives the noise of the *difference*, which is what a claim like "the math head beats the chat head" rests on. The
+entropy gap (accepted and rejected nodes of the same questions) and routing shares are resampled the same way.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def _pooled_tau(sums: np.ndarray) -> np.ndarray:
 
 def _percentile_interval(draws: np.ndarray) -> tuple[float, float]:
     tail = (1 - CONFIDENCE) / 2 * 100
-    low, high = np.percentile(draws, [tail, 100 - tail])
+    low, high = np.nanpercentile(draws, [tail, 100 - tail])  # nan: a resample with an empty group (entropy gap)
     return float(low), float(high)
 
 
@@ -66,11 +67,12 @@ def tau_interval(questions: pd.DataFrame, kind: str, temperature: float, propose
 
 
 def tau_difference(questions: pd.DataFrame, kind: str, temperature: float, a: str, b: str, benchmarks: list[str],
-                   resamples: int = RESAMPLES, seed: int = 0) -> Interval | None:
-    """Mean over `benchmarks` of pooled τ(a) − τ(b), on the questions both proposers answered; None when none.
+                   resamples: int = RESAMPLES, seed: int = 0, scale: float = 1.0) -> Interval | None:
+    """Mean over `benchmarks` of pooled τ(a) − scale·τ(b), on the questions both proposers answered; None when none.
 
     Pooled τ = Σ new tokens / Σ steps, the definition of the report's tables, so `delta` equals the difference of
-    the tables' averages whenever both proposers answered the same questions.
+    the tables' averages whenever both proposers answered the same questions. `scale` < 1 tests "a is within
+    1 − scale of b".
     """
     setting = questions[(questions["head_kind"] == kind) & (questions["temperature"] == temperature)]
     rng = np.random.default_rng(seed)
@@ -82,10 +84,51 @@ def tau_difference(questions: pd.DataFrame, kind: str, temperature: float, a: st
             return None
         values = paired.to_numpy(dtype=float)  # columns: new_a, steps_a, new_b, steps_b
         sums = values.sum(axis=0)
-        deltas.append(float(_pooled_tau(sums[:2]) - _pooled_tau(sums[2:])))
+        deltas.append(float(_pooled_tau(sums[:2]) - scale * _pooled_tau(sums[2:])))
         picks = rng.integers(0, len(values), size=(resamples, len(values)))
         resampled = values[picks].sum(axis=1)  # [resamples, 4]
-        draws.append(_pooled_tau(resampled[:, :2]) - _pooled_tau(resampled[:, 2:]))
+        draws.append(_pooled_tau(resampled[:, :2]) - scale * _pooled_tau(resampled[:, 2:]))
     if not deltas:
         return None
     return Interval(float(np.mean(deltas)), *_percentile_interval(np.mean(draws, axis=0)))
+
+
+def _stratified(values: np.ndarray, strata: np.ndarray, statistic, resamples: int, seed: int) -> Interval | None:
+    """`statistic` of the column sums of `values` [questions, c] and its percentile bootstrap interval, questions
+    resampled with replacement within each stratum (benchmark); None when there are no questions."""
+    if not len(values):
+        return None
+    rng = np.random.default_rng(seed)
+    sums = np.zeros((resamples, values.shape[1]))
+    for stratum in np.unique(strata):
+        rows = values[strata == stratum]
+        sums += rows[rng.integers(0, len(rows), size=(resamples, len(rows)))].sum(axis=1)
+    return Interval(float(statistic(values.sum(axis=0))), *_percentile_interval(statistic(sums)))
+
+
+def entropy_gap(steps: pd.DataFrame, resamples: int = RESAMPLES, seed: int = 0) -> Interval | None:
+    """Pooled mean entropy of rejected minus accepted drafted nodes over `steps` (one cell group), with its
+    interval over questions; None when either group is empty."""
+    per_question = {}
+    for row in steps.itertuples(index=False):
+        sums = per_question.setdefault((row.benchmark, row.question_id), [0.0, 0.0, 0.0, 0.0])
+        for entropy, accepted in zip(row.node_entropy, row.node_accepted):
+            sums[0 if accepted else 2] += entropy
+            sums[1 if accepted else 3] += 1
+    values = np.array(list(per_question.values()), dtype=float).reshape(-1, 4)
+    if not len(values) or values[:, 1].sum() == 0 or values[:, 3].sum() == 0:
+        return None
+    strata = np.array([bench for bench, _ in per_question])
+
+    def gap(sums: np.ndarray) -> np.ndarray:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return sums[..., 2] / sums[..., 3] - sums[..., 0] / sums[..., 1]
+
+    return _stratified(values, strata, gap, resamples, seed)
+
+
+def share_above(picks: list[bool], threshold: float = 0.5, resamples: int = RESAMPLES, seed: int = 0) -> Interval | None:
+    """Share of questions where `picks` is true, minus `threshold`, with its interval over questions."""
+    values = np.array(picks, dtype=float).reshape(-1, 1)
+    return _stratified(np.hstack([values, np.ones_like(values)]), np.zeros(len(values)),
+                       lambda sums: sums[..., 0] / np.maximum(sums[..., 1], 1) - threshold, resamples, seed)
