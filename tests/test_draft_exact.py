@@ -87,3 +87,18 @@ def test_a_state_drafted_from_twice_keeps_its_own_cache(tiny_target):
     assert torch.equal(state_a.kv[0], unbranched.kv[0]) and torch.equal(state_a.kv[1], unbranched.kv[1])
     assert _same(draft_eagle2(head, ctx, state_a, *nxt, 8, 3, 2)[0], draft_eagle2(head, ctx, unbranched, *nxt, 8, 3, 2)[0])
 
+
+def test_confidence_stop_drafts_no_level_below_the_threshold(tiny_target):
+    head = new_head(tiny_target.model.config, seed=5)
+    ctx = DraftContext(tiny_target.model.get_input_embeddings(), tiny_target.model.lm_head)
+    features, tokens = torch.randn(5, head.config.hidden_size), torch.arange(5)
+    full, _ = draft_eagle2(head, ctx, HeadCache(), features, tokens, 16, 4, 4)
+    assert _same(draft_eagle2(head, ctx, HeadCache(), features, tokens, 16, 4, 4, min_confidence=0.0)[0], full)
+    # Above every root child's confidence: no pass runs, the tree is the root's top 4 children.
+    top, _ = draft_eagle2(head, ctx, HeadCache(), features, tokens, 16, 4, 4, min_confidence=0.99)
+    assert top.size == 5 and int(top.depth.max()) == 1
+    # Between: the levels drafted are those whose best parent clears the threshold.
+    level_best = [float(full.confidence[full.depth[1:] == d].max()) for d in range(1, int(full.depth.max()) + 1)]
+    cut = (level_best[0] + level_best[1]) / 2
+    tree, _ = draft_eagle2(head, ctx, HeadCache(), features, tokens, 16, 4, 4, min_confidence=cut)
+    assert int(tree.depth.max()) == 2 and tree.size == 16

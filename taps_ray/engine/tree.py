@@ -7,6 +7,7 @@ on the device of the head that drafted it (of its tokens); the verifier moves it
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, replace
 
 import torch
@@ -258,12 +259,15 @@ def draft_eagle2(
     total_token: int,
     depth: int,
     top_k: int,
+    min_confidence: float = 0.0,
 ) -> tuple[DraftTree, HeadCache]:
     """EAGLE-2 dynamic tree: expand the top_k best nodes per level, keep the total_token-1 best candidates.
 
     `features` [m, d] are the target features of the newly committed positions ([m, k*d] fused layers for an
     EAGLE-3 head, whose deeper levels read its own outputs) and `next_tokens` [m] the tokens that follow each of
-    them; the last of these is the tree's root. `ctx` is the head's (`head_context`).
+    them; the last of these is the tree's root. `ctx` is the head's (`head_context`). `min_confidence` > 0 stops
+    expanding once the best frontier node's cumulative probability falls below it: deeper nodes would be less
+    likely still to be accepted (docs/algorithms.md#draft-confidence-stop).
     """
     n_draft = total_token - 1
     k = top_k
@@ -286,7 +290,10 @@ def draft_eagle2(
     start = cache.length
     mask = torch.ones(k, start + passes * k, dtype=torch.bool, device=device)
     eye = torch.eye(k, dtype=torch.bool, device=device)
+    stop_below = math.log(min_confidence) if min_confidence > 0 else -math.inf
     for level in range(passes):
+        if stop_below > -math.inf and float(frontier_scores[0]) < stop_below:
+            break
         end = start + (level + 1) * k
         mask[:, end - k : end] = eye
         out = head.step(
