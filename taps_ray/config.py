@@ -143,6 +143,10 @@ class TreeConfig(_Strict):
     draft_vocab_size: int | None = Field(
         None, gt=0, description="draft over the N most frequent training tokens (EAGLE-3 style); None = full vocabulary"
     )
+    min_confidence: float = Field(
+        0.0, ge=0.0, lt=1.0, description="stop expanding a tree once its best frontier node's cumulative probability "
+        "is below this (docs/algorithms.md#draft-confidence-stop); 0 = always draft `depth` levels"
+    )
 
     @model_validator(mode="after")
     def _fits(self) -> "TreeConfig":

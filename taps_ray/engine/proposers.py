@@ -85,4 +85,5 @@ class SingleHead:
             total_token=self.tree.total_token,
             depth=self.tree.depth,
             top_k=self.tree.top_k,
+            min_confidence=self.tree.min_confidence,
         )

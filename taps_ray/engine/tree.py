@@ -7,6 +7,7 @@ on the device of the head that drafted it (of its tokens); the verifier moves it
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, replace
 
 import torch
@@ -152,33 +153,100 @@ def head_context(head: DraftHead, ctx: DraftContext) -> DraftContext:
 
 
 @dataclass
+class KVSlots:
+    """Preallocated keys and values [1, kvh, capacity, hd] of one head, shared along one sequence's states.
+
+    Slots 0..stable-1 hold the newest stable cache written into them; a draft writes its tree's K/V after
+    that and the next extension overwrites them, so drafting copies no cache. A state older than `stable`
+    that extends again (a branch) gets its own copy, so no state ever sees another's K/V.
+    """
+
+    kv: KVCache
+    stable: int
+
+    @property
+    def capacity(self) -> int:
+        return int(self.kv[0].shape[2])
+
+
+@dataclass
 class HeadCache:
     """A head's stable cache: K/V for draft positions 0..length-1, built from committed target features only."""
 
-    kv: KVCache | None = None
+    slots: KVSlots | None = None
     length: int = 0
+
+    @property
+    def kv(self) -> KVCache | None:
+        """The stable keys and values [1, kvh, length, hd] (views of the slots)."""
+        if self.slots is None:
+            return None
+        keys, values = self.slots.kv
+        return keys[:, :, : self.length], values[:, :, : self.length]
+
+    def reserve(self, head: DraftHead, needed: int) -> KVSlots:
+        """Slots this cache can extend in place to `needed` positions: its own, or a fresh copy when they are
+        too small or a newer state has extended them already."""
+        slots = self.slots
+        if slots is not None and slots.stable == self.length and slots.capacity >= needed:
+            return slots
+        config, weight = head.config, next(head.parameters())
+        shape = (1, config.num_key_value_heads, max(2 * needed, 256), config.head_dim)
+        kv = (weight.new_empty(shape), weight.new_empty(shape))
+        if self.length:
+            kv[0][:, :, : self.length], kv[1][:, :, : self.length] = self.kv
+        return KVSlots(kv, self.length)
 
 
 def extend_context(
-    head: DraftHead, ctx: DraftContext, cache: HeadCache, features: torch.Tensor, next_tokens: torch.Tensor
+    head: DraftHead, ctx: DraftContext, cache: HeadCache, features: torch.Tensor, next_tokens: torch.Tensor,
+    reserve: int = 0,
 ) -> tuple[torch.Tensor, HeadCache]:
-    """Step A: feed (h_p, x_{p+1}) pairs of newly committed positions; returns the last output and new cache.
+    """Step A: feed (h_p, x_{p+1}) pairs of newly committed positions; returns the last output and new cache,
+    whose slots hold `reserve` more positions for the tree drafted next.
 
     The committed tensors may come from another device (a target worker hands back CPU tensors); they move
     to the head's."""
     m = int(next_tokens.numel())
     weight = next(head.parameters())
     dtype, device = weight.dtype, weight.device
+    slots = cache.reserve(head, cache.length + m + reserve)
     positions = torch.arange(cache.length, cache.length + m, device=device).unsqueeze(0)
     mask = torch.ones(m, cache.length + m, dtype=torch.bool, device=device).tril(diagonal=cache.length)
-    out, kv = head(
+    out = head.step(
         ctx.embed(next_tokens.to(device).unsqueeze(0)).to(dtype),
         features.unsqueeze(0).to(device=device, dtype=dtype),
         positions,
         mask[None, None],
-        cache.kv,
+        slots.kv,
+        cache.length,
     )
-    return out[0, -1], HeadCache(kv=kv, length=cache.length + m)
+    slots.stable = cache.length + m
+    return out[0, -1], HeadCache(slots=slots, length=cache.length + m)
+
+
+def select_tree(
+    root: int, n_draft: int, tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor, entropy: torch.Tensor
+) -> DraftTree:
+    """EAGLE-2's reranking: the n_draft candidates of highest cumulative log-probability `scores`, under `root`.
+
+    Candidates are flat, parents before children; `parents` holds each one's parent's flat index (-1: root)."""
+    device = tokens.device
+    # Stable descending sort: on equal scores the lower flat index (a parent before its child) wins.
+    order = torch.sort(-scores, stable=True).indices[:n_draft]
+    selected = order.sort().values
+    node_of_flat = torch.full((tokens.numel(),), -1, dtype=torch.long, device=device)
+    node_of_flat[selected] = torch.arange(1, selected.numel() + 1, device=device)
+    parent_flat = parents[selected]
+    node_parents = torch.where(parent_flat < 0, 0, node_of_flat[parent_flat.clamp(min=0)])
+    if (node_parents < 0).any():
+        raise AssertionError("EAGLE-2 selection kept a node without its parent")
+    return build_tree(
+        torch.cat([torch.tensor([root], device=device), tokens[selected]]),
+        torch.cat([torch.tensor([-1], device=device), node_parents]),
+        confidence=scores[selected].exp(),
+        entropy=entropy[selected],
+    )
 
 
 @torch.no_grad()
@@ -191,18 +259,22 @@ def draft_eagle2(
     total_token: int,
     depth: int,
     top_k: int,
+    min_confidence: float = 0.0,
 ) -> tuple[DraftTree, HeadCache]:
     """EAGLE-2 dynamic tree: expand the top_k best nodes per level, keep the total_token-1 best candidates.
 
     `features` [m, d] are the target features of the newly committed positions ([m, k*d] fused layers for an
     EAGLE-3 head, whose deeper levels read its own outputs) and `next_tokens` [m] the tokens that follow each of
-    them; the last of these is the tree's root. `ctx` is the head's (`head_context`).
+    them; the last of these is the tree's root. `ctx` is the head's (`head_context`). `min_confidence` > 0 stops
+    expanding once the best frontier node's cumulative probability falls below it: deeper nodes would be less
+    likely still to be accepted (docs/algorithms.md#draft-confidence-stop).
     """
-    hidden, cache = extend_context(head, ctx, cache, features, next_tokens)
-    root = int(next_tokens[-1])
-    dtype, device = hidden.dtype, hidden.device
     n_draft = total_token - 1
     k = top_k
+    passes = depth if n_draft > k else 0  # a tree no wider than one level needs no expansion
+    hidden, cache = extend_context(head, ctx, cache, features, next_tokens, reserve=passes * k)
+    root = int(next_tokens[-1])
+    dtype, device = hidden.dtype, hidden.device
 
     log_p = ctx.log_probs(hidden)
     scores, index = log_p.topk(k)
@@ -214,53 +286,40 @@ def draft_eagle2(
     frontier_tokens, frontier_scores = tokens, scores
     frontier_hidden = hidden.expand(k, -1)
     frontier_flat = torch.arange(k, device=device)
-    ancestors = torch.eye(k, dtype=torch.bool, device=device)
-    tree_kv = cache.kv
-    position = cache.length
-    passes = depth if n_draft > k else 0  # a tree no wider than one level needs no expansion
+    # One mask for every pass: committed columns all True, tree columns = each frontier node's ancestors + self.
+    start = cache.length
+    mask = torch.ones(k, start + passes * k, dtype=torch.bool, device=device)
+    eye = torch.eye(k, dtype=torch.bool, device=device)
+    stop_below = math.log(min_confidence) if min_confidence > 0 else -math.inf
     for level in range(passes):
-        mask = torch.cat([torch.ones(k, cache.length, dtype=torch.bool, device=device), ancestors], dim=1)
-        out, tree_kv = head(
+        if stop_below > -math.inf and float(frontier_scores[0]) < stop_below:
+            break
+        end = start + (level + 1) * k
+        mask[:, end - k : end] = eye
+        out = head.step(
             ctx.embed(frontier_tokens.unsqueeze(0)).to(dtype),
             frontier_hidden.unsqueeze(0),
-            torch.full((1, k), position + level, device=device),
-            mask[None, None],
-            tree_kv,
+            torch.full((1, k), start + level, device=device),
+            mask[None, None, :, :end],
+            cache.slots.kv,
+            end - k,
         )
         log_p = ctx.log_probs(out[0])  # [k, V]
         child_scores, child_index = log_p.topk(k, dim=-1)
-        child_tokens = ctx.token_ids(child_index)
+        child_tokens = ctx.token_ids(child_index).flatten()
         cumulative = (child_scores + frontier_scores[:, None]).flatten()
-        offset = k + level * k * k
-        cand_tokens.append(child_tokens.flatten())
+        cand_tokens.append(child_tokens)
         cand_scores.append(cumulative)
         cand_entropy.append(_entropy(log_p).repeat_interleave(k))
         cand_parent.append(frontier_flat.repeat_interleave(k))
         best_scores, best = cumulative.topk(k)
         rows = best // k
-        frontier_tokens = child_tokens.flatten()[best]
+        frontier_tokens = child_tokens[best]
         frontier_hidden = out[0, rows]
         frontier_scores = best_scores
-        frontier_flat = offset + best
-        ancestors = torch.cat([ancestors[rows], torch.eye(k, dtype=torch.bool, device=device)], dim=1)
+        frontier_flat = k + level * k * k + best
+        mask[:, start:end] = mask[rows, start:end]
 
-    all_tokens = torch.cat(cand_tokens)
-    all_scores = torch.cat(cand_scores)
-    all_parents = torch.cat(cand_parent)
-    all_entropy = torch.cat(cand_entropy)
-    # Stable descending sort: on equal scores the lower flat index (a parent before its child) wins.
-    order = torch.sort(-all_scores, stable=True).indices[:n_draft]
-    selected = order.sort().values
-    node_of_flat = torch.full((all_tokens.numel(),), -1, dtype=torch.long, device=device)
-    node_of_flat[selected] = torch.arange(1, selected.numel() + 1, device=device)
-    parent_flat = all_parents[selected]
-    parents = torch.where(parent_flat < 0, 0, node_of_flat[parent_flat.clamp(min=0)])
-    if (parents < 0).any():
-        raise AssertionError("EAGLE-2 selection kept a node without its parent")
-    tree = build_tree(
-        torch.cat([torch.tensor([root], device=device), all_tokens[selected]]),
-        torch.cat([torch.tensor([-1], device=device), parents]),
-        confidence=all_scores[selected].exp(),
-        entropy=all_entropy[selected],
-    )
+    tree = select_tree(root, n_draft, torch.cat(cand_tokens), torch.cat(cand_scores), torch.cat(cand_parent),
+                       torch.cat(cand_entropy))
     return tree, cache

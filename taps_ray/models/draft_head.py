@@ -193,12 +193,12 @@ class DraftHead(nn.Module):
         return z + self.layer.mlp(self.layer.post_attention_layernorm(z))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Scaled dot-product attention with grouped KV heads; `mask` is bool [B,1,T,S], True = may attend."""
-        groups = q.shape[1] // k.shape[1]
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(q.shape[-1]))
+        """Scaled dot-product attention with grouped KV heads; `mask` is bool [B,1,T,S], True = may attend.
+
+        SDPA's own grouping reads each KV head in place (the same numbers as repeating the heads, without the
+        copy of the whole cache that repeating costs every draft pass)."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(q.shape[-1]),
+                                              enable_gqa=q.shape[1] != k.shape[1])
 
     def forward(
         self,
@@ -215,6 +215,25 @@ class DraftHead(nn.Module):
             k = torch.cat([cache[0], k], dim=2)
             v = torch.cat([cache[1], v], dim=2)
         return self.finish(residual, self.attend(q, k, v, mask)), (k, v)
+
+    def step(
+        self,
+        token_embeddings: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        kv: KVCache,
+        start: int,
+    ) -> torch.Tensor:
+        """`forward` over preallocated keys and values `kv` [B,kvh,capacity,hd] (drafting): this call's K/V are
+        written at slots start..start+T-1 and the attention reads slots 0..start+T-1, so a draft pass copies
+        no cache. `mask` is [B,1,T,start+T]. Returns the predicted next features [B,T,d]."""
+        x, residual = self.inputs(token_embeddings, features)
+        q, k, v = self.project(x, positions)
+        end = start + k.shape[2]
+        kv[0][:, :, start:end] = k
+        kv[1][:, :, start:end] = v
+        return self.finish(residual, self.attend(q, kv[0][:, :, :end], kv[1][:, :, :end], mask))
 
     # --- persistence -------------------------------------------------------------------------------------
     def trainable_state(self) -> dict[str, torch.Tensor]:

@@ -1,0 +1,104 @@
+"""Drafting over preallocated K/V slots gives, bit for bit in fp32, the trees of the plain algorithm it replaced:
+every pass concatenates the cache, repeats grouped KV heads and rebuilds the tree mask (the reference below)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from taps_ray.engine.tree import DraftContext, DraftTree, HeadCache, _entropy, draft_eagle2, select_tree
+from taps_ray.models.draft_head import DraftHead, new_head
+
+
+def _reference_forward(head: DraftHead, emb, features, positions, mask, cache):
+    x, residual = head.inputs(emb, features)
+    q, k, v = head.project(x, positions)
+    if cache is not None:
+        k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
+    groups = q.shape[1] // k.shape[1]
+    attended = F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1),
+                                              attn_mask=mask, scale=1.0 / math.sqrt(q.shape[-1]))
+    return head.finish(residual, attended), (k, v)
+
+
+@torch.no_grad()
+def reference_draft(head, ctx, kv, length, features, next_tokens, total_token, depth, top_k):
+    """EAGLE-2 as drafted before the slots: returns the tree and the new (kv, length)."""
+    m = next_tokens.numel()
+    mask = torch.ones(m, length + m, dtype=torch.bool).tril(diagonal=length)
+    out, kv = _reference_forward(head, ctx.embed(next_tokens[None]), features[None],
+                                 torch.arange(length, length + m)[None], mask[None, None], kv)
+    hidden, length, k = out[0, -1], length + m, top_k
+    log_p = ctx.log_probs(hidden)
+    scores, tokens = log_p.topk(k)
+    cand = [(tokens, scores, torch.full((k,), -1), _entropy(log_p).expand(k))]
+    f_tokens, f_scores, f_hidden, f_flat = tokens, scores, hidden.expand(k, -1), torch.arange(k)
+    ancestors, tree_kv = torch.eye(k, dtype=torch.bool), kv
+    for level in range(depth if total_token - 1 > k else 0):
+        mask = torch.cat([torch.ones(k, length, dtype=torch.bool), ancestors], dim=1)
+        out, tree_kv = _reference_forward(head, ctx.embed(f_tokens[None]), f_hidden[None],
+                                          torch.full((1, k), length + level), mask[None, None], tree_kv)
+        log_p = ctx.log_probs(out[0])
+        child_scores, child_tokens = log_p.topk(k, dim=-1)
+        cumulative = (child_scores + f_scores[:, None]).flatten()
+        cand.append((child_tokens.flatten(), cumulative, f_flat.repeat_interleave(k),
+                     _entropy(log_p).repeat_interleave(k)))
+        f_scores, best = cumulative.topk(k)
+        rows = best // k
+        f_tokens, f_hidden, f_flat = child_tokens.flatten()[best], out[0, rows], k + level * k * k + best
+        ancestors = torch.cat([ancestors[rows], torch.eye(k, dtype=torch.bool)], dim=1)
+    tree = select_tree(int(next_tokens[-1]), total_token - 1, *(torch.cat(c) for c in zip(*cand)))
+    return tree, kv, length
+
+
+def _same(a: DraftTree, b: DraftTree) -> bool:
+    return all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("tokens", "parents", "confidence", "entropy"))
+
+
+def test_drafts_equal_the_reference_bit_for_bit_over_a_sequence(tiny_target):
+    torch.manual_seed(0)
+    head = new_head(tiny_target.model.config, seed=3)
+    ctx = DraftContext(tiny_target.model.get_input_embeddings(), tiny_target.model.lm_head)
+    d = head.config.hidden_size
+    for total, depth, k in [(16, 4, 4), (8, 3, 2), (3, 2, 2)]:
+        cache, kv, length = HeadCache(), None, 0
+        for m in (7, 1, 3, 2, 300, 1):  # 300: the slots outgrow their first capacity
+            features, tokens = torch.randn(m, d), torch.randint(0, 1000, (m,))
+            tree, cache = draft_eagle2(head, ctx, cache, features, tokens, total, depth, k)
+            expected, kv, length = reference_draft(head, ctx, kv, length, features, tokens, total, depth, k)
+            assert _same(tree, expected), (total, depth, k, m)
+            assert torch.equal(cache.kv[0], kv[0]) and torch.equal(cache.kv[1], kv[1]) and cache.length == length
+
+
+def test_a_state_drafted_from_twice_keeps_its_own_cache(tiny_target):
+    """A branch (an older state extended again) copies the slots, so the newer state's K/V stay intact."""
+    head = new_head(tiny_target.model.config, seed=4)
+    ctx = DraftContext(tiny_target.model.get_input_embeddings(), tiny_target.model.lm_head)
+    d = head.config.hidden_size
+    prompt, step, nxt = (torch.randn(6, d), torch.arange(6)), (torch.randn(2, d), torch.tensor([7, 8])), \
+        (torch.randn(1, d), torch.tensor([9]))
+    _, base = draft_eagle2(head, ctx, HeadCache(), *prompt, 8, 3, 2)
+    _, state_a = draft_eagle2(head, ctx, base, *step, 8, 3, 2)
+    _, state_b = draft_eagle2(head, ctx, base, torch.randn(3, d), torch.tensor([1, 2, 3]), 8, 3, 2)
+    assert state_b.slots is not state_a.slots and state_a.slots is base.slots
+    _, unbranched = draft_eagle2(head, ctx, draft_eagle2(head, ctx, HeadCache(), *prompt, 8, 3, 2)[1], *step, 8, 3, 2)
+    assert torch.equal(state_a.kv[0], unbranched.kv[0]) and torch.equal(state_a.kv[1], unbranched.kv[1])
+    assert _same(draft_eagle2(head, ctx, state_a, *nxt, 8, 3, 2)[0], draft_eagle2(head, ctx, unbranched, *nxt, 8, 3, 2)[0])
+
+
+def test_confidence_stop_drafts_no_level_below_the_threshold(tiny_target):
+    head = new_head(tiny_target.model.config, seed=5)
+    ctx = DraftContext(tiny_target.model.get_input_embeddings(), tiny_target.model.lm_head)
+    features, tokens = torch.randn(5, head.config.hidden_size), torch.arange(5)
+    full, _ = draft_eagle2(head, ctx, HeadCache(), features, tokens, 16, 4, 4)
+    assert _same(draft_eagle2(head, ctx, HeadCache(), features, tokens, 16, 4, 4, min_confidence=0.0)[0], full)
+    # Above every root child's confidence: no pass runs, the tree is the root's top 4 children.
+    top, _ = draft_eagle2(head, ctx, HeadCache(), features, tokens, 16, 4, 4, min_confidence=0.99)
+    assert top.size == 5 and int(top.depth.max()) == 1
+    # Between: the levels drafted are those whose best parent clears the threshold.
+    level_best = [float(full.confidence[full.depth[1:] == d].max()) for d in range(1, int(full.depth.max()) + 1)]
+    cut = (level_best[0] + level_best[1]) / 2
+    tree, _ = draft_eagle2(head, ctx, HeadCache(), features, tokens, 16, 4, 4, min_confidence=cut)
+    assert int(tree.depth.max()) == 2 and tree.size == 16
