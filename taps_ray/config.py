@@ -122,6 +122,10 @@ class TrainConfig(_Strict):
         default_factory=lambda: ["eagle2", "hass"], description="head kinds to train (eagle3 also extracts three "
         "more target layers per token, docs/algorithms.md#eagle-3-heads)")
     mixtures: list[str] = Field(default_factory=lambda: ["math", "chat"])
+    compare: dict[str, list[HeadKind]] = Field(
+        default_factory=dict, description="extra heads, mixture -> kinds, trained and measured beside the study's "
+        "(e.g. dataset-answer twins of target-answer mixtures); each drafts alone under its mixture name, never "
+        "inside a combination")
     epochs: int = Field(2, gt=0)
     max_tokens: int | None = Field(None, gt=0, description="stop after this many trained tokens (per head)")
     lr: float = Field(1e-3, gt=0)
@@ -289,7 +293,24 @@ class StudyConfig(_Strict):
                 f"train.mixtures names {missing} but mixtures defines only {sorted(self.mixtures)}; "
                 "add them under mixtures: or remove them from train.mixtures"
             )
+        unknown = [m for m in self.train.compare if m not in self.mixtures]
+        if unknown:
+            raise ValueError(f"train.compare names {unknown} but mixtures defines only {sorted(self.mixtures)}")
+        both = [m for m in self.train.compare if m in self.train.mixtures]
+        if both:
+            raise ValueError(f"train.compare names {both}, which train.mixtures trains already; list each mixture once")
         return self
+
+    def head_pairs(self) -> list[tuple[str, str]]:
+        """(kind, mixture) of every head the study trains: train.kinds x train.mixtures, then train.compare's."""
+        study = [(kind, mixture) for mixture in self.train.mixtures for kind in self.train.kinds]
+        return [*study, *((kind, mixture) for mixture, kinds in self.train.compare.items() for kind in kinds)]
+
+    def head_mixtures(self, kind: str | None = None) -> list[str]:
+        """The mixtures with heads to load: train.mixtures in order, then those of train.compare that train a
+        `kind` head (all of them when `kind` is None)."""
+        compare = [m for m, kinds in self.train.compare.items() if kind is None or kind in kinds]
+        return [*self.train.mixtures, *compare]
 
     def resolved_data_dir(self) -> Path | None:
         """TAPS_DATA_DIR (which a --data-dir flag sets, see `with_overrides`) over the YAML's data_dir."""

@@ -1,4 +1,5 @@
-"""Target answers: the per-mixture `answers` switch, multi-turn regeneration and its resumable cache."""
+"""Target answers: the per-mixture `answers` switch, multi-turn regeneration, its resumable cache, the compare
+heads (dataset-answer twins) in training and evaluation."""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ import pytest
 from taps_ray.config import ConfigError, StudyConfig, load_config, parse_config
 from taps_ray.data.chat import render_ids
 from taps_ray.data.mixtures import build_mixture
+from taps_ray.eval.commands import plan_cells
+from taps_ray.models.draft_head import new_head
 from taps_ray.models.target import Target
+from taps_ray.proposer_setup import heads_needed, load_proposers
+from taps_ray.engine.registry import proposer_names
 from taps_ray.training import answers as answers_mod
 from taps_ray.training.answers import AnswerCache, regenerate_answers
 from taps_ray.training.features import (
@@ -20,12 +25,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _with_twins(cfg: StudyConfig, **updates) -> StudyConfig:
-    """`cfg` with math and chat on target answers and their dataset-answer twins."""
+    """`cfg` with math and chat on target answers and their dataset-answer twins as eagle2 compare heads."""
     data = cfg.model_dump()
     mixtures = data["mixtures"]
     for name in ("math", "chat"):
         mixtures[f"{name}-dataset"] = {**mixtures[name], "answers": "dataset"}
         mixtures[name]["answers"] = "target"
+    data["train"]["compare"] = {"math-dataset": ["eagle2"], "chat-dataset": ["eagle2"]}
     data.update(updates)
     return parse_config(data)
 
@@ -57,11 +63,19 @@ def _users(conv) -> list[dict]:
 
 # --- config ------------------------------------------------------------------------------------------------------
 
-def test_answers_per_mixture_parse(tiny_config):
+def test_answers_per_mixture_and_compare_heads_parse(tiny_config):
     cfg = _with_twins(tiny_config)
     assert cfg.mixtures["math"].answers == "target" and cfg.mixtures["math-dataset"].answers == "dataset"
     assert cfg.mixtures["mixed"].answers == "dataset"  # the default: the paper's setting
+    assert cfg.head_pairs() == [("eagle2", "math"), ("hass", "math"), ("eagle2", "chat"), ("hass", "chat"),
+                                ("eagle2", "math-dataset"), ("eagle2", "chat-dataset")]
+    assert cfg.head_mixtures("hass") == ["math", "chat"]
+    assert cfg.head_mixtures() == ["math", "chat", "math-dataset", "chat-dataset"]
     data = cfg.model_dump()
+    with pytest.raises(ConfigError, match="train.compare names \\['nope'\\]"):
+        parse_config({**data, "train": {**data["train"], "compare": {"nope": ["eagle2"]}}})
+    with pytest.raises(ConfigError, match="trains already"):
+        parse_config({**data, "train": {**data["train"], "compare": {"math": ["eagle2"]}}})
     with pytest.raises(ConfigError, match="mixtures.math.answers"):
         parse_config({**data, "mixtures": {**data["mixtures"], "math": {**data["mixtures"]["math"], "answers": "human"}}})
     with pytest.raises(ConfigError, match="now per mixture"):
@@ -166,3 +180,20 @@ def test_extraction_on_target_answers_resumes_without_regenerating(tiny_config, 
     assert [e.input_ids.tolist() for e in again.load()] == [e.input_ids.tolist() for e in fs.load()]
     twin = extract_features(cfg, "chat-dataset", target=tiny_target, progress=False)  # nothing copied across answers
     assert twin.folder != fs.folder and twin.stats["copied_conversations"] == 0
+
+
+# --- compare heads in evaluation and the report -------------------------------------------------------------------
+
+def test_compare_heads_draft_alone_and_only_for_their_kinds(tiny_config, tiny_target):
+    cfg = _with_twins(tiny_config)
+    cfg.eval.proposers = ["math", "math-dataset", "entropy-routed"]
+    assert {"math-dataset", "chat-dataset", "math-dataset+ngram"} <= set(proposer_names(cfg))
+    cells = {(c.head_kind, c.proposer) for c in plan_cells(cfg) if c.head_kind != "none"}
+    assert cells == {("eagle2", "math"), ("hass", "math"), ("eagle2", "math-dataset"), ("eagle2", "entropy-routed"),
+                     ("hass", "entropy-routed")}
+    assert heads_needed(cfg, ["math-dataset+ngram"]) == ["math-dataset"]
+    assert heads_needed(cfg, ["entropy-routed"]) == ["math", "chat"]
+    heads = {m: new_head(tiny_target.model.config, seed=i) for i, m in enumerate(cfg.head_mixtures("eagle2"))}
+    proposers = load_proposers(cfg, ["math-dataset", "entropy-routed"], target=tiny_target, heads=heads)
+    assert proposers["entropy-routed"].head_names == ["math", "chat"]  # twins never combined
+    assert proposers["math-dataset"].head is heads["math-dataset"]
