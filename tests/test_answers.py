@@ -1,10 +1,12 @@
 """Target answers: the per-mixture `answers` switch, multi-turn regeneration, its resumable cache, the compare
-heads (dataset-answer twins) in training and evaluation."""
+heads (dataset-answer twins) in training, evaluation and the heads report."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from taps_ray.config import ConfigError, StudyConfig, load_config, parse_config
@@ -15,11 +17,13 @@ from taps_ray.models.draft_head import new_head
 from taps_ray.models.target import Target
 from taps_ray.proposer_setup import heads_needed, load_proposers
 from taps_ray.engine.registry import proposer_names
+from taps_ray.report.heads import heads_summary, render_heads_md
 from taps_ray.training import answers as answers_mod
 from taps_ray.training.answers import AnswerCache, regenerate_answers
 from taps_ray.training.features import (
     answers_path, conversation_digest, extract_features, feature_spec, features_key,
 )
+from taps_ray.workdir import results_dir
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -197,3 +201,36 @@ def test_compare_heads_draft_alone_and_only_for_their_kinds(tiny_config, tiny_ta
     proposers = load_proposers(cfg, ["math-dataset", "entropy-routed"], target=tiny_target, heads=heads)
     assert proposers["entropy-routed"].head_names == ["math", "chat"]  # twins never combined
     assert proposers["math-dataset"].head is heads["math-dataset"]
+
+
+def test_heads_report_compares_dataset_and_target_answers(tiny_config, tmp_path, monkeypatch):
+    cfg = _with_twins(tiny_config, work_dir=str(tmp_path))
+    accuracy = {"eagle2-math": 0.61, "eagle2-math-dataset": 0.52, "eagle2-chat": 0.44}  # by head folder
+    monkeypatch.setattr("taps_ray.report.heads.read_agreement", lambda c, final, domains: {
+        d: {"acc": accuracy[final.parent.name], "acc_2": 0.3, "tokens": 10, "conversations": 2} for d in domains})
+    for label in accuracy:
+        final = cfg.work_path("heads", label, "final")
+        final.mkdir(parents=True)
+        (final / "model.safetensors").write_bytes(b"")
+        (final / "metrics.json").write_text(json.dumps({"step": 1, "tokens": 10, "train_seconds": 1.0, "history": []}))
+    results_dir(cfg).mkdir(parents=True)
+    pd.DataFrame([
+        {"head_kind": "eagle2", "proposer": "math", "benchmark": "gsm8k", "temperature": 0.0, "new_tokens": 30, "steps": 10},
+        {"head_kind": "eagle2", "proposer": "math", "benchmark": "svamp", "temperature": 0.0, "new_tokens": 10, "steps": 10},
+        {"head_kind": "eagle2", "proposer": "math", "benchmark": "gsm8k", "temperature": 1.0, "new_tokens": 99, "steps": 1},
+        {"head_kind": "eagle2", "proposer": "math-dataset", "benchmark": "gsm8k", "temperature": 0.0, "new_tokens": 15,
+         "steps": 10},
+        {"head_kind": "eagle2", "proposer": "math-dataset", "benchmark": "mt_bench", "temperature": 0.0,
+         "new_tokens": 99, "steps": 1},
+    ]).to_parquet(results_dir(cfg) / "summary.parquet")
+    summary = heads_summary(cfg)
+    math, chat = summary["comparison"]
+    assert math == {"kind": "eagle2", "domain": "math", "heads": {"target": "math", "dataset": "math-dataset"},
+                    "acc": {"target": 0.61, "dataset": 0.52}, "acc_2": {"target": 0.3, "dataset": 0.3},
+                    "tau": {"target": 2.0, "dataset": 1.5}}
+    assert chat["acc"] == {"target": 0.44, "dataset": None} and chat["tau"] == {"target": None, "dataset": None}
+    text = render_heads_md(summary, ("math", "chat"))
+    assert "## Dataset answers vs target answers" in text
+    assert "| math | eagle2 | eagle2-math-dataset / eagle2-math | 0.520 | 0.610 | 0.300 | 0.300 | 1.500 | 2.000 |" in text
+    assert "| chat | eagle2 | eagle2-chat-dataset / eagle2-chat | – | 0.440 | – | 0.300 | – | – |" in text
+    assert "`math` 24 conversations (mathinstruct 1, target answers)" in text
