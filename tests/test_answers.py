@@ -17,7 +17,7 @@ from taps_ray.models.draft_head import new_head
 from taps_ray.models.target import Target
 from taps_ray.proposer_setup import heads_needed, load_proposers
 from taps_ray.engine.registry import proposer_names
-from taps_ray.report.heads import heads_summary, render_heads_md
+from taps_ray.report.heads import answers_twin, heads_summary, render_heads_md
 from taps_ray.training import answers as answers_mod
 from taps_ray.training.answers import AnswerCache, regenerate_answers
 from taps_ray.training.features import (
@@ -86,8 +86,12 @@ def test_answers_per_mixture_and_compare_heads_parse(tiny_config):
         parse_config({**data, "features": {**data["features"], "regenerate_answers": True}})
 
 
-def test_speed_config_trains_on_target_answers():
-    speed = load_config(REPO / "configs" / "speed.yaml")
+def test_shipped_configs_train_on_target_answers_with_dataset_twins():
+    cpu, speed = load_config(REPO / "configs" / "cpu.yaml"), load_config(REPO / "configs" / "speed.yaml")
+    assert {cpu.mixtures[m].answers for m in cpu.train.mixtures} == {"target"}
+    assert cpu.train.compare == {"math-dataset": ["eagle2"], "chat-dataset": ["eagle2"]}
+    assert answers_twin(cpu, "math-dataset") == "math" and answers_twin(cpu, "chat-dataset") == "chat"
+    assert {"math-dataset", "chat-dataset"} <= set(cpu.eval.proposers)
     assert {speed.mixtures[m].answers for m in speed.train.mixtures} == {"target"}
 
 
