@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     features = commands.add_parser("features", help="extract and cache the target's features of training mixtures")
     _add_config(features)
-    features.add_argument("--mixture", default=None, help="one mixture (default: every mixture in train.mixtures)")
+    features.add_argument("--mixture", default=None, help="one mixture (default: every mixture a head trains on)")
 
     train = commands.add_parser("train", help="train (or resume) one draft head on one mixture")
     _add_config(train)

@@ -21,10 +21,10 @@ from taps_ray.workdir import head_checkpoint
 
 def load_heads(cfg: StudyConfig, kind: str, dtype: torch.dtype, mixtures: Sequence[str] | None = None,
                device: torch.device | str = "cpu") -> dict[str, DraftHead]:
-    """The trained heads of one kind, keyed by mixture name, in the order of `train.mixtures`, on `device`
-    (the target's)."""
+    """The trained heads of one kind, keyed by mixture name, in the order of `train.mixtures` (then those of
+    `train.compare` that have this kind), on `device` (the target's)."""
     heads = {}
-    for mixture in cfg.train.mixtures if mixtures is None else mixtures:
+    for mixture in cfg.head_mixtures(kind) if mixtures is None else mixtures:
         folder = head_checkpoint(cfg, kind, mixture)
         if not folder.is_dir():
             raise FileNotFoundError(
@@ -36,9 +36,14 @@ def load_heads(cfg: StudyConfig, kind: str, dtype: torch.dtype, mixtures: Sequen
 
 
 def heads_needed(cfg: StudyConfig, names: Sequence[str]) -> list[str]:
-    """The mixtures whose heads `names` draft with: a single head needs itself, a combination every head."""
-    used = {mixture for name in names for mixture in heads_used(name, cfg.train.mixtures)}
-    return [mixture for mixture in cfg.train.mixtures if mixture in used]
+    """The mixtures whose heads `names` draft with: a single head needs itself, a combination every head of
+    train.mixtures."""
+    used = {mixture for name in names for mixture in _used(cfg, name)}
+    return [mixture for mixture in cfg.head_mixtures() if mixture in used]
+
+
+def _used(cfg: StudyConfig, name: str) -> list[str]:
+    return heads_used(name, cfg.train.mixtures, list(cfg.train.compare))
 
 
 def load_proposers(
@@ -61,6 +66,12 @@ def load_proposers(
         if needed and kind is None:
             raise ValueError(f"proposers {list(names)} draft with trained heads: say which kind to load")
         heads = load_heads(cfg, kind, dtype or target.dtype, needed, target.device) if needed else {}
-    drafts = any(heads_used(name, cfg.train.mixtures) for name in names)  # plain and n-gram draft with no head
+    drafts = any(_used(cfg, name) for name in names)  # plain and n-gram draft with no head
     vocab = draft_vocabulary(cfg, target.tokenizer, target.stop_token_ids) if drafts else None
-    return {name: build_proposer(name, target, heads, cfg.tree, vocab) for name in names}
+    return {name: build_proposer(name, target, _drafting(cfg, name, heads), cfg.tree, vocab) for name in names}
+
+
+def _drafting(cfg: StudyConfig, name: str, heads: dict[str, DraftHead]) -> dict[str, DraftHead]:
+    """`heads` less the compare heads `name` does not draft with, so combinations see the study's heads only."""
+    used = _used(cfg, name)
+    return {m: head for m, head in heads.items() if m not in cfg.train.compare or m in used}

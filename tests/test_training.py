@@ -21,6 +21,7 @@ from taps_ray.training import agreement as agreement_mod
 from taps_ray.training.agreement import (
     agreement_file, evaluate_agreement, measure_agreement, trained_heads, unmeasured_heads,
 )
+from taps_ray.training.answers import greedy_answers
 from taps_ray.training.features import Entry, extract_features, features_folder, read_shard
 from taps_ray.training.losses import causal_mask
 from taps_ray.training.trainer import epoch_batches, heldout_batches, split_examples, train_head
@@ -291,7 +292,7 @@ def test_greedy_answers_batched_match_unbatched_generate(base):
 
     convs = build_mixture(cfg.mixtures["chat"], cfg.resolved_data_dir())[:3]
     prompts = [render_ids(target.tokenizer, c.messages[:1], add_generation_prompt=True)[:40] for c in convs]
-    batched = features_mod.greedy_answers(target, prompts, batch_size=3, max_new_tokens=5)
+    batched = greedy_answers(target, prompts, batch_size=3, max_new_tokens=5)
     for prompt, answer in zip(prompts, batched):
         x = torch.tensor([prompt])
         ref = target.model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=5, do_sample=False,
@@ -299,30 +300,6 @@ def test_greedy_answers_batched_match_unbatched_generate(base):
         stops = set(target.stop_token_ids)
         cut = next((k for k, tok in enumerate(ref) if tok in stops), len(ref))
         assert answer == ref[:cut]
-
-
-def test_regenerate_answers_replaces_the_first_turn_answer(base, monkeypatch):
-    cfg, target = base
-    convs = build_mixture(cfg.mixtures["chat"], cfg.resolved_data_dir())[:3]
-    words = target.tokenizer.encode(" the answer is four", add_special_tokens=False)
-    monkeypatch.setattr(features_mod, "greedy_answers", lambda t, prompts, b, m, bar=None: [words, [], words][: len(prompts)])
-    out = features_mod.regenerate_answers(target, convs, batch_size=3, max_new_tokens=6, max_prompt_len=10_000)
-    assert [c.id for c in out] == [convs[0].id, convs[2].id]  # the empty answer is dropped
-    for c, original in zip(out, (convs[0], convs[2])):
-        assert c.messages == [original.messages[0], {"role": "assistant", "content": "the answer is four"}]
-
-
-def test_extract_with_regenerated_answers(base, tmp_path, monkeypatch):
-    cfg, target = base
-    cfg = cfg.model_copy(deep=True, update={"work_dir": str(tmp_path)})
-    cfg.features.regenerate_answers = True
-    words = target.tokenizer.encode(" the answer is four", add_special_tokens=False)
-    monkeypatch.setattr(features_mod, "greedy_answers", lambda t, prompts, b, m, bar=None: [words] * len(prompts))
-    fs = extract_features(cfg, "chat", target=target, progress=False)
-    assert fs.folder != features_folder(base[0], "chat") and fs.stats["conversations"] > 0
-    for ex in fs.load():
-        masked = ex.input_ids[ex.loss_mask.bool()].tolist()
-        assert target.tokenizer.decode(masked).startswith("the answer is four")
 
 
 def test_mixed_features_copy_single_domain_conversations(base, tmp_path):

@@ -50,7 +50,7 @@ def pack_heads(config: StudyConfig, kinds: list[str]) -> dict[str, dict[str, dic
     packed: dict[str, dict[str, dict[str, bytes]]] = {}
     for kind in kinds:
         packed[kind] = {}
-        for mixture in config.train.mixtures:
+        for mixture in config.head_mixtures(kind):
             folder = head_checkpoint(config, kind, mixture)
             if folder.is_dir():
                 packed[kind][mixture] = {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
@@ -65,11 +65,11 @@ def unpack_heads(config: StudyConfig, kind: str, packed: dict, dtype: torch.dtyp
     files = packed.get(kind)
     if not files:  # nothing shipped: read the (shared) work dir, as the in-process path does
         return load_heads(config, kind, dtype, device=device)
-    missing = [m for m in config.train.mixtures if m not in files]
+    missing = [m for m in config.head_mixtures(kind) if m not in files]
     if missing:
         raise FileNotFoundError(f"no trained {kind} head for mixtures {missing}; run the train stage first")
     heads = {}
-    for mixture in config.train.mixtures:
+    for mixture in config.head_mixtures(kind):
         folder = scratch / kind / mixture
         folder.mkdir(parents=True, exist_ok=True)
         for name, data in files[mixture].items():

@@ -51,6 +51,7 @@ def quick_config(cfg: StudyConfig) -> StudyConfig:
         update={
             "kinds": cfg.train.kinds[:1],
             "mixtures": train_mixtures,
+            "compare": {},
             "epochs": 1,
             "max_tokens": min(cfg.train.max_tokens or 8192, 8192),
         }
@@ -109,7 +110,7 @@ def stage_data(cfg: StudyConfig, log: Callable[[str], None]) -> dict[str, Any]:
 
     data_dir = cfg.resolved_data_dir()
     summary: dict[str, Any] = {"mixtures": {}, "benchmarks": {}}
-    for name in dict.fromkeys(cfg.train.mixtures):
+    for name in cfg.head_mixtures():
         conversations = build_mixture(cfg.mixtures[name], data_dir)
         summary["mixtures"][name] = len(conversations)
     for bench, limit in cfg.eval.benchmarks.items():
@@ -122,7 +123,7 @@ def stage_data(cfg: StudyConfig, log: Callable[[str], None]) -> dict[str, Any]:
 def stage_features(cfg: StudyConfig, env: dict[str, str], log: Callable[[str], None]) -> dict[str, Any]:
     from taps_ray.training.features import MANIFEST, features_folder
 
-    names = list(dict.fromkeys(cfg.train.mixtures))
+    names = cfg.head_mixtures()
     missing = [n for n in names if not (features_folder(cfg, n) / MANIFEST).is_file()]
     if not missing:
         log(f"features: all {len(names)} feature sets cached; nothing to do")

@@ -47,7 +47,7 @@ def _trainer():
 
 
 def head_pairs(cfg: StudyConfig) -> list[tuple[str, str]]:
-    return [(kind, mixture) for mixture in cfg.train.mixtures for kind in cfg.train.kinds]
+    return cfg.head_pairs()
 
 
 def expected_fingerprint(cfg: StudyConfig, kind: str, mixture: str) -> str:
@@ -147,7 +147,7 @@ def storage_path(cfg: StudyConfig) -> str:
 def run_training(
     cfg: StudyConfig, env: dict[str, str] | None = None, log_line: Callable[[str], None] = print
 ) -> dict[str, Any]:
-    """Train every missing head of train.kinds × train.mixtures with Ray Tune; returns what happened."""
+    """Train every missing head of train.kinds × train.mixtures and train.compare with Ray Tune; returns what happened."""
     from ray import tune
 
     pairs = head_pairs(cfg)

@@ -76,18 +76,19 @@ def draft_reach(tree: TreeConfig) -> int:
 
 
 def proposer_names(config: StudyConfig) -> list[str]:
-    return [*single_names(config.train.mixtures), *combination_names()]
+    return [*single_names(config.head_mixtures()), *combination_names()]
 
 
-def heads_used(name: str, mixtures: Sequence[str]) -> list[str]:
-    """The mixtures whose heads proposer `name` drafts with (in `mixtures` order; a combination uses all)."""
+def heads_used(name: str, mixtures: Sequence[str], alone: Sequence[str] = ()) -> list[str]:
+    """The mixtures whose heads proposer `name` drafts with (in `mixtures` order; a combination uses all of
+    `mixtures`). `alone`: heads that draft only by themselves (`train.compare`), never in a combination."""
     if name in ("plain", NGRAM):
         return []
     if name.startswith(AUTO_PREFIX):
-        return heads_used(name.removeprefix(AUTO_PREFIX), mixtures)
+        return heads_used(name.removeprefix(AUTO_PREFIX), mixtures, alone)
     if name.endswith(NGRAM_SUFFIX):
-        return heads_used(name.removesuffix(NGRAM_SUFFIX), mixtures)
-    return [name] if name in mixtures else list(mixtures)
+        return heads_used(name.removesuffix(NGRAM_SUFFIX), mixtures, alone)
+    return [name] if name in mixtures or name in alone else list(mixtures)
 
 
 def build_proposer(

@@ -15,7 +15,7 @@ from taps_ray.eval.runner import TraceCache, eval_dtype, is_replayed, run_cell
 from taps_ray.eval.store import Cell, ResultsStore
 from taps_ray.fsio import atomic_write_parquet
 from taps_ray.models.target import load_target
-from taps_ray.proposer_setup import load_heads, load_proposers
+from taps_ray.proposer_setup import heads_needed, load_heads, load_proposers
 from taps_ray.engine.generate import generate
 from taps_ray.engine.verify import SamplingParams
 from taps_ray.workdir import results_dir
@@ -30,7 +30,8 @@ def plan_cells(
     benchmarks: list[str] | None = None,
     temperatures: list[float] | None = None,
 ) -> list[Cell]:
-    """Plain decoding once per benchmark and temperature, then every proposer of every head kind. With
+    """Plain decoding once per benchmark and temperature, then every proposer of every head kind that has its
+    heads (a `train.compare` head is trained for its own kinds only). With
     `eval.replay` the T = 0 cells of draft proposers are replayed (runner.is_replayed), the rest run live; the
     cells of one benchmark and temperature are consecutive, so replayed cells share that benchmark's greedy
     decodes (runner.TraceCache holds one benchmark at a time)."""
@@ -39,7 +40,10 @@ def plan_cells(
     benchmarks = benchmarks or list(config.eval.benchmarks)
     temperatures = temperatures if temperatures is not None else config.eval.temperatures
     cells = [Cell(NO_HEAD, PLAIN, b, t) for t in temperatures for b in benchmarks]
-    cells += [Cell(k, p, b, t) for t in temperatures for b in benchmarks for k in kinds for p in proposers]
+    has_heads = {(k, p) for k in kinds for p in proposers
+                 if set(heads_needed(config, [p])) <= set(config.head_mixtures(k))}
+    cells += [Cell(k, p, b, t) for t in temperatures for b in benchmarks for k in kinds for p in proposers
+              if (k, p) in has_heads]
     return cells
 
 

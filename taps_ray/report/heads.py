@@ -1,8 +1,10 @@
 """The heads report: ``heads.md`` and ``heads.json`` from what training left in the work dir.
 
-Held-out agreement with the target per domain, feature-extraction and training throughput, per-epoch metrics.
-The report only reads: the feature manifests, each head's ``metrics.json`` and its remembered held-out agreement
-(measured after training, `training.agreement.measure_agreement`). Whatever is missing is marked in the tables.
+Held-out agreement with the target per domain, dataset answers vs target answers (the `train.compare` heads
+beside their target-answer twins, with the sweep's tau where its results exist), feature-extraction and training
+throughput, per-epoch metrics. The report only reads: the feature manifests, each head's ``metrics.json``, its
+remembered held-out agreement (measured after training, `training.agreement.measure_agreement`) and the results
+store's ``summary.parquet``. Whatever is missing is marked in the tables.
 """
 
 from __future__ import annotations
@@ -11,16 +13,20 @@ import json
 from pathlib import Path
 from typing import Sequence
 
+import pandas as pd
+
 from taps_ray.config import StudyConfig
 from taps_ray.fsio import atomic_write_text
+from taps_ray.report.findings import MATH_BENCHES
 from taps_ray.training.agreement import DEFAULT_DOMAINS, head_finals, read_agreement
 from taps_ray.training.features import MANIFEST, features_folder
 from taps_ray.training.trainer import load_final_metrics
-from taps_ray.workdir import in_workdir
+from taps_ray.workdir import in_workdir, results_dir
 
 NOT_TRAINED = "not trained"
 NOT_MEASURED = "not measured"
 NOT_EXTRACTED = "not extracted"
+DOMAIN_BENCHMARKS = {"math": MATH_BENCHES, "chat": ("mt_bench",)}  # where a domain's heads are measured by tau
 
 
 def heads_summary(cfg: StudyConfig, domains: Sequence[str] = DEFAULT_DOMAINS) -> dict:
@@ -38,12 +44,53 @@ def heads_summary(cfg: StudyConfig, domains: Sequence[str] = DEFAULT_DOMAINS) ->
         "target": cfg.target.name,
         "dtype": cfg.target.dtype,
         "machine": "; ".join(machines) or None,
-        "features": {name: _feature_stats(cfg, name) for name in dict.fromkeys([*cfg.train.mixtures, *domains])},
+        "features": {name: _feature_stats(cfg, name) for name in dict.fromkeys([*cfg.head_mixtures(), *domains])},
         "heads": heads,
+        "comparison": _answers_comparison(cfg, heads, domains),
         "mixtures": {k: v.model_dump() for k, v in cfg.mixtures.items()},
         "features_config": cfg.features.model_dump(),
         "train_config": cfg.train.model_dump(),
     }
+
+
+def answers_twin(cfg: StudyConfig, mixture: str) -> str | None:
+    """The mixture of train.mixtures with the same corpora, size and seed as `mixture` but the other answers."""
+    own = cfg.mixtures[mixture]
+    for name in cfg.train.mixtures:
+        other = cfg.mixtures[name]
+        if other.answers != own.answers and other.model_dump(exclude={"answers"}) == own.model_dump(exclude={"answers"}):
+            return name
+    return None
+
+
+def _answers_comparison(cfg: StudyConfig, heads: list[dict], domains: Sequence[str]) -> list[dict]:
+    """Per `train.compare` head with a twin in a domain: both heads' own-domain held-out agreement (depth 1 and 3)
+    and their T = 0 tau on the domain's benchmarks, keyed by answers (dataset / target)."""
+    by_key = {(h["kind"], h["mixture"]): h for h in heads}
+    rows = []
+    for mixture, kinds in cfg.train.compare.items():
+        twin = answers_twin(cfg, mixture)
+        if twin not in domains:
+            continue
+        for kind in kinds:
+            pair = {cfg.mixtures[m].answers: m for m in (mixture, twin)}
+            agreement = {a: (by_key.get((kind, m), {}).get("agreement") or {}).get(twin) for a, m in pair.items()}
+            rows.append({"kind": kind, "domain": twin, "heads": pair,
+                         "acc": {a: x and x["acc"] for a, x in agreement.items()},
+                         "acc_2": {a: x and x.get("acc_2") for a, x in agreement.items()},
+                         "tau": {a: _tau(cfg, kind, m, DOMAIN_BENCHMARKS.get(twin, ())) for a, m in pair.items()}})
+    return rows
+
+
+def _tau(cfg: StudyConfig, kind: str, proposer: str, benchmarks: Sequence[str]) -> float | None:
+    """Σ new tokens / Σ steps of the proposer's T = 0 cells on `benchmarks`, None before the sweep's eval."""
+    path = results_dir(cfg) / "summary.parquet"
+    if not path.is_file():
+        return None
+    s = pd.read_parquet(path)
+    cells = s[(s["head_kind"] == kind) & (s["proposer"] == proposer) & (s["temperature"] == 0)
+              & s["benchmark"].isin(list(benchmarks))]
+    return float(cells["new_tokens"].sum() / cells["steps"].sum()) if len(cells) and cells["steps"].sum() else None
 
 
 def _feature_stats(cfg: StudyConfig, name: str) -> dict | None:
@@ -86,8 +133,8 @@ def _label(h: dict) -> str:
 
 
 def render_heads_md(s: dict, domains: Sequence[str]) -> str:
-    return "\n".join([*_setting_md(s), *_agreement_md(s, domains), *_features_md(s), *_training_md(s, domains),
-                      *_method_md()])
+    return "\n".join([*_setting_md(s), *_agreement_md(s, domains), *_comparison_md(s), *_features_md(s),
+                      *_training_md(s, domains), *_method_md()])
 
 
 def _setting_md(s: dict) -> list[str]:
@@ -102,14 +149,22 @@ def _setting_md(s: dict) -> list[str]:
         f"Regenerate with `taps heads-report --config {config}` once the heads are trained and measured (the sweep's "
         f"train stage, or `taps train` per head and then `taps agreement --config {config}`).",
         "",
-        "Budget: " + ", ".join(f"`{name}` {m['size']} conversations ({' + '.join(f'{c} {r:g}' for c, r in m['mixture'].items())})"
-                               for name, m in s["mixtures"].items() if name in {h['mixture'] for h in s['heads']}) + "; "
+        "Budget: " + ", ".join(_budget(name, m) for name, m in s["mixtures"].items()
+                               if name in {h['mixture'] for h in s['heads']}) + "; "
         f"max_len {f['max_len']}, top-K {f['top_k']}, epochs {t['epochs']}, max_tokens {t['max_tokens']}, "
         f"batch {t['batch_size']}, lr {t['lr']:g} (warm-up {t['warmup_ratio']:g}, cosine), grad clip {t['grad_clip_value']:g} "
         f"by value, noise std {t['noise_std']:g}, HASS {t['hca_passes']} HCA passes and top-K weight {t['topk_weight']:g}, "
-        f"held-out fraction {t['heldout_fraction']:g}, loss mask `{t['mask_alignment']}`.",
+        f"held-out fraction {t['heldout_fraction']:g}, loss mask `{t['mask_alignment']}`." + (
+            f" Target answers: every user turn answered by the target in order, greedy, at most "
+            f"{f['regenerate_max_new_tokens']} new tokens per turn." if any(
+                m.get("answers") == "target" for m in s["mixtures"].values()) else ""),
         "",
     ]
+
+
+def _budget(name: str, m: dict) -> str:
+    corpora = " + ".join(f"{c} {r:g}" for c, r in m["mixture"].items())
+    return f"`{name}` {m['size']} conversations ({corpora}, {m.get('answers', 'dataset')} answers)"
 
 
 def _agreement_md(s: dict, domains: Sequence[str]) -> list[str]:
@@ -117,7 +172,8 @@ def _agreement_md(s: dict, domains: Sequence[str]) -> list[str]:
         "## Held-out next-token agreement with the target",
         "",
         "Top-1 of the head's draft equals the target's top-1, on the assistant tokens of the held-out "
-        "conversations of each domain (the same conversations for every head; none of them was trained on). "
+        "conversations of each domain, with that mixture's answers (Budget above; the same conversations for every "
+        "head, none of them trained on). "
         "`depth 1` is the first draft step (true target features); `depth 3` feeds the head its own two previous "
         "predictions (HASS harmonized context), the situation deeper in a draft tree.",
         "",
@@ -155,6 +211,26 @@ def _agreement_md(s: dict, domains: Sequence[str]) -> list[str]:
     if own:
         lines += ["Specialisation: " + "; ".join(own) + ".", ""]
     return lines
+
+
+def _comparison_md(s: dict) -> list[str]:
+    rows = s.get("comparison") or []
+    if not rows:
+        return []
+    lines = ["## Dataset answers vs target answers", "",
+             "The same conversations (corpora, size and seed), trained once on the corpora's own answers (the "
+             "paper's setting) and once on the target's own greedy answers. Agreement: as above, on the held-out "
+             "conversations of the domain with the target's answers, i.e. what the target will say. Tau: new tokens "
+             "per target step at T = 0 over the domain's benchmarks (" + "; ".join(
+                 f"{d}: {', '.join(b)}" for d, b in DOMAIN_BENCHMARKS.items()) + "), from the sweep's evaluation "
+             "(– before it ran).", "",
+             "| domain | kind | heads (dataset / target answers) | agreement depth 1 dataset | target | "
+             "depth 3 dataset | target | tau dataset | target |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        heads = " / ".join(f"{r['kind']}-{r['heads'][a]}" for a in ("dataset", "target"))
+        cells = [_fmt(r[key][a]) for key in ("acc", "acc_2", "tau") for a in ("dataset", "target")]
+        lines.append(f"| {r['domain']} | {r['kind']} | {heads} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
 
 
 def _features_md(s: dict) -> list[str]:
@@ -232,6 +308,7 @@ def _method_md() -> list[str]:
             "accumulated across passes.",
             "* Held-out: a conversation is held out when a hash of (seed, id) falls under the held-out fraction, "
             "the same rule in every mixture, so no head trained on any conversation scored above.",
-            "* Answers are the corpora's own (human / GSM8K-train) answers; `features.regenerate_answers: true` "
-            "trains on the target's greedy answers instead (higher agreement in the prototype, but it costs a "
-            "batched generation pass).", ""]
+            "* Answers: a mixture's `answers: dataset` trains on the corpora's own (human / GSM8K-train) answers, "
+            "`answers: target` on the target's own greedy answers to every user turn in order, each turn seeing "
+            "the target's earlier answers (docs/algorithms.md#target-answers); the generation pass is cached per "
+            "conversation and resumable.", ""]

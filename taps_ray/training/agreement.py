@@ -105,9 +105,9 @@ def cached_agreement(cfg: StudyConfig, head_path: str | Path, domains: Sequence[
 
 
 def head_finals(cfg: StudyConfig) -> list[tuple[str, str, Path]]:
-    """(kind, mixture, final checkpoint folder) of every head of train.mixtures × train.kinds, trained or not."""
-    return [(kind, mixture, head_checkpoint(cfg, kind, mixture))
-            for mixture in cfg.train.mixtures for kind in cfg.train.kinds]
+    """(kind, mixture, final checkpoint folder) of every head the study trains (`StudyConfig.head_pairs`), trained
+    or not."""
+    return [(kind, mixture, head_checkpoint(cfg, kind, mixture)) for kind, mixture in cfg.head_pairs()]
 
 
 def trained_heads(cfg: StudyConfig) -> dict[str, Path]:

@@ -14,9 +14,9 @@ from taps_ray.training.trainer import configure_threads, train_head
 
 
 def cmd_features(cfg: StudyConfig, mixture_name: str | None = None, target: Target | None = None) -> dict:
-    """Extract (or reuse) the features of one mixture, or of every mixture in train.mixtures; returns stats."""
+    """Extract (or reuse) the features of one mixture, or of every mixture a head trains on; returns stats."""
     configure_threads()
-    names = [mixture_name] if mixture_name else list(dict.fromkeys(cfg.train.mixtures))
+    names = [mixture_name] if mixture_name else cfg.head_mixtures()
     target = target or load_target(cfg.target)
     out = {}
     for name in names:

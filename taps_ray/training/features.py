@@ -19,15 +19,14 @@ The three steps, `plan_shards`, `extract_shards` and `write_manifest`, run in on
 middle one as parallel Ray tasks (`taps_ray.cluster.target_tasks`).
 
 The cache key hashes everything that changes the stored tensors: the target (name, tiny settings, dtype),
-the mixture (corpora and ratios, size, seed), max_len, top_k, the answer-regeneration settings and which
-extra layers are kept.
+the mixture (corpora and ratios, size, seed), max_len, top_k, whose answers it trains on (the corpora's, or the
+target's with its generation settings, `taps_ray.training.answers`) and which extra layers are kept.
 A conversation already extracted for another mixture under the same settings (same id and same messages) is
 copied from that set instead of being run through the target again.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -45,6 +44,7 @@ from taps_ray.config import StudyConfig
 from taps_ray.fsio import atomic_path, atomic_write_json, folder_lock
 from taps_ray.models.draft_head import eagle3_layers
 from taps_ray.models.target import Target, load_target
+from taps_ray.training.answers import AnswerCache, length_batches, regenerate_answers
 from taps_ray.workdir import features_dir
 
 log = logging.getLogger(__name__)
@@ -130,16 +130,18 @@ def keeps_eagle3_layers(cfg: StudyConfig) -> bool:
 def feature_spec(cfg: StudyConfig, mixture_name: str) -> dict[str, Any]:
     if mixture_name not in cfg.mixtures:
         raise KeyError(f"mixture {mixture_name!r} is not defined in config {cfg.name!r}; known: {sorted(cfg.mixtures)}")
-    f = cfg.features
+    f, mixture = cfg.features, cfg.mixtures[mixture_name]
     spec: dict[str, Any] = {
         "format": FORMAT_VERSION,
         "target": cfg.target.name,
         "tiny": cfg.target.tiny.model_dump() if cfg.target.tiny is not None else None,
         "dtype": cfg.target.dtype,
-        "mixture": cfg.mixtures[mixture_name].model_dump(),
+        "mixture": mixture.model_dump(exclude={"answers"}),  # the answers are `regenerate`
         "max_len": f.max_len,
         "top_k": f.top_k,
-        "regenerate": {"max_new_tokens": f.regenerate_max_new_tokens} if f.regenerate_answers else None,
+        # every turn since multi-turn regeneration; donors (`_Donors`) match it, so answers never mix across sets
+        "regenerate": {"max_new_tokens": f.regenerate_max_new_tokens, "turns": "all"}
+        if mixture.answers == "target" else None,
     }
     if keeps_eagle3_layers(cfg):  # absent otherwise, so the keys of studies without eagle3 heads stay unchanged
         spec["aux_layers"] = "eagle3"
@@ -247,72 +249,6 @@ def _shard_done(path: Path, conversations: Sequence[Any]) -> bool:
     return meta.get("source") == _ids_digest(conversations)
 
 
-def _length_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    return [order[i: i + batch_size] for i in range(0, len(order), batch_size)]
-
-
-@torch.no_grad()
-def regenerate_answers(target: Target, conversations: Sequence[Any], batch_size: int, max_new_tokens: int,
-                       max_prompt_len: int, bar: tqdm | None = None) -> list[Any]:
-    """Replace each conversation by [first user turn, the target's greedy answer to it] (batched, left-padded).
-
-    Only the first turn is kept: later user turns were written against the human answers. Conversations
-    whose prompt is longer than `max_prompt_len` or whose answer comes out empty are dropped.
-    """
-    from taps_ray.data.chat import render_ids  # the data layer owns the chat template
-
-    tok = target.tokenizer
-    prompts, kept = [], []
-    for conv in conversations:
-        first_user = next((m for m in conv.messages if m["role"] == "user" and m["content"].strip()), None)
-        if first_user is None:
-            continue
-        ids = render_ids(tok, [first_user], add_generation_prompt=True)
-        if len(ids) > max_prompt_len:
-            continue
-        prompts.append(ids)
-        kept.append((conv, first_user))
-    answers = greedy_answers(target, prompts, batch_size, max_new_tokens, bar)
-    results: list[Any] = []
-    for (conv, first_user), tokens in zip(kept, answers):
-        answer = tok.decode(tokens, skip_special_tokens=True).strip()
-        if answer:
-            messages = [dict(first_user), {"role": "assistant", "content": answer}]
-            results.append(dataclasses.replace(conv, messages=messages))
-    return results
-
-
-@torch.no_grad()
-def greedy_answers(target: Target, prompts: Sequence[Sequence[int]], batch_size: int,
-                   max_new_tokens: int, bar: tqdm | None = None) -> list[list[int]]:
-    """The target's greedy continuation of each prompt, cut before the first stop token (batched, left-padded)."""
-    stops = set(target.stop_token_ids)
-    pad = target.tokenizer.pad_token_id or 0
-    results: list[list[int]] = [[] for _ in prompts]
-    done = 0
-    for batch in _length_batches([len(p) for p in prompts], batch_size):
-        t = max(len(prompts[i]) for i in batch)
-        ids = torch.full((len(batch), t), pad, dtype=torch.long, device=target.device)
-        attention = torch.zeros((len(batch), t), dtype=torch.long, device=target.device)
-        for row, i in enumerate(batch):
-            p = prompts[i]
-            ids[row, t - len(p):] = torch.tensor(list(p), device=target.device)
-            attention[row, t - len(p):] = 1
-        generated = target.model.generate(
-            input_ids=ids, attention_mask=attention, max_new_tokens=max_new_tokens, do_sample=False,
-            pad_token_id=pad, eos_token_id=sorted(stops), temperature=None, top_p=None, top_k=None,
-        )[:, t:]
-        for row, i in enumerate(batch):
-            new = generated[row].tolist()
-            cut = next((k for k, token in enumerate(new) if token in stops), len(new))
-            results[i] = new[:cut]
-        done += len(batch)
-        if bar is not None:  # regeneration is most of a shard's time: say how far it is
-            bar.set_postfix_str(f"regenerating answers {done}/{len(prompts)} of this shard")
-    return [r for r in results if r is not None]
-
-
 # --- the extraction driver -------------------------------------------------------------------------------------
 
 def conversation_digest(conversation: Any) -> str:
@@ -356,8 +292,14 @@ class _Donors:
         return self._cache[path].get(conv_id)
 
 
+def answers_path(shard: Path) -> Path:
+    """The answer cache of a shard of a target-answer set (`AnswerCache`), beside the shard."""
+    return shard.with_name(f"answers-{shard.stem}.jsonl")
+
+
 def _extract_shard(target: Target, conversations: Sequence[Any], cfg: StudyConfig, bar: tqdm | None,
-                   donors: _Donors | None = None) -> tuple[list[Example], dict]:
+                   donors: _Donors | None = None, answers: Path | None = None) -> tuple[list[Example], dict]:
+    """`answers`: the shard's answer cache when the set trains on target answers, None for dataset answers."""
     from taps_ray.data.chat import tokenize_conversation
 
     f = cfg.features
@@ -371,8 +313,9 @@ def _extract_shard(target: Target, conversations: Sequence[Any], cfg: StudyConfi
             if example is not None:
                 copied[conv.id] = example
     todo = [c for c in conversations if c.id not in copied]
-    if f.regenerate_answers and todo:
-        todo = regenerate_answers(target, todo, f.batch_size, f.regenerate_max_new_tokens, f.max_len - 8, bar)
+    if answers is not None and todo:
+        cache = AnswerCache(answers, {c.id: digests[c.id] for c in todo})
+        todo = regenerate_answers(target, todo, f.batch_size, f.regenerate_max_new_tokens, f.max_len, cache, bar)
         meta["regenerated"] = len(todo)
         meta["regenerate_s"] = time.perf_counter() - start
     samples = []
@@ -385,7 +328,7 @@ def _extract_shard(target: Target, conversations: Sequence[Any], cfg: StudyConfi
     computed: dict[str, Example] = {}
     layers = eagle3_layers(target.model.config.num_hidden_layers) if keeps_eagle3_layers(cfg) else []
     meta["aux_layers"] = layers
-    for batch in _length_batches([len(s[1]) for s in samples], f.batch_size):
+    for batch in length_batches([len(s[1]) for s in samples], f.batch_size):
         outs = target_features(target, [samples[i][1] for i in batch], f.top_k, layers)
         for i, (h, p, k, aux) in zip(batch, outs):
             conv_id, ids, mask = samples[i]
@@ -441,7 +384,7 @@ def _extract_features(cfg: StudyConfig, mixture_name: str, target: Target | None
         extracted_tokens, threads = extract_shards(cfg, plan.folder, plan.spec, missing, target, progress), torch.get_num_threads()
     else:
         extracted_tokens, threads = run_shards(plan, missing)
-    return write_manifest(cfg, plan, len(missing), extracted_tokens, threads)
+    return write_manifest(plan, len(missing), extracted_tokens, threads)
 
 
 @dataclass
@@ -493,7 +436,8 @@ def extract_shards(cfg: StudyConfig, folder: Path, spec: dict[str, Any], shards:
     extracted_tokens = 0
     try:
         for done, (name, chunk) in enumerate(todo, start=1):
-            examples, meta = _extract_shard(target, chunk, cfg, bar, donors)
+            answers = answers_path(folder / name) if spec["regenerate"] else None
+            examples, meta = _extract_shard(target, chunk, cfg, bar, donors, answers)
             write_shard(folder / name, examples, meta)
             extracted_tokens += meta["computed_tokens"]
             elapsed = time.perf_counter() - run_start
@@ -503,7 +447,7 @@ def extract_shards(cfg: StudyConfig, folder: Path, spec: dict[str, Any], shards:
     return extracted_tokens
 
 
-def write_manifest(cfg: StudyConfig, plan: ShardPlan, extracted_shards: int, extracted_tokens: int,
+def write_manifest(plan: ShardPlan, extracted_shards: int, extracted_tokens: int,
                    torch_threads: int | None) -> FeatureSet:
     """Mark the set complete once every shard of `plan` exists: its manifest, with stats summed over shards."""
     missing = [name for name, _ in plan.missing()]
@@ -532,7 +476,7 @@ def write_manifest(cfg: StudyConfig, plan: ShardPlan, extracted_shards: int, ext
         "extract_cpu_s": round(cpu, 3),
         "tokens_per_s": round(totals["computed_tokens"] / seconds, 1) if seconds > 0 else None,
         "tokens_per_cpu_s": round(totals["computed_tokens"] / cpu, 1) if cpu > 0 else None,
-        "regenerate_s": round(totals["regenerate_s"], 3) if cfg.features.regenerate_answers else None,
+        "regenerate_s": round(totals["regenerate_s"], 3) if spec["regenerate"] else None,
         "torch_threads": torch_threads,
     }
     manifest = {"key": folder.name, "spec": spec, "shards": shards, "stats": stats, "created": time.time()}
