@@ -218,14 +218,21 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench(args: argparse.Namespace) -> int:
-    from taps_ray.bench import BenchOptions, cmd_bench
+def bench_options(args: argparse.Namespace):
+    """The BenchOptions a `taps bench` command line asks for: only the options given, the rest its defaults."""
+    from taps_ray.bench import BenchOptions
 
-    command = "taps " + " ".join(sys.argv[1:]) if sys.argv[1:] else "taps bench --config configs/speed.yaml"
     given = {k: v for k, v in vars(args).items() if k not in ("command", "config", "data_dir")}
     if "dtypes" in given:
         given["dtypes"] = [DTYPES[d] for d in given["dtypes"]]
-    return cmd_bench(_config(args), BenchOptions(**given), command)
+    return BenchOptions(**given)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from taps_ray.bench import cmd_bench
+
+    command = "taps " + " ".join(sys.argv[1:]) if sys.argv[1:] else "taps bench --config configs/speed.yaml"
+    return cmd_bench(_config(args), bench_options(args), command)
 
 
 HANDLERS: dict[str, Handler] = {

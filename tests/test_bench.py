@@ -62,6 +62,18 @@ def test_bad_tree_setting_names_the_format(bench_config):
         BenchOptions(trees=["8-3-2"]).tree_configs(bench_config.tree)
 
 
+def test_command_line_options_default_to_the_full_run():
+    from taps_ray.cli import bench_options, build_parser
+
+    parse = build_parser().parse_args
+    assert bench_options(parse(["bench", "--config", "c.yaml"])) == BenchOptions()
+    options = bench_options(parse(["bench", "--config", "c.yaml", "--dtype", "bf16", "--categories", "--no-peers",
+                                   "--per-benchmark", "5", "--trees", "8/3/2"]))
+    assert (options.dtypes, options.categories, options.peers, options.per_benchmark, options.trees) == (
+        ["bfloat16"], [], False, 5, ["8/3/2"])
+    assert options.proposers == BenchOptions().proposers
+
+
 def test_prompts_spread_through_a_set_and_label_categories():
     questions = [Question(i, f"c{i // 10}", [f"q{i}"]) for i in range(80)]
     assert [q.question_id for q in spread(questions, 4)] == [0, 20, 40, 60]
