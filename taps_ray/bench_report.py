@@ -29,9 +29,10 @@ EAGLE2_PUBLISHED_SPEEDUP = 3.46
 
 @dataclass
 class BenchSection:
-    """One dtype's results: the speed table (method x scope) and per-step profiles keyed by scope."""
+    """One dtype's results: its benchmarks, the speed table (method x scope) and per-step profiles keyed by scope."""
 
     dtype: str
+    benchmarks: list[str]
     table: pd.DataFrame
     profiles: dict[str, pd.DataFrame]
 
@@ -42,9 +43,9 @@ def proposer_rows(table: pd.DataFrame) -> pd.DataFrame:
     return table[ours]
 
 
-def goal_rows(section: BenchSection, benchmarks: list[str]) -> list[dict[str, str]]:
+def goal_rows(section: BenchSection) -> list[dict[str, str]]:
     """Each goal as a row: what it asks, the method it is judged on, the measured value and whether it is met."""
-    table, exact = section.table, section.dtype == EXACT_DTYPE
+    table, benchmarks, exact = section.table, section.benchmarks, section.dtype == EXACT_DTYPE
     ours = proposer_rows(table)
     rows = []
     if benchmarks:
@@ -76,11 +77,11 @@ def goal_rows(section: BenchSection, benchmarks: list[str]) -> list[dict[str, st
     return rows
 
 
-def limit_lines(section: BenchSection, benchmarks: list[str]) -> list[str]:
+def limit_lines(section: BenchSection) -> list[str]:
     """What stands between the best proposer on the first benchmark and the speed goal, from its step profile."""
-    if not benchmarks or benchmarks[0] not in section.profiles:
+    if not section.benchmarks:
         return []
-    scope = benchmarks[0]
+    scope = section.benchmarks[0]
     profile = section.profiles[scope].set_index("method")
     ours = proposer_rows(section.table)
     ours = ours[(ours["prompts"] == scope) & ours["method"].isin(profile.index)]
@@ -141,9 +142,9 @@ def by_scope(table: pd.DataFrame, column: str) -> pd.DataFrame:
     return grid.reset_index()
 
 
-def section_markdown(section: BenchSection, benchmarks: list[str]) -> list[str]:
+def section_markdown(section: BenchSection) -> list[str]:
     table = section.table
-    main = table[table["prompts"].isin(["all", *benchmarks])]
+    main = table[table["prompts"].isin(["all", *section.benchmarks])]
     return [
         f"## {section.dtype}",
         "",
@@ -178,7 +179,7 @@ def plot(sections: list[BenchSection], path: Path, title: str) -> None:
         axis.imshow(values, cmap="RdYlGn", vmin=0.5, vmax=1.5, aspect="auto")
         axis.set_xticks(range(len(grid.columns)), grid.columns, rotation=45, ha="right")
         axis.set_yticks(range(len(grid.index)), grid.index)
-        for (r, c), v in pd.DataFrame(values).stack().items():
+        for (r, c), v in pd.DataFrame(values).stack().dropna().items():
             axis.text(c, r, f"{v:.2f}", ha="center", va="center", fontsize=7)
         axis.set_title(f"{section.dtype}: speedup over our plain loop")
     figure.suptitle(title)
@@ -187,15 +188,15 @@ def plot(sections: list[BenchSection], path: Path, title: str) -> None:
     plt.close(figure)
 
 
-def write_bench_report(config: StudyConfig, sections: list[BenchSection], benchmarks: list[str], command: str,
-                       settings: str, name: str = "bench") -> Path:
+def write_bench_report(config: StudyConfig, sections: list[BenchSection], command: str, settings: str,
+                       name: str = "bench") -> Path:
     out = Path(config.reports_dir)
     out.mkdir(parents=True, exist_ok=True)
     threads = torch.get_num_threads()
     plot(sections, out / f"{name}_speed.png", f"Wall-clock speed at T=0 — {config.target.name}, {threads} CPU threads")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    goals = [{"dtype": s.dtype, **row} for s in sections for row in goal_rows(s, benchmarks)]
-    limits = [line for s in sections for line in limit_lines(s, benchmarks)]
+    goals = [{"dtype": s.dtype, **row} for s in sections for row in goal_rows(s)]
+    limits = [line for s in sections for line in limit_lines(s)]
     text = "\n".join([
         "# Speed benchmark",
         "",
@@ -219,7 +220,7 @@ def write_bench_report(config: StudyConfig, sections: list[BenchSection], benchm
         "",
         *limits,
         "",
-        *(line for s in sections for line in section_markdown(s, benchmarks)),
+        *(line for s in sections for line in section_markdown(s)),
         "## Paper-scale estimate",
         "",
         gpu_estimate(sections[0].profiles["all"], config),

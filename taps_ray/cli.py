@@ -107,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repetitions", type=int)
     bench.add_argument("--dtype", nargs="+", choices=("fp32", "bf16", "fp16"), dest="dtypes",
                        help="one run and one report section per dtype (default: fp32 bf16)")
+    bench.add_argument("--narrow", nargs="*", choices=("fp32", "bf16", "fp16"), dest="narrow_dtypes",
+                       help="dtypes that decode only the first benchmark (default: fp32; none: all decode all)")
     bench.add_argument("--trees", nargs="+", metavar="T/D/K",
                        help="also time the first proposer with these trees (total_token/depth/top_k), e.g. 8/3/2")
     bench.add_argument("--slow-peer-prompts", type=int, help="prompts per benchmark / category for HF assisted")
@@ -223,8 +225,9 @@ def bench_options(args: argparse.Namespace):
     from taps_ray.bench import BenchOptions
 
     given = {k: v for k, v in vars(args).items() if k not in ("command", "config", "data_dir")}
-    if "dtypes" in given:
-        given["dtypes"] = [DTYPES[d] for d in given["dtypes"]]
+    for key in ("dtypes", "narrow_dtypes"):
+        if key in given:
+            given[key] = [DTYPES[d] for d in given[key]]
     return BenchOptions(**given)
 
 

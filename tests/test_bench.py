@@ -55,6 +55,8 @@ def test_bench_report_with_peers_and_two_dtypes(bench_config):
     assert "| float32 | best ≥ 2.0× plain on gsm8k, ahead of hf-prompt-lookup, identical to greedy |" in text
     assert "limits the next step." in text and "EAGLE-2's published speedup" in text
     assert "| hf-assisted-early-exit | all | 2 |" in text  # the slow peer decodes one prompt per label
+    fp32 = text[text.index("## float32"):text.index("## bfloat16")]
+    assert "| plain | all | 2 |" in fp32 and "ood-writing" not in fp32  # fp32 decodes only the first benchmark
 
 
 def test_bad_tree_setting_names_the_format(bench_config):
@@ -68,9 +70,10 @@ def test_command_line_options_default_to_the_full_run():
     parse = build_parser().parse_args
     assert bench_options(parse(["bench", "--config", "c.yaml"])) == BenchOptions()
     options = bench_options(parse(["bench", "--config", "c.yaml", "--dtype", "bf16", "--categories", "--no-peers",
-                                   "--per-benchmark", "5", "--trees", "8/3/2"]))
+                                   "--per-benchmark", "5", "--trees", "8/3/2", "--narrow"]))
     assert (options.dtypes, options.categories, options.peers, options.per_benchmark, options.trees) == (
         ["bfloat16"], [], False, 5, ["8/3/2"])
+    assert options.narrow_dtypes == [] and BenchOptions().narrow_dtypes == ["float32"]
     assert options.proposers == BenchOptions().proposers
 
 
@@ -109,7 +112,7 @@ def test_speed_table_compares_on_the_prompts_a_method_decoded():
     assert pd.isna(table.loc[("hf-greedy", "all"), "tau"]) and table.loc[("plain", "all"), "tau"] == 1.0
 
 
-def _section(dtype: str, rows: list[tuple[str, str, float, float]]) -> BenchSection:
+def _section(dtype: str, rows: list[tuple[str, str, float, float]], benchmarks: list[str]) -> BenchSection:
     """rows: (method, scope, speedup_vs_plain, identical); our loop's rows get a tau, HF rows none."""
     table = pd.DataFrame([{"method": m, "prompts": p, "speedup_vs_plain": x, "identical_to_greedy": same,
                            "tau": None if m.startswith("hf-") else 1.0 + x} for m, p, x, same in rows])
@@ -119,22 +122,22 @@ def _section(dtype: str, rows: list[tuple[str, str, float, float]]) -> BenchSect
         {"method": "math+ngram", "draft_ms": 30.0, "forward_ms": 90.0, "accept_ms": 0.5, "commit_ms": 1.0,
          "other_ms": 3.5, "step_ms": 125.0, "tau": 2.5},
     ])
-    return BenchSection(dtype, table, {"all": profile, "gsm8k": profile})
+    return BenchSection(dtype, benchmarks, table, {"all": profile, "gsm8k": profile})
 
 
 def test_goals_per_row_and_what_limits():
     rows = [("hf-prompt-lookup", "gsm8k", 1.6, 0.9), ("plain", "gsm8k", 1.0, 1.0), ("plain", "mt_bench", 1.0, 1.0),
             ("math+ngram", "gsm8k", 2.2, 1.0), ("math+ngram", "mt_bench", 0.9, 1.0), ("math+ngram", "all", 1.5, 1.0),
             ("ngram", "gsm8k", 2.5, 0.95), ("ngram", "mt_bench", 1.1, 1.0), ("math@4/2/2", "mt_bench", 0.5, 1.0)]
-    goals = goal_rows(_section("float32", rows), ["gsm8k", "mt_bench"])
+    goals = goal_rows(_section("float32", rows, ["gsm8k", "mt_bench"]))
     assert goals[0] == {"goal": "best ≥ 2.0× plain on gsm8k, ahead of hf-prompt-lookup, identical to greedy",
                         "method": "math+ngram", "measured": "2.20× (peer 1.60×, identical 1.00)", "met": "yes"}
     assert goals[1]["method"] == "ngram" and goals[1]["met"] == "yes"  # 1.10x on mt_bench
     floors = {g["method"]: (g["measured"], g["met"]) for g in goals[2:]}
     assert floors == {"math+ngram": ("worst 0.90× (mt_bench)", "no"), "ngram": ("worst 1.10× (mt_bench)", "yes")}
-    bf16 = goal_rows(_section("bfloat16", rows), ["gsm8k"])  # identity not required: ngram's 2.5x counts
+    bf16 = goal_rows(_section("bfloat16", rows, ["gsm8k"]))  # identity not required: ngram's 2.5x counts
     assert bf16[0]["method"] == "ngram" and len(bf16) == 3
-    [line] = limit_lines(_section("float32", rows), ["gsm8k"])
+    [line] = limit_lines(_section("float32", rows, ["gsm8k"]))
     assert "`math+ngram` commits 2.50 tokens per step" in line and "1.50×" in line  # 2.5 * 75 / 125
     assert "tau ≥ 3.33" in line and "≤ 93.8 ms" in line and "**drafting** limits the next step" in line
 
