@@ -55,8 +55,8 @@ report: install
 
 # Speed heads (configs/speed.yaml: trained on the target's own answers; resumable, skipped once trained; on a fresh
 # clone ~29 min for math and ~7.5 for chat, mostly answer regeneration, per their metrics.json), then the wall-clock
-# benchmark in fp32 and bf16 against plain decoding, HF greedy, prompt lookup and assisted generation, on GSM8K,
-# MT-Bench and out-of-domain categories (~40 min on an idle 2-core CPU; `taps bench --help`) -> reports/bench.md.
+# benchmark against plain decoding, HF greedy, prompt lookup and assisted generation: bf16 on GSM8K, MT-Bench and
+# out-of-domain categories, fp32 on GSM8K (~30 min on an idle 2-core CPU; `taps bench --help`) -> reports/bench.md.
 bench: install
 	$(VENV)/bin/taps train --config configs/speed.yaml --kind eagle2 --mixture math
 	$(VENV)/bin/taps train --config configs/speed.yaml --kind eagle2 --mixture chat
