@@ -93,20 +93,27 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cmd.add_argument("--host", default=None, help="listen address (default: serve.host, 127.0.0.1)")
     serve_cmd.add_argument("--port", type=int, default=None, help="port (default: serve.port, 8000)")
     serve_cmd.add_argument("--head-kind", choices=HEAD_KINDS, default=None, help="default: serve.head_kind")
-    bench = commands.add_parser("bench", help="wall-clock speed vs plain decoding, HF greedy, prompt lookup, assisted")
+    bench = commands.add_parser("bench", help="wall-clock speed vs plain decoding, HF greedy, prompt lookup, assisted",
+                                argument_default=argparse.SUPPRESS,
+                                description="Every option defaults to the full `make bench` run (taps_ray/bench.py).")
     _add_config(bench)
-    bench.add_argument("--kind", choices=HEAD_KINDS, default="eagle2")
-    bench.add_argument("--proposers", nargs="+", default=["math", "chat", "confidence-routed", "merged"])
-    bench.add_argument("--per-benchmark", type=int, default=10, help="GSM8K and MT-Bench first turns each")
-    bench.add_argument("--max-new-tokens", type=int, default=96)
-    bench.add_argument("--repetitions", type=int, default=2)
-    bench.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None)
-    bench.add_argument("--benchmarks", nargs="+", default=["gsm8k", "mt_bench"], choices=("gsm8k", "mt_bench",
-                       "math_500", "svamp"), help="first turns of these benchmarks (default gsm8k mt_bench)")
-    bench.add_argument("--trees", nargs="+", default=[], metavar="T/D/K",
+    bench.add_argument("--kind", choices=HEAD_KINDS)
+    bench.add_argument("--proposers", nargs="+", help="our proposers besides plain")
+    bench.add_argument("--per-benchmark", type=int, help="first turns per benchmark, spread through each set")
+    bench.add_argument("--benchmarks", nargs="+", choices=("gsm8k", "mt_bench", "math_500", "svamp"))
+    bench.add_argument("--per-category", type=int, help="prompts per out-of-domain category")
+    bench.add_argument("--categories", nargs="*", help="out-of-domain categories (code translation writing reasoning)")
+    bench.add_argument("--max-new-tokens", type=int)
+    bench.add_argument("--repetitions", type=int)
+    bench.add_argument("--dtype", nargs="+", choices=("fp32", "bf16", "fp16"), dest="dtypes",
+                       help="one run and one report section per dtype (default: fp32 bf16)")
+    bench.add_argument("--narrow", nargs="*", choices=("fp32", "bf16", "fp16"), dest="narrow_dtypes",
+                       help="dtypes that decode only the first benchmark (default: fp32; none: all decode all)")
+    bench.add_argument("--trees", nargs="+", metavar="T/D/K",
                        help="also time the first proposer with these trees (total_token/depth/top_k), e.g. 8/3/2")
-    bench.add_argument("--no-peers", action="store_true", help="skip the HF methods (quick tree tuning)")
-    bench.add_argument("--name", default="bench", help="report name: writes <reports_dir>/<name>.md and <name>_speed.png")
+    bench.add_argument("--slow-peer-prompts", type=int, help="prompts per benchmark / category for HF assisted")
+    bench.add_argument("--no-peers", action="store_false", dest="peers", help="skip the HF methods (quick tree tuning)")
+    bench.add_argument("--name", help="report name: writes <reports_dir>/<name>.md and <name>_speed.png")
     return parser
 
 
@@ -213,16 +220,22 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_options(args: argparse.Namespace):
+    """The BenchOptions a `taps bench` command line asks for: only the options given, the rest its defaults."""
+    from taps_ray.bench import BenchOptions
+
+    given = {k: v for k, v in vars(args).items() if k not in ("command", "config", "data_dir")}
+    for key in ("dtypes", "narrow_dtypes"):
+        if key in given:
+            given[key] = [DTYPES[d] for d in given[key]]
+    return BenchOptions(**given)
+
+
 def _bench(args: argparse.Namespace) -> int:
-    from taps_ray.bench import BenchOptions, cmd_bench
+    from taps_ray.bench import cmd_bench
 
     command = "taps " + " ".join(sys.argv[1:]) if sys.argv[1:] else "taps bench --config configs/speed.yaml"
-    options = BenchOptions(
-        kind=args.kind, proposers=args.proposers, benchmarks=args.benchmarks, per_benchmark=args.per_benchmark,
-        max_new_tokens=args.max_new_tokens, repetitions=args.repetitions, dtype=DTYPES[args.dtype],
-        trees=args.trees, peers=not args.no_peers, name=args.name,
-    )
-    return cmd_bench(_config(args), options, command)
+    return cmd_bench(_config(args), bench_options(args), command)
 
 
 HANDLERS: dict[str, Handler] = {
