@@ -109,9 +109,11 @@ class WorkerVerifier:
                 raise
 
 
-def resident_bytes() -> int:
-    """This process's resident memory (what `benchmarks/actor_memory.py` compares across actors)."""
-    return int(psutil.Process().memory_info().rss)
+def memory_use() -> dict[str, int]:
+    """This process's memory in bytes (`benchmarks/memory.py` compares actors): `rss`, every resident page it
+    maps; `uss`, the pages only it holds (what ending it frees); `pss`, shared pages split among their users."""
+    info = psutil.Process().memory_full_info()
+    return {"rss": int(info.rss), "uss": int(info.uss), "pss": int(info.pss)}
 
 
 # --- actors -------------------------------------------------------------------------------------------------
@@ -151,8 +153,8 @@ class TargetWorker:
     async def ping(self) -> int:
         return os.getpid()
 
-    async def rss(self) -> int:
-        return resident_bytes()
+    async def memory(self) -> dict[str, int]:
+        return memory_use()
 
 
 @ray.remote
@@ -224,5 +226,5 @@ class DrafterActor:
     def ping(self) -> int:
         return os.getpid()
 
-    def rss(self) -> int:
-        return resident_bytes()
+    def memory(self) -> dict[str, int]:
+        return memory_use()

@@ -22,16 +22,18 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import PreTrainedModel
 
 from taps_ray.engine.generate import NOT_DRAFTED, Generation, chosen_head, extend_tokens, record_step
 from taps_ray.engine.proposers import Proposer
 from taps_ray.engine.target_batch import Committed, TargetBatch
 from taps_ray.engine.tree import DraftTree, root_only
 from taps_ray.engine.verify import SamplingParams
+
+if TYPE_CHECKING:  # an annotation only: importing the class loads transformers' model code
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
 

@@ -9,15 +9,17 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
-from transformers import PreTrainedModel
 
 from taps_ray.engine.proposers import Proposer, feature_layers
 from taps_ray.engine.target_batch import Committed, TargetBatch
 from taps_ray.engine.tree import DraftTree, root_only
 from taps_ray.engine.verify import SamplingParams, Verdict
+
+if TYPE_CHECKING:  # an annotation only: importing the class loads transformers' model code (a drafter imports this)
+    from transformers import PreTrainedModel
 
 NOT_DRAFTED = -2  # StepRecord.head of a step that verified only the root (drafting paused by `draft_below`)
 

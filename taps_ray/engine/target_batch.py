@@ -23,12 +23,16 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache
 
 from taps_ray.engine.tree import DraftTree
 from taps_ray.engine.verify import SamplingParams, Verdict, accept, sample_root
+
+if TYPE_CHECKING:  # an annotation only: importing the class loads transformers' model code (a drafter imports this)
+    from transformers import PreTrainedModel
 
 
 @dataclass

@@ -16,14 +16,18 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import LlamaConfig, PretrainedConfig
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from taps_ray.models.llama_blocks import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary_pos_emb
+
+if TYPE_CHECKING:  # a target's config is only read here: importing its class would load transformers' model code
+    from transformers import PretrainedConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 WEIGHTS_FILE = "model.safetensors"
@@ -69,20 +73,6 @@ class DraftHeadConfig(BaseModel):
             **extra,
         )
 
-    def llama_config(self) -> LlamaConfig:
-        return LlamaConfig(
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim,
-            rms_norm_eps=self.rms_norm_eps,
-            rope_theta=self.rope_theta,
-            max_position_embeddings=self.max_position_embeddings,
-            vocab_size=self.vocab_size,
-            hidden_act=self.hidden_act,
-        )
-
 
 def eagle3_layers(num_layers: int) -> list[int]:
     """EAGLE-3's low, mid and high target layers: the inputs of layers 2, L/2 and L-3 (`hidden_states` indices)."""
@@ -106,8 +96,8 @@ class DraftDecoderLayer(nn.Module):
     def __init__(self, config: DraftHeadConfig, attention_input: int | None = None) -> None:
         super().__init__()
         self.self_attn = DraftAttention(config, attention_input or config.hidden_size)
-        self.mlp = LlamaMLP(config.llama_config())
-        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
 class Eagle3DecoderLayer(DraftDecoderLayer):
@@ -115,8 +105,8 @@ class Eagle3DecoderLayer(DraftDecoderLayer):
 
     def __init__(self, config: DraftHeadConfig) -> None:
         super().__init__(config, attention_input=2 * config.hidden_size)
-        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
 class DraftHead(nn.Module):
@@ -127,7 +117,7 @@ class DraftHead(nn.Module):
         if self.eagle3:
             self.fc = nn.Linear(len(config.feature_layers) * d, d, bias=config.fc_bias)
             self.layer = Eagle3DecoderLayer(config)
-            self.norm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
+            self.norm = RMSNorm(d, eps=config.rms_norm_eps)
             rows = config.draft_vocab_size or config.vocab_size
             self.lm_head = nn.Linear(d, rows, bias=False)
             self.register_buffer("d2t", torch.zeros(rows, dtype=torch.long))
@@ -135,7 +125,7 @@ class DraftHead(nn.Module):
         else:
             self.fc = nn.Linear(2 * d, d, bias=config.fc_bias)
             self.layer = DraftDecoderLayer(config)
-        self.rotary = LlamaRotaryEmbedding(config.llama_config())
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
 
     @property
     def eagle3(self) -> bool:

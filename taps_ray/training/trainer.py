@@ -9,6 +9,7 @@ Features are streamed: the split and the batch plan read only the shards' index 
 `FeatureSet.entries`); each epoch takes the shards in a seeded shuffled order, ``train.shuffle_shards`` at a
 time, shuffles and batches the examples of those shards, and reads their features only then. Memory is a
 few shards, not the corpus; an epoch's order depends only on (seed, epoch), so a resumed run replays it.
+Freed windows go back to the OS (`malloc.pin_mmap_threshold`), so the peak does not creep up window by window.
 
 Held-out split: a conversation is held out when a hash of (train.seed, its id) falls below
 ``train.heldout_fraction``. The rule depends only on the id, so a conversation held out of one mixture is held
@@ -47,6 +48,7 @@ from taps_ray.models.draft_head import DraftHead, new_head
 from taps_ray.models.target import Target, load_target
 from taps_ray.training.features import Entry, Example, FeatureSet, extract_features
 from taps_ray.training.losses import Batch, FrozenTarget, LossSettings, run_passes
+from taps_ray.training.malloc import pin_mmap_threshold
 from taps_ray.workdir import EPOCH_GLOB, FINAL, epoch_checkpoint, head_dir
 
 log = logging.getLogger(__name__)
@@ -303,6 +305,7 @@ def train_head(cfg: StudyConfig, kind: str, mixture_name: str, report: Report | 
 def _train_head(cfg: StudyConfig, kind: str, mixture_name: str, report: Report | None, target: Target | None,
                 progress: bool, stop_after_epochs: int | None) -> Path:
     threads = configure_threads()
+    pin_mmap_threshold()  # freed feature windows go back to the OS: the peak stays flat in corpus size
     t = cfg.train
     if target is None:
         target = load_target(cfg.target)
