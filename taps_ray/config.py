@@ -193,6 +193,16 @@ class EvalConfig(_Strict):
         description="T = 0 cells of draft proposers are replayed from one greedy decode per question, exact and "
         "without a target run per proposer, but with no speed measured; false runs them live",
     )
+    live_questions: int | None = Field(
+        None,
+        gt=0,
+        description="questions per benchmark for the cells that run live (T > 0, plain decoding, and every cell "
+        "when replay is off), the first N of `benchmarks`; None: as many as `benchmarks`. Replayed cells are cheap "
+        "enough for whole benchmarks, live ones pay a target run per proposer",
+    )
+    live_proposers: list[str] | None = Field(
+        None, description="the proposers evaluated at T > 0 (live); None: every one of `proposers`"
+    )
 
     @field_validator("benchmarks")
     @classmethod

@@ -65,6 +65,7 @@ def quick_config(cfg: StudyConfig) -> StudyConfig:
             "benchmarks": {b: 1 for b in cfg.eval.benchmarks},
             "max_new_tokens": min(cfg.eval.max_new_tokens, 32),
             "proposers": proposers or train_mixtures[:1],
+            "live_proposers": None,
         }
     )
     work_dir = cfg.work_dir.rstrip("/") + "-quick"

@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from taps_ray.config import StudyConfig
 from taps_ray.eval.metrics import PLAIN, summarize
-from taps_ray.eval.runner import TraceCache, eval_dtype, is_replayed, run_cell
+from taps_ray.eval.runner import TraceCache, cell_questions, eval_dtype, is_replayed, run_cell
 from taps_ray.eval.store import Cell, ResultsStore
 from taps_ray.fsio import atomic_write_parquet
 from taps_ray.models.target import load_target
@@ -34,16 +34,22 @@ def plan_cells(
     heads (a `train.compare` head is trained for its own kinds only). With
     `eval.replay` the T = 0 cells of draft proposers are replayed (runner.is_replayed), the rest run live; the
     cells of one benchmark and temperature are consecutive, so replayed cells share that benchmark's greedy
-    decodes (runner.TraceCache holds one benchmark at a time)."""
+    decodes (runner.TraceCache holds one benchmark at a time). At T > 0 the proposers are `eval.live_proposers`
+    when set (an explicit `proposers` argument overrides both lists)."""
     kinds = kinds or config.train.kinds
-    proposers = [p for p in (proposers or config.eval.proposers) if p != PLAIN]
     benchmarks = benchmarks or list(config.eval.benchmarks)
     temperatures = temperatures if temperatures is not None else config.eval.temperatures
+
+    def proposers_at(temperature: float) -> list[str]:
+        live = config.eval.live_proposers if temperature > 0 else None
+        return [p for p in (proposers or live or config.eval.proposers) if p != PLAIN]
+
+    def has_heads(kind: str, proposer: str) -> bool:
+        return set(heads_needed(config, [proposer])) <= set(config.head_mixtures(kind))
+
     cells = [Cell(NO_HEAD, PLAIN, b, t) for t in temperatures for b in benchmarks]
-    has_heads = {(k, p) for k in kinds for p in proposers
-                 if set(heads_needed(config, [p])) <= set(config.head_mixtures(k))}
-    cells += [Cell(k, p, b, t) for t in temperatures for b in benchmarks for k in kinds for p in proposers
-              if (k, p) in has_heads]
+    cells += [Cell(k, p, b, t) for t in temperatures for b in benchmarks for k in kinds for p in proposers_at(t)
+              if has_heads(k, p)]
     return cells
 
 
@@ -89,7 +95,7 @@ def cmd_eval(config: StudyConfig, cells: list[Cell]) -> int:
 
 
 def _answers_per_cell(config: StudyConfig, cell: Cell) -> int:
-    n = config.eval.benchmarks[cell.benchmark]
+    n = cell_questions(config, cell)
     return 2 * n if cell.benchmark == "mt_bench" else n
 
 

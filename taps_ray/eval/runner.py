@@ -38,6 +38,14 @@ def is_replayed(config: StudyConfig, cell: Cell) -> bool:
     return config.eval.replay and cell.temperature == 0 and cell.proposer != PLAIN
 
 
+def cell_questions(config: StudyConfig, cell: Cell) -> int:
+    """How many of a benchmark's questions a cell evaluates: all of `eval.benchmarks` when replayed, at most
+    `eval.live_questions` when it runs live."""
+    count = config.eval.benchmarks[cell.benchmark]
+    live = config.eval.live_questions
+    return count if is_replayed(config, cell) or live is None else min(count, live)
+
+
 class TraceCache:
     """Greedy traces by (question, turn) for one benchmark and one feature kind at a time (a trace holds features
     of every position, so only what is being evaluated stays in memory). The feature kind is the target layers a
@@ -80,7 +88,7 @@ def run_cell(
     """Returns (steps, questions) frames for the cell; `progress(n)` is called after each batch of n answers.
     A replayed cell reads and fills `traces` (pass one cache to every cell of a run to share the target's decodes)."""
     evaluation = config.eval
-    questions = load_questions(cell.benchmark, config.resolved_data_dir(), limit=evaluation.benchmarks[cell.benchmark])
+    questions = load_questions(cell.benchmark, config.resolved_data_dir(), limit=cell_questions(config, cell))
     proposer = load_proposers(config, [cell.proposer], target=target, heads=heads)[cell.proposer]
     params = SamplingParams(temperature=cell.temperature)
     make_verifier = verifier_factory or (lambda layers: TargetBatch(target.model, feature_layers=layers))

@@ -75,10 +75,20 @@ def setting_md(data: ReportData, command: str) -> str:
             "GSM8K more than MathInstruct would."
         )
     evals = []
+    live = config.eval.live_questions
     for bench, count in config.eval.benchmarks.items():
         label, _ = _source(bench, data_dir)
-        evals.append(f"{BENCH_LABELS.get(bench, bench)}: first {count} questions ({label})")
+        shown = f"first {count} questions" + (f" (first {live} in live cells)" if live and live < count else "")
+        evals.append(f"{BENCH_LABELS.get(bench, bench)}: {shown} ({label})")
     lines.append("- **Evaluation sets**: " + "; ".join(evals) + ".")
+    if config.eval.replay:
+        lines.append(
+            "- **Replay**: T = 0 cells of draft proposers are replayed from one greedy decode per question (exact; "
+            "docs/algorithms.md#replay), so they report τ but no speed; plain decoding and T > 0 cells run live"
+            + (f" on the first {live} questions" if live else "")
+            + (f", T > 0 with {', '.join(config.eval.live_proposers)}" if config.eval.live_proposers else "")
+            + "."
+        )
     tree = config.tree
     lines += [
         f"- **Tree**: total_token {tree.total_token}, depth {tree.depth}, top_k {tree.top_k} (TAPS: 60 / 5 / 10)"
