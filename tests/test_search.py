@@ -1,5 +1,5 @@
 """The mixture search (`taps search`): the sampled mixtures, ASHA over held-out agreement on Ray Tune, the
-`searched` head it saves, Tuner.restore on a rerun."""
+`searched` head it saves, Tuner.restore on a rerun, and the head joining the study as the `searched` proposer."""
 
 from __future__ import annotations
 
@@ -12,8 +12,14 @@ import pytest
 from taps_ray.cluster.search import heldout_agreement, ratio_grid, run_search, trial_config
 from taps_ray.config import StudyConfig
 from taps_ray.data.mixtures import mixture_counts
+from taps_ray.engine.combine import EntropyRouted
+from taps_ray.engine.proposers import SingleHead
+from taps_ray.engine.registry import build_proposer
+from taps_ray.eval.commands import plan_cells
+from taps_ray.models.draft_head import new_head
+from taps_ray.proposer_setup import heads_needed, load_heads
 from taps_ray.training.features import extract_features, features_folder
-from taps_ray.workdir import head_dir, searched_head
+from taps_ray.workdir import head_checkpoint, head_dir, searched_head
 
 
 def _search_config(base: StudyConfig, work: Path, **search) -> StudyConfig:
@@ -36,6 +42,28 @@ def test_trial_mixtures_sample_the_ratio_grid(tiny_config, tmp_path):
     assert trial.train.epochs == 3 and trial.mixtures["math"] == cfg.mixtures["math"]
     only_math, pure = trial_config(cfg, 1.0, 16)
     assert only_math.mixtures[pure].mixture == {"mathinstruct": 1.0}  # a zero share is left out, not 0.0
+
+
+def test_searched_head_joins_the_study_alone(tiny_config, tiny_target, tmp_path):
+    cfg = _search_config(tiny_config, tmp_path)
+    for seed, name in enumerate(["math", "chat"], start=1):
+        new_head(tiny_target.model.config, seed=seed, kind="eagle2", trained_on=name).save(
+            head_checkpoint(cfg, "eagle2", name))
+    before = {c.proposer for c in plan_cells(cfg)}
+    assert "searched" not in before and list(load_heads(cfg, "eagle2", tiny_target.dtype)) == ["math", "chat"]
+
+    new_head(tiny_target.model.config, seed=3, kind="eagle2").save(searched_head(cfg, "eagle2"))
+    heads = load_heads(cfg, "eagle2", tiny_target.dtype)
+    assert list(heads) == ["math", "chat", "searched"]  # last: "first two" combinations keep math and chat
+    assert heads_needed(cfg, ["searched"]) == ["searched"]
+    proposer = build_proposer("searched", tiny_target, heads, cfg.tree)
+    assert isinstance(proposer, SingleHead) and proposer.head is heads["searched"]
+    routed = build_proposer("entropy-routed", tiny_target, heads, cfg.tree)
+    assert isinstance(routed, EntropyRouted) and [p.name for p in routed.parts] == ["math", "chat"]
+    cells = plan_cells(cfg)
+    assert {c.proposer for c in cells} == before | {"searched"}
+    assert {c.head_kind for c in cells if c.proposer == "searched"} == {"eagle2"}
+    assert {c.proposer for c in plan_cells(cfg, proposers=["math"])} == {"plain", "math"}  # a named list stays
 
 
 def test_search_picks_the_best_ratio_and_restores(ray_session, tiny_config, tiny_target, tmp_path):

@@ -15,7 +15,7 @@ from taps_ray.eval.runner import TraceCache, eval_dtype, is_replayed, run_cell
 from taps_ray.eval.store import Cell, ResultsStore
 from taps_ray.fsio import atomic_write_parquet
 from taps_ray.models.target import load_target
-from taps_ray.proposer_setup import load_heads, load_proposers
+from taps_ray.proposer_setup import load_heads, load_proposers, with_searched
 from taps_ray.engine.generate import generate
 from taps_ray.engine.verify import SamplingParams
 from taps_ray.workdir import results_dir
@@ -30,16 +30,18 @@ def plan_cells(
     benchmarks: list[str] | None = None,
     temperatures: list[float] | None = None,
 ) -> list[Cell]:
-    """Plain decoding once per benchmark and temperature, then every proposer of every head kind. With
+    """Plain decoding once per benchmark and temperature, then every proposer of every head kind (the config's
+    list gains `searched` for a kind whose mixture-search head exists, `proposer_setup.with_searched`). With
     `eval.replay` the T = 0 cells of draft proposers are replayed (runner.is_replayed), the rest run live; the
     cells of one benchmark and temperature are consecutive, so replayed cells share that benchmark's greedy
     decodes (runner.TraceCache holds one benchmark at a time)."""
     kinds = kinds or config.train.kinds
-    proposers = [p for p in (proposers or config.eval.proposers) if p != PLAIN]
+    listed = [p for p in (proposers or config.eval.proposers) if p != PLAIN]
+    per_kind = {k: listed if proposers else with_searched(config, k, listed) for k in kinds}  # the config's: + searched
     benchmarks = benchmarks or list(config.eval.benchmarks)
     temperatures = temperatures if temperatures is not None else config.eval.temperatures
     cells = [Cell(NO_HEAD, PLAIN, b, t) for t in temperatures for b in benchmarks]
-    cells += [Cell(k, p, b, t) for t in temperatures for b in benchmarks for k in kinds for p in proposers]
+    cells += [Cell(k, p, b, t) for t in temperatures for b in benchmarks for k in kinds for p in per_kind[k]]
     return cells
 
 
