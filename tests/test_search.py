@@ -40,6 +40,8 @@ def test_trial_mixtures_sample_the_ratio_grid(tiny_config, tmp_path):
     assert name == "search-m0.25-n16" and head_dir(trial, "eagle2", name).name == "eagle2-search-m0.25-n16"
     assert mixture_counts(trial.mixtures[name]) == {"mathinstruct": 4, "sharegpt": 12}
     assert trial.train.epochs == 3 and trial.mixtures["math"] == cfg.mixtures["math"]
+    eagle3 = cfg.model_copy(update={"search": cfg.search.model_copy(update={"kind": "eagle3"})})
+    assert trial_config(eagle3, 0.25, 16)[0].train.kinds == ["eagle2", "eagle3"]  # its features keep eagle3's layers
     only_math, pure = trial_config(cfg, 1.0, 16)
     assert only_math.mixtures[pure].mixture == {"mathinstruct": 1.0}  # a zero share is left out, not 0.0
 

@@ -53,9 +53,10 @@ def search_sizes(cfg: StudyConfig) -> list[int]:
 
 
 def trial_budget(cfg: StudyConfig) -> TrainConfig:
-    """The study's training settings with the search's budget."""
+    """The study's training settings with the search's budget, `search.kind` among the kinds (an eagle3 search
+    keeps the extra target layers in every feature set it reads, the held-out ones included)."""
     s, t = cfg.search, cfg.train
-    return t.model_copy(update={"epochs": s.max_epochs or t.epochs,
+    return t.model_copy(update={"epochs": s.max_epochs or t.epochs, "kinds": list(dict.fromkeys([*t.kinds, s.kind])),
                                 "max_tokens": s.max_tokens if s.max_tokens is not None else t.max_tokens})
 
 
