@@ -2,10 +2,10 @@
 
 Names: `plain` (no drafting), `ngram` (prompt lookup, no head), any trained head by its mixture name (`math`,
 `chat`, `mixed`, ...), `searched` (the best head of the mixture search, `taps search`; it drafts alone), the
-combinations of the first two specialised heads in `COMBINATIONS`, `averaged-w{w}` for any weight w of head A in [0, 1] (`averaged` is w = 0.5), and `<name>+ngram` for any of those that drafts
-(`math+ngram`, `merged+ngram`): its tree merged with prompt-lookup drafts, and `auto-<name>` for any of them
-(`auto-math+ngram`): <name> under the per-sequence cost model, which drafts only while it pays. The table is
-plain data: importing it registers nothing.
+combinations of the first two specialised heads in `COMBINATIONS`, `averaged-w{w}` for any weight w of head A in
+[0, 1] (`averaged` is w = 0.5), and `<name>+ngram` for any of those that drafts (`math+ngram`, `merged+ngram`): its
+tree merged with prompt-lookup drafts, and `auto-<name>` for any of them (`auto-math+ngram`): <name> under the
+per-sequence cost model, which drafts only while it pays. The table is plain data: importing it registers nothing.
 """
 
 from __future__ import annotations
