@@ -262,14 +262,14 @@ class SearchConfig(_Strict):
     math_ratio: tuple[float, float] = Field(
         (0.1, 0.9), description="range of the mathinstruct share of a trial's mixture; sharegpt gets the rest")
     ratio_step: float = Field(
-        0.05, gt=0, le=1, description="ratios are sampled on this grid, so trials drawing the same ratio share features")
+        0.05, gt=0, le=1, description="ratios are sampled on this grid, so trials drawing one ratio share features")
     sizes: list[int] = Field(
         default_factory=list, description="mixture sizes (conversations) to sample from; empty: the smallest size "
         "of the `heldout` mixtures, whose features then cover every trial's conversations")
     seed: int = Field(0, description="mixture seed of every trial; equal to the `heldout` mixtures' seed, their "
                       "features are copied into a trial's set instead of being recomputed")
     num_samples: int = Field(8, gt=0, description="trials Tune samples")
-    max_epochs: int | None = Field(None, gt=0, description="epochs a trial may train (ASHA's max_t); None: train.epochs")
+    max_epochs: int | None = Field(None, gt=0, description="epochs a trial may train (ASHA max_t); None: train.epochs")
     max_tokens: int | None = Field(None, gt=0, description="trained-token budget of a trial; None: train.max_tokens")
     grace_period: int = Field(1, gt=0, description="ASHA: epochs every trial trains before it can be stopped")
     reduction_factor: int = Field(2, ge=2, description="ASHA: 1/this of the trials at a rung continue")

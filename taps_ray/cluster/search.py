@@ -184,7 +184,8 @@ def run_search(cfg: StudyConfig, env: dict[str, str] | None = None,
     summary: dict[str, Any] = {"experiment": path, "restored_experiment": restored, "trials": trials,
                                "failed": sum(1 for t in trials if t["error"]), "best": None}
     if scored:
-        best = max(sorted(scored, key=lambda r: r.metrics["trial_id"]), key=lambda r: r.metrics[METRIC])  # ties: first trial
+        in_order = sorted(scored, key=lambda r: r.metrics["trial_id"])
+        best = max(in_order, key=lambda r: r.metrics[METRIC])  # a tie goes to the first trial
         head = save_searched(cfg, best, Path(path).name)
         summary["best"] = json.loads((head / METRICS_FILE).read_text())["search"]
         log_line(f"search: best mathinstruct share {best.config[RATIO]:g}, size {best.config[SIZE]}: held-out "
