@@ -16,7 +16,7 @@ export TOKENIZERS_PARALLELISM ?= false
 # The single-process benchmark keeps the default policy, which is faster for back-to-back small kernels.
 RAY_OMP := OMP_WAIT_POLICY=$(or $(OMP_WAIT_POLICY),PASSIVE)
 
-.PHONY: install test test-fast sweep sweep-quick report bench clean-venv print-data-dir
+.PHONY: install test test-fast sweep sweep-quick search report bench clean-venv print-data-dir
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,10 @@ sweep: install
 
 sweep-quick: install
 	$(RAY_OMP) $(PY) jobs/sweep.py --config configs/cpu.yaml --quick
+
+# The mixture search (docs/search.md): Ray Tune + ASHA over the math/chat ratio; not part of `make sweep`.
+search: install
+	$(RAY_OMP) $(PY) -m taps_ray.cli search --config configs/cpu.yaml
 
 report: install
 	$(VENV)/bin/taps report --config configs/cpu.yaml

@@ -1,4 +1,5 @@
-"""`taps`, the one command line: data, features, train, agreement, eval, generate, report, sweep, serve, bench.
+"""`taps`, the one command line: data, features, train, search, agreement, eval, generate, report, sweep, serve,
+bench.
 
 Every command that takes `--config` gets a validated StudyConfig; known user errors (bad config, missing
 data, missing model or head, unknown proposer) print one line and exit 2 instead of a traceback.
@@ -41,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(train)
     train.add_argument("--kind", choices=HEAD_KINDS, required=True)
     train.add_argument("--mixture", required=True, help="a mixture name from the config (math, chat, mixed, ...)")
+
+    search = commands.add_parser(
+        "search", help="Ray Tune + ASHA over the math/chat ratio (and size) of a mixture; saves the `searched` head")
+    _add_config(search)
+    search.add_argument("--quick", action="store_true",
+                        help="the sweep's shrunken study, at most 4 trials of 2 epochs (own work dir)")
 
     export = commands.add_parser("export", help="write a trained head in the EAGLE / EAGLE-3 layout vLLM and SGLang load")
     _add_config(export)
@@ -140,6 +147,12 @@ def _train(args: argparse.Namespace) -> int:
 
     cmd_train(_config(args), args.kind, args.mixture)
     return 0
+
+
+def _search(args: argparse.Namespace) -> int:
+    from taps_ray.cluster.search import cmd_search
+
+    return cmd_search(_config(args), args.quick)
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -242,6 +255,7 @@ HANDLERS: dict[str, Handler] = {
     "data": _data,
     "features": _features,
     "train": _train,
+    "search": _search,
     "export": _export,
     "agreement": _agreement,
     "eval": _eval,

@@ -285,6 +285,46 @@ class ServeConfig(_Strict):
         "target_ongoing_requests, ...); replaces num_replicas when set")
 
 
+class SearchConfig(_Strict):
+    """`taps search`: Ray Tune samples the math/chat ratio (and size) of a training mixture, ASHA stops the trials
+    whose held-out agreement, averaged over `heldout`, trails; the best trial's head becomes the `searched` head."""
+
+    kind: HeadKind = Field("eagle2", description="the head kind every trial trains (and the searched head is)")
+    math_ratio: tuple[float, float] = Field(
+        (0.1, 0.9), description="range of the mathinstruct share of a trial's mixture; sharegpt gets the rest")
+    ratio_step: float = Field(
+        0.05, gt=0, le=1, description="ratios are sampled on this grid, so trials drawing one ratio share features")
+    sizes: list[int] = Field(
+        default_factory=list, description="mixture sizes (conversations) to sample from; empty: the smallest size "
+        "of the `heldout` mixtures, whose features then cover every trial's conversations")
+    seed: int = Field(0, description="mixture seed of every trial; equal to the `heldout` mixtures' seed, their "
+                      "features are copied into a trial's set instead of being recomputed")
+    num_samples: int = Field(8, gt=0, description="trials Tune samples")
+    max_epochs: int | None = Field(None, gt=0, description="epochs a trial may train (ASHA max_t); None: train.epochs")
+    max_tokens: int | None = Field(None, gt=0, description="trained-token budget of a trial; None: train.max_tokens")
+    grace_period: int = Field(1, gt=0, description="ASHA: epochs every trial trains before it can be stopped")
+    reduction_factor: int = Field(2, ge=2, description="ASHA: 1/this of the trials at a rung continue")
+    heldout: list[str] = Field(
+        default_factory=lambda: ["math", "chat"], description="mixtures whose held-out conversations score every "
+        "epoch; a trial's metric `agreement` is the mean of their top-1 agreements")
+    max_concurrent_trials: int | None = Field(None, gt=0, description="None: as many as `ray.trial_*` resources allow")
+
+    @field_validator("math_ratio")
+    @classmethod
+    def _ratio_range(cls, value: tuple[float, float]) -> tuple[float, float]:
+        low, high = value
+        if not 0 <= low <= high <= 1:
+            raise ValueError(f"needs 0 <= low <= high <= 1, got [{low}, {high}]")
+        return value
+
+    @field_validator("sizes")
+    @classmethod
+    def _positive(cls, value: list[int]) -> list[int]:
+        if any(size <= 0 for size in value):
+            raise ValueError(f"sizes must be > 0, got {value}")
+        return value
+
+
 class StudyConfig(_Strict):
     name: str
     target: TargetConfig = TargetConfig()
@@ -296,6 +336,7 @@ class StudyConfig(_Strict):
     eval: EvalConfig = EvalConfig()
     ray: RayConfig = RayConfig()
     serve: ServeConfig = ServeConfig()
+    search: SearchConfig = SearchConfig()
     work_dir: str = Field("runs/default", description="features, checkpoints and the results store live here")
     reports_dir: str = "reports"
 

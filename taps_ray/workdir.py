@@ -4,9 +4,12 @@
     <work_dir>/features/<mixture>-<key>/         target features of one training mixture
     <work_dir>/heads/<kind>-<mixture>/           a head's training folder (epoch-N/ checkpoints, a lock)
     <work_dir>/heads/<kind>-<mixture>/final/     the finished head, with its agreement-<key>.json caches
+    <work_dir>/heads/<kind>-search-m<r>-n<size>/ a mixture-search trial's training folder (`taps search`)
+    <work_dir>/heads/<kind>-searched/final/      the search's best head: the `searched` proposer
     <work_dir>/draft_vocab/<size>.safetensors    the reduced draft vocabulary
     <work_dir>/results/                          the evaluation's results store
-    <work_dir>/tune/                             Ray Tune's storage (unless `ray.storage_path` is set)
+    <work_dir>/tune/                             Ray Tune's storage (unless `ray.storage_path` is set), the
+                                                 training and the search experiments
     <work_dir>/sweep.json                        the last sweep's summary
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from taps_ray.config import StudyConfig
+from taps_ray.engine.names import SEARCHED
 
 FINAL = "final"  # the finished checkpoint inside a head's training folder
 EPOCH_GLOB = "epoch-*"  # the epoch checkpoints inside a head's training folder
@@ -58,6 +62,16 @@ def head_dir(cfg: StudyConfig, kind: str, mixture: str) -> Path:
 def head_checkpoint(cfg: StudyConfig, kind: str, mixture: str) -> Path:
     """The finished head that evaluation, serving and benchmarks load."""
     return head_dir(cfg, kind, mixture) / FINAL
+
+
+def search_trial_mixture(ratio: float, size: int) -> str:
+    """The mixture name (and so the head folder) of a search trial: `ratio` of mathinstruct, `size` conversations."""
+    return f"search-m{ratio:g}-n{size}"
+
+
+def searched_head(cfg: StudyConfig, kind: str) -> Path:
+    """The best head `taps search` found, loaded by the study as the `searched` proposer when it exists."""
+    return head_checkpoint(cfg, kind, SEARCHED)
 
 
 def epoch_checkpoint(head_folder: Path, epoch: int) -> Path:

@@ -45,12 +45,13 @@ def _config(payload: str) -> StudyConfig:
 
 def pack_heads(config: StudyConfig, kinds: list[str]) -> dict[str, dict[str, dict[str, bytes]]]:
     """kind -> mixture -> {file name: bytes} of every trained head the evaluation needs."""
+    from taps_ray.proposer_setup import head_names
     from taps_ray.workdir import head_checkpoint
 
     packed: dict[str, dict[str, dict[str, bytes]]] = {}
     for kind in kinds:
         packed[kind] = {}
-        for mixture in config.head_mixtures(kind):
+        for mixture in head_names(config, kind):
             folder = head_checkpoint(config, kind, mixture)
             if folder.is_dir():
                 packed[kind][mixture] = {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
@@ -69,7 +70,7 @@ def unpack_heads(config: StudyConfig, kind: str, packed: dict, dtype: torch.dtyp
     if missing:
         raise FileNotFoundError(f"no trained {kind} head for mixtures {missing}; run the train stage first")
     heads = {}
-    for mixture in config.head_mixtures(kind):
+    for mixture in files:  # train.mixtures, then the searched head when one was shipped
         folder = scratch / kind / mixture
         folder.mkdir(parents=True, exist_ok=True)
         for name, data in files[mixture].items():

@@ -66,7 +66,8 @@ def head_finished(cfg: StudyConfig, kind: str, mixture: str) -> bool:
     return (final / "model.safetensors").is_file() and metrics.get("fingerprint") == expected_fingerprint(cfg, kind, mixture)
 
 
-def _numeric(metrics: dict) -> dict[str, float]:
+def numeric_metrics(metrics: dict) -> dict[str, float]:
+    """The numbers of a metrics dict: what `tune.report` takes."""
     return {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
@@ -112,7 +113,7 @@ def _trial(config: dict, study: str = "", env: dict | None = None) -> None:
 
     def report(metrics: dict) -> None:
         epochs_reported.append(metrics.get("epoch"))
-        tune.report(_numeric(metrics), checkpoint=tune.Checkpoint.from_directory(metrics["checkpoint"]))
+        tune.report(numeric_metrics(metrics), checkpoint=tune.Checkpoint.from_directory(metrics["checkpoint"]))
 
     if head_finished(cfg, kind, mixture):  # trained before this experiment: only report it
         final = head_checkpoint(cfg, kind, mixture)
@@ -121,7 +122,7 @@ def _trial(config: dict, study: str = "", env: dict | None = None) -> None:
     state = json.loads((final / _trainer().METRICS_FILE).read_text())
     last = state["history"][-1] if state.get("history") else {}
     tune.report(
-        {**_numeric(last), "final": 1, "epochs_this_run": len(epochs_reported)},
+        {**numeric_metrics(last), "final": 1, "epochs_this_run": len(epochs_reported)},
         checkpoint=tune.Checkpoint.from_directory(str(final)),
     )
 
@@ -144,6 +145,34 @@ def storage_path(cfg: StudyConfig) -> str:
     return str(tune_dir(cfg).resolve())
 
 
+def open_experiment(cfg: StudyConfig, name: str, trainable: Callable, param_space: dict,
+                    tune_config: Any) -> tuple[Any, str, bool]:
+    """(Tuner, experiment path, restored): the experiment `name` in the study's Tune storage, restored with
+    `Tuner.restore` when an interrupted run left it there (finished trials stay finished, the others resume),
+    else a new one. Each trial gets the `ray.trial_*` resources and keeps its newest checkpoint."""
+    from ray import tune
+
+    storage = storage_path(cfg)
+    path = f"{storage.rstrip('/')}/{name}"
+    if "://" not in storage:
+        Path(storage).mkdir(parents=True, exist_ok=True)
+    memory = memory_bytes(cfg.ray.trial_memory_gb)
+    trainable = tune.with_resources(
+        trainable, {"cpu": cfg.ray.trial_cpus, "gpu": cfg.ray.trial_gpus, **({"memory": memory} if memory else {})}
+    )
+    if tune.Tuner.can_restore(path):
+        tuner = tune.Tuner.restore(path, trainable, resume_unfinished=True, resume_errored=True, param_space=param_space)
+        return tuner, path, True
+    run_config = tune.RunConfig(
+        name=name,
+        storage_path=storage,
+        checkpoint_config=tune.CheckpointConfig(num_to_keep=1),
+        failure_config=tune.FailureConfig(max_failures=cfg.ray.max_trial_failures),
+        verbose=1,
+    )
+    return tune.Tuner(trainable, param_space=param_space, tune_config=tune_config, run_config=run_config), path, False
+
+
 def run_training(
     cfg: StudyConfig, env: dict[str, str] | None = None, log_line: Callable[[str], None] = print
 ) -> dict[str, Any]:
@@ -157,37 +186,15 @@ def run_training(
         log_line(f"train: all {len(pairs)} heads already trained; nothing to do")
         return {**summary, "trained": [], "failed": [], "restored_experiment": False, "seconds": 0.0}
     start = time.perf_counter()
-    storage = storage_path(cfg)
-    name = experiment_name(cfg)
-    path = f"{storage.rstrip('/')}/{name}"
-    if "://" not in storage:
-        Path(storage).mkdir(parents=True, exist_ok=True)
     param_space = {"head": tune.grid_search([list(p) for p in pairs])}  # the whole study: restorable as is
-    memory = memory_bytes(cfg.ray.trial_memory_gb)
-    trainable = tune.with_resources(
-        tune.with_parameters(_trial, study=cfg.model_dump_json(), env=env or {}),
-        {"cpu": cfg.ray.trial_cpus, "gpu": cfg.ray.trial_gpus, **({"memory": memory} if memory else {})},
-    )
-    restored = tune.Tuner.can_restore(path)
+    tune_config = tune.TuneConfig(trial_name_creator=_trial_name, trial_dirname_creator=_trial_name,
+                                  max_concurrent_trials=None)
+    trainable = tune.with_parameters(_trial, study=cfg.model_dump_json(), env=env or {})
+    tuner, path, restored = open_experiment(cfg, experiment_name(cfg), trainable, param_space, tune_config)
     if restored:
         log_line(f"train: restoring the interrupted Tune experiment {path}")
-        tuner = tune.Tuner.restore(path, trainable, resume_unfinished=True, resume_errored=True, param_space=param_space)
     else:
         log_line(f"train: {len(pairs)} trials, {len(todo)} to train ({', '.join(f'{k}-{m}' for k, m in todo)}) -> {path}")
-        tuner = tune.Tuner(
-            trainable,
-            param_space=param_space,
-            tune_config=tune.TuneConfig(
-                trial_name_creator=_trial_name, trial_dirname_creator=_trial_name, max_concurrent_trials=None
-            ),
-            run_config=tune.RunConfig(
-                name=name,
-                storage_path=storage,
-                checkpoint_config=tune.CheckpointConfig(num_to_keep=1),
-                failure_config=tune.FailureConfig(max_failures=cfg.ray.max_trial_failures),
-                verbose=1,
-            ),
-        )
     results = tuner.fit()
     trained, failed = [], []
     for result in results:

@@ -1,11 +1,11 @@
 """Proposers by name: what configs, the CLI, Ray actors and the Serve app all use to get a drafter.
 
 Names: `plain` (no drafting), `ngram` (prompt lookup, no head), any trained head by its mixture name (`math`,
-`chat`, `mixed`, ...), the combinations of the first two specialised heads in `COMBINATIONS`, `averaged-w{w}`
-for any weight w of head A in [0, 1] (`averaged` is w = 0.5), and `<name>+ngram` for any of those that drafts
-(`math+ngram`, `merged+ngram`): its tree merged with prompt-lookup drafts, and `auto-<name>` for any of them
-(`auto-math+ngram`): <name> under the per-sequence cost model, which drafts only while it pays. The table is
-plain data: importing it registers nothing.
+`chat`, `mixed`, ...), `searched` (the best head of the mixture search, `taps search`; it drafts alone), the
+combinations of the first two specialised heads in `COMBINATIONS`, `averaged-w{w}` for any weight w of head A in
+[0, 1] (`averaged` is w = 0.5), and `<name>+ngram` for any of those that drafts (`math+ngram`, `merged+ngram`): its
+tree merged with prompt-lookup drafts, and `auto-<name>` for any of them (`auto-math+ngram`): <name> under the
+per-sequence cost model, which drafts only while it pays. The table is plain data: importing it registers nothing.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from taps_ray.engine.combine import (
     with_ngram,
 )
 from taps_ray.engine.cost import CostAware
-from taps_ray.engine.names import AVERAGED_SWEEP, UnknownProposer, averaged_name, averaged_weight
+from taps_ray.engine.names import AVERAGED_SWEEP, SEARCHED, UnknownProposer, averaged_name, averaged_weight
 from taps_ray.engine.ngram import NUM_TOKENS, NgramProposer
 from taps_ray.engine.proposers import PlainDecoding, Proposer, SingleHead
 from taps_ray.engine.tree import DraftContext
@@ -114,4 +114,4 @@ def build_proposer(
             f"unknown proposer {name!r}; choose one of: {known} (or averaged-w{{w}}, w in [0, 1]; "
             "any drafting proposer followed by +ngram; any proposer after auto- for the cost model)"
         )
-    return builder(heads, context, tree)
+    return builder({mixture: head for mixture, head in heads.items() if mixture != SEARCHED}, context, tree)

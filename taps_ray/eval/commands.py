@@ -15,7 +15,7 @@ from taps_ray.eval.runner import TraceCache, cell_questions, eval_dtype, is_repl
 from taps_ray.eval.store import Cell, ResultsStore
 from taps_ray.fsio import atomic_write_parquet
 from taps_ray.models.target import load_target
-from taps_ray.proposer_setup import heads_needed, load_heads, load_proposers
+from taps_ray.proposer_setup import head_names, heads_needed, load_heads, load_proposers, with_searched
 from taps_ray.engine.generate import generate
 from taps_ray.engine.verify import SamplingParams
 from taps_ray.workdir import results_dir
@@ -31,7 +31,8 @@ def plan_cells(
     temperatures: list[float] | None = None,
 ) -> list[Cell]:
     """Plain decoding once per benchmark and temperature, then every proposer of every head kind that has its
-    heads (a `train.compare` head is trained for its own kinds only). With
+    heads (a `train.compare` head is trained for its own kinds only; the config's list gains `searched` for a kind
+    whose mixture-search head exists, `proposer_setup.with_searched`). With
     `eval.replay` the T = 0 cells of draft proposers are replayed (runner.is_replayed), the rest run live; the
     cells of one benchmark and temperature are consecutive, so replayed cells share that benchmark's greedy
     decodes (runner.TraceCache holds one benchmark at a time). At T > 0 the proposers are `eval.live_proposers`
@@ -40,15 +41,17 @@ def plan_cells(
     benchmarks = benchmarks or list(config.eval.benchmarks)
     temperatures = temperatures if temperatures is not None else config.eval.temperatures
 
-    def proposers_at(temperature: float) -> list[str]:
-        live = config.eval.live_proposers if temperature > 0 else None
-        return [p for p in (proposers or live or config.eval.proposers) if p != PLAIN]
+    def proposers_at(temperature: float, kind: str) -> list[str]:
+        if proposers:
+            return [p for p in proposers if p != PLAIN]
+        listed = (config.eval.live_proposers if temperature > 0 else None) or config.eval.proposers
+        return [p for p in with_searched(config, kind, listed) if p != PLAIN]
 
     def has_heads(kind: str, proposer: str) -> bool:
-        return set(heads_needed(config, [proposer])) <= set(config.head_mixtures(kind))
+        return set(heads_needed(config, [proposer])) <= set(head_names(config, kind))
 
     cells = [Cell(NO_HEAD, PLAIN, b, t) for t in temperatures for b in benchmarks]
-    cells += [Cell(k, p, b, t) for t in temperatures for b in benchmarks for k in kinds for p in proposers_at(t)
+    cells += [Cell(k, p, b, t) for t in temperatures for b in benchmarks for k in kinds for p in proposers_at(t, k)
               if has_heads(k, p)]
     return cells
 
