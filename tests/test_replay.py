@@ -182,7 +182,7 @@ def test_report_says_which_cells_were_replayed(tiny_config):
 
 @pytest.mark.slow
 def test_replay_equals_the_live_loop_on_smollm2_fp32(tiny_config, smollm2_fp32):
-    """The real target in fp32: exact up to counted near-ties (none measured on these prompts)."""
+    """The real target in fp32: exact up to counted near-ties (0 of 64 measured on these prompts, batched drafts)."""
     target = smollm2_fp32
     tok = target.tokenizer
     questions = ("What is 15 + 27? Answer briefly.", "Name three colours.", "Solve 3x = 12.", "Say hello.")

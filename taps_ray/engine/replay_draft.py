@@ -122,11 +122,10 @@ def draft_along(
     roots: Sequence[range],
 ) -> list[TraceTrees]:
     """The EAGLE-2 tree `draft_eagle2(head, ctx, ...)` would draft at every root position of every trace."""
+    traces = list(zip(sequences, features, roots))
     out: list[TraceTrees] = []
     for group in _groups([r.stop for r in roots], [len(r) for r in roots], tree.top_k):
-        out += _draft_group(
-            head, ctx, tree, [sequences[i] for i in group], [features[i] for i in group], [roots[i] for i in group]
-        )
+        out += _draft_group(head, ctx, tree, [traces[i] for i in group])
     return out
 
 
@@ -146,13 +145,10 @@ def _groups(lengths: list[int], rows: list[int], k: int) -> list[list[int]]:
 
 
 def _draft_group(
-    head: DraftHead,
-    ctx: DraftContext,
-    tree: TreeConfig,
-    sequences: Sequence[list[int]],
-    features: Sequence[torch.Tensor],
-    roots: Sequence[range],
+    head: DraftHead, ctx: DraftContext, tree: TreeConfig, traces: list[tuple[list[int], torch.Tensor, range]]
 ) -> list[TraceTrees]:
+    """`draft_along` for traces drafted together: (sequence, features, root positions) each."""
+    sequences, features, roots = zip(*traces)
     weight = next(head.parameters())
     dtype, device = weight.dtype, weight.device
     k, n_draft = tree.top_k, tree.total_token - 1
