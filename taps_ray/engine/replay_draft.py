@@ -113,6 +113,7 @@ def replay_drafters(
     return [swap_heads(proposer, replayed(i)) for i in range(len(sequences))]
 
 
+@torch.no_grad()
 def draft_along(
     head: DraftHead,
     ctx: DraftContext,
