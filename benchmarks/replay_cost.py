@@ -2,6 +2,7 @@
 """Cost of a T = 0 evaluation cell, live vs replayed (spec/replay.py), in the same run. Not a test.
 
     python benchmarks/replay_cost.py --config configs/speed.yaml --questions 4 --out reports/replay.md
+    python benchmarks/replay_cost.py --config configs/speed.yaml --questions 4 --dtype float32 --out reports/replay_fp32.md
 
 Each proposer's T = 0 cell runs live (`eval.replay: false`: the target verifies every step, the heads draft every
 step) and replayed (the target greedy-decodes the questions once, in one batch; each head drafts its trees at
