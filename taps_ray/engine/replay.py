@@ -4,18 +4,20 @@ At temperature 0 the tokens a step accepts depend only on the target's greedy co
 walks the tree along the tokens the target would emit. So the target decodes each prompt once (plain, batched),
 one forward over prompt + continuation gives the features the live loop would hand a proposer, and every
 proposer is then replayed against that record without running the target again: `record_traces` once per
-prompt, `replay` once per proposer. The step records are the live loop's (`run_loop`), except that no
-verification ran: `verify_s` and `wall_s` are NaN (speed is measured by live cells only).
+prompt, `replay` once per proposer. The heads draft every tree the replay can reach in a few batched forwards
+(engine/replay_draft.py) instead of one draft pass per step. The step records are the live loop's (`run_loop`),
+except that neither a per-step draft pass nor verification ran: `draft_s`, `verify_s` and `wall_s` are NaN
+(speed is measured by live cells only).
 
 Exactness: in exact arithmetic replay equals the live loop. In floating point the features of one long forward
-and of the live loop's tree forwards differ in the last bits, so a near-tie in a draft head's top-k (or in the
-target's argmax, which the live loop takes from a tree forward) can flip; tests count such cases.
+and of the live loop's tree forwards (and a head's batched draft and its per-step one) differ in the last bits, so
+a near-tie in a draft head's top-k (or in the target's argmax, which the live loop takes from a tree forward) can
+flip; tests count such cases.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,6 +25,7 @@ import torch
 
 from taps_ray.engine.generate import Generation, Verifier, chosen_head, extend_tokens, record_step, step_tokens
 from taps_ray.engine.proposers import Proposer
+from taps_ray.engine.replay_draft import replay_drafters
 from taps_ray.engine.tree import root_only
 from taps_ray.engine.verify import SamplingParams, greedy_path
 
@@ -93,9 +96,14 @@ def record_traces(
 @torch.no_grad()
 def replay(proposer: Proposer, traces: list[GreedyTrace], max_new_tokens: int, stop_ids: list[int]) -> list[Generation]:
     """The generations `run_loop(verifier, proposer, prompts, greedy, max_new_tokens, stop_ids)` would produce,
-    computed from the traces: the proposer drafts exactly as in the live loop, and each tree is accepted by walking
-    it along the recorded continuation."""
-    return [_replay_one(proposer, trace, max_new_tokens, set(stop_ids)) for trace in traces]
+    computed from the traces: the proposer's heads draft the trees of every root position the replay can reach
+    in batches (`replay_drafters`), the proposer is stepped as in the live loop, and each tree is accepted by
+    walking it along the recorded continuation."""
+    stops = set(stop_ids)
+    # a root sits at the prompt's end or after a kept token that did not finish the answer
+    roots = [range(len(t.prompt), len(t.prompt) + _end(t.tokens, max_new_tokens, stops) - 1) for t in traces]
+    drafters = replay_drafters(proposer, [t.sequence for t in traces], [t.features for t in traces], roots)
+    return [_replay_one(d, trace, max_new_tokens, stops) for d, trace in zip(drafters, traces)]
 
 
 def _recorded(sequence: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -112,9 +120,7 @@ def _replay_one(proposer: Proposer, trace: GreedyTrace, max_new_tokens: int, sto
     length = len(trace.prompt)  # committed positions; the root (last emitted token) sits at `length`
     new = slice(0, length)
     while not generation.finished_by:
-        t0 = time.perf_counter()
         tree, state = proposer.propose(state, trace.features[new], sequence[new.start + 1 : new.stop + 1])
-        draft_s = time.perf_counter() - t0
         verdict = greedy_path(tree, _recorded(sequence, length + 1 + tree.depth))
         if verdict.bonus == NO_TOKEN:
             raise ValueError(
@@ -123,7 +129,7 @@ def _replay_one(proposer: Proposer, trace: GreedyTrace, max_new_tokens: int, sto
             )
         committed = verdict.tokens[1:] + [verdict.bonus]
         extend_tokens(generation, committed, stops, max_new_tokens)
-        generation.steps.append(record_step(tree, verdict, step_tokens(committed, stops), draft_s, math.nan,
+        generation.steps.append(record_step(tree, verdict, step_tokens(committed, stops), math.nan, math.nan,
                                             chosen_head(state)))
         new = slice(length, length + len(verdict.nodes))
         length = new.stop

@@ -30,6 +30,9 @@ from taps_ray.engine.verify import SamplingParams
 from taps_ray.eval.metrics import PLAIN
 
 VerifierFactory = Callable[[tuple[int, ...]], Verifier]  # the target layers the proposer drafts from -> verifier
+# Questions of a replayed cell taken together, whatever `eval.batch_size` (which sizes live cells, where speed is
+# measured): their greedy traces decode in one batch, and a batched one-token forward costs little more than one.
+REPLAY_BATCH = 16
 
 
 def is_replayed(config: StudyConfig, cell: Cell) -> bool:
@@ -100,9 +103,10 @@ def run_cell(
     step_rows: list[dict] = []
     question_rows: list[dict] = []
     turns = max(len(q.turns) for q in questions)
+    batch_size = max(evaluation.batch_size, REPLAY_BATCH) if replayed else evaluation.batch_size
     for turn in range(turns):
         todo: list[Question] = [q for q in questions if len(q.turns) > turn]
-        for batch in _batches(todo, evaluation.batch_size):
+        for batch in _batches(todo, batch_size):
             prompts = [
                 build_prompt_ids(target.tokenizer, q.turns[: turn + 1], answers[q.question_id], evaluation.system_prompt)
                 for q in batch
