@@ -205,3 +205,33 @@ def test_replay_equals_the_live_loop_on_smollm2_fp32(tiny_config, smollm2_fp32):
             assert sum(s.accepted for g in replayed for s in g.steps) > 0, name
     print(f"near-tie exceptions: {differ} of {turns} (proposer, question) pairs")
     assert differ <= turns // 20
+
+
+def test_a_second_feature_kind_reuses_the_greedy_decode(tiny_target):
+    """EAGLE-3 traces (fused layers) of a benchmark take the tokens the last-layer traces decoded: one features
+    forward, and the same trace a fresh decode gives."""
+    prompts = [[1, 5, 9, 13], [1, 7, 3]]
+    fused = (0, 1)
+
+    def verifier(layers):
+        return lambda: TargetBatch(tiny_target.model, feature_layers=layers)
+
+    last = record_traces(verifier(()), prompts, 8, [], 3)
+    fresh = record_traces(verifier(fused), prompts, 8, [], 3)
+    starts = []
+
+    def counting():
+        starts.append(1)
+        return TargetBatch(tiny_target.model, feature_layers=fused)
+
+    reused = record_traces(counting, prompts, 8, [], 3, continuations=[t.tokens for t in last])
+    assert len(starts) == 1  # the features forward only, no decode
+    for a, b in zip(reused, fresh):
+        assert a.tokens == b.tokens and torch.equal(a.features, b.features)
+    cache = TraceCache()
+    cache.of("gsm8k").update({("q", 0): last[0]})
+    cache.decoded[("q", 0)] = last[0]
+    assert cache.of("gsm8k", fused) == {} and cache.continuation(("q", 0), prompts[0]) == last[0].tokens
+    assert cache.continuation(("q", 0), prompts[1]) is None  # another prompt: decode again
+    cache.of("svamp")
+    assert cache.continuation(("q", 0), prompts[0]) is None  # a new benchmark forgets the decodes

@@ -64,15 +64,20 @@ def record_traces(
     max_new_tokens: int,
     stop_ids: list[int],
     lookahead: int,
+    continuations: list[list[int]] | None = None,
 ) -> list[GreedyTrace]:
     """Greedy-decode every prompt (one batched target forward per token) until `lookahead` tokens past its end
     (stop token or `max_new_tokens`), then one batched forward over each prompt + continuation for the features.
 
     `lookahead` must cover the deepest drafted node (a tree of depth D reads up to D tokens past the last kept
-    one); `replay` raises when a tree reaches past the record.
+    one); `replay` raises when a tree reaches past the record. `continuations`: the greedy tokens already
+    recorded with the same budget and lookahead (for another feature kind of the same verifier's model): only the
+    features forward runs.
     """
-    stops = set(stop_ids)
     seeds = [0] * len(prompts)
+    if continuations is not None:
+        return _traced(make_verifier, prompts, continuations, seeds, lookahead)
+    stops = set(stop_ids)
     verifier = make_verifier()
     started = verifier.start(prompts, GREEDY, seeds)
     tokens = [c.tokens for c in started]
@@ -88,6 +93,12 @@ def record_traces(
             if committed is not None:
                 tokens[b] = tokens[b] + committed.tokens
         trees = [tree(b) if trees[b] is not None else None for b in range(len(prompts))]
+    return _traced(make_verifier, prompts, tokens, seeds, lookahead)
+
+
+def _traced(make_verifier: Callable[[], Verifier], prompts: list[list[int]], tokens: list[list[int]],
+            seeds: list[int], lookahead: int) -> list[GreedyTrace]:
+    """The traces of greedy continuations: one batched forward over each prompt + continuation for the features."""
     full = [p + t for p, t in zip(prompts, tokens)]
     features = [c.features for c in make_verifier().start(full, GREEDY, seeds)]
     return [GreedyTrace(p, t, f, lookahead) for p, t, f in zip(prompts, tokens, features)]

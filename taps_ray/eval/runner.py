@@ -52,16 +52,28 @@ def cell_questions(config: StudyConfig, cell: Cell) -> int:
 class TraceCache:
     """Greedy traces by (question, turn) for one benchmark and one feature kind at a time (a trace holds features
     of every position, so only what is being evaluated stays in memory). The feature kind is the target layers a
-    proposer drafts from: an EAGLE-3 head's traces carry its fused layers, the others the last layer."""
+    proposer drafts from: an EAGLE-3 head's traces carry its fused layers, the others the last layer. The greedy
+    continuations stay for the whole benchmark, so a second feature kind costs one forward per question, not a
+    second decode."""
 
     def __init__(self) -> None:
-        self.key: tuple[str, tuple[int, ...]] | None = None
+        self.benchmark: str | None = None
+        self.layers: tuple[int, ...] = ()
         self.traces: dict[tuple[str, int], GreedyTrace] = {}
+        self.decoded: dict[tuple[str, int], GreedyTrace] = {}  # any feature kind: its prompt and tokens
 
     def of(self, benchmark: str, layers: tuple[int, ...] = ()) -> dict[tuple[str, int], GreedyTrace]:
-        if (benchmark, tuple(layers)) != self.key:
-            self.key, self.traces = (benchmark, tuple(layers)), {}
+        if benchmark != self.benchmark:
+            self.benchmark, self.decoded = benchmark, {}
+            self.layers, self.traces = tuple(layers), {}
+        elif tuple(layers) != self.layers:
+            self.layers, self.traces = tuple(layers), {}
         return self.traces
+
+    def continuation(self, key: tuple[str, int], prompt: list[int]) -> list[int] | None:
+        """The recorded greedy tokens after `prompt` for `key`, when some feature kind traced it already."""
+        known = self.decoded.get(key)
+        return known.tokens if known is not None and known.prompt == prompt else None
 
 
 def question_seed(base: int, question_id: object, turn: int) -> int:
@@ -97,7 +109,8 @@ def run_cell(
     make_verifier = verifier_factory or (lambda layers: TargetBatch(target.model, feature_layers=layers))
     layers = feature_layers(proposer)
     replayed = is_replayed(config, cell)
-    known = (traces or TraceCache()).of(cell.benchmark, layers)
+    cache = traces or TraceCache()
+    known = cache.of(cell.benchmark, layers)
     budget = (evaluation.max_new_tokens, target.stop_token_ids)
     answers: dict[object, list[str]] = {q.question_id: [] for q in questions}
     step_rows: list[dict] = []
@@ -114,7 +127,7 @@ def run_cell(
             seeds = [question_seed(evaluation.seed, q.question_id, turn) for q in batch]
             if replayed:
                 keys = [(str(q.question_id), turn) for q in batch]
-                traced = _traces(known, keys, prompts, lambda: make_verifier(layers), config, target)
+                traced = _traces(cache, known, keys, prompts, lambda: make_verifier(layers), config, target)
                 generations = replay(proposer, traced, *budget)
             else:
                 generations = run_loop(make_verifier(layers), proposer, prompts, params, *budget, seeds)
@@ -130,6 +143,7 @@ def run_cell(
 
 
 def _traces(
+    cache: TraceCache,
     known: dict[tuple[str, int], GreedyTrace],
     keys: list[tuple[str, int]],
     prompts: list[list[int]],
@@ -137,14 +151,20 @@ def _traces(
     config: StudyConfig,
     target: Target,
 ) -> list[GreedyTrace]:
-    """The traces of a batch; the questions not yet traced are decoded together (one target run per question)."""
+    """The traces of a batch; the questions not yet traced are decoded together (one target run per question),
+    those another feature kind decoded already only get their features."""
     todo = [i for i, key in enumerate(keys) if key not in known or known[key].prompt != prompts[i]]
-    if todo:
+    for decoded in (True, False):
+        group = [i for i in todo if (cache.continuation(keys[i], prompts[i]) is not None) == decoded]
+        if not group:
+            continue
         new = record_traces(
-            make_verifier, [prompts[i] for i in todo], config.eval.max_new_tokens, target.stop_token_ids,
+            make_verifier, [prompts[i] for i in group], config.eval.max_new_tokens, target.stop_token_ids,
             draft_reach(config.tree),
+            continuations=[cache.continuation(keys[i], prompts[i]) for i in group] if decoded else None,
         )
-        known.update((keys[i], trace) for i, trace in zip(todo, new))
+        known.update((keys[i], trace) for i, trace in zip(group, new))
+        cache.decoded.update((keys[i], trace) for i, trace in zip(group, new))
     return [known[key] for key in keys]
 
 
