@@ -4,7 +4,8 @@
     python benchmarks/memory.py --config configs/cpu.yaml
 
 1. Actors: a loopback Ray (`runtime.start_ray`), the config's `EvalPool` with one target worker and one drafter;
-   each actor reports its own memory (`memory()`: RSS, USS, PSS, psutil) once both are ready.
+   each actor reports its own memory (`memory()`: RSS, USS, PSS, psutil) once both are ready, and again after
+   the pool has evaluated one cell (plain decoding of one question, so no heads are needed).
 2. Training: `train_head` in a fresh subprocess per corpus size (peak RSS = `ru_maxrss` of that subprocess) on
    synthetic feature shards at the config target's width, 1x and 4x the conversations; one epoch over all of them.
 """
@@ -33,6 +34,9 @@ BASE_CONVERSATIONS = 400  # 1x; each of SEQ_LEN tokens
 SEQ_LEN = 512
 
 
+CELL_QUESTIONS = 1  # the evaluated cell: plain decoding of this many questions of the config's first benchmark
+
+
 def floor_memory(name: str) -> dict[str, int]:
     """What every actor holds besides weights: the actor modules (torch, transformers, Ray) and the tokenizer."""
     import taps_ray.cluster.actors as actors
@@ -44,33 +48,45 @@ def floor_memory(name: str) -> dict[str, int]:
 
 
 def actor_memory(cfg: StudyConfig) -> dict[str, dict[str, int]]:
-    """Memory (`memory_use`) of one target worker and one drafter of `cfg`, both idle after loading, and of the floor."""
+    """Memory (`memory_use`) of one target worker and one drafter of `cfg`, idle after loading and after one
+    evaluated cell, and of the floor."""
     import ray
 
     from taps_ray.cluster.eval_pool import EvalPool
     from taps_ray.cluster.runtime import process_runtime_env, start_ray
+    from taps_ray.eval.cell import NO_HEAD, PLAIN, Cell
+    from taps_ray.eval.store import ResultsStore
 
     one = cfg.ray.model_copy(update={"num_target_workers": 1, "num_drafters": 1, "address": None})
-    cfg = cfg.model_copy(update={"ray": one})
+    benchmark = next(iter(cfg.eval.benchmarks))
+    evaluation = cfg.eval.model_copy(update={"benchmarks": {benchmark: CELL_QUESTIONS}})
+    cfg = cfg.model_copy(update={"ray": one, "eval": evaluation})
     owned = start_ray(cfg.ray, log_to_driver=False)
     try:
-        with EvalPool(cfg) as pool:
+        with EvalPool(cfg) as pool, tempfile.TemporaryDirectory(prefix="taps-memory-") as results:
             pool.ready(timeout=900)
-            worker, drafter = ray.get([pool.workers[0].memory.remote(), pool.drafters[0].memory.remote()])
+            actors = [pool.workers[0], pool.drafters[0]]
+            worker, drafter = ray.get([a.memory.remote() for a in actors])
+            report = pool.run([Cell(NO_HEAD, PLAIN, benchmark, 0.0)], ResultsStore(results), log_line=lambda _: None)
+            assert report.done and not report.failed, report
+            worker_cell, drafter_cell = ray.get([a.memory.remote() for a in actors])
         floor = ray.get(ray.remote(floor_memory).options(num_cpus=0, runtime_env=process_runtime_env()).remote(cfg.target.name))
     finally:
         if owned:
             ray.shutdown()
-    return {"target_worker": worker, "drafter": drafter, "floor": floor}
+    return {"target_worker": worker, "drafter": drafter, "floor": floor,
+            "target_worker_cell": worker_cell, "drafter_cell": drafter_cell, "cell": f"{benchmark}, {PLAIN}, T = 0"}
 
 
 def actors_section(cfg: StudyConfig, mem: dict[str, dict[str, int]]) -> list[str]:
     worker, drafter, floor = mem["target_worker"], mem["drafter"], mem["floor"]
+    worker_cell, drafter_cell = mem["target_worker_cell"], mem["drafter_cell"]
 
     def row(label: str, m: dict[str, int]) -> str:
         return f"| {label} | {m['rss'] / MB:.0f} | {m['uss'] / MB:.0f} | {m['pss'] / MB:.0f} |"
 
     rss, uss = drafter["rss"] / worker["rss"], drafter["uss"] / worker["uss"]
+    rss_cell, uss_cell = drafter_cell["rss"] / worker_cell["rss"], drafter_cell["uss"] / worker_cell["uss"]
     above = (drafter["rss"] - floor["rss"]) / (worker["rss"] - floor["rss"])
     verdict = "meets" if rss < 0.5 else "misses"
     return [
@@ -87,12 +103,18 @@ def actors_section(cfg: StudyConfig, mem: dict[str, dict[str, int]]) -> list[str
         row("TargetWorker (whole target, verification pool)", worker),
         row("DrafterActor (embeddings + LM head only, `models/draft_parts.py`)", drafter),
         row("floor: a Ray task with the actors' imports and the tokenizer, no weights", floor),
+        row(f"TargetWorker after one cell ({mem['cell']}, {CELL_QUESTIONS} question)", worker_cell),
+        row("DrafterActor after the same cell", drafter_cell),
         "",
         "The goal's measure is RSS, as this report measured it when the goal was set: drafter / target worker = "
         f"**{rss:.2f}**, so the drafter {verdict} \"less than half a target worker's memory\" on this target; above the floor: "
         f"**{above:.2f}**. By USS (what each actor adds on a node where every Ray worker already maps the same "
-        f"torch libraries) the ratio is **{uss:.2f}**. The drafter imports no transformers model code "
-        "(tests/test_heads_blocks.py) and reads only `model.embed_tokens.weight` (and `lm_head.weight` when "
+        f"torch libraries) the ratio is **{uss:.2f}**. After one evaluated cell, RSS **{rss_cell:.2f}** and USS "
+        f"**{uss_cell:.2f}**. The drafter imports no transformers model code, no Auto classes and no pandas "
+        "(tests/test_heads_blocks.py: `run_cell` returns plain records, the driver's `ResultsStore` makes the "
+        "frames), builds its tokenizer from the tokenizer files (`models.target.plain_fast_tokenizer`, the "
+        "same ids as AutoTokenizer: tests/test_tokenizer.py) "
+        "and reads only `model.embed_tokens.weight` (and `lm_head.weight` when "
         "untied) from the target's safetensors; at 135M parameters Python, torch, Ray's worker and the tokenizer "
         "are most of both processes. What the drafter saves is the layers: at 8B its weights are 2.10 GB against "
         "the worker's 16.06 GB (docs/paper_plan.md).",

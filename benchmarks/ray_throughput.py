@@ -112,13 +112,15 @@ def verification(cfg: StudyConfig, target, heads_cfg: StudyConfig, kind: str, ba
 def evaluation(cfg: StudyConfig, target, heads_cfg: StudyConfig, kind: str, proposers: list[str], repeats: int,
                drafters: list[int]) -> dict:
     """The same cells in-process (run_cell) and through Ray actors (EvalPool); tokens/s and equality."""
+    import pandas as pd
     import ray
 
     from taps_ray.cluster.actors import pack_heads
     from taps_ray.cluster.eval_pool import EvalPool
     from taps_ray.cluster.runtime import start_ray
+    from taps_ray.eval.cell import Cell
     from taps_ray.eval.runner import run_cell
-    from taps_ray.eval.store import Cell, ResultsStore
+    from taps_ray.eval.store import ResultsStore
     from taps_ray.proposer_setup import load_heads
 
     cells = [Cell(kind, p, b, t) for p in proposers for b in cfg.eval.benchmarks for t in cfg.eval.temperatures]
@@ -145,7 +147,7 @@ def evaluation(cfg: StudyConfig, target, heads_cfg: StudyConfig, kind: str, prop
             start = time.perf_counter()
             tokens = 0
             for cell in cells:
-                _, questions = run_cell(heads_cfg, cell, target, heads)
+                questions = pd.DataFrame(run_cell(heads_cfg, cell, target, heads)[1])
                 tokens += int(questions["n_tokens"].sum())
                 reference[cell.id] = [list(map(int, t)) for t in questions.sort_values(["question_id", "turn"]).tokens]
             seconds = time.perf_counter() - start
@@ -159,8 +161,6 @@ def evaluation(cfg: StudyConfig, target, heads_cfg: StudyConfig, kind: str, prop
                     report = pool.run(cells, store, log_line=lambda _: None)
                     seconds = time.perf_counter() - start
                     after = report.worker_stats[0]
-                    import pandas as pd
-
                     tokens, same = 0, True
                     for cell in cells:
                         questions = pd.read_parquet(store.cell_dir(cell) / "questions.parquet")

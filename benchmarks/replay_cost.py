@@ -58,9 +58,11 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="write the markdown here (else print it)")
     args = parser.parse_args()
 
+    import pandas as pd
+
+    from taps_ray.eval.cell import Cell
     from taps_ray.eval.commands import plan_cells
     from taps_ray.eval.runner import TraceCache, is_replayed, run_cell
-    from taps_ray.eval.store import Cell
     from taps_ray.fsio import atomic_write_text
     from taps_ray.models.target import load_target
 
@@ -82,9 +84,9 @@ def main() -> int:
     for name in args.proposers:
         cell = Cell(args.kind, name, args.benchmark, 0.0)
         t0 = time.perf_counter()
-        _, live = run_cell(live_cfg, cell, target, heads)
+        live = pd.DataFrame(run_cell(live_cfg, cell, target, heads)[1])
         t1 = time.perf_counter()
-        _, replayed = run_cell(replay_cfg, cell, target, heads, traces=cache)
+        replayed = pd.DataFrame(run_cell(replay_cfg, cell, target, heads, traces=cache)[1])
         t2 = time.perf_counter()
         same = (live[COMPARED].to_dict("records"), replayed[COMPARED].to_dict("records"))
         differ += sum(a != b for a, b in zip(*same))

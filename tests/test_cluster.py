@@ -24,7 +24,8 @@ from taps_ray.cluster.verification import VerificationPool
 from taps_ray.config import StudyConfig
 from taps_ray.eval.commands import plan_cells
 from taps_ray.eval.runner import run_cell
-from taps_ray.eval.store import Cell, ResultsStore
+from taps_ray.eval.cell import Cell
+from taps_ray.eval.store import ResultsStore
 from taps_ray.models.draft_head import new_head
 from taps_ray.proposer_setup import load_heads
 from taps_ray.engine.generate import generate, run_loop
@@ -75,7 +76,7 @@ def cfg(tiny_config, tiny_target, tmp_path_factory) -> StudyConfig:
 @pytest.fixture(scope="module")
 def reference(cfg, tiny_target) -> dict[str, pd.DataFrame]:
     heads = load_heads(cfg, "eagle2", torch.float32)
-    return {cell.id: run_cell(cfg, cell, tiny_target, heads)[1] for cell in CELLS}
+    return {cell.id: pd.DataFrame(run_cell(cfg, cell, tiny_target, heads)[1]) for cell in CELLS}
 
 
 @pytest.fixture(scope="module")

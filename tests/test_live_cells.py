@@ -3,10 +3,9 @@ plain decoding) the first `eval.live_questions`, with `eval.live_proposers` at T
 
 from __future__ import annotations
 
-from taps_ray.eval.commands import NO_HEAD, plan_cells
-from taps_ray.eval.metrics import PLAIN
+from taps_ray.eval.cell import NO_HEAD, PLAIN, Cell
+from taps_ray.eval.commands import plan_cells
 from taps_ray.eval.runner import cell_questions, run_cell
-from taps_ray.eval.store import Cell
 
 
 def _configured(cfg, **update):

@@ -18,7 +18,8 @@ import pytest
 
 from taps_ray.config import StudyConfig
 from taps_ray.eval.commands import plan_cells
-from taps_ray.eval.store import Cell, ResultsStore
+from taps_ray.eval.cell import Cell
+from taps_ray.eval.store import ResultsStore
 
 ACCELERATOR = "accelerator_type:H200"  # the resource Ray itself advertises on a node with H200 GPUs
 DRAFTER_SLOT = "drafter_slot"

@@ -12,7 +12,7 @@ from taps_ray.config import TreeConfig
 from taps_ray.data.chat import build_prompt_ids
 from taps_ray.data.sources import load_questions
 from taps_ray.eval.runner import TraceCache, run_cell
-from taps_ray.eval.store import Cell
+from taps_ray.eval.cell import Cell
 from taps_ray.report.build import evaluation_md
 from taps_ray.report.data import ReportData
 from taps_ray.engine.generate import generate, run_loop
@@ -156,9 +156,10 @@ def test_replayed_cells_equal_live_cells_and_share_one_decode(tiny_config, tiny_
     columns = ["question_id", "turn", "tokens", "steps", "committed", "new_tokens"]
     for name in ("math", "merged"):
         cell = Cell("eagle2", name, "mt_bench", 0.0)
-        _, live = run_cell(live_config, cell, tiny_target, heads)
+        live = pd.DataFrame(run_cell(live_config, cell, tiny_target, heads)[1])
         before = len(verifiers)
-        steps, replayed = run_cell(config, cell, tiny_target, heads, verifier_factory=counting, traces=cache)
+        records = run_cell(config, cell, tiny_target, heads, verifier_factory=counting, traces=cache)
+        steps, replayed = map(pd.DataFrame, records)
         pd.testing.assert_frame_equal(replayed[columns], live[columns])
         assert replayed["wall_s"].isna().all() and steps["verify_s"].isna().all()
         assert replayed["committed"].sum() > replayed["steps"].sum()  # drafts were accepted

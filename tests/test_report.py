@@ -9,7 +9,8 @@ import pytest
 
 from taps_ray.config import parse_config
 from taps_ray.eval.metrics import summarize
-from taps_ray.eval.store import Cell, ResultsStore
+from taps_ray.eval.cell import Cell
+from taps_ray.eval.store import ResultsStore
 from taps_ray.report import build_report
 from taps_ray.report.data import ReportCopy, load_report_data, results_source
 from taps_ray.report.setting import setting_md
@@ -59,7 +60,7 @@ def _write(store: ResultsStore, kind: str, proposer: str, bench: str, accepts: l
             "steps": len(per_step), "taps_steps": len(per_step) - 1, "tau": n / len(per_step),
             "wall_s": n * wall_per_token, "finished_by": "max_new_tokens",
         })
-    store.write_cell(cell, pd.DataFrame(steps), pd.DataFrame(questions))
+    store.write_cell(cell, steps, questions)
 
 
 def _tau(accepts: list[list[int]]) -> float:

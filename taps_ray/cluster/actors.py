@@ -189,11 +189,11 @@ class DrafterActor:
             )
         return self.heads[kind]
 
-    def run_cell(self, cell: dict) -> tuple[Any, Any, dict]:
-        """One cell through the worker: (steps, questions, info) exactly as `run_cell` returns them in-process."""
-        from taps_ray.eval.commands import NO_HEAD
+    def run_cell(self, cell: dict) -> tuple[list[dict], list[dict], dict]:
+        """One cell through the worker: (steps, questions, info), the records exactly as `run_cell` returns them
+        in-process."""
+        from taps_ray.eval.cell import NO_HEAD, Cell
         from taps_ray.eval.runner import TraceCache, is_replayed, run_cell
-        from taps_ray.eval.store import Cell
 
         the_cell = Cell(**cell)
         heads = {} if the_cell.head_kind == NO_HEAD else self._heads(the_cell.head_kind)
@@ -216,7 +216,7 @@ class DrafterActor:
                 sessions[-1].close(quiet=True)
         info = {
             "seconds": time.perf_counter() - start,
-            "tokens": int(questions["n_tokens"].sum()) if len(questions) else 0,
+            "tokens": sum(q["n_tokens"] for q in questions),
             "drafter": self.name,
             "node": socket.gethostname(),
             "path": "ray",

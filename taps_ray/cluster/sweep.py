@@ -178,7 +178,8 @@ def stage_eval(
 ) -> dict[str, Any]:
     from taps_ray.cluster.actors import pack_heads
     from taps_ray.cluster.eval_pool import EvalPool
-    from taps_ray.eval.commands import NO_HEAD, plan_cells, refresh_summary, results_store
+    from taps_ray.eval.cell import NO_HEAD
+    from taps_ray.eval.commands import plan_cells, refresh_summary, results_store
     from taps_ray.eval.runner import eval_dtype
 
     store = results_store(cfg)

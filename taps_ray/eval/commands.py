@@ -10,17 +10,16 @@ import traceback
 from tqdm import tqdm
 
 from taps_ray.config import StudyConfig
-from taps_ray.eval.metrics import PLAIN, summarize
+from taps_ray.eval.cell import NO_HEAD, PLAIN, Cell
+from taps_ray.eval.metrics import summarize
 from taps_ray.eval.runner import TraceCache, cell_questions, eval_dtype, is_replayed, run_cell
-from taps_ray.eval.store import Cell, ResultsStore
+from taps_ray.eval.store import ResultsStore
 from taps_ray.fsio import atomic_write_parquet
 from taps_ray.models.target import load_target
 from taps_ray.proposer_setup import head_names, heads_needed, load_heads, load_proposers, with_searched
 from taps_ray.engine.generate import generate
 from taps_ray.engine.verify import SamplingParams
 from taps_ray.workdir import results_dir
-
-NO_HEAD = "none"
 
 
 def plan_cells(

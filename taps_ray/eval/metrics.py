@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pandas as pd
 
+from taps_ray.eval.cell import PLAIN
+
 CELL_KEYS = ["head_kind", "proposer", "benchmark", "temperature"]
-PLAIN = "plain"
 
 
 def summarize(questions: pd.DataFrame) -> pd.DataFrame:

@@ -11,13 +11,12 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Iterable
 
-import pandas as pd
 import torch
 
 from taps_ray.config import StudyConfig
 from taps_ray.data.chat import build_prompt_ids
 from taps_ray.data.sources import Question, load_questions
-from taps_ray.eval.store import Cell
+from taps_ray.eval.cell import PLAIN, Cell
 from taps_ray.models.draft_head import DraftHead
 from taps_ray.models.target import Target
 from taps_ray.proposer_setup import load_proposers
@@ -27,7 +26,6 @@ from taps_ray.engine.registry import draft_reach
 from taps_ray.engine.replay import GreedyTrace, record_traces, replay
 from taps_ray.engine.target_batch import TargetBatch
 from taps_ray.engine.verify import SamplingParams
-from taps_ray.eval.metrics import PLAIN
 
 VerifierFactory = Callable[[tuple[int, ...]], Verifier]  # the target layers the proposer drafts from -> verifier
 # Questions of a replayed cell taken together, whatever `eval.batch_size` (which sizes live cells, where speed is
@@ -99,8 +97,10 @@ def run_cell(
     verifier_factory: VerifierFactory | None = None,
     progress: Callable[[int], None] | None = None,
     traces: TraceCache | None = None,
-) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Returns (steps, questions) frames for the cell; `progress(n)` is called after each batch of n answers.
+) -> tuple[list[dict], list[dict]]:
+    """Returns the cell's (steps, questions) records, one dict per decoding step and one per question and turn
+    (plain rows: a drafter returns them without pandas; `ResultsStore.write_cell` makes the frames);
+    `progress(n)` is called after each batch of n answers.
     A replayed cell reads and fills `traces` (pass one cache to every cell of a run to share the target's decodes)."""
     evaluation = config.eval
     questions = load_questions(cell.benchmark, config.resolved_data_dir(), limit=cell_questions(config, cell))
@@ -139,7 +139,7 @@ def run_cell(
                 step_rows.extend({**base, "step": i, **vars(step)} for i, step in enumerate(generation.steps))
             if progress is not None:
                 progress(len(batch))
-    return pd.DataFrame(step_rows), pd.DataFrame(question_rows)
+    return step_rows, question_rows
 
 
 def _traces(

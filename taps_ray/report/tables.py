@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from taps_ray.eval.metrics import PLAIN
+from taps_ray.eval.cell import PLAIN
 from taps_ray.report.data import BENCH_LABELS, COMBINED, KIND_LABELS, OURS, ReportData, averaged_weight
 from taps_ray.report.paper import PAPER_BENCHMARKS, PAPER_SOURCE, PAPER_TAU
 
