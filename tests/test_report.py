@@ -156,13 +156,29 @@ def test_a_check_whose_interval_straddles_zero_is_within_noise(tmp_path):
 def test_findings_follow_the_numbers(tmp_path):
     config, store = _store(tmp_path / "fwd", specialised=True)
     verdicts = {f.key: f.verdict for f in findings(load_report_data(config, store))}
-    assert verdicts == {"a": HOLDS, "b": HOLDS, "c": HOLDS, "d": HOLDS, "e": HOLDS, "f": HOLDS}
+    assert verdicts == {"a": HOLDS, "b": HOLDS, "c": HOLDS, "d": HOLDS, "e": HOLDS, "f": HOLDS, "g": UNMEASURED}
 
     config, store = _store(tmp_path / "rev", specialised=False)
     result = {f.key: f for f in findings(load_report_data(config, store))}
     assert result["a"].verdict == FAILS
     assert "GSM8K math 1.40 vs chat 3.40 ✗ (Δ -2.00, 95% CI [-" in result["a"].evidence[0]
     assert "intervals (2): 0 clearly for the claim, 2 clearly against it, 0 within noise" in result["a"].markdown()
+
+
+@pytest.mark.parametrize("stronger", [True, False])
+def test_specialisation_gain_of_eagle3_against_another_kind(tmp_path, stronger):
+    config, store = _store(tmp_path)
+    config.train.kinds = ["eagle2", "eagle3"]
+    best = [[3, 3, 3], [3, 3]]  # τ 4.00, above GOOD on every question
+    weak = [[1, 1, 1], [1, 1]]  # τ 2.00: between BAD and GOOD on every question
+    for bench, (in_domain, other) in {"gsm8k": ("math", "chat"), "mt_bench": ("chat", "math")}.items():
+        _write(store, "eagle3", in_domain, bench, best if stronger else weak)
+        _write(store, "eagle3", other, bench, BAD)
+    result = {f.key: f for f in findings(load_report_data(config, store))}["g"]
+    assert result.verdict == (HOLDS if stronger else FAILS)
+    gain = (_tau(best) if stronger else _tau(weak)) - _tau(BAD)
+    assert f"EAGLE-3 {gain:+.2f}" in result.evidence[0] and f"EAGLE-2 {_tau(GOOD) - _tau(BAD):+.2f}" in result.evidence[0]
+    assert result.intervals[0].delta == pytest.approx(gain - (_tau(GOOD) - _tau(BAD)))
 
 
 def test_paired_bootstrap_interval_of_a_tau_difference(tmp_path):
@@ -195,11 +211,11 @@ def test_unmeasured_claims_and_empty_store(tmp_path):
     store = ResultsStore(results_dir(config))
     _write(store, "eagle2", "math", "gsm8k", GOOD)
     result = {f.key: f.verdict for f in findings(load_report_data(config, store))}
-    assert result == dict.fromkeys("abcdf", UNMEASURED) | {"e": HOLDS}
+    assert result == dict.fromkeys("abcdfg", UNMEASURED) | {"e": HOLDS}
 
     empty = _config(tmp_path / "empty")
     readme = build_report(empty).read_text()
-    assert readme.count(UNMEASURED) == 6 and "*skipped*" in readme
+    assert readme.count(UNMEASURED) == 7 and "*skipped*" in readme
     assert json.loads((tmp_path / "empty" / "reports" / "summary.json").read_text()) == []
 
 

@@ -23,7 +23,7 @@ from taps_ray.eval.store import ResultsStore
 from taps_ray.workdir import results_dir
 
 BENCH_LABELS = {"mt_bench": "MT-Bench", "gsm8k": "GSM8K", "math_500": "MATH-500", "svamp": "SVAMP"}
-KIND_LABELS = {"eagle2": "EAGLE-2", "hass": "HASS", "none": "none"}
+KIND_LABELS = {"eagle2": "EAGLE-2", "hass": "HASS", "eagle3": "EAGLE-3", "none": "none"}
 OURS = ("merged-dedup", "merged-budget")
 PER_QUESTION = "per-question confidence"  # TAPS's routing table: each question to the head of higher mean confidence
 COMBINED = ("averaged", "confidence-routed", "entropy-routed", "merged", *OURS)

@@ -18,7 +18,9 @@ import pandas as pd
 
 from taps_ray.report.data import BENCH_LABELS, KIND_LABELS, PER_QUESTION, ReportData
 from taps_ray.report.paper import PAPER_ENTROPY_GAP_NATS, PAPER_ROUTING
-from taps_ray.report.uncertainty import CONFIDENCE, Interval, entropy_gap as gap_interval, share_above, tau_difference
+from taps_ray.report.uncertainty import (
+    CONFIDENCE, Interval, Term, entropy_gap as gap_interval, share_above, tau_contrast, tau_difference,
+)
 
 HOLDS, FAILS, NOISE, UNMEASURED = "HOLDS", "DOES NOT HOLD", "WITHIN NOISE", "NOT MEASURED"
 MATH_BENCHES = ("gsm8k", "math_500", "svamp")
@@ -246,8 +248,46 @@ def routing(data: ReportData) -> Finding:
     return finding.decide("no routed GSM8K or MT-Bench questions")
 
 
+def _gain_terms(kind: str, math_head: str, chat_head: str, weight: float) -> dict[str, list[Term]]:
+    """Specialisation gain of one kind per benchmark: in-domain head's τ − the other head's (math head on the math
+    benchmarks, chat head on MT-Bench), times `weight`."""
+    return {bench: [(kind, math_head, weight), (kind, chat_head, -weight)] if bench in MATH_BENCHES
+            else [(kind, chat_head, weight), (kind, math_head, -weight)] for bench in (*MATH_BENCHES, "mt_bench")}
+
+
+def specialisation_by_kind(data: ReportData) -> Finding:
+    finding = Finding("g", "Specialisation helps EAGLE-3 heads at least as much as EAGLE-2 and HASS heads (ours: "
+                      "the gain is the in-domain head's τ minus the other head's, averaged over the benchmarks; "
+                      "Δ = EAGLE-3's gain − the other kind's)", "not studied in TAPS, which has no EAGLE-3 heads")
+    math_head, chat_head = data.specialist("mathinstruct"), data.specialist("sharegpt")
+    if not (math_head and chat_head) or "eagle3" not in data.kinds:
+        return finding.decide("needs eagle3 heads beside another kind, each with math and chat specialists")
+    for temperature in data.temperatures:
+        for other in (k for k in data.kinds if k != "eagle3"):
+            terms = _common(data, temperature, {b: t + _gain_terms(other, math_head, chat_head, -1.0)[b]
+                                                for b, t in _gain_terms("eagle3", math_head, chat_head, 1.0).items()})
+            if not terms:
+                continue
+            gains = {k: tau_contrast(data.questions, temperature, {b: _gain_terms(k, math_head, chat_head, 1.0)[b]
+                                                                   for b in terms}) for k in ("eagle3", other)}
+            interval = tau_contrast(data.questions, temperature, terms)
+            if interval is None or None in gains.values():
+                continue
+            shown = [f"{KIND_LABELS.get(k, k)} {g.delta:+.2f} ({CONFIDENCE:.0%} CI [{g.low:+.2f}, {g.high:+.2f}])"
+                     for k, g in gains.items()]
+            text = f"gain over {', '.join(map(_b, terms))}: {', '.join(shown)}; difference {interval.text()}"
+            finding.add(f"EAGLE-3 vs {KIND_LABELS.get(other, other)}", temperature, text, [interval])
+    return finding.decide("eagle3 and another kind's math and chat heads not evaluated on a common benchmark")
+
+
+def _common(data: ReportData, temperature: float, terms: dict[str, list[Term]]) -> dict[str, list[Term]]:
+    """The benchmarks where every term's cell was measured at `temperature`."""
+    return {b: t for b, t in terms.items()
+            if all(not math.isnan(data.value(kind, p, b, temperature)) for kind, p, _ in t)}
+
+
 CLAIMS: list[Callable[[ReportData], Finding]] = [
-    specialisation, robustness, beats_averaging, confidence_vs_entropy, entropy_gap, routing,
+    specialisation, robustness, beats_averaging, confidence_vs_entropy, entropy_gap, routing, specialisation_by_kind,
 ]
 
 

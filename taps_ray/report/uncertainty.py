@@ -132,3 +132,36 @@ def share_above(picks: list[bool], threshold: float = 0.5, resamples: int = RESA
     values = np.array(picks, dtype=float).reshape(-1, 1)
     return _stratified(np.hstack([values, np.ones_like(values)]), np.zeros(len(values)),
                        lambda sums: sums[..., 0] / np.maximum(sums[..., 1], 1) - threshold, resamples, seed)
+
+
+Term = tuple[str, str, float]  # (head kind, proposer, weight)
+
+
+def tau_contrast(questions: pd.DataFrame, temperature: float, terms: dict[str, list[Term]],
+                 resamples: int = RESAMPLES, seed: int = 0) -> Interval | None:
+    """Mean over benchmarks of Σ weight · pooled τ(kind, proposer), with `terms` per benchmark, on the questions
+    every term answered; questions resampled within each benchmark, the same resample for every term (paired
+    across proposers and head kinds). None when a benchmark has no common question."""
+    setting = questions[questions["temperature"] == temperature]
+    rng = np.random.default_rng(seed)
+    deltas, draws = [], []
+    for bench, bench_terms in terms.items():
+        rows = setting[setting["benchmark"] == bench]
+        frames = [_per_question(rows[rows["head_kind"] == kind], proposer).add_suffix(f"_{i}")
+                  for i, (kind, proposer, _) in enumerate(bench_terms)]
+        paired = frames[0].join(frames[1:], how="inner") if len(frames) > 1 else frames[0]
+        if paired.empty:
+            return None
+        values = paired.to_numpy(dtype=float)  # columns: new_0, steps_0, new_1, steps_1, ...
+        weights = np.array([w for *_, w in bench_terms])
+
+        def contrast(sums: np.ndarray) -> np.ndarray:
+            taus = np.stack([_pooled_tau(sums[..., 2 * i: 2 * i + 2]) for i in range(len(bench_terms))], axis=-1)
+            return taus @ weights
+
+        deltas.append(float(contrast(values.sum(axis=0))))
+        draws.append(contrast(values[rng.integers(0, len(values), size=(resamples, len(values)))].sum(axis=1)))
+    if not deltas:
+        return None
+    return Interval(float(np.mean(deltas)), *_percentile_interval(np.mean(draws, axis=0)))
+
