@@ -101,7 +101,7 @@ def actors_section(cfg: StudyConfig, mem: dict[str, dict[str, int]]) -> list[str
         "| actor | RSS (MB) | USS (MB) | PSS (MB) |",
         "|---|---:|---:|---:|",
         row("TargetWorker (whole target, verification pool)", worker),
-        row("DrafterActor (embeddings + LM head only, `models/draft_parts.py`)", drafter),
+        row("DrafterActor (embeddings + LM head mapped, `models/draft_parts.py`)", drafter),
         row("floor: a Ray task with the actors' imports and the tokenizer, no weights", floor),
         row(f"TargetWorker after one cell ({mem['cell']}, {CELL_QUESTIONS} question)", worker_cell),
         row("DrafterActor after the same cell", drafter_cell),
@@ -114,9 +114,11 @@ def actors_section(cfg: StudyConfig, mem: dict[str, dict[str, int]]) -> list[str
         "(tests/test_heads_blocks.py: `run_cell` returns plain records, the driver's `ResultsStore` makes the "
         "frames), builds its tokenizer from the tokenizer files (`models.target.plain_fast_tokenizer`, the "
         "same ids as AutoTokenizer: tests/test_tokenizer.py) "
-        "and reads only `model.embed_tokens.weight` (and `lm_head.weight` when "
-        "untied) from the target's safetensors; at 135M parameters Python, torch, Ray's worker and the tokenizer "
-        "are most of both processes. What the drafter saves is the layers: at 8B its weights are 2.10 GB against "
+        "and maps only `model.embed_tokens.weight` (and `lm_head.weight` when "
+        "untied) from the target's safetensors: on the CPU it reads, cast to its dtype, the rows an embedding "
+        "lookup needs and keeps resident only the LM head's draft-vocabulary rows (the whole head when it drafts "
+        "over the full vocabulary), so idle, and after a plain cell, it holds no weights; at 135M parameters "
+        "Python, torch, Ray's worker and the tokenizer are most of both processes. What the drafter saves is the layers: at 8B its weights are 2.10 GB against "
         "the worker's 16.06 GB (docs/paper_plan.md).",
         "",
     ]

@@ -94,8 +94,8 @@ def heads_used(name: str, mixtures: Sequence[str], alone: Sequence[str] = ()) ->
 def build_proposer(
     name: str, target: Target, heads: dict[str, DraftHead], tree: TreeConfig, vocab: torch.Tensor | None = None
 ) -> Proposer:
-    """`vocab`: the reduced draft vocabulary (taps_ray/data/draft_vocab.py), or None for the full vocabulary."""
-    context = DraftContext(target.model.get_input_embeddings(), target.model.lm_head, vocab)
+    """`vocab`: the reduced draft vocabulary (taps_ray/data/draft_vocab.py), or None for the full vocabulary.
+    Only a proposer that drafts with a head makes a `DraftContext`: a CPU drafter reads its LM head then."""
     if name == "plain":
         return PlainDecoding()
     if name == NGRAM:
@@ -105,6 +105,7 @@ def build_proposer(
     base = name.removesuffix(NGRAM_SUFFIX)
     if base != name and base not in ("plain", NGRAM):
         return with_ngram(build_proposer(base, target, heads, tree, vocab), tree, name)
+    context = DraftContext(target.model.get_input_embeddings(), target.model.lm_head, vocab)
     if name in heads:
         return SingleHead(name, heads[name], context, tree)
     builder = combination(name)

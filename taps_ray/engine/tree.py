@@ -128,10 +128,12 @@ class DraftContext:
     norm: torch.nn.Module | None = None
 
     def __post_init__(self) -> None:
-        weight = self.lm_head.weight
+        if self.vocab is None or self.norm is not None:
+            self._weight = self.lm_head.weight
+        else:
+            self._weight = vocab_rows(self.lm_head, self.vocab)
         if self.vocab is not None:
-            self.vocab = self.vocab.to(weight.device)  # drafted indices map to ids on the drafting device
-        self._weight = weight if self.vocab is None or self.norm is not None else weight[self.vocab].contiguous()
+            self.vocab = self.vocab.to(self._weight.device)  # drafted indices map to ids on the drafting device
 
     def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft log-probabilities over the draft vocabulary (fp32)."""
@@ -142,6 +144,16 @@ class DraftContext:
     def token_ids(self, index: torch.Tensor) -> torch.Tensor:
         """Map draft-vocabulary indices to target token ids."""
         return index if self.vocab is None else self.vocab[index]
+
+
+def vocab_rows(lm_head: torch.nn.Module, vocab: torch.Tensor) -> torch.Tensor:
+    """The rows of `vocab` of `lm_head`'s weight, contiguous. A head that reads its rows itself (`rows`: a CPU
+    drafter's head mapped from the checkpoint, models/draft_parts.py) reads only those, not the whole matrix."""
+    rows = getattr(lm_head, "rows", None)
+    if rows is not None:
+        return rows(vocab)
+    weight = lm_head.weight
+    return weight[vocab.to(weight.device)].contiguous()
 
 
 def head_context(head: DraftHead, ctx: DraftContext) -> DraftContext:

@@ -2,17 +2,24 @@
 
 A Ray drafter drafts with the target's token embeddings and LM head (`spec.tree.DraftContext`); its heads read
 the target's post-norm features, which the target worker computes, so it needs no final norm and no layer.
-For a HF checkpoint only those tensors are read from the safetensors files (sharded or not; a tied LM head is
-the embedding matrix), so a drafter's memory is the embedding matrix, not the whole target. The tiny random
-target exists only as a seeded in-memory model: it is built, and only those modules are kept.
+For a HF checkpoint only those tensors come from the safetensors files (sharded or not; a tied LM head is the
+embedding matrix). On the CPU they are memory-mapped, not read (`MappedMatrix`): an embedding lookup reads the
+rows of the tokens it embeds and a reduced draft vocabulary reads its rows of the LM head, each cast to the
+drafting dtype as `Tensor.to` casts the whole matrix, so a drafter keeps resident only the draft-vocabulary head
+(or the whole head, cast, when it drafts over the full vocabulary). On other devices the tensors are read and
+moved there whole. The tiny random target exists only as a seeded in-memory model: it is built, and only those
+modules are kept.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
+import struct
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 import transformers
 from safetensors import safe_open
 from transformers.utils import cached_file
@@ -27,40 +34,127 @@ LM_HEAD = "lm_head.weight"
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 CONFIG = "config.json"
+FILE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}  # safetensors' names
+
+
+class MappedMatrix:
+    """One 2-D tensor of a safetensors file, mapped rather than read, cast to `dtype` row by row when read.
+
+    After each read the mapping's pages are handed back (`MADV_DONTNEED`): the kernel maps a fault's neighbours
+    too (~64 KB around each row), so pages kept mapped would grow towards the whole file-dtype matrix. The rows
+    read are copies, so dropping the pages never changes them."""
+
+    def __init__(self, file: Path, name: str, dtype: torch.dtype) -> None:
+        with open(file, "rb") as handle:
+            (size,) = struct.unpack("<Q", handle.read(8))
+            entry = json.loads(handle.read(size))[name]
+            self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)  # private: torch wants it writable
+        file_dtype, (start, end) = FILE_DTYPES[entry["dtype"]], entry["data_offsets"]
+        count = (end - start) // file_dtype.itemsize
+        self._source = torch.frombuffer(self._map, dtype=file_dtype, count=count, offset=8 + size + start)
+        self._source = self._source.view(entry["shape"])
+        self.dtype = dtype
+        self._whole: torch.Tensor | None = None
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, their rows): the last `rows_of`
+
+    @property
+    def shape(self) -> torch.Size:
+        return self._source.shape
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows `ids` (any shape), cast: `F.embedding` over the cast matrix, without casting the rest."""
+        if self._whole is not None:
+            return F.embedding(ids, self._whole)
+        rows = F.embedding(ids, self._source).to(self.dtype)
+        self._map.madvise(mmap.MADV_DONTNEED)
+        return rows
+
+    def rows_of(self, ids: torch.Tensor) -> torch.Tensor:
+        """`rows(ids)`, kept: every draft context over the same vocabulary shares one resident copy."""
+        if self._rows is None or not torch.equal(self._rows[0], ids):
+            self._rows = (ids.clone(), self.rows(ids))
+        return self._rows[1]
+
+    def whole(self) -> torch.Tensor:
+        """The whole matrix, cast, read once and kept (a head over the full vocabulary reads every row)."""
+        if self._whole is None:
+            self._whole = self._source.to(self.dtype, copy=True)
+            self._map.madvise(mmap.MADV_DONTNEED)
+        return self._whole
+
+
+class MappedEmbedding(torch.nn.Module):
+    """The input embeddings over a `MappedMatrix`: the same vectors as `nn.Embedding` over the cast matrix."""
+
+    def __init__(self, matrix: MappedMatrix) -> None:
+        super().__init__()
+        self.matrix = matrix
+        self.num_embeddings, self.embedding_dim = matrix.shape
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.matrix.rows(ids)
+
+
+class MappedHead(torch.nn.Module):
+    """The LM head over a `MappedMatrix`: `rows` for a draft vocabulary (`DraftContext`), `weight` for all."""
+
+    def __init__(self, matrix: MappedMatrix) -> None:
+        super().__init__()
+        self.matrix = matrix
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.matrix.whole()
+
+    def rows(self, vocab: torch.Tensor) -> torch.Tensor:
+        return self.matrix.rows_of(vocab)
 
 
 class DraftParts(torch.nn.Module):
-    """Stands in for the target model on a drafter: the two accessors `DraftContext` uses, nothing else."""
+    """Stands in for the target model on a drafter: the two accessors `DraftContext` uses, the dtype and device
+    it drafts in (`Target.dtype`, `Target.device`), nothing else."""
 
-    def __init__(self, embed_tokens: torch.nn.Embedding, lm_head: torch.nn.Linear) -> None:
+    def __init__(self, embed_tokens: torch.nn.Module, lm_head: torch.nn.Module, dtype: torch.dtype,
+                 device: torch.device) -> None:
         super().__init__()
         self.embed_tokens = embed_tokens
         self.lm_head = lm_head
+        self.dtype = dtype
+        self._device = device
 
-    def get_input_embeddings(self) -> torch.nn.Embedding:
+    def get_input_embeddings(self) -> torch.nn.Module:
         return self.embed_tokens
 
-    def get_output_embeddings(self) -> torch.nn.Linear:
+    def get_output_embeddings(self) -> torch.nn.Module:
         return self.lm_head
 
     @property
     def device(self) -> torch.device:
         """Where the drafter drafts (`Target.device` reads it as it reads a model's)."""
-        return self.embed_tokens.weight.device
+        return self._device
 
 
-def read_tensors(source: str | Path, names: set[str]) -> dict[str, torch.Tensor]:
-    """The tensors `names` of a HF checkpoint (local folder or Hub id), reading only the shards that hold them."""
+def tensor_files(source: str | Path, names: set[str]) -> dict[str, Path]:
+    """The safetensors file of each of `names` found in a HF checkpoint (local folder or Hub id), sharded or not."""
     index = cached_file(source, WEIGHTS_INDEX, _raise_exceptions_for_missing_entries=False)
     if index is None:
-        files = [WEIGHTS]
+        weight_map = dict.fromkeys(names, WEIGHTS)
     else:
         weight_map = json.loads(Path(index).read_text())["weight_map"]
-        files = sorted({weight_map[name] for name in names if name in weight_map})
+    found: dict[str, Path] = {}
+    for file in sorted({weight_map[name] for name in names if name in weight_map}):
+        path = Path(cached_file(source, file))
+        with safe_open(path, "pt") as f:
+            found.update(dict.fromkeys(names & set(f.keys()), path))
+    return found
+
+
+def read_tensors(files: dict[str, Path]) -> dict[str, torch.Tensor]:
+    """The tensors named in `files`, read whole."""
     found: dict[str, torch.Tensor] = {}
-    for file in files:
-        with safe_open(cached_file(source, file), "pt") as f:
-            found.update({name: f.get_tensor(name) for name in names & set(f.keys())})
+    for path in sorted(set(files.values())):
+        with safe_open(path, "pt") as f:
+            found.update({name: f.get_tensor(name) for name, where in files.items() if where == path})
     return found
 
 
@@ -74,29 +168,45 @@ def tied_embeddings(source: str | Path) -> bool:
     return bool(getattr(transformers.AutoConfig.from_pretrained(source), "tie_word_embeddings", False))
 
 
-def parts_of(embed_tokens: torch.nn.Embedding, lm_head: torch.nn.Linear) -> DraftParts:
-    parts = DraftParts(embed_tokens, lm_head).eval()
+def parts_of(embed_tokens: torch.nn.Module, lm_head: torch.nn.Module, dtype: torch.dtype,
+             device: torch.device) -> DraftParts:
+    parts = DraftParts(embed_tokens, lm_head, dtype, device).eval()
     parts.requires_grad_(False)
     return parts
 
 
+def mapped_parts(files: dict[str, Path], tied: bool, dtype: torch.dtype) -> DraftParts:
+    """CPU draft parts over the checkpoint's mapped files (one matrix when the LM head is tied)."""
+    embed = MappedMatrix(files[EMBED], EMBED, dtype)
+    head = embed if tied else MappedMatrix(files[LM_HEAD], LM_HEAD, dtype)
+    return parts_of(MappedEmbedding(embed), MappedHead(head), dtype, torch.device("cpu"))
+
+
+def read_parts(files: dict[str, Path], tied: bool, dtype: torch.dtype, device: torch.device) -> DraftParts:
+    """Draft parts read whole, cast and moved to `device` (a GPU: host memory is not what it spares)."""
+    tensors = read_tensors(files)
+    embed = torch.nn.Embedding.from_pretrained(tensors[EMBED].to(dtype), freeze=True)
+    with torch.device("meta"):  # the weight is assigned below: allocate none here
+        lm_head = torch.nn.Linear(embed.embedding_dim, embed.num_embeddings, bias=False)
+    lm_head.weight = embed.weight if tied else torch.nn.Parameter(tensors[LM_HEAD].to(dtype), requires_grad=False)
+    return parts_of(embed, lm_head, dtype, device).to(device)
+
+
 def load_draft_target(config: TargetConfig, dtype: str | None = None) -> Target:
     """The target as a drafter needs it (`DraftParts` for a model); `dtype` overrides the config's."""
+    device = resolve_device(config)
     if config.name == TINY_ALIAS:
         whole = load_target(config, dtype)
         model = whole.model
-        parts = parts_of(model.get_input_embeddings(), model.get_output_embeddings())
-        return Target(parts.to(resolve_device(config)), whole.tokenizer, config.name)
+        parts = parts_of(model.get_input_embeddings(), model.get_output_embeddings(), whole.dtype, device)
+        return Target(parts.to(device), whole.tokenizer, config.name)
     wanted = torch_dtype(dtype or config.dtype)
     source = model_source(config.name)
     tied = tied_embeddings(source)
     names = {EMBED} if tied else {EMBED, LM_HEAD}
-    tensors = read_tensors(source, names)
-    if names - tensors.keys():
-        raise KeyError(f"target {config.name!r} has no tensors {sorted(names - tensors.keys())} in its safetensors")
-    embed = torch.nn.Embedding.from_pretrained(tensors[EMBED].to(wanted), freeze=True)
-    with torch.device("meta"):  # the weight is assigned below: allocate none here
-        lm_head = torch.nn.Linear(embed.embedding_dim, embed.num_embeddings, bias=False)
-    lm_head.weight = embed.weight if tied else torch.nn.Parameter(tensors[LM_HEAD].to(wanted), requires_grad=False)
-    parts = parts_of(embed, lm_head).to(resolve_device(config))
+    files = tensor_files(source, names)
+    if names - files.keys():
+        raise KeyError(f"target {config.name!r} has no tensors {sorted(names - files.keys())} in its safetensors")
+    mapped = device.type == "cpu"
+    parts = mapped_parts(files, tied, wanted) if mapped else read_parts(files, tied, wanted, device)
     return Target(parts, with_pad_token(load_tokenizer(config.name)), config.name)

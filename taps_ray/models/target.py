@@ -54,7 +54,8 @@ class Target:
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
+        """What the target computes in (a drafter's `DraftParts` says it as a model does)."""
+        return self.model.dtype
 
     @property
     def device(self) -> torch.device:
