@@ -156,13 +156,11 @@ def _draft_group(
 
     # (1) teacher-forced head forward: head position i reads (feature i, token i + 1); a root at c reads output c-1
     width = max(max(r.stop - 1, 1) for r in roots)
-    tokens = torch.zeros(len(roots), width, dtype=torch.long)
+    padded = [sequence[1 : r.stop] + [0] * (width - (r.stop - 1)) for sequence, r in zip(sequences, roots)]
+    tokens = torch.tensor(padded, dtype=torch.long, device=device)  # one transfer for the whole group
     inputs = torch.zeros(len(roots), width, features[0].shape[-1], dtype=dtype, device=device)
-    for b, (sequence, r) in enumerate(zip(sequences, roots)):
-        n = r.stop - 1
-        tokens[b, :n] = torch.tensor(sequence[1 : n + 1])
-        inputs[b, :n] = features[b][:n].to(device=device, dtype=dtype)
-    tokens = tokens.to(device)
+    for b, r in enumerate(roots):
+        inputs[b, : r.stop - 1] = features[b][: r.stop - 1].to(device=device, dtype=dtype)
     positions = torch.arange(width, device=device).expand(len(roots), -1)
     causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
     context, kv = head(ctx.embed(tokens).to(dtype), inputs, positions, causal[None, None], None)
@@ -234,7 +232,7 @@ def _trace_trees(
 ) -> TraceTrees:
     """Trace b's rows of the group's drafted (tokens, parents, confidence, entropy)."""
     if drafted is None:
-        empty = torch.zeros(0, 0)
+        empty = torch.zeros(0, 0, device=trace_of.device)
         return TraceTrees(r.start, [], empty.long(), empty.long(), empty, empty)
     mine = (trace_of == b).nonzero().flatten()
     tokens, parents, confidence, entropy = (t[mine] for t in drafted)
