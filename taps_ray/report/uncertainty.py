@@ -74,23 +74,9 @@ def tau_difference(questions: pd.DataFrame, kind: str, temperature: float, a: st
     the tables' averages whenever both proposers answered the same questions. `scale` < 1 tests "a is within
     1 − scale of b".
     """
-    setting = questions[(questions["head_kind"] == kind) & (questions["temperature"] == temperature)]
-    rng = np.random.default_rng(seed)
-    deltas, draws = [], []
-    for bench in benchmarks:
-        rows = setting[setting["benchmark"] == bench]
-        paired = _per_question(rows, a).join(_per_question(rows, b), how="inner", lsuffix="_a", rsuffix="_b")
-        if paired.empty:
-            return None
-        values = paired.to_numpy(dtype=float)  # columns: new_a, steps_a, new_b, steps_b
-        sums = values.sum(axis=0)
-        deltas.append(float(_pooled_tau(sums[:2]) - scale * _pooled_tau(sums[2:])))
-        picks = rng.integers(0, len(values), size=(resamples, len(values)))
-        resampled = values[picks].sum(axis=1)  # [resamples, 4]
-        draws.append(_pooled_tau(resampled[:, :2]) - scale * _pooled_tau(resampled[:, 2:]))
-    if not deltas:
-        return None
-    return Interval(float(np.mean(deltas)), *_percentile_interval(np.mean(draws, axis=0)))
+    setting = questions[questions["head_kind"] == kind]
+    terms = {bench: [(kind, a, 1.0), (kind, b, -scale)] for bench in benchmarks}
+    return tau_contrast(setting, temperature, terms, resamples, seed)
 
 
 def _stratified(values: np.ndarray, strata: np.ndarray, statistic, resamples: int, seed: int) -> Interval | None:
