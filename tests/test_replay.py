@@ -19,6 +19,7 @@ from taps_ray.engine.generate import generate, run_loop
 from taps_ray.engine.proposers import PlainDecoding, SingleHead
 from taps_ray.engine.registry import build_proposer, proposer_names
 from taps_ray.engine.replay import record_traces, replay
+from taps_ray.engine import replay_draft
 from taps_ray.engine.replay_draft import draft_along
 from taps_ray.engine.target_batch import TargetBatch
 from taps_ray.engine.tree import DraftContext, HeadCache
@@ -78,6 +79,33 @@ def test_replay_equals_the_live_loop_for_every_proposer(tiny_config, tiny_target
                 assert math.isnan(y.verify_s) and math.isnan(y.draft_s)  # drafted in batches, never verified
         if name != "plain":
             assert sum(s.accepted for g in replayed for s in g.steps) > 0, f"{name} accepted nothing: a vacuous test"
+
+
+def test_each_head_drafts_a_trace_once_for_every_proposer(tiny_config, tiny_target, tiny_prompts, tiny_heads,
+                                                          monkeypatch):
+    """Routers and merged trees replay from the trees their heads drafted for earlier proposers on the same traces;
+    another tree setting, or a head built anew (the averaged one), drafts again."""
+    drafted: list = []
+
+    def counting(head, *args):
+        drafted.append(head)
+        return draft_along(head, *args)
+
+    monkeypatch.setattr(replay_draft, "draft_along", counting)
+    stops, tree = tiny_target.stop_token_ids, tiny_config.tree
+    traces = record_traces(_verifier(tiny_target.model), tiny_prompts, MAX_NEW, stops, lookahead=tree.depth + 1)
+    alone = {}
+    for name in ("math", "chat", "confidence-routed", "merged"):
+        alone[name] = replay(build_proposer(name, tiny_target, tiny_heads, tree), traces, MAX_NEW, stops)
+    assert len(drafted) == 2 and drafted[0] is tiny_heads["math"] and drafted[1] is tiny_heads["chat"]
+    fresh = record_traces(_verifier(tiny_target.model), tiny_prompts, MAX_NEW, stops, lookahead=tree.depth + 1)
+    for name in ("confidence-routed", "merged"):  # the memo changes nothing: same steps as drafting from scratch
+        anew = replay(build_proposer(name, tiny_target, tiny_heads, tree), fresh, MAX_NEW, stops)
+        assert [[vars(s) for s in g.steps] for g in anew] == [[vars(s) for s in g.steps] for g in alone[name]]
+    smaller = tree.model_copy(update={"total_token": tree.total_token - 2})
+    replay(build_proposer("math", tiny_target, tiny_heads, smaller), traces, MAX_NEW, stops)
+    replay(build_proposer("averaged", tiny_target, tiny_heads, tree), traces, MAX_NEW, stops)
+    assert len(drafted) == 2 + 2 + 1 + 1  # fresh traces: both heads for the router, merged reuses them
 
 
 def _eagle3_head(target):

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from weakref import WeakKeyDictionary
 
 import torch
 
 from taps_ray.engine.generate import Generation, Verifier, chosen_head, extend_tokens, record_step, step_tokens
 from taps_ray.engine.proposers import Proposer
-from taps_ray.engine.replay_draft import replay_drafters
+from taps_ray.engine.replay_draft import TreeMemo, replay_drafters
 from taps_ray.engine.tree import root_only
 from taps_ray.engine.verify import SamplingParams, greedy_path
 
@@ -42,6 +43,8 @@ class GreedyTrace:
     tokens: list[int]
     features: torch.Tensor
     lookahead: int
+    # the heads' trees along this trace, drafted once for every proposer replayed on it
+    drafted: TreeMemo = field(default_factory=WeakKeyDictionary, repr=False, compare=False)
 
     @property
     def sequence(self) -> list[int]:
@@ -113,7 +116,9 @@ def replay(proposer: Proposer, traces: list[GreedyTrace], max_new_tokens: int, s
     stops = set(stop_ids)
     # a root sits at the prompt's end or after a kept token that did not finish the answer
     roots = [range(len(t.prompt), len(t.prompt) + _end(t.tokens, max_new_tokens, stops) - 1) for t in traces]
-    drafters = replay_drafters(proposer, [t.sequence for t in traces], [t.features for t in traces], roots)
+    drafters = replay_drafters(
+        proposer, [t.sequence for t in traces], [t.features for t in traces], roots, [t.drafted for t in traces]
+    )
     return [_replay_one(d, trace, max_new_tokens, stops) for d, trace in zip(drafters, traces)]
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from weakref import WeakKeyDictionary
 
 import torch
 
@@ -45,6 +46,9 @@ class TraceTrees:
     parents: torch.Tensor  # [R, n] long
     confidence: torch.Tensor  # [R, n] float32
     entropy: torch.Tensor  # [R, n] float32
+
+    def covers(self, roots: range) -> bool:
+        return roots.start == self.first and len(roots) == len(self.roots)
 
     def tree(self, position: int) -> DraftTree:
         row = position - self.first
@@ -95,22 +99,45 @@ def swap_heads(proposer: Proposer, swap: Callable[[SingleHead], Proposer]) -> Pr
     return proposer
 
 
+# Per trace: a head's trees by tree settings. Weakly keyed by the head, so the trees of a head that is gone (an
+# averaged head built for one cell) go with it, while the study's heads, which a drafter keeps, are drafted once
+# per trace and shared by every proposer that uses them (alone, routed, merged).
+TreeMemo = WeakKeyDictionary[DraftHead, dict[str, TraceTrees]]
+
+
 @torch.no_grad()
 def replay_drafters(
-    proposer: Proposer, sequences: Sequence[list[int]], features: Sequence[torch.Tensor], roots: Sequence[range]
+    proposer: Proposer,
+    sequences: Sequence[list[int]],
+    features: Sequence[torch.Tensor],
+    roots: Sequence[range],
+    memos: Sequence[TreeMemo],
 ) -> list[Proposer]:
     """Per trace, `proposer` with its heads answering from trees drafted at the root positions `roots[i]` of
-    `sequences[i]` (prompt + greedy continuation) with target features `features[i]`."""
+    `sequences[i]` (prompt + greedy continuation) with target features `features[i]`. `memos[i]`: trace i's trees
+    already drafted by earlier proposers (read and filled)."""
     singles: dict[int, SingleHead] = {}
     swap_heads(proposer, lambda s: singles.setdefault(id(s), s))
-    trees = {
-        key: draft_along(s.head, s.context, s.tree, sequences, features, roots) for key, s in singles.items()
-    }
+    trees = {key: _remembered(s, sequences, features, roots, memos) for key, s in singles.items()}
 
     def replayed(i: int) -> Callable[[SingleHead], Proposer]:
         return lambda s: ReplayedHead(s.name, trees[id(s)][i], s.feature_layers)
 
     return [swap_heads(proposer, replayed(i)) for i in range(len(sequences))]
+
+
+def _remembered(head: SingleHead, sequences: Sequence[list[int]], features: Sequence[torch.Tensor],
+                roots: Sequence[range], memos: Sequence[TreeMemo]) -> list[TraceTrees]:
+    """`draft_along` for `head`, drafting only the traces whose memo lacks its trees for these roots."""
+    settings = head.tree.model_dump_json()
+    found = [memo.get(head.head, {}).get(settings) for memo in memos]
+    missing = [i for i, (hit, r) in enumerate(zip(found, roots)) if hit is None or not hit.covers(r)]
+    drafted = draft_along(head.head, head.context, head.tree, [sequences[i] for i in missing],
+                          [features[i] for i in missing], [roots[i] for i in missing]) if missing else []
+    for i, trees in zip(missing, drafted):
+        found[i] = trees
+        memos[i].setdefault(head.head, {})[settings] = trees
+    return found
 
 
 @torch.no_grad()
