@@ -11,7 +11,7 @@ from taps_ray.config import parse_config
 from taps_ray.eval.metrics import summarize
 from taps_ray.eval.cell import Cell
 from taps_ray.eval.store import ResultsStore
-from taps_ray.report import build_report
+from taps_ray.report import build, build_report
 from taps_ray.report.data import ReportCopy, load_report_data, results_source
 from taps_ray.report.setting import setting_md
 from taps_ray.report.findings import FAILS, HOLDS, NOISE, UNMEASURED, findings
@@ -230,6 +230,23 @@ def test_report_rebuilds_from_its_own_results_copy(tmp_path):
     # everything after the setting (which names the source and the time) is rebuilt identically, failures included
     assert first.split("## Acceptance length", 1)[1] == second.split("## Acceptance length", 1)[1]
     assert "`RuntimeError: out of memory`" in second
+    assert sorted(p.name for p in (tmp_path / "again" / "results").iterdir()) == sorted(
+        p.name for p in (tmp_path / "reports" / "results").iterdir())
+
+
+def test_a_report_rebuilt_in_place_from_its_copy_keeps_the_copy(tmp_path, monkeypatch):
+    """The committed report is rebuilt from its own results/ (`taps report --results reports/results`): the copy,
+    whose steps stayed in the results store, stays as it is, and the README still says so."""
+    monkeypatch.setattr(build, "STEPS_LIMIT_BYTES", 1)  # every store's steps count as too big to copy
+    config, _ = _store(tmp_path)
+    first = build_report(config).read_text()
+    folder = tmp_path / "reports" / "results"
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    assert "steps.parquet" not in before and "steps not copied" in first
+    second = build_report(config, results_source(folder)).read_text()
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    note = before["STEPS_NOT_COPIED.txt"].decode().strip()
+    assert note in first and note in second
 
     with pytest.raises(FileNotFoundError, match="neither a results store"):
         results_source(tmp_path / "nowhere")

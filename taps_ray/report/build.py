@@ -21,6 +21,7 @@ from taps_ray.report.tables import (
 )
 
 STEPS_LIMIT_BYTES = 20 * 1024 * 1024
+STEPS_NOTE = "STEPS_NOT_COPIED.txt"  # in a results copy whose steps stayed in the results store
 SUMMARY_KEYS = ["head_kind", "proposer", "benchmark", "temperature", "tau", "tau_taps", "steps", "n_questions",
                 "n_turns", "new_tokens", "n_tokens", "wall_s", "tokens_per_s", "speedup", "greedy_match"]
 
@@ -128,23 +129,35 @@ def write_summary_json(data: ReportData, path: Path) -> None:
 
 def copy_results(data: ReportData, folder: Path) -> str:
     """summary + questions parquet and the cells' records always; steps only below 20 MB. Returns a note on what was
-    copied. The copy is itself a source for `taps report --results`, so a clone can rebuild the report without runs/."""
+    copied. The copy is itself a source for `taps report --results`, so a clone can rebuild the report without runs/;
+    a report rebuilt from such a copy carries it over unchanged (its note on the steps included)."""
+    root = data.store_root
+    if data.from_copy and root is not None:
+        if root.resolve() != folder.resolve():
+            shutil.rmtree(folder, ignore_errors=True)
+            shutil.copytree(root, folder)
+        return _copied(folder)
     if folder.exists():
         shutil.rmtree(folder)
     folder.mkdir(parents=True)
     atomic_write_parquet(folder / "summary.parquet", data.summary)
     atomic_write_parquet(folder / "questions.parquet", data.questions)
     atomic_write_json(folder / CELLS_FILE, {"cells": data.meta, "failures": data.failures}, indent=1, newline=True)
-    always = f"summary.parquet, questions.parquet, {CELLS_FILE}"
-    root = data.store_root
     sizes = sum(p.stat().st_size for p in root.glob("cells/*/steps.parquet")) if root else 0
     if root is None or sizes >= STEPS_LIMIT_BYTES:
-        note = f"steps not copied: {sizes / 2**20:.0f} MB ≥ 20 MB; they stay in the results store {shown_path(root) if root else 'none'}"
-        atomic_write_text(folder / "STEPS_NOT_COPIED.txt", note + "\n")
-        return f"{always}; {note}"
+        where = shown_path(root) if root else "none"
+        note = f"steps not copied: {sizes / 2**20:.0f} MB ≥ 20 MB; they stay in the results store {where}"
+        atomic_write_text(folder / STEPS_NOTE, note + "\n")
+        return _copied(folder)
     atomic_write_parquet(folder / "steps.parquet", data.steps)
     if (folder / "steps.parquet").stat().st_size >= STEPS_LIMIT_BYTES:
         (folder / "steps.parquet").unlink()
-        note = "steps not copied (≥ 20 MB); they stay in the results store"
-        return f"{always}; {note}"
-    return f"{always}, steps.parquet"
+        atomic_write_text(folder / STEPS_NOTE, "steps not copied (≥ 20 MB); they stay in the results store\n")
+    return _copied(folder)
+
+
+def _copied(folder: Path) -> str:
+    """What a results copy holds, as the report's README says it."""
+    always = f"summary.parquet, questions.parquet, {CELLS_FILE}"
+    skipped = folder / STEPS_NOTE
+    return f"{always}; {skipped.read_text().strip()}" if skipped.exists() else f"{always}, steps.parquet"

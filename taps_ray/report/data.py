@@ -42,6 +42,7 @@ class ReportData:
     questions: pd.DataFrame = field(default_factory=pd.DataFrame)
     steps: pd.DataFrame = field(default_factory=pd.DataFrame)
     store_root: Path | None = None
+    from_copy: bool = False  # store_root is a report's results/ copy, not a results store
 
     @property
     def head_names(self) -> list[str]:
@@ -164,6 +165,7 @@ def load_report_data(config: StudyConfig, store: ResultsStore | ReportCopy | Non
         questions=questions,
         steps=steps,
         store_root=store.root,
+        from_copy=isinstance(store, ReportCopy),
     )
 
 
