@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--dtype", nargs="+", choices=("fp32", "bf16", "fp16"), dest="dtypes",
                        help="one run and one report section per dtype (default: fp32 bf16)")
     bench.add_argument("--narrow", nargs="*", choices=("fp32", "bf16", "fp16"), dest="narrow_dtypes",
-                       help="dtypes that decode only the first benchmark (default: fp32; none: all decode all)")
+                       help="dtypes that decode only the first benchmark (default: bf16; none: all decode all)")
     bench.add_argument("--trees", nargs="+", metavar="T/D/K",
                        help="also time the first proposer with these trees (total_token/depth/top_k), e.g. 8/3/2")
     bench.add_argument("--slow-peer-prompts", type=int, help="prompts per benchmark / category for HF assisted")
