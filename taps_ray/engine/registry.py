@@ -28,7 +28,7 @@ from taps_ray.engine.combine import (
     with_ngram,
 )
 from taps_ray.engine.cost import CostAware
-from taps_ray.engine.names import AVERAGED_SWEEP, SEARCHED, UnknownProposer, averaged_name, averaged_weight
+from taps_ray.engine.names import AVERAGED_SWEEP, UnknownProposer, averaged_name, averaged_weight
 from taps_ray.engine.ngram import NUM_TOKENS, NgramProposer
 from taps_ray.engine.proposers import PlainDecoding, Proposer, SingleHead
 from taps_ray.engine.tree import DraftContext
@@ -94,7 +94,9 @@ def heads_used(name: str, mixtures: Sequence[str], alone: Sequence[str] = ()) ->
 def build_proposer(
     name: str, target: Target, heads: dict[str, DraftHead], tree: TreeConfig, vocab: torch.Tensor | None = None
 ) -> Proposer:
-    """`vocab`: the reduced draft vocabulary (taps_ray/data/draft_vocab.py), or None for the full vocabulary.
+    """`heads`: by mixture, in order; a combination drafts with all of them (the first two where it takes two), so
+    stand-alone heads (compare twins, `searched`) are left out by the caller (`proposer_setup.load_proposers`).
+    `vocab`: the reduced draft vocabulary (taps_ray/data/draft_vocab.py), or None for the full vocabulary.
     Only a proposer that drafts with a head makes a `DraftContext`: a CPU drafter reads its LM head then."""
     if name == "plain":
         return PlainDecoding()
@@ -115,4 +117,4 @@ def build_proposer(
             f"unknown proposer {name!r}; choose one of: {known} (or averaged-w{{w}}, w in [0, 1]; "
             "any drafting proposer followed by +ngram; any proposer after auto- for the cost model)"
         )
-    return builder({mixture: head for mixture, head in heads.items() if mixture != SEARCHED}, context, tree)
+    return builder(heads, context, tree)
