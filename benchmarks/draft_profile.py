@@ -103,7 +103,7 @@ def main() -> int:
     from taps_ray.bench import BenchOptions, GREEDY, bench_prompts
     from taps_ray.engine.generate import run_loop
     from taps_ray.engine.target_batch import TargetBatch
-    from taps_ray.fsio import atomic_write_text
+    from taps_ray.fsio import report_lines
     from taps_ray.models.target import load_target
     from taps_ray.proposer_setup import load_proposers
 
@@ -171,10 +171,7 @@ def main() -> int:
         "|---|---|---|---|---|",
         *(f"| {n} | {a:.2f} | {b:.2f} | {r:.2f} | {s} |" for n, a, b, r, s in rows),
     ]
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        atomic_write_text(Path(args.out), text)
-    print(text)
+    report_lines(lines, args.out)
     return 0
 
 

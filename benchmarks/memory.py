@@ -27,6 +27,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from taps_ray.config import StudyConfig, load_config  # noqa: E402
+from taps_ray.fsio import report_lines  # noqa: E402
 
 MB = 2**20
 TRAIN_CONFIG = "configs/tiny.yaml"
@@ -240,8 +241,7 @@ def main() -> None:
         *actors_section(cfg, memory),
         *training_section(trained),
     ]
-    Path(args.out).write_text("\n".join(lines))
-    print("\n".join(lines))
+    report_lines(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ def main() -> int:
     from taps_ray.eval.cell import Cell
     from taps_ray.eval.commands import plan_cells
     from taps_ray.eval.runner import TraceCache, is_replayed, run_cell
-    from taps_ray.fsio import atomic_write_text
+    from taps_ray.fsio import report_lines
     from taps_ray.models.target import load_target
 
     cfg = load_config(args.config)
@@ -126,10 +126,7 @@ def main() -> int:
            "In fp32 a record that differs is a floating-point near-tie (a batched and a per-step forward round "
            "differently in the last bits)."),
     ]
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        atomic_write_text(Path(args.out), text)
-    print(text)
+    report_lines(lines, args.out)
     return 0
 
 
