@@ -57,10 +57,11 @@ search: install
 report: install
 	$(VENV)/bin/taps report --config configs/cpu.yaml
 
-# Speed heads (configs/speed.yaml: trained on the target's own answers; resumable, skipped once trained; on a fresh
-# clone ~29 min for math and ~7.5 for chat, mostly answer regeneration, per their metrics.json), then the wall-clock
-# benchmark against plain decoding, HF greedy, prompt lookup and assisted generation: bf16 on GSM8K, MT-Bench and
-# out-of-domain categories, fp32 on GSM8K (~30 min on an idle 2-core CPU; `taps bench --help`) -> reports/bench.md.
+# Speed heads (configs/speed.yaml: trained on the target's own answers; resumable, skipped once trained; ~26 min for
+# math and ~19 for chat on a shared 2-core machine, mostly answer regeneration, per their metrics.json), then the
+# wall-clock benchmark against plain decoding, HF greedy, prompt lookup and assisted generation: fp32 on GSM8K,
+# MT-Bench and out-of-domain categories, bf16 on GSM8K (47 min on an idle 2-core CPU; `taps bench --help`)
+# -> reports/bench.md.
 bench: install
 	$(VENV)/bin/taps train --config configs/speed.yaml --kind eagle2 --mixture math
 	$(VENV)/bin/taps train --config configs/speed.yaml --kind eagle2 --mixture chat
