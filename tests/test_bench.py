@@ -55,8 +55,9 @@ def test_bench_report_with_peers_and_two_dtypes(bench_config):
     assert "| float32 | best ≥ 2.0× plain on gsm8k, ahead of hf-prompt-lookup, identical to greedy |" in text
     assert "limits the next step." in text and "EAGLE-2's published speedup" in text
     assert "| hf-assisted-early-exit | all | 2 |" in text  # the slow peer decodes one prompt per label
-    fp32 = text[text.index("## float32"):text.index("## bfloat16")]
-    assert "| plain | all | 2 |" in fp32 and "ood-writing" not in fp32  # fp32 decodes only the first benchmark
+    fp32, bf16 = text[text.index("## float32"):text.index("## bfloat16")], text[text.index("## bfloat16"):]
+    assert "| plain | all | 3 |" in fp32 and "ood-writing" in fp32  # fp32 decodes every prompt
+    assert "| plain | all | 2 |" in bf16 and "ood-writing" not in bf16  # bf16 only the first benchmark
 
 
 def test_bad_tree_setting_names_the_format(bench_config):
@@ -73,7 +74,7 @@ def test_command_line_options_default_to_the_full_run():
                                    "--per-benchmark", "5", "--trees", "8/3/2", "--narrow"]))
     assert (options.dtypes, options.categories, options.peers, options.per_benchmark, options.trees) == (
         ["bfloat16"], [], False, 5, ["8/3/2"])
-    assert options.narrow_dtypes == [] and BenchOptions().narrow_dtypes == ["float32"]
+    assert options.narrow_dtypes == [] and BenchOptions().narrow_dtypes == ["bfloat16"]
     assert options.proposers == BenchOptions().proposers
 
 
