@@ -15,7 +15,8 @@ from taps_ray.data.mixtures import mixture_counts
 from taps_ray.engine.combine import EntropyRouted
 from taps_ray.engine.proposers import SingleHead
 from taps_ray.engine.registry import build_proposer
-from taps_ray.eval.commands import plan_cells
+from taps_ray.eval.cell import Cell
+from taps_ray.eval.commands import cmd_eval, plan_cells, results_store
 from taps_ray.models.draft_head import new_head
 from taps_ray.proposer_setup import heads_needed, load_heads, load_proposers
 from taps_ray.training.features import extract_features, features_folder
@@ -103,3 +104,16 @@ def test_search_picks_the_best_ratio_and_restores(ray_session, tiny_config, tiny
     assert restored["restored_experiment"] and restored["best"] == best
     assert head.joinpath("model.safetensors").read_bytes() == saved
     assert [p.name for p in Path(result["experiment"]).parent.iterdir()] == [Path(result["experiment"]).name]
+
+
+def test_eval_of_one_head_needs_only_that_head(tiny_config, tiny_target, tmp_path):
+    """`taps eval --proposers math` runs with the math head alone trained; a combination names what is missing."""
+    evaluation = tiny_config.eval.model_copy(update={"benchmarks": {"gsm8k": 1}, "max_new_tokens": 4})
+    cfg = _search_config(tiny_config, tmp_path).model_copy(update={"eval": evaluation})
+    new_head(tiny_target.model.config, seed=1, kind="eagle2", trained_on="math").save(
+        head_checkpoint(cfg, "eagle2", "math"))
+    assert cmd_eval(cfg, plan_cells(cfg, proposers=["math"], temperatures=[0.0])) == 0
+    assert results_store(cfg).is_done(Cell("eagle2", "math", "gsm8k", 0.0))
+    with pytest.raises(FileNotFoundError, match="mixture 'chat'"):
+        cmd_eval(cfg, plan_cells(cfg, proposers=["merged"], temperatures=[0.0]))
+

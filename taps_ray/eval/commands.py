@@ -72,8 +72,10 @@ def cmd_eval(config: StudyConfig, cells: list[Cell]) -> int:
         refresh_summary(config, store)
         return 0
     target = load_target(config.target, dtype=config.eval.dtype)
-    heads_by_kind = {
-        kind: load_heads(config, kind, eval_dtype(config), device=target.device) for kind in sorted({c.head_kind for c in todo} - {NO_HEAD})
+    heads_by_kind = {  # only the heads these cells draft with: `--proposers math` needs no chat head
+        kind: load_heads(config, kind, eval_dtype(config),
+                         heads_needed(config, [c.proposer for c in todo if c.head_kind == kind]), target.device)
+        for kind in sorted({c.head_kind for c in todo} - {NO_HEAD})
     }
     answers = sum(_answers_per_cell(config, c) for c in todo)
     traces = TraceCache()  # replayed cells of one benchmark share its greedy decodes (plan_cells keeps them together)
