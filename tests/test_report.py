@@ -278,6 +278,19 @@ def test_tau_taps_counts_a_one_step_turn_as_taps_does():
     assert pd.isna(alone["tau_taps"])  # no turn took two steps: undefined, not 4 / 1
 
 
+def test_greedy_agreement_counts_only_answers_plain_decoding_has():
+    """A replayed cell covers the whole benchmark, plain decoding its first questions: the others are not misses."""
+    base = {"benchmark": "gsm8k", "temperature": 0.0, "turn": 0, "wall_s": 1.0, "n_tokens": 2, "new_tokens": 2,
+            "committed": 2, "steps": 1, "taps_steps": 0}
+    plain = {**base, "head_kind": "none", "proposer": "plain"}
+    math = {**base, "head_kind": "eagle2", "proposer": "math"}
+    rows = [{**plain, "question_id": "0", "tokens": [1, 2]}, {**plain, "question_id": "1", "tokens": [3, 4]},
+            {**math, "question_id": "0", "tokens": [1, 2]}, {**math, "question_id": "1", "tokens": [3, 5]},
+            *({**math, "question_id": str(i), "tokens": [6, 7]} for i in range(2, 10))]
+    summary = summarize(pd.DataFrame(rows)).set_index("proposer")
+    assert summary.loc["math", "greedy_match"] == pytest.approx(0.5) and summary.loc["plain", "greedy_match"] == 1
+
+
 def test_setting_states_that_router_signals_use_the_reduced_draft_vocabulary(tmp_path):
     config, store = _store(tmp_path)
     data = load_report_data(config, store)

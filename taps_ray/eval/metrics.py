@@ -37,7 +37,8 @@ def summarize(questions: pd.DataFrame) -> pd.DataFrame:
 
 
 def _greedy_match(questions: pd.DataFrame, summary: pd.DataFrame) -> list[float | None]:
-    """At T=0, the fraction of answers identical to plain greedy decoding of the same prompt."""
+    """At T=0, the fraction of answers identical to plain greedy decoding of the same prompt, over the answers that
+    plain decoding has (a replayed cell holds whole benchmarks, plain decoding its first questions only)."""
     plain = questions[(questions["proposer"] == PLAIN) & (questions["temperature"] == 0)]
     reference = {(r.benchmark, r.question_id, r.turn): tuple(r.tokens) for r in plain.itertuples()}
     rates: list[float | None] = []
@@ -51,6 +52,7 @@ def _greedy_match(questions: pd.DataFrame, summary: pd.DataFrame) -> list[float 
             & (questions["benchmark"] == row.benchmark)
             & (questions["temperature"] == 0)
         ]
-        same = [reference.get((r.benchmark, r.question_id, r.turn)) == tuple(r.tokens) for r in cell.itertuples()]
+        keys = [((r.benchmark, r.question_id, r.turn), tuple(r.tokens)) for r in cell.itertuples()]
+        same = [reference[key] == tokens for key, tokens in keys if key in reference]
         rates.append(sum(same) / len(same) if same else None)
     return rates
