@@ -289,6 +289,8 @@ def test_greedy_agreement_counts_only_answers_plain_decoding_has():
             *({**math, "question_id": str(i), "tokens": [6, 7]} for i in range(2, 10))]
     summary = summarize(pd.DataFrame(rows)).set_index("proposer")
     assert summary.loc["math", "greedy_match"] == pytest.approx(0.5) and summary.loc["plain", "greedy_match"] == 1
+    replayed = summarize(pd.DataFrame([{**r, "wall_s": float("nan")} if r["proposer"] == "math" else r for r in rows]))
+    assert replayed.set_index("proposer")[["tokens_per_s", "speedup"]].loc["math"].isna().all()  # no speed, not ∞
 
 
 def test_setting_states_that_router_signals_use_the_reduced_draft_vocabulary(tmp_path):

@@ -21,13 +21,13 @@ def summarize(questions: pd.DataFrame) -> pd.DataFrame:
         committed=("committed", "sum"),
         steps=("steps", "sum"),
         taps_steps=("taps_steps", "sum"),
-        wall_s=("wall_s", "sum"),
+        wall_s=("wall_s", lambda wall: wall.sum(min_count=1)),  # NaN for replayed cells, which have no speed
         n_questions=("question_id", "nunique"),
         n_turns=("turn", "size"),
     ).reset_index()
     summary["tau"] = summary["new_tokens"] / summary["steps"].clip(lower=1)
     summary["tau_taps"] = summary["committed"] / summary["taps_steps"].where(summary["taps_steps"] > 0)
-    summary["tokens_per_s"] = summary["n_tokens"] / summary["wall_s"].clip(lower=1e-9)
+    summary["tokens_per_s"] = summary["n_tokens"] / summary["wall_s"].where(summary["wall_s"] > 0)
     plain = summary[summary["proposer"] == PLAIN][["benchmark", "temperature", "tokens_per_s"]]
     plain = plain.groupby(["benchmark", "temperature"], as_index=False)["tokens_per_s"].mean()
     summary = summary.merge(plain, on=["benchmark", "temperature"], how="left", suffixes=("", "_plain"))
