@@ -104,8 +104,9 @@ def speed_tables(data: ReportData) -> str:
                     tps = data.value(kind, proposer, bench, temperature, "tokens_per_s")
                     speedup = data.value(kind, proposer, bench, temperature, "speedup")
                     cell = MISSING if math.isnan(tps) else f"{tps:.1f} ({fmt(speedup, 2, '×')})"
-                    if temperature == 0 and not math.isnan(tps):
-                        cell += f" · {fmt(100 * data.value(kind, proposer, bench, temperature, 'greedy_match'), 0, '%')}"
+                    match = data.value(kind, proposer, bench, temperature, "greedy_match")
+                    if temperature == 0 and not math.isnan(match):  # replayed cells: no speed, but an agreement
+                        cell += f" · {fmt(100 * match, 0, '%')}"
                     cells.append(cell)
                 rows.append([proposer, *cells])
             header = ["proposer", *(BENCH_LABELS.get(b, b) for b in data.benchmarks)]
