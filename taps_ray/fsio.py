@@ -61,13 +61,12 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write_bytes(path, text.encode())
 
 
-def report_lines(lines: list[str], out: str | os.PathLike | None) -> str:
-    """A benchmark's markdown: printed, and written atomically to `out` when given. Returns the text."""
+def report_lines(lines: list[str], out: str | os.PathLike | None) -> None:
+    """A benchmark's markdown: printed, and written atomically to `out` when given."""
     text = "\n".join(lines) + "\n"
     if out:
         atomic_write_text(out, text)
     print(text)
-    return text
 
 
 def atomic_write_json(path: str | os.PathLike, data: Any, *, indent: int | None = 2, newline: bool = False,
