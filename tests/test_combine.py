@@ -19,7 +19,6 @@ from taps_ray.engine.combine import (
     budget_merge,
     merge_trees,
     per_question_confidence_choice,
-    prune_tree,
     split_budget,
 )
 from taps_ray.engine.generate import NOT_DRAFTED, StepRecord, generate
@@ -27,7 +26,7 @@ from taps_ray.engine.proposers import SingleHead
 from taps_ray.engine.registry import UnknownProposer, averaged_weight, build_proposer, combination_names
 from taps_ray.engine.names import entropy_candidates
 from taps_ray.engine.target_batch import TargetBatch
-from taps_ray.engine.tree import DraftContext, HeadCache, build_tree
+from taps_ray.engine.tree import DraftContext, HeadCache, build_tree, prune_tree
 from taps_ray.engine.verify import SamplingParams, accept_stochastic, processed_probs
 
 from oracles import GreedyOracle, fit_head

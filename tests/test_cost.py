@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from taps_ray.config import TreeConfig
 from taps_ray.models.draft_head import new_head
-from taps_ray.engine.cost import MIN_PAUSE, CostAware
+from taps_ray.engine.cost import MIN_PAUSE, CostAware, best_size
 from taps_ray.engine.generate import NOT_DRAFTED, generate
 from taps_ray.engine.registry import build_proposer, heads_used
 from taps_ray.engine.tree import DraftTree, build_tree
@@ -16,7 +18,8 @@ from taps_ray.engine.verify import SamplingParams
 
 from oracles import GreedyOracle
 
-DRAFT_S, PLAIN_STEP_S, TREE_STEP_S = 0.2, 1.0, 1.2  # the fake machine: a drafted step costs 1.4 s, a plain one 1 s
+DRAFT_S, PLAIN_STEP_S, NODE_S = 0.2, 1.0, 0.1  # the fake machine: a draft, a root-only step, each verified node
+CONFIDENCE = [0.9, 0.8, 0.7]  # the chain drafter's path confidences (E_3 = 2.4)
 
 
 @dataclass
@@ -29,9 +32,10 @@ class FakeClock:
 
 @dataclass
 class ChainDrafter:
-    """Drafts a 3-token chain in DRAFT_S fake seconds; remembers every token it was handed."""
+    """Drafts a chain with the given path confidences in DRAFT_S fake seconds; remembers every token handed in."""
 
     clock: FakeClock
+    confidence: list[float] = field(default_factory=lambda: list(CONFIDENCE))
     name: str = "chain"
     head_names: list[str] = field(default_factory=list)
     seen: list[int] = field(default_factory=list)
@@ -43,7 +47,24 @@ class ChainDrafter:
         assert features.shape[0] == next_tokens.shape[0]
         self.seen += next_tokens.tolist()
         self.clock.now += DRAFT_S
-        return build_tree(torch.tensor([int(next_tokens[-1]), 1, 2, 3]), torch.tensor([-1, 0, 1, 2])), None
+        n = len(self.confidence)
+        tokens = torch.tensor([int(next_tokens[-1]), *range(1, n + 1)])
+        return build_tree(tokens, torch.arange(-1, n), confidence=torch.tensor(self.confidence)), None
+
+
+def decode(proposer: CostAware, clock: FakeClock, accepted: Callable[[int], int], steps: int):
+    """Runs the fake machine: verifying a tree of k drafted nodes costs PLAIN_STEP_S + k·NODE_S and commits
+    1 + min(accepted(step), k) tokens. Returns the kept sizes, the recorded heads and everything handed in."""
+    tree, state = proposer.propose(proposer.init_state(), torch.zeros(5, 1), torch.arange(5))
+    handed, kept, heads = list(range(5)), [], []
+    for step in range(steps):
+        kept.append(tree.size - 1)
+        heads.append(state.last_head)
+        clock.now += PLAIN_STEP_S + NODE_S * (tree.size - 1)
+        committed = list(range(100 + step, 101 + step + min(accepted(step), tree.size - 1)))
+        handed += committed
+        tree, state = proposer.propose(state, torch.zeros(len(committed), 1), torch.tensor(committed))
+    return kept, heads, handed, state
 
 
 def test_pauses_while_acceptance_is_low_and_resumes_when_it_rises():
@@ -51,20 +72,13 @@ def test_pauses_while_acceptance_is_low_and_resumes_when_it_rises():
     inner = ChainDrafter(clock)
     proposer = CostAware(inner, clock=clock)
     assert proposer.name == "auto-chain"
-    tree, state = proposer.propose(proposer.init_state(), torch.zeros(5, 1), torch.arange(5))
-    handed, drafted, heads = list(range(5)), [], []
-    for step in range(120):
-        accepted = 0 if step < 40 else 3  # 1.4 s per token while nothing is accepted, 0.35 s once 3 are
-        drafted.append(tree.size > 1)
-        heads.append(state.last_head)
-        clock.now += TREE_STEP_S if tree.size > 1 else PLAIN_STEP_S
-        committed = list(range(100 + step, 101 + step + (accepted if tree.size > 1 else 0)))
-        handed += committed
-        tree, state = proposer.propose(state, torch.zeros(len(committed), 1), torch.tensor(committed))
-    assert drafted[:2] == [False, True]  # a plain baseline step first, then drafting
-    assert drafted[2 : 2 + MIN_PAUSE] == [False] * MIN_PAUSE  # the first losing step starts a pause
-    assert sum(drafted[2:40]) <= 3  # only probes while drafting loses, the pause doubling after each
-    assert all(drafted[-40:])  # acceptance rose: the next probe paid and drafting resumed for good
+    kept, heads, handed, state = decode(proposer, clock, lambda step: 0 if step < 40 else 3, 120)
+    drafted = [k > 0 for k in kept]
+    assert drafted[:2] == [False, True]  # a plain baseline step first, then drafting (its confidences trusted)
+    first_pause = drafted.index(False, 1)  # κ's prior trusts the confidences: a few misses before it gives up
+    assert 3 <= first_pause <= 5 and drafted[first_pause : first_pause + MIN_PAUSE] == [False] * MIN_PAUSE
+    assert sum(drafted[first_pause:40]) <= 3  # only probes while drafting loses, the pause doubling after each
+    assert all(drafted[-40:])  # acceptance rose: a probe paid and drafting resumed for good
     assert {h for h, d in zip(heads, drafted) if not d} == {NOT_DRAFTED}
     assert inner.seen == handed and not state.pending  # every committed token reached the drafter
 
@@ -72,14 +86,30 @@ def test_pauses_while_acceptance_is_low_and_resumes_when_it_rises():
 def test_keeps_drafting_while_it_pays():
     clock = FakeClock()
     proposer = CostAware(ChainDrafter(clock), clock=clock)
-    tree, state = proposer.propose(proposer.init_state(), torch.zeros(3, 1), torch.arange(3))
-    drafted = []
-    for step in range(20):
-        drafted.append(tree.size > 1)
-        clock.now += TREE_STEP_S if tree.size > 1 else PLAIN_STEP_S
-        n = 3 if tree.size > 1 else 1
-        tree, state = proposer.propose(state, torch.zeros(n, 1), torch.arange(n))
-    assert drafted == [False] + [True] * 19 and state.pause == 0
+    kept, _, _, state = decode(proposer, clock, lambda step: 3, 20)
+    assert kept == [0] + [3] * 19 and state.pause == 0
+    assert state.calibration > 1  # 3 accepted where 2.4 were promised
+
+
+def test_verifies_only_the_nodes_that_pay_for_themselves():
+    """Each node costs 0.1 of a plain step; confidences 0.9, 0.5, 0.02, 0.01: the last two are expected to add
+    0.03 tokens for 0.2 steps of verification, so the tree shrinks to the first two (what best_size says)."""
+    clock = FakeClock()
+    proposer = CostAware(ChainDrafter(clock, confidence=[0.9, 0.5, 0.02, 0.01]), clock=clock)
+    kept, _, _, _ = decode(proposer, clock, lambda step: 2, 10)
+    assert kept == [0] + [2] * 9
+    assert best_size([0.9, 0.5, 0.02, 0.01], plain_s=1.0, node_s=0.1, calibration=1.0) == 2
+    assert best_size([0.9, 0.5, 0.02, 0.01], plain_s=1.0, node_s=0.0, calibration=1.0) == 4  # free nodes: all
+    assert best_size([0.9, 0.5], plain_s=1.0, node_s=0.1, calibration=0.05) == 0  # drafts that never land: none
+
+
+def test_a_tree_no_node_of_which_pays_is_verified_as_its_root_and_pauses_drafting():
+    clock = FakeClock()
+    proposer = CostAware(ChainDrafter(clock, confidence=[0.01, 0.005]), clock=clock)
+    kept, heads, handed, state = decode(proposer, clock, lambda step: 2, 12)
+    assert kept == [0] * 12 and set(heads) == {NOT_DRAFTED}
+    assert proposer.inner.seen == handed[: len(proposer.inner.seen)]  # drafted calls saw every token before them
+    assert state.pause > MIN_PAUSE  # each drafted step lost before verifying, and the pause doubled
 
 
 def test_auto_proposers_are_lossless_with_accepting_drafts(tiny_target):
@@ -87,7 +117,8 @@ def test_auto_proposers_are_lossless_with_accepting_drafts(tiny_target):
     bos = tok.encode("<|im_start|>")[0]
     prompt = [bos] + tok.encode("math: 12*7=")
     want = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0)[0, len(prompt) :]
-    oracle = CostAware(GreedyOracle(model, first_token=bos, depth=3))
+    ticks = itertools.count()  # every clock reading one second later: deterministic costs (drafting pays here)
+    oracle = CostAware(GreedyOracle(model, first_token=bos, depth=3), clock=lambda: float(next(ticks)))
     generation = generate(model, oracle, [prompt], SamplingParams(), 16, [])[0]
     assert generation.tokens == want.tolist() and max(s.accepted for s in generation.steps) > 0
     heads = {"math": new_head(model.config, seed=1), "chat": new_head(model.config, seed=2)}

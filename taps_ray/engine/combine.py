@@ -38,7 +38,7 @@ from taps_ray.eval.diagnostics import mean_node_confidence
 from taps_ray.models.draft_head import DraftHead
 from taps_ray.engine.ngram import NgramProposer
 from taps_ray.engine.proposers import Proposer, SingleHead, feature_layers
-from taps_ray.engine.tree import DraftContext, DraftTree, build_tree
+from taps_ray.engine.tree import DraftContext, DraftTree, build_tree, path_scores, ranked_nodes, subtree
 
 # --- checkpoint averaging (docs/algorithms.md#weight-averaging) ---------------------------------------------
 
@@ -230,45 +230,6 @@ def merge_trees(trees: Sequence[DraftTree], dedup: bool = False) -> DraftTree:
     )
 
 
-def path_scores(tree: DraftTree) -> list[float]:
-    """Per node, the smallest confidence on its path (its own for EAGLE trees and n-gram chains, whose
-    cumulative confidences never grow with depth); inf for the root."""
-    parents = tree.parents.tolist()
-    score = [math.inf] * tree.size
-    conf = tree.confidence.tolist()
-    for j in range(1, tree.size):
-        score[j] = min(conf[j - 1], score[parents[j]])
-    return score
-
-
-def ranked_nodes(tree: DraftTree) -> list[int]:
-    """Drafted node indices, most confident first (`path_scores`, ties to the lower index, so a parent always
-    ranks before its child); any prefix of this list is a closed subtree."""
-    score = path_scores(tree)
-    return sorted(range(1, tree.size), key=lambda j: (-score[j], j))
-
-
-def prune_tree(tree: DraftTree, n: int) -> DraftTree:
-    """The subtree of the n most confident drafted nodes (see `ranked_nodes`), in the original node order."""
-    keep = sorted(ranked_nodes(tree)[: max(n, 0)])
-    return _subtree(tree, keep)
-
-
-def _subtree(tree: DraftTree, keep: list[int]) -> DraftTree:
-    nodes = [0] + sorted(keep)
-    new_index = {old: new for new, old in enumerate(nodes)}
-    parents = tree.parents.tolist()
-    device = tree.tokens.device
-    drafted = torch.tensor(nodes[1:], dtype=torch.long, device=device) - 1
-    return build_tree(
-        tree.tokens[nodes],
-        torch.tensor([-1] + [new_index[parents[j]] for j in nodes[1:]], device=device),
-        confidence=tree.confidence[drafted],
-        entropy=tree.entropy[drafted],
-        source=tree.source[drafted],
-    )
-
-
 def split_budget(budget: int, weights: Sequence[float]) -> list[int]:
     """Split `budget` nodes in proportion to `weights`, at least 1 each when budget allows (largest remainder).
 
@@ -324,7 +285,7 @@ def budget_merge(trees: Sequence[DraftTree], budget: int, shares: Sequence[int])
         for i in range(len(trees)):
             if len(present) < budget and taken[i] < len(ranked[i]):
                 take(i)
-    pruned = [_subtree(t, ranked[i][: taken[i]]) for i, t in enumerate(trees)]
+    pruned = [subtree(t, ranked[i][: taken[i]]) for i, t in enumerate(trees)]
     return merge_trees(pruned, dedup=True)
 
 
@@ -355,7 +316,7 @@ def rank_merge(trees: Sequence[DraftTree], budget: int) -> tuple[DraftTree, tupl
         if path not in present:
             present.add(path)
             added[i] += 1
-    pruned = [_subtree(t, ranked[i][: taken[i]]) for i, t in enumerate(trees)]
+    pruned = [subtree(t, ranked[i][: taken[i]]) for i, t in enumerate(trees)]
     return merge_trees(pruned, dedup=True), tuple(added)
 
 

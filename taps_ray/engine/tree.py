@@ -102,6 +102,46 @@ def build_tree(
     )
 
 
+def path_scores(tree: DraftTree) -> list[float]:
+    """Per node, the smallest confidence on its path (its own for EAGLE trees and n-gram chains, whose
+    cumulative confidences never grow with depth); inf for the root."""
+    parents = tree.parents.tolist()
+    score = [math.inf] * tree.size
+    conf = tree.confidence.tolist()
+    for j in range(1, tree.size):
+        score[j] = min(conf[j - 1], score[parents[j]])
+    return score
+
+
+def ranked_nodes(tree: DraftTree) -> list[int]:
+    """Drafted node indices, most confident first (`path_scores`, ties to the lower index, so a parent always
+    ranks before its child); any prefix of this list is a closed subtree."""
+    score = path_scores(tree)
+    return sorted(range(1, tree.size), key=lambda j: (-score[j], j))
+
+
+def prune_tree(tree: DraftTree, n: int) -> DraftTree:
+    """The subtree of the n most confident drafted nodes (see `ranked_nodes`), in the original node order."""
+    keep = sorted(ranked_nodes(tree)[: max(n, 0)])
+    return subtree(tree, keep)
+
+
+def subtree(tree: DraftTree, keep: list[int]) -> DraftTree:
+    """The tree of the root and the drafted nodes `keep` (each kept node's parent kept too), in node order."""
+    nodes = [0] + sorted(keep)
+    new_index = {old: new for new, old in enumerate(nodes)}
+    parents = tree.parents.tolist()
+    device = tree.tokens.device
+    drafted = torch.tensor(nodes[1:], dtype=torch.long, device=device) - 1
+    return build_tree(
+        tree.tokens[nodes],
+        torch.tensor([-1] + [new_index[parents[j]] for j in nodes[1:]], device=device),
+        confidence=tree.confidence[drafted],
+        entropy=tree.entropy[drafted],
+        source=tree.source[drafted],
+    )
+
+
 def root_only(root: int, device: torch.device | str) -> DraftTree:
     """The degenerate tree of plain autoregressive decoding: verify the root, accept nothing drafted."""
     return build_tree(torch.tensor([root], device=device), torch.tensor([-1], device=device))
