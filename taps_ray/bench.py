@@ -5,7 +5,7 @@ T=0, interleaved repetitions (method order rotates each repetition), batch 1: ou
 greedy, HF prompt-lookup decoding, HF assisted generation with the target's own first layers as the draft
 (`assistant_early_exit`: the only same-tokenizer draft model available offline; it is ~5x slower than greedy,
 so it decodes only the first few prompts of each benchmark and category), and our heads / combinations. Also a
-per-step profile of our loop (draft, forward, accept, commit, rest), from which the report derives the goals,
+per-step profile of our loop (the prompt's prefill spread over the steps, draft, forward, accept, commit, rest), from which the report derives the goals,
 what limits the next step, and a cost model that carries the profile to Llama-3-8B on one GPU.
 """
 
@@ -36,7 +36,7 @@ from taps_ray.engine.verify import SamplingParams
 
 GREEDY = SamplingParams()
 HF_GREEDY, HF_PROMPT_LOOKUP, HF_ASSISTED = "hf-greedy", "hf-prompt-lookup", "hf-assisted-early-exit"
-PROFILE_PARTS = ("draft", "forward", "accept", "commit")
+PROFILE_PARTS = ("prefill", "draft", "forward", "accept", "commit")
 
 
 @dataclass
@@ -164,7 +164,7 @@ def _ours(target: Target, proposer, max_new_tokens: int) -> Method:
     def run(prompt: list[int]) -> Decoded:
         batch = TargetBatch(target.model, feature_layers=feature_layers(proposer))
         generation = run_loop(batch, proposer, [prompt], GREEDY, max_new_tokens, target.stop_token_ids)[0]
-        profile = {"draft": sum(s.draft_s for s in generation.steps), **batch.timings}
+        profile = {"prefill": generation.prefill_s, "draft": sum(s.draft_s for s in generation.steps), **batch.timings}
         return Decoded(generation.tokens, len(generation.steps), sum(s.new_tokens for s in generation.steps), profile)
 
     return run
@@ -251,8 +251,8 @@ def _tokens_per_s(run: MethodRun, indices: list[int]) -> float:
 
 
 def profile_table(runs: dict[str, MethodRun], indices: list[int]) -> pd.DataFrame:
-    """Per-step milliseconds of our loop over `indices`, split into draft, target forward, acceptance, commit and
-    the rest."""
+    """Per-step milliseconds of our loop over `indices`, split into the prefill (spread over the steps), draft,
+    target forward over the tree, acceptance, commit and the rest."""
     rows = []
     for name, run in runs.items():
         mine = [i for i in indices if run.prompt_steps.get(i)]

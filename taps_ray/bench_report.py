@@ -163,7 +163,8 @@ def section_markdown(section: BenchSection) -> list[str]:
         "",
         frame_markdown(by_scope(table, "identical_to_greedy"), 2),
         "",
-        f"Per-step profile of our loop ({section.dtype}, all prompts, ms per verification step):",
+        f"Per-step profile of our loop ({section.dtype}, all prompts, ms per verification step; `prefill_ms` is the "
+        "prompt's prefill spread over the steps, `other_ms` what the loop spends outside the parts named):",
         "",
         frame_markdown(section.profiles["all"], 2),
         "",

@@ -10,7 +10,7 @@ import torch
 
 from taps_ray.config import TreeConfig
 from taps_ray.models.draft_head import new_head
-from taps_ray.engine.cost import MIN_PAUSE, CostAware, best_size
+from taps_ray.engine.cost import MIN_PAUSE, CostAware, TreeCost, best_size
 from taps_ray.engine.generate import NOT_DRAFTED, generate
 from taps_ray.engine.registry import build_proposer, heads_used
 from taps_ray.engine.tree import DraftTree, build_tree
@@ -92,24 +92,48 @@ def test_keeps_drafting_while_it_pays():
 
 
 def test_verifies_only_the_nodes_that_pay_for_themselves():
-    """Each node costs 0.1 of a plain step; confidences 0.9, 0.5, 0.02, 0.01: the last two are expected to add
-    0.03 tokens for 0.2 steps of verification, so the tree shrinks to the first two (what best_size says)."""
+    """Each node costs 0.1 of a plain step; confidences 0.9, 0.6, 0.01, 0.005: the last two are expected to add
+    0.015 tokens for 0.2 steps of verification, so the tree shrinks to the first two (what best_size says)."""
     clock = FakeClock()
-    proposer = CostAware(ChainDrafter(clock, confidence=[0.9, 0.5, 0.02, 0.01]), clock=clock)
-    kept, _, _, _ = decode(proposer, clock, lambda step: 2, 10)
+    proposer = CostAware(ChainDrafter(clock, confidence=[0.9, 0.6, 0.01, 0.005]), clock=clock)
+    kept, _, _, state = decode(proposer, clock, lambda step: 2, 10)
     assert kept == [0] + [2] * 9
-    assert best_size([0.9, 0.5, 0.02, 0.01], plain_s=1.0, node_s=0.1, calibration=1.0) == 2
-    assert best_size([0.9, 0.5, 0.02, 0.01], plain_s=1.0, node_s=0.0, calibration=1.0) == 4  # free nodes: all
-    assert best_size([0.9, 0.5], plain_s=1.0, node_s=0.1, calibration=0.05) == 0  # drafts that never land: none
+    assert abs(state.verify_cost(2) - (PLAIN_STEP_S + 2 * NODE_S)) < 1e-9  # the fit reproduces the steps it saw
+
+    def linear(per_node: float) -> Callable[[int], float]:
+        return lambda k: 1.0 + per_node * k
+
+    assert best_size([0.9, 0.5, 0.02, 0.01], linear(0.1), calibration=1.0) == 2
+    assert best_size([0.9, 0.5, 0.02, 0.01], linear(0.0), calibration=1.0) == 4  # free nodes: all
+    assert best_size([0.9, 0.5], linear(0.1), calibration=0.05) == 0  # drafts that never land: none
+    with_jump = lambda k: 1.0 + (0.5 + 0.01 * k if k else 0.0)  # any tree costs half a step more, nodes little
+    assert best_size([0.9, 0.5, 0.2, 0.1], with_jump, calibration=1.0) == 4  # once the jump is paid, keep them
+    assert best_size([0.3, 0.1], with_jump, calibration=1.0) == 0  # 0.4 tokens do not pay half a step
 
 
-def test_a_tree_no_node_of_which_pays_is_verified_as_its_root_and_pauses_drafting():
+def test_tree_cost_fit_separates_the_jump_from_the_per_node_cost():
+    cost = TreeCost()
+    assert cost.fit(guess=0.02) == (0.0, 0.02)  # nothing measured: no jump, the guessed slope
+    for kept in (2, 7, 4, 7, 3, 6, 5, 7):
+        cost = cost.add(kept, 0.3 + 0.01 * kept)
+    jump, per_node = cost.fit(guess=0.05)
+    assert abs(per_node - 0.01) < 0.25 * abs(0.05 - 0.01)  # the sizes vary: the data outweighs the guess
+    assert abs(jump - 0.3) < 0.04 and jump + 7 * per_node > 0.3 + 7 * 0.01 - 0.01
+    one_size = TreeCost().add(7, 0.37).add(7, 0.37)
+    jump, per_node = one_size.fit(guess=0.01)
+    assert abs(per_node - 0.01) < 1e-12 and abs(jump + 7 * per_node - 0.37) < 1e-9  # one size: the slope is the guess
+
+
+def test_a_tree_no_node_of_which_pays_is_verified_as_its_root_and_only_probes_verify_whole_trees():
     clock = FakeClock()
-    proposer = CostAware(ChainDrafter(clock, confidence=[0.01, 0.005]), clock=clock)
-    kept, heads, handed, state = decode(proposer, clock, lambda step: 2, 12)
-    assert kept == [0] * 12 and set(heads) == {NOT_DRAFTED}
-    assert proposer.inner.seen == handed[: len(proposer.inner.seen)]  # drafted calls saw every token before them
-    assert state.pause > MIN_PAUSE  # each drafted step lost before verifying, and the pause doubled
+    inner = ChainDrafter(clock, confidence=[0.01, 0.005])
+    proposer = CostAware(inner, clock=clock)
+    kept, heads, handed, state = decode(proposer, clock, lambda step: 0, 40)
+    assert kept[:2] == [0, 0] and heads[1] == NOT_DRAFTED  # drafted at step 1, verified as the root alone
+    assert len(inner.seen) > 5  # (the drafter did run: it was handed the step's token)
+    probes = [step for step, k in enumerate(kept) if k]
+    assert set(kept) == {0, 2} and 1 <= len(probes) <= 3  # whole trees only at the probes between doubling pauses
+    assert state.pause >= 2 * MIN_PAUSE and inner.seen == handed[: len(inner.seen)]
 
 
 def test_auto_proposers_are_lossless_with_accepting_drafts(tiny_target):
