@@ -75,8 +75,8 @@ def test_pauses_while_acceptance_is_low_and_resumes_when_it_rises():
     kept, heads, handed, state = decode(proposer, clock, lambda step: 0 if step < 40 else 3, 120)
     drafted = [k > 0 for k in kept]
     assert drafted[:2] == [False, True]  # a plain baseline step first, then drafting (its confidences trusted)
-    first_pause = drafted.index(False, 1)  # κ's prior trusts the confidences: a few misses before it gives up
-    assert 3 <= first_pause <= 5 and drafted[first_pause : first_pause + MIN_PAUSE] == [False] * MIN_PAUSE
+    first_pause = drafted.index(False, 1)  # one miss or a few, as the confidences and κ's prior weigh
+    assert 2 <= first_pause <= 4 and drafted[first_pause : first_pause + MIN_PAUSE] == [False] * MIN_PAUSE
     assert sum(drafted[first_pause:40]) <= 3  # only probes while drafting loses, the pause doubling after each
     assert all(drafted[-40:])  # acceptance rose: a probe paid and drafting resumed for good
     assert {h for h, d in zip(heads, drafted) if not d} == {NOT_DRAFTED}

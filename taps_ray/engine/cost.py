@@ -11,7 +11,7 @@ call itself its draft, and the length of the next `next_tokens` is what the step
 Each drafted step keeps the k most confident nodes that minimise the expected cost per token of verification,
 cost(k) / (1 + κ·E_k), so a shaky tree shrinks (to its root, when no tree pays for itself). Once the step is
 measured, drafting is judged as a whole: the running average of (d + cost(k)) over that of (1 + κ·E_k),
-against a plain step's a. When it loses, drafting pauses for `pause` root-only steps (4 at first, doubling up to
+against a plain step's a. When it loses, drafting pauses for `pause` root-only steps (8 at first, doubling up to
 64 while probes keep losing), then one drafted step probes, verifying its whole tree (a low κ would shrink it to
 nothing, and κ could never recover); a probe that pays resumes drafting and resets the pause. The first step is plain (it
 measures a). j and b are a decayed least-squares fit over the drafted steps' sizes and times (`TreeCost`), b pulled
@@ -37,11 +37,11 @@ from taps_ray.engine.tree import DraftTree, path_scores, ranked_nodes, root_only
 
 SMOOTHING = 0.5  # weight of the newest step in a running cost
 DECAY = 0.7  # per measured step, how much of the older acceptance record counts towards κ
-PRIOR = 1.0  # κ's prior: this many promised tokens, all accepted (κ starts at 1: trust the confidences)
+PRIOR = 0.5  # κ's prior: this many promised tokens, all accepted (κ starts at 1: trust the confidences)
 NODE_COST_GUESS = 0.02  # b / a that the fit is pulled towards (one node of a tree costs little once a tree is paid for)
 GUESS_WEIGHT = 1.0  # how strongly: as much as size variance 1 over one measured step
 MARGIN = 1.0  # drafting must cost at most this times the plain cost per token
-MIN_PAUSE, MAX_PAUSE = 4, 64  # root-only steps between probes: the first pause, and the most after doubling
+MIN_PAUSE, MAX_PAUSE = 8, 64  # root-only steps between probes: the first pause, and the most after doubling
 
 
 @dataclass(frozen=True)
