@@ -36,7 +36,7 @@ from taps_ray.engine.proposers import Proposer
 from taps_ray.engine.tree import DraftTree, path_scores, ranked_nodes, root_only, subtree
 
 SMOOTHING = 0.5  # weight of the newest step in a running cost
-DECAY = 0.7  # per measured step, how much of the older acceptance record counts towards κ
+DECAY = 0.7  # per drafted step measured, the weight left to older ones (κ's record, the tree-cost fit)
 PRIOR = 0.5  # κ's prior: this many promised tokens, all accepted (κ starts at 1: trust the confidences)
 NODE_COST_GUESS = 0.02  # b / a that the fit is pulled towards (one node of a tree costs little once a tree is paid for)
 GUESS_WEIGHT = 1.0  # how strongly: as much as size variance 1 over one measured step
