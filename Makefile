@@ -60,7 +60,8 @@ report: install
 # The speed math head (configs/speed.yaml: trained on the target's own answers; resumable, skipped once trained;
 # ~26 min on a shared 2-core machine, mostly answer regeneration, per its metrics.json), then the wall-clock
 # benchmark against plain decoding, HF greedy, prompt lookup and assisted generation: fp32 on GSM8K, MT-Bench and
-# out-of-domain categories, bf16 on GSM8K (~47 min on an idle 2-core CPU; `taps bench --help`) -> reports/bench.md.
+# out-of-domain categories, bf16 on GSM8K (23-47 min on an idle 2-core CPU, as fast as the host runs that day;
+# `taps bench --help`) -> reports/bench.md.
 # The speed chat head (`taps train --config configs/speed.yaml --kind eagle2 --mixture chat`) is not in the default
 # bench (it did not pay on MT-Bench); serving's routed model and benchmarks/serve_load.py need it.
 bench: install
