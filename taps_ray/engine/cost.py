@@ -12,8 +12,9 @@ Each drafted step keeps the k most confident nodes that minimise the expected co
 cost(k) / (1 + κ·E_k), so a shaky tree shrinks (to its root, when no tree pays for itself). Once the step is
 measured, drafting is judged as a whole: the running average of (d + cost(k)) over that of (1 + κ·E_k),
 against a plain step's a. When it loses, drafting pauses for `pause` root-only steps (8 at first, doubling up to
-64 while probes keep losing), then one drafted step probes, verifying its whole tree (a low κ would shrink it to
-nothing, and κ could never recover); a probe that pays resumes drafting and resets the pause. The first step is plain (it
+64 while probes keep losing), then one drafted step probes, its tree shrunk as if κ were 1 (a low κ would shrink
+every tree to nothing, and κ could never recover; a tree that would not pay even then is not worth measuring);
+a probe that pays resumes drafting and resets the pause. The first step is plain (it
 measures a). j and b are a decayed least-squares fit over the drafted steps' sizes and times (`TreeCost`), b pulled
 towards NODE_COST_GUESS · a, so it comes from the data only as far as the sizes vary; before the first drafted
 step is measured, j is 0.
@@ -144,8 +145,8 @@ class CostAware:
         drafted, inner = self.inner.propose(state.inner, all_features, all_tokens)
         order, scores = ranked_nodes(drafted), path_scores(drafted)
         ranked = [scores[j] for j in order]
-        probe = state.pause > 0  # the drafted step after a pause verifies its whole tree: it is there to measure κ
-        kept = len(order) if probe else best_size(ranked, state.verify_cost, state.calibration)
+        probe = state.pause > 0  # the drafted step after a pause trusts the confidences (κ = 1): it measures κ
+        kept = best_size(ranked, state.verify_cost, 1.0 if probe else state.calibration)
         tree = drafted if kept == len(order) else subtree(drafted, order[:kept])
         done = self.clock()
         return tree, replace(state, inner=inner, pending=(), kept=kept, promised=sum(ranked[:kept]),
