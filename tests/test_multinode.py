@@ -54,12 +54,14 @@ def _study(tiny_config: StudyConfig, work: Path) -> StudyConfig:
 
 def _node_of(ray_cluster, actor, timeout: float = 120.0) -> str:
     """The id of the node that hosts `actor` once it is alive (it may still be starting, or restarting
-    elsewhere after its node died)."""
+    elsewhere after its node died; just created, the GCS may not list it yet: an empty entry)."""
     deadline = time.monotonic() + timeout
     while True:
         info = ray_cluster.global_state.actor_table(actor._actor_id.hex())
-        if info["State"] == "ALIVE" or time.monotonic() > deadline:
+        if info.get("State") == "ALIVE":
             return info["Address"]["NodeID"]
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"actor {actor} not alive after {timeout:.0f} s: {info}")
         time.sleep(0.2)
 
 
