@@ -5,8 +5,9 @@ T=0, interleaved repetitions (method order rotates each repetition), batch 1: ou
 greedy, HF prompt-lookup decoding, HF assisted generation with the target's own first layers as the draft
 (`assistant_early_exit`: the only same-tokenizer draft model available offline; it is ~5x slower than greedy,
 so it decodes only the first few prompts of each benchmark and category), and our heads / combinations. Also a
-per-step profile of our loop (the prompt's prefill spread over the steps, draft, forward, accept, commit, rest), from which the report derives the goals,
-what limits the next step, and a cost model that carries the profile to Llama-3-8B on one GPU.
+per-step profile of our loop (the prompt's prefill spread over the steps, draft, forward, accept, commit, rest),
+from which the report derives the goals, what limits the next step, and a cost model that carries the profile to
+Llama-3-8B on one GPU.
 """
 
 from __future__ import annotations
