@@ -208,3 +208,24 @@ def test_trainer_keeps_extra_layers_only_for_eagle3_and_trains_the_head(tiny_con
     assert metrics["heldout_acc"] is not None and metrics["heldout_acc_2"] is not None
     plain = without.model_copy(update={"work_dir": str(tmp_path / "plain")})
     assert extract_features(plain, "math", target=tiny_target, progress=False).load()[0].aux is None
+
+
+@pytest.mark.parametrize("kind", ["hass", "eagle3"])
+def test_bf16_mixed_precision_runs_the_forward_in_bf16_and_keeps_fp32_gradients(tiny_target, kind):
+    """train.precision bf16-mixed: the loss moves off the fp32 value by bf16 rounding only (so autocast did
+    apply), and the gradients land in the fp32 weights pointing where the fp32 ones do."""
+    head = new_head(tiny_target.model.config, seed=7, kind=kind)
+    batch = _batch(tiny_target, ["Let us add 3 and 4 to get 7.", "Hello! How can I help you today?"],
+                   eagle3_layers(tiny_target.model.config.num_hidden_layers))
+    frozen = FrozenTarget.from_model(tiny_target.model)
+    results, grads = {}, {}
+    for precision in ("fp32", "bf16-mixed"):
+        settings = LossSettings.for_kind(kind, TrainConfig(hca_passes=2, noise_std=0.0, topk_weight=0.0, precision=precision))
+        head.zero_grad()
+        results[precision] = run_passes(head, batch, frozen, settings, backward=True)
+        grads[precision] = torch.cat([p.grad.flatten() for p in head.parameters() if p.grad is not None])
+        assert all(p.grad.dtype == torch.float32 for p in head.parameters() if p.grad is not None)
+    assert LossSettings.for_kind(kind, TrainConfig(precision="bf16-mixed")).autocast == torch.bfloat16
+    fp32, mixed = results["fp32"].loss, results["bf16-mixed"].loss
+    assert mixed != fp32 and mixed == pytest.approx(fp32, rel=0.05)
+    assert torch.nn.functional.cosine_similarity(grads["fp32"], grads["bf16-mixed"], dim=0) > 0.95

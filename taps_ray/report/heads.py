@@ -137,6 +137,12 @@ def render_heads_md(s: dict, domains: Sequence[str]) -> str:
                       *_training_md(s, domains), *_method_md()])
 
 
+def _precision(train: dict) -> str:
+    if train.get("precision", "fp32") == "bf16-mixed":
+        return "with bf16 autocast (fp32 weights and optimizer)"
+    return "in fp32"
+
+
 def _setting_md(s: dict) -> list[str]:
     t, f = s["train_config"], s["features_config"]
     config = f"configs/{s['config']}.yaml"
@@ -144,7 +150,7 @@ def _setting_md(s: dict) -> list[str]:
     return [
         f"# Draft heads — `{s['config']}` config",
         "",
-        f"Target `{s['target']}` ({s['dtype']}), heads trained in fp32 on the CPU ({machine}; threads per head in "
+        f"Target `{s['target']}` ({s['dtype']}), heads trained {_precision(t)} on the CPU ({machine}; threads per head in "
         "the training table: 1 means a Ray Tune trial or OMP_NUM_THREADS=1). "
         f"Regenerate with `taps heads-report --config {config}` once the heads are trained and measured (the sweep's "
         f"train stage, or `taps train` per head and then `taps agreement --config {config}`).",

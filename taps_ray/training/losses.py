@@ -199,22 +199,30 @@ class LossSettings:
     passes: int = 1
     noise_std: float = 0.2
     mask_alignment: MaskAlignment = "predicted"
+    autocast: torch.dtype | None = None  # forward passes under autocast to this dtype (train.precision)
+
+    def precision(self, device: torch.device) -> torch.autocast:
+        """The autocast context of the forward passes; gradients flow back into the fp32 weights."""
+        return torch.autocast(device.type, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None)
 
     @classmethod
     def for_kind(cls, kind: str, train: object) -> "LossSettings":
         """EAGLE-2: regression + soft CE, one pass. HASS: + top-K distillation and ``train.hca_passes`` passes.
         EAGLE-3: soft CE only, no input noise, ``train.hca_passes`` training-time-test steps."""
         hass = check_head_kind(kind) == "hass"
+        autocast = torch.bfloat16 if getattr(train, "precision", "fp32") == "bf16-mixed" else None
+        alignment = getattr(train, "mask_alignment", "predicted")
         if kind == "eagle3":
             return cls(reg_weight=0.0, cls_weight=1.0, topk_weight=0.0, passes=train.hca_passes, noise_std=0.0,
-                       mask_alignment=getattr(train, "mask_alignment", "predicted"))
+                       mask_alignment=alignment, autocast=autocast)
         return cls(
             reg_weight=train.reg_weight,
             cls_weight=train.cls_weight,
             topk_weight=train.topk_weight if hass else 0.0,
             passes=train.hca_passes if hass else 1,
             noise_std=train.noise_std,
-            mask_alignment=getattr(train, "mask_alignment", "predicted"),
+            mask_alignment=alignment,
+            autocast=autocast,
         )
 
 
@@ -297,11 +305,12 @@ def run_passes(head: DraftHead, batch: Batch, frozen: FrozenTarget, settings: Lo
     total = 0.0
     out: dict[str, float] = {}
     for j in range(n_passes):
-        pred = hca_forward(head, emb, versions, shifted.positions, shifted.valid)
-        terms = loss_terms(pred, shifted, dist, frozen, with_topk)
-        loss = settings.reg_weight * terms["reg"] + settings.cls_weight * terms["cls"]
-        if with_topk:
-            loss = loss + settings.topk_weight * terms["topk"]
+        with settings.precision(weight.device):
+            pred = hca_forward(head, emb, versions, shifted.positions, shifted.valid)
+            terms = loss_terms(pred, shifted, dist, frozen, with_topk)
+            loss = settings.reg_weight * terms["reg"] + settings.cls_weight * terms["cls"]
+            if with_topk:
+                loss = loss + settings.topk_weight * terms["topk"]
         if backward:
             loss.backward()
         total += float(loss.detach())
@@ -365,15 +374,16 @@ def run_ttt(head: DraftHead, batch: Batch, frozen: FrozenTarget, settings: LossS
     shifted = shift_batch(batch, 0.0, None, dtype, settings.mask_alignment)
     total = torch.zeros((), dtype=dtype, device=weight.device)
     out: dict[str, float] = {}
-    for j, step, hidden in ttt_steps(head, frozen, shifted, batch.aux.to(dtype), passes or settings.passes):
-        dist = TargetDistribution.build(step, frozen)
-        log_q = torch.log_softmax(head.token_logits(hidden[dist.index]).float(), dim=-1)
-        terms = token_terms(log_q, dist)
-        total = total + TTT_DECAY**j * settings.cls_weight * terms["cls"]
-        if j == 0:
-            out.update({k: float(v.detach()) for k, v in terms.items()})
-            out["loss0"] = float(terms["cls"].detach()) * settings.cls_weight
-        out[f"acc_{j}"] = float(terms["acc"])
+    with settings.precision(weight.device):
+        for j, step, hidden in ttt_steps(head, frozen, shifted, batch.aux.to(dtype), passes or settings.passes):
+            dist = TargetDistribution.build(step, frozen)
+            log_q = torch.log_softmax(head.token_logits(hidden[dist.index]).float(), dim=-1)
+            terms = token_terms(log_q, dist)
+            total = total + TTT_DECAY**j * settings.cls_weight * terms["cls"]
+            if j == 0:
+                out.update({k: float(v.detach()) for k, v in terms.items()})
+                out["loss0"] = float(terms["cls"].detach()) * settings.cls_weight
+            out[f"acc_{j}"] = float(terms["acc"])
     if backward:
         total.backward()
     return StepResult(loss=float(total.detach()), terms=out, mask_tokens=float(shifted.mask.sum()),
