@@ -35,9 +35,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--length", type=int, default=None, help="tokens per conversation (default: features.max_len/2)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--precision", choices=["fp32", "bf16-mixed"], default=None,
+                        help="default: the config's train.precision")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     cfg = load_config(args.config)
+    if args.precision:
+        cfg.train.precision = args.precision
     target = load_target(cfg.target)
     config = target.model.config
     size = cfg.tree.draft_vocab_size
@@ -47,7 +51,7 @@ def main() -> None:
     aux_width = len(eagle3_layers(config.num_hidden_layers)) * config.hidden_size
     batch = batch_like(cfg, config.hidden_size, config.vocab_size, length, aux_width)
     print(f"config {args.config}: batch {cfg.train.batch_size} x {length} tokens, {args.threads} thread(s), "
-          f"hca_passes {cfg.train.hca_passes}, draft vocabulary {size or config.vocab_size}")
+          f"hca_passes {cfg.train.hca_passes}, draft vocabulary {size or config.vocab_size}, {cfg.train.precision}")
     for kind in args.kinds:
         head = new_head(config, kind=kind, draft_vocab=vocab)
         settings = LossSettings.for_kind(kind, cfg.train)
