@@ -97,6 +97,9 @@ def main() -> int:
     parser.add_argument("--repetitions", type=int, default=4)
     parser.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: the config's)")
     parser.add_argument("--proposers", nargs="+", default=["math", "chat", "confidence-routed"])
+    parser.add_argument("--compile", action="store_true",
+                        help="this tree's heads draft through torch.compile(head.step, dynamic=True); compiling "
+                        "happens in the warm-up (with --baseline HEAD: compiled vs eager drafting of one tree)")
     parser.add_argument("--out", default=None, help="write the markdown here (else print it)")
     args = parser.parse_args()
 
@@ -126,6 +129,9 @@ def main() -> int:
         proposer = proposers[name]
         parts = getattr(proposer, "parts", [proposer])
         old_draft, old_init = baseline_drafter(head_mod, tree_mod, [p.head for p in parts], parts[0].context, cfg.tree)
+        if args.compile:
+            for part in parts:
+                part.head.step = torch.compile(part.head.step, dynamic=True)
         seconds = {"baseline": 0.0, "this tree": 0.0}
         same = total = 0
 
@@ -165,7 +171,8 @@ def main() -> int:
     lines = [
         f"Draft ms per step, {steps} recorded steps x {args.repetitions} repetitions, target dtype "
         f"{target.dtype}, tree {cfg.tree.total_token}/{cfg.tree.depth}/{cfg.tree.top_k}, "
-        f"torch threads {torch.get_num_threads()}. Regenerate: `{command}`.",
+        f"torch threads {torch.get_num_threads()}{', this tree compiled' if args.compile else ''}. "
+        f"Regenerate: `{command}`.",
         "",
         "| proposer | baseline ms/step | this tree ms/step | ratio | trees bit-identical to the baseline's |",
         "|---|---|---|---|---|",
