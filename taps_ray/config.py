@@ -148,7 +148,7 @@ class TrainConfig(_Strict):
     )
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine decay floor, as a fraction of lr")
     precision: Literal["fp32", "bf16-mixed"] = Field(
-        "fp32", description="bf16-mixed: forward and backward under bfloat16 autocast, weights and optimizer in fp32 "
+        "fp32", description="bf16-mixed: forward passes under bfloat16 autocast (backward follows their dtypes), weights and optimizer in fp32 "
         "(about 2x the tokens/s on GPUs and on CPUs with AMX or AVX512-BF16; slower on CPUs without them)")
     eval_batch_size: int = Field(8, gt=0)
     shuffle_shards: int = Field(

@@ -220,7 +220,8 @@ def test_bf16_mixed_precision_runs_the_forward_in_bf16_and_keeps_fp32_gradients(
     frozen = FrozenTarget.from_model(tiny_target.model)
     results, grads = {}, {}
     for precision in ("fp32", "bf16-mixed"):
-        settings = LossSettings.for_kind(kind, TrainConfig(hca_passes=2, noise_std=0.0, topk_weight=0.0, precision=precision))
+        train = TrainConfig(hca_passes=2, noise_std=0.0, topk_weight=0.0, precision=precision)
+        settings = LossSettings.for_kind(kind, train)
         head.zero_grad()
         results[precision] = run_passes(head, batch, frozen, settings, backward=True)
         grads[precision] = torch.cat([p.grad.flatten() for p in head.parameters() if p.grad is not None])

@@ -1,9 +1,10 @@
 """Train one draft head (EAGLE-2, HASS or EAGLE-3) on the cached target features of one mixture.
 
 AdamW (β = 0.9, 0.95), gradient clipping by value, linear warm-up then cosine decay, fp32 weights on the target's
-device (`target.device`), forward passes in fp32 or under bf16 autocast (``train.precision``); stored features stay on the CPU and each batch moves to the head. The budget is
-``train.epochs`` epochs, cut short by ``train.max_tokens`` trained tokens when set; the schedule is planned
-for the exact number of steps that budget gives.
+device (`target.device`), forward passes in fp32 or under bf16 autocast (``train.precision``); stored features
+stay on the CPU and each batch moves to the head. The budget is ``train.epochs`` epochs, cut short by
+``train.max_tokens`` trained tokens when set; the schedule is planned for the exact number of steps that budget
+gives.
 
 Features are streamed: the split and the batch plan read only the shards' index (ids and lengths,
 `FeatureSet.entries`); each epoch takes the shards in a seeded shuffled order, ``train.shuffle_shards`` at a
