@@ -6,10 +6,11 @@ drafts with its root at position c depends only on the trace and c. `replay_draf
 head, the tree at every root position the replay can reach: (1) one teacher-forced causal head forward over
 each whole trace gives the head's K/V and the depth-1 output at every position; (2) the deeper levels expand
 all (trace, position) rows at once, each row's nodes attending to its own trace prefix and its tree ancestors
-(one 4-D mask per block of rows); (3) the EAGLE-2 top-k, rerank and selection run per row, as `draft_eagle2`
-does (same order of operations, same tie-breaking). Each `SingleHead` inside the proposer (alone, routed,
-merged, averaged, + n-gram, cost-aware) is then swapped for a `ReplayedHead` that answers `propose` from those
-trees; every other proposer part (n-gram lookup, plain) drafts as in the live loop.
+(one 4-D mask per block of rows); (3) the EAGLE-2 top-k, rerank and selection run per row through the live
+drafter's own `Candidates` and `select_nodes` (engine/tree.py: same order of operations, same tie-breaking).
+Each `SingleHead` inside the proposer (alone, routed, merged, averaged, + n-gram, cost-aware) is then swapped
+for a `ReplayedHead` that answers `propose` from those trees; every other proposer part (n-gram lookup, plain)
+drafts as in the live loop.
 
 In exact arithmetic the trees equal the live loop's; batched matmuls round differently in the last bits, so a
 draft near-tie can flip (tests/test_replay.py counts them).
@@ -27,7 +28,7 @@ from taps_ray.config import TreeConfig
 from taps_ray.engine.combine import OverParts
 from taps_ray.engine.cost import CostAware
 from taps_ray.engine.proposers import Proposer, SingleHead
-from taps_ray.engine.tree import DraftContext, DraftTree, _entropy, build_tree
+from taps_ray.engine.tree import Candidates, DraftContext, DraftTree, build_tree, select_nodes
 from taps_ray.models.draft_head import DraftHead
 
 CONTEXT_BUDGET = 1 << 22  # traces per causal head forward: batch x length^2 (the attention scores) at most this
@@ -200,57 +201,19 @@ def _draft_group(
         return [_trace_trees(r, sequences[b], None, b, trace_of) for b, r in enumerate(roots)]
     hidden = context[trace_of, root_at - 1]  # [R, d]
 
-    log_p = ctx.log_probs(hidden)
-    scores, index = log_p.topk(k, dim=-1)
-    tokens = ctx.token_ids(index)
-    cand_tokens, cand_scores = [tokens], [scores]
-    cand_entropy = [_entropy(log_p)[:, None].expand(rows, k)]
-    cand_parent = [torch.full((rows, k), -1, dtype=torch.long, device=device)]
-
-    frontier_tokens, frontier_scores = tokens, scores
-    frontier_hidden = hidden[:, None].expand(rows, k, -1)
-    frontier_flat = torch.arange(k, device=device).expand(rows, k)
+    candidates = Candidates(ctx, hidden, k)
     eye = torch.eye(k, dtype=torch.bool, device=device)
     ancestors = eye.expand(rows, k, k)
     blocks = _Blocks(trace_of, root_at, kv, k, width)
     passes = tree.depth if n_draft > k else 0  # as draft_eagle2: a tree no wider than one level needs no expansion
     for level in range(passes):
-        out = blocks.forward(head, ctx, frontier_tokens, frontier_hidden, ancestors, level, dtype)  # [R, k, d]
-        log_p = ctx.log_probs(out)  # [R, k, V]
-        child_scores, child_index = log_p.topk(k, dim=-1)
-        child_tokens = ctx.token_ids(child_index).flatten(1)
-        cumulative = (child_scores + frontier_scores[:, :, None]).flatten(1)  # [R, k*k]
-        offset = k + level * k * k
-        cand_tokens.append(child_tokens)
-        cand_scores.append(cumulative)
-        cand_entropy.append(_entropy(log_p).repeat_interleave(k, dim=1))
-        cand_parent.append(frontier_flat.repeat_interleave(k, dim=1))
-        best_scores, best = cumulative.topk(k, dim=-1)
-        parent_row = best // k
-        frontier_tokens = child_tokens.gather(1, best)
-        frontier_hidden = out.gather(1, parent_row[:, :, None].expand(-1, -1, out.shape[-1]))
-        frontier_scores = best_scores
-        frontier_flat = offset + best
+        out = blocks.forward(head, ctx, candidates.frontier_tokens, candidates.frontier_hidden, ancestors, level,
+                             dtype)  # [R, k, d]
+        parent_row = candidates.expand(ctx, out)
         kept = ancestors.gather(1, parent_row[:, :, None].expand(-1, -1, ancestors.shape[-1]))
         ancestors = torch.cat([kept, eye.expand(rows, k, k)], dim=2)
 
-    all_tokens = torch.cat(cand_tokens, dim=1)
-    all_scores = torch.cat(cand_scores, dim=1)
-    all_parents = torch.cat(cand_parent, dim=1)
-    all_entropy = torch.cat(cand_entropy, dim=1)
-    # Stable descending sort per row: on equal scores the lower flat index (a parent before its child) wins.
-    order = torch.sort(-all_scores, dim=1, stable=True).indices[:, :n_draft]
-    selected = order.sort(dim=1).values
-    n = selected.shape[1]
-    node_of_flat = torch.full_like(all_tokens, -1)
-    node_of_flat.scatter_(1, selected, torch.arange(1, n + 1, device=device).expand(rows, n))
-    parent_flat = all_parents.gather(1, selected)
-    parents = torch.where(parent_flat < 0, 0, node_of_flat.gather(1, parent_flat.clamp(min=0)))
-    if (parents < 0).any():
-        raise AssertionError("EAGLE-2 selection kept a node without its parent")
-    drafted = (
-        all_tokens.gather(1, selected), parents, all_scores.gather(1, selected).exp(), all_entropy.gather(1, selected)
-    )
+    drafted = select_nodes(*candidates.flat(), n_draft)
     return [_trace_trees(r, sequences[b], drafted, b, trace_of) for b, r in enumerate(roots)]
 
 

@@ -206,7 +206,9 @@ def head_context(head: DraftHead, ctx: DraftContext) -> DraftContext:
 
 @dataclass
 class KVSlots:
-    """Preallocated keys and values [1, kvh, capacity, hd] of one head, shared along one sequence's states.
+    """Preallocated keys and values [N, kvh, capacity, hd] of one head (N = 1) or of a stack of N heads
+    (models/stacked_head.py; every head sees the same committed inputs, so they share one length), shared
+    along one sequence's states.
 
     Slots 0..stable-1 hold the newest stable cache written into them; a draft writes its tree's K/V after
     that and the next extension overwrites them, so drafting copies no cache. A state older than `stable`
@@ -223,14 +225,15 @@ class KVSlots:
 
 @dataclass
 class HeadCache:
-    """A head's stable cache: K/V for draft positions 0..length-1, built from committed target features only."""
+    """A head's (or head stack's) stable cache: K/V for draft positions 0..length-1, built from committed target
+    features only."""
 
     slots: KVSlots | None = None
     length: int = 0
 
     @property
     def kv(self) -> KVCache | None:
-        """The stable keys and values [1, kvh, length, hd] (views of the slots)."""
+        """The stable keys and values [N, kvh, length, hd] (views of the slots)."""
         if self.slots is None:
             return None
         keys, values = self.slots.kv
@@ -243,7 +246,7 @@ class HeadCache:
         if slots is not None and slots.stable == self.length and slots.capacity >= needed:
             return slots
         config, weight = head.config, next(head.parameters())
-        shape = (1, config.num_key_value_heads, max(2 * needed, 256), config.head_dim)
+        shape = (head.stacked, config.num_key_value_heads, max(2 * needed, 256), config.head_dim)
         kv = (weight.new_empty(shape), weight.new_empty(shape))
         if self.length:
             kv[0][:, :, : self.length], kv[1][:, :, : self.length] = self.kv
@@ -254,54 +257,177 @@ def extend_context(
     head: DraftHead, ctx: DraftContext, cache: HeadCache, features: torch.Tensor, next_tokens: torch.Tensor,
     reserve: int = 0,
 ) -> tuple[torch.Tensor, HeadCache]:
-    """Step A: feed (h_p, x_{p+1}) pairs of newly committed positions; returns the last output and new cache,
-    whose slots hold `reserve` more positions for the tree drafted next.
+    """Step A: feed (h_p, x_{p+1}) pairs of newly committed positions; returns the last output of every stacked
+    head [N, d] and the new cache, whose slots hold `reserve` more positions for the tree drafted next.
 
     The committed tensors may come from another device (a target worker hands back CPU tensors); they move
     to the head's."""
     m = int(next_tokens.numel())
     weight = next(head.parameters())
-    dtype, device = weight.dtype, weight.device
+    dtype, device, rows = weight.dtype, weight.device, head.stacked
     slots = cache.reserve(head, cache.length + m + reserve)
-    positions = torch.arange(cache.length, cache.length + m, device=device).unsqueeze(0)
+    positions = torch.arange(cache.length, cache.length + m, device=device).unsqueeze(0)  # broadcast over heads
     mask = torch.ones(m, cache.length + m, dtype=torch.bool, device=device).tril(diagonal=cache.length)
     out = head.step(
-        ctx.embed(next_tokens.to(device).unsqueeze(0)).to(dtype),
-        features.unsqueeze(0).to(device=device, dtype=dtype),
+        ctx.embed(next_tokens.to(device).unsqueeze(0)).to(dtype).expand(rows, -1, -1),
+        features.unsqueeze(0).to(device=device, dtype=dtype).expand(rows, -1, -1),
         positions,
         mask[None, None],
         slots.kv,
         cache.length,
     )
     slots.stable = cache.length + m
-    return out[0, -1], HeadCache(slots=slots, length=cache.length + m)
+    return out[:, -1], HeadCache(slots=slots, length=cache.length + m)
+
+
+class Candidates:
+    """EAGLE-2's candidate nodes of R trees drafted side by side, one row per tree, flat in drafting order: the
+    root's top_k children, then per level the top_k children of each of the top_k frontier nodes (the previous
+    level's best cumulative scores). Live drafting (`draft_eagle2_trees`) and replay (engine/replay_draft.py)
+    both expand through it, so they rank, break ties and select alike."""
+
+    def __init__(self, ctx: DraftContext, hidden: torch.Tensor, k: int) -> None:
+        """The root's children, from the head's output at the root, `hidden` [R, d]."""
+        rows, device = hidden.shape[0], hidden.device
+        log_p = ctx.log_probs(hidden)
+        scores, index = log_p.topk(k, dim=-1)
+        tokens = ctx.token_ids(index)
+        self.k = k
+        self.tokens, self.scores = [tokens], [scores]
+        self.entropy = [_entropy(log_p)[:, None].expand(rows, k)]
+        self.parents = [torch.full((rows, k), -1, dtype=torch.long, device=device)]  # flat index of the parent
+        self.frontier_tokens, self.frontier_scores = tokens, scores
+        self.frontier_hidden = hidden[:, None].expand(rows, k, -1)
+        self.frontier_flat = torch.arange(k, device=device).expand(rows, k)
+
+    @property
+    def width(self) -> int:
+        """Candidates per row so far."""
+        return sum(t.shape[1] for t in self.tokens)
+
+    def expand(self, ctx: DraftContext, out: torch.Tensor) -> torch.Tensor:
+        """Add the frontier's children, given the head's outputs at the frontier nodes `out` [R, k, d]; the new
+        frontier is each row's k best children. Returns the old frontier node each new one extends [R, k]."""
+        k, offset = self.k, self.width
+        log_p = ctx.log_probs(out)  # [R, k, V]
+        child_scores, child_index = log_p.topk(k, dim=-1)
+        child_tokens = ctx.token_ids(child_index).flatten(1)
+        cumulative = (child_scores + self.frontier_scores[:, :, None]).flatten(1)  # [R, k*k]
+        self.tokens.append(child_tokens)
+        self.scores.append(cumulative)
+        self.entropy.append(_entropy(log_p).repeat_interleave(k, dim=1))
+        self.parents.append(self.frontier_flat.repeat_interleave(k, dim=1))
+        best_scores, best = cumulative.topk(k, dim=-1)
+        parent_row = best // k
+        self.frontier_tokens = child_tokens.gather(1, best)
+        self.frontier_hidden = out.gather(1, parent_row[:, :, None].expand(-1, -1, out.shape[-1]))
+        self.frontier_scores = best_scores
+        self.frontier_flat = offset + best
+        return parent_row
+
+    def flat(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every candidate's token, cumulative log-probability, parent's flat index (-1: root) and entropy,
+        [R, width] each."""
+        return tuple(torch.cat(c, dim=1) for c in (self.tokens, self.scores, self.parents, self.entropy))
+
+
+def select_nodes(
+    tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor, entropy: torch.Tensor, n_draft: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """EAGLE-2's reranking per row: the n_draft candidates of highest cumulative log-probability `scores`.
+
+    Candidates are flat [R, F] (`Candidates.flat`), parents before children. Returns the selected nodes'
+    tokens, parents (node indices, 0 = the root), confidences and entropies, [R, min(n_draft, F)] each, in
+    candidate order."""
+    rows, device = tokens.shape[0], tokens.device
+    # Stable descending sort per row: on equal scores the lower flat index (a parent before its child) wins.
+    order = torch.sort(-scores, dim=1, stable=True).indices[:, :n_draft]
+    selected = order.sort(dim=1).values
+    n = selected.shape[1]
+    node_of_flat = torch.full_like(tokens, -1)
+    node_of_flat.scatter_(1, selected, torch.arange(1, n + 1, device=device).expand(rows, n))
+    parent_flat = parents.gather(1, selected)
+    node_parents = torch.where(parent_flat < 0, 0, node_of_flat.gather(1, parent_flat.clamp(min=0)))
+    if (node_parents < 0).any():
+        raise AssertionError("EAGLE-2 selection kept a node without its parent")
+    return tokens.gather(1, selected), node_parents, scores.gather(1, selected).exp(), entropy.gather(1, selected)
 
 
 def select_tree(
     root: int, n_draft: int, tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor, entropy: torch.Tensor
 ) -> DraftTree:
-    """EAGLE-2's reranking: the n_draft candidates of highest cumulative log-probability `scores`, under `root`.
-
-    Candidates are flat, parents before children; `parents` holds each one's parent's flat index (-1: root)."""
+    """`select_nodes` of one tree's flat candidates [F], under `root`."""
     device = tokens.device
-    # Stable descending sort: on equal scores the lower flat index (a parent before its child) wins.
-    order = torch.sort(-scores, stable=True).indices[:n_draft]
-    selected = order.sort().values
-    node_of_flat = torch.full((tokens.numel(),), -1, dtype=torch.long, device=device)
-    node_of_flat[selected] = torch.arange(1, selected.numel() + 1, device=device)
-    parent_flat = parents[selected]
-    node_parents = torch.where(parent_flat < 0, 0, node_of_flat[parent_flat.clamp(min=0)])
-    if (node_parents < 0).any():
-        raise AssertionError("EAGLE-2 selection kept a node without its parent")
+    nodes, node_parents, confidence, node_entropy = (
+        t[0] for t in select_nodes(tokens[None], scores[None], parents[None], entropy[None], n_draft))
     return build_tree(
-        torch.cat([torch.tensor([root], device=device), tokens[selected]]),
+        torch.cat([torch.tensor([root], device=device), nodes]),
         torch.cat([torch.tensor([-1], device=device), node_parents]),
-        confidence=scores[selected].exp(),
-        entropy=entropy[selected],
+        confidence=confidence,
+        entropy=node_entropy,
     )
 
 
 @torch.no_grad()
+def draft_eagle2_trees(
+    head: DraftHead,
+    ctx: DraftContext,
+    cache: HeadCache,
+    features: torch.Tensor,
+    next_tokens: torch.Tensor,
+    total_token: int,
+    depth: int,
+    top_k: int,
+    min_confidence: float = 0.0,
+) -> tuple[list[DraftTree], HeadCache]:
+    """EAGLE-2 dynamic trees: expand the top_k best nodes per level, keep the total_token-1 best candidates.
+
+    One tree per stacked head (`head.stacked`; one for a plain head), all drafted in one forward per level.
+    `features` [m, d] are the target features of the newly committed positions ([m, k*d] fused layers for an
+    EAGLE-3 head, whose deeper levels read its own outputs) and `next_tokens` [m] the tokens that follow each of
+    them; the last of these is the tree's root. `ctx` is the head's (`head_context`). `min_confidence` > 0 stops
+    expanding a head's tree once its best frontier node's cumulative probability falls below it: deeper nodes
+    would be less likely still to be accepted (docs/algorithms.md#draft-confidence-stop).
+    """
+    n_draft = total_token - 1
+    k = top_k
+    passes = depth if n_draft > k else 0  # a tree no wider than one level needs no expansion
+    hidden, cache = extend_context(head, ctx, cache, features, next_tokens, reserve=passes * k)
+    root = int(next_tokens[-1])
+    rows, dtype, device = head.stacked, hidden.dtype, hidden.device
+    candidates = Candidates(ctx, hidden, k)
+    # One mask per head for every pass: committed columns all True, tree columns = each frontier node's
+    # ancestors + self.
+    start = cache.length
+    mask = torch.ones(rows, k, start + passes * k, dtype=torch.bool, device=device)
+    eye = torch.eye(k, dtype=torch.bool, device=device)
+    stop_below = math.log(min_confidence) if min_confidence > 0 else -math.inf
+    widths: list[int | None] = [None] * rows  # per head: its candidates when it stopped (None: never stopped)
+    for level in range(passes):
+        if stop_below > -math.inf:
+            for n, best in enumerate(candidates.frontier_scores[:, 0].tolist()):
+                if widths[n] is None and best < stop_below:
+                    widths[n] = candidates.width
+            if None not in widths:
+                break
+        end = start + (level + 1) * k
+        mask[:, :, end - k : end] = eye
+        out = head.step(
+            ctx.embed(candidates.frontier_tokens).to(dtype),
+            candidates.frontier_hidden,
+            torch.full((1, k), start + level, device=device),  # broadcast over heads
+            mask[:, None, :, :end],
+            cache.slots.kv,
+            end - k,
+        )
+        parent_row = candidates.expand(ctx, out)
+        mask[:, :, start:end] = mask[:, :, start:end].gather(1, parent_row[:, :, None].expand(-1, -1, end - start))
+
+    flat = candidates.flat()
+    trees = [select_tree(root, n_draft, *(t[n, : widths[n]] for t in flat)) for n in range(rows)]
+    return trees, cache
+
+
 def draft_eagle2(
     head: DraftHead,
     ctx: DraftContext,
@@ -313,65 +439,7 @@ def draft_eagle2(
     top_k: int,
     min_confidence: float = 0.0,
 ) -> tuple[DraftTree, HeadCache]:
-    """EAGLE-2 dynamic tree: expand the top_k best nodes per level, keep the total_token-1 best candidates.
-
-    `features` [m, d] are the target features of the newly committed positions ([m, k*d] fused layers for an
-    EAGLE-3 head, whose deeper levels read its own outputs) and `next_tokens` [m] the tokens that follow each of
-    them; the last of these is the tree's root. `ctx` is the head's (`head_context`). `min_confidence` > 0 stops
-    expanding once the best frontier node's cumulative probability falls below it: deeper nodes would be less
-    likely still to be accepted (docs/algorithms.md#draft-confidence-stop).
-    """
-    n_draft = total_token - 1
-    k = top_k
-    passes = depth if n_draft > k else 0  # a tree no wider than one level needs no expansion
-    hidden, cache = extend_context(head, ctx, cache, features, next_tokens, reserve=passes * k)
-    root = int(next_tokens[-1])
-    dtype, device = hidden.dtype, hidden.device
-
-    log_p = ctx.log_probs(hidden)
-    scores, index = log_p.topk(k)
-    tokens = ctx.token_ids(index)
-    cand_tokens, cand_scores = [tokens], [scores]
-    cand_entropy = [_entropy(log_p).expand(k)]
-    cand_parent = [torch.full((k,), -1, dtype=torch.long, device=device)]  # flat index of each candidate's parent
-
-    frontier_tokens, frontier_scores = tokens, scores
-    frontier_hidden = hidden.expand(k, -1)
-    frontier_flat = torch.arange(k, device=device)
-    # One mask for every pass: committed columns all True, tree columns = each frontier node's ancestors + self.
-    start = cache.length
-    mask = torch.ones(k, start + passes * k, dtype=torch.bool, device=device)
-    eye = torch.eye(k, dtype=torch.bool, device=device)
-    stop_below = math.log(min_confidence) if min_confidence > 0 else -math.inf
-    for level in range(passes):
-        if stop_below > -math.inf and float(frontier_scores[0]) < stop_below:
-            break
-        end = start + (level + 1) * k
-        mask[:, end - k : end] = eye
-        out = head.step(
-            ctx.embed(frontier_tokens.unsqueeze(0)).to(dtype),
-            frontier_hidden.unsqueeze(0),
-            torch.full((1, k), start + level, device=device),
-            mask[None, None, :, :end],
-            cache.slots.kv,
-            end - k,
-        )
-        log_p = ctx.log_probs(out[0])  # [k, V]
-        child_scores, child_index = log_p.topk(k, dim=-1)
-        child_tokens = ctx.token_ids(child_index).flatten()
-        cumulative = (child_scores + frontier_scores[:, None]).flatten()
-        cand_tokens.append(child_tokens)
-        cand_scores.append(cumulative)
-        cand_entropy.append(_entropy(log_p).repeat_interleave(k))
-        cand_parent.append(frontier_flat.repeat_interleave(k))
-        best_scores, best = cumulative.topk(k)
-        rows = best // k
-        frontier_tokens = child_tokens[best]
-        frontier_hidden = out[0, rows]
-        frontier_scores = best_scores
-        frontier_flat = k + level * k * k + best
-        mask[:, start:end] = mask[rows, start:end]
-
-    tree = select_tree(root, n_draft, torch.cat(cand_tokens), torch.cat(cand_scores), torch.cat(cand_parent),
-                       torch.cat(cand_entropy))
+    """`draft_eagle2_trees` of one (unstacked) head: its tree and cache."""
+    (tree,), cache = draft_eagle2_trees(head, ctx, cache, features, next_tokens, total_token, depth, top_k,
+                                        min_confidence)
     return tree, cache

@@ -110,6 +110,8 @@ class Eagle3DecoderLayer(DraftDecoderLayer):
 
 
 class DraftHead(nn.Module):
+    stacked: int = 1  # heads this module runs side by side, head n on batch row n (models/stacked_head.py)
+
     def __init__(self, config: DraftHeadConfig) -> None:
         super().__init__()
         self.config = config
