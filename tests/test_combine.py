@@ -194,7 +194,7 @@ def test_confidence_routing_picks_the_sharper_head_and_keeps_both_caches(tiny_ta
         assert state.last_head == sharp_index
         assert torch.equal(tree.tokens, sharp_tree.tokens) and torch.equal(tree.parents, sharp_tree.parents)
         assert state.confidences[sharp_index] == pytest.approx(sharp_tree.mean_confidence)
-        assert [s.length for s in state.parts] == [len(next_tokens)] * 2  # both stable caches advanced
+        assert state.stacked.length == len(next_tokens)  # both heads' stacked stable caches advanced
         entropy = build_proposer("entropy-routed", tiny_target, heads, TREE)
         tree, state = entropy.propose(entropy.init_state(), features, next_tokens)
         assert state.last_head == state.chosen == sharp_index and torch.equal(tree.tokens, sharp_tree.tokens)
@@ -288,7 +288,7 @@ def test_merged_tree_of_real_heads_follows_the_spec(tiny_target, probe):
     b, _ = parts[1].propose(HeadCache(), features, next_tokens)
     mask, depth, retrieve = _spec_merge(a, b)
     assert torch.equal(merged.mask, mask) and torch.equal(merged.depth, depth) and torch.equal(merged.retrieve, retrieve)
-    assert state.last_head == -1 and [s.length for s in state.parts] == [len(next_tokens)] * 2
+    assert state.last_head == -1 and state.stacked.length == len(next_tokens)
     # identical heads: dedup collapses the merged tree onto one tree
     twins = [parts[0], SingleHead("a2", new_head(config, seed=1), context, TREE)]
     dedup, _ = Merged(twins, mode="dedup").propose(Merged(twins).init_state(), features, next_tokens)

@@ -18,7 +18,11 @@ Head A is the first head of the config (math), head B the second (chat).
 
 Combinations are built over sub-proposers (one `SingleHead` per head), so each head keeps its own stable
 cache in an explicit state and the heads can never clobber each other (docs/algorithms.md#taps-combinations). The routed and merged
-proposers accept any `Proposer` parts, which lets tests combine oracle drafters with real heads.
+proposers accept any `Proposer` parts, which lets tests combine oracle drafters with real heads. When every
+part drafts every step (confidence routing, merged trees) and the parts are `SingleHead`s whose heads stack
+(same shape, context and tree settings: `stackable`), the heads draft side by side, one batched forward per
+tree level in one stacked cache (`StackedHeads`), giving the trees they would draft one by one; other parts
+draft one after the other.
 
 A routed state exposes `last_head` (the index of the part whose tree was verified; -1 for a merged tree),
 which the decoding loop copies into `StepRecord.head`.
@@ -28,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -37,8 +41,8 @@ from taps_ray.config import TreeConfig
 from taps_ray.eval.diagnostics import mean_node_confidence
 from taps_ray.models.draft_head import DraftHead
 from taps_ray.engine.ngram import NgramProposer
-from taps_ray.engine.proposers import Proposer, SingleHead, feature_layers
-from taps_ray.engine.tree import DraftContext, DraftTree, build_tree, path_scores, ranked_nodes, subtree
+from taps_ray.engine.proposers import Proposer, SingleHead, StackedHeads, feature_layers, stackable
+from taps_ray.engine.tree import DraftContext, DraftTree, HeadCache, build_tree, path_scores, ranked_nodes, subtree
 
 # --- checkpoint averaging (docs/algorithms.md#weight-averaging) ---------------------------------------------
 
@@ -81,6 +85,7 @@ class RouterState:
     """Per-sequence state of a router or merger: every part's own state plus what was chosen last."""
 
     parts: tuple[Any, ...]  # each part's state; None for a part that no longer drafts (entropy routing)
+    stacked: HeadCache | None = None  # instead of `parts`: the heads' one cache when they draft side by side
     last_head: int = 0  # part whose tree was verified last; -1 for a merged tree
     chosen: int | None = None  # entropy routing: the head picked for this sequence
     confidences: tuple[float, ...] = ()  # mean node confidence of each part's last tree (nan if it did not draft)
@@ -99,7 +104,8 @@ def _draft_all(parts: Sequence[Proposer], states: Sequence[Any], features: torch
 
 @dataclass
 class OverParts:
-    """A proposer built from other proposers (its parts): every part keeps its own state in a RouterState."""
+    """A proposer built from other proposers (its parts): every part keeps its own state in a RouterState
+    (or, drafting side by side, one stacked cache: `AllPartsDrafting`)."""
 
     parts: list[Proposer]
     initial_head: ClassVar[int] = 0  # what `last_head` says before the first verification (-1: merged trees)
@@ -121,7 +127,31 @@ class OverParts:
 
 
 @dataclass
-class ConfidenceRouted(OverParts):
+class AllPartsDrafting(OverParts):
+    """A proposer whose parts all draft every step, from the same inputs: side by side in one batched forward
+    per tree level when they stack (`StackedHeads`), else one after the other."""
+
+    def __post_init__(self) -> None:
+        self.side_by_side = StackedHeads(self.parts) if stackable(self.parts) else None
+
+    def init_state(self) -> RouterState:
+        if self.side_by_side is None:
+            return super().init_state()
+        return RouterState(parts=(), stacked=self.side_by_side.init_state(), last_head=self.initial_head)
+
+    def draft_all(
+        self, state: RouterState, features: torch.Tensor, next_tokens: torch.Tensor
+    ) -> tuple[list[DraftTree], RouterState]:
+        """Every part's tree, and a state that holds only the parts' new caches."""
+        if self.side_by_side is None:
+            trees, states = _draft_all(self.parts, state.parts, features, next_tokens)
+            return trees, RouterState(parts=states)
+        trees, cache = self.side_by_side.propose_all(state.stacked, features, next_tokens)
+        return trees, RouterState(parts=(), stacked=cache)
+
+
+@dataclass
+class ConfidenceRouted(AllPartsDrafting):
     """Every part drafts from the same inputs each step; the tree with the highest mean confidence is verified.
 
     Ties go to the earlier part (head A). Every part's stable cache advances every step, so switching heads
@@ -133,11 +163,11 @@ class ConfidenceRouted(OverParts):
     def propose(
         self, state: RouterState, features: torch.Tensor, next_tokens: torch.Tensor
     ) -> tuple[DraftTree, RouterState]:
-        trees, states = _draft_all(self.parts, state.parts, features, next_tokens)
+        trees, caches = self.draft_all(state, features, next_tokens)
         confidences = tuple(t.mean_confidence for t in trees)
         best = max(range(len(trees)), key=lambda i: (confidences[i], -i))  # ties -> lowest index
-        return trees[best], RouterState(
-            parts=states,
+        return trees[best], replace(
+            caches,
             last_head=best,
             confidences=confidences,
             entropies=tuple(t.mean_entropy for t in trees),
@@ -329,7 +359,7 @@ def _paths(tree: DraftTree) -> list[tuple[int, ...]]:
 
 
 @dataclass
-class Merged(OverParts):
+class Merged(AllPartsDrafting):
     """Every part drafts from the same inputs; their trees are verified together as one tree (last_head = -1).
 
     mode: "concat" (the reference `_merge_trees`), "dedup" (trie merge), "budget" (one single-tree budget of
@@ -346,13 +376,14 @@ class Merged(OverParts):
             raise ValueError(f"unknown merge mode {self.mode!r}; use concat, dedup, budget or rank")
         if self.mode in ("budget", "rank") and (self.budget is None or self.budget < 1):
             raise ValueError(f"merge mode {self.mode!r} needs a node budget of at least 1")
+        super().__post_init__()
 
     initial_head: ClassVar[int] = -1
 
     def propose(
         self, state: RouterState, features: torch.Tensor, next_tokens: torch.Tensor
     ) -> tuple[DraftTree, RouterState]:
-        trees, states = _draft_all(self.parts, state.parts, features, next_tokens)
+        trees, caches = self.draft_all(state, features, next_tokens)
         confidences = tuple(t.mean_confidence for t in trees)
         shares: tuple[int, ...] = ()
         if self.mode == "budget":
@@ -362,8 +393,8 @@ class Merged(OverParts):
             tree, shares = rank_merge(trees, self.budget)
         else:
             tree = merge_trees(trees, dedup=self.mode == "dedup")
-        return tree, RouterState(
-            parts=states,
+        return tree, replace(
+            caches,
             last_head=-1,
             confidences=confidences,
             entropies=tuple(t.mean_entropy for t in trees),

@@ -7,6 +7,7 @@ from sharing a cache and lets a Ray actor hold the states of many sequences.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -14,7 +15,9 @@ import torch
 
 from taps_ray.config import TreeConfig
 from taps_ray.models.draft_head import DraftHead
-from taps_ray.engine.tree import DraftContext, DraftTree, HeadCache, draft_eagle2, head_context, root_only
+from taps_ray.models.stacked_head import StackedHead, stack_mismatch
+from taps_ray.engine.tree import DraftContext, DraftTree, HeadCache, draft_eagle2, draft_eagle2_trees, head_context
+from taps_ray.engine.tree import root_only
 
 
 class Proposer(Protocol):
@@ -86,4 +89,45 @@ class SingleHead:
             depth=self.tree.depth,
             top_k=self.tree.top_k,
             min_confidence=self.tree.min_confidence,
+        )
+
+
+def stackable(parts: Sequence[Proposer]) -> bool:
+    """Whether `parts` can draft as `StackedHeads`: `SingleHead`s with one context and one tree setting whose
+    heads stack (`stack_mismatch`)."""
+    if not parts or not all(isinstance(p, SingleHead) for p in parts):
+        return False
+    first = parts[0]
+    same_drafting = all(p.context is first.context and p.tree == first.tree for p in parts)
+    return same_drafting and stack_mismatch([p.head for p in parts]) is None
+
+
+@dataclass
+class StackedHeads:
+    """`SingleHead`s (`stackable`) drafting side by side: one forward per tree level for all their heads
+    (models/stacked_head.py), each head's tree as it would draft alone. The state is one stacked `HeadCache`."""
+
+    parts: list[SingleHead]
+
+    def __post_init__(self) -> None:
+        self.head = StackedHead([p.head for p in self.parts])
+
+    def init_state(self) -> HeadCache:
+        return HeadCache()
+
+    def propose_all(
+        self, state: HeadCache, features: torch.Tensor, next_tokens: torch.Tensor
+    ) -> tuple[list[DraftTree], HeadCache]:
+        """Every part's tree (in part order) from the same committed inputs (see `Proposer.propose`)."""
+        first = self.parts[0]
+        return draft_eagle2_trees(
+            self.head,
+            first.context,
+            state,
+            features,
+            next_tokens,
+            total_token=first.tree.total_token,
+            depth=first.tree.depth,
+            top_k=first.tree.top_k,
+            min_confidence=first.tree.min_confidence,
         )

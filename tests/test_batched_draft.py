@@ -1,0 +1,157 @@
+"""Routers and merged trees draft their heads side by side (one batched forward per tree level) and get the
+trees the heads draft one by one; parts that do not stack fall back to drafting one after the other."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from taps_ray.config import TreeConfig
+from taps_ray.engine.combine import ConfidenceRouted, Merged, merge_trees
+from taps_ray.engine.generate import generate
+from taps_ray.engine.ngram import NgramProposer
+from taps_ray.engine.proposers import SingleHead
+from taps_ray.engine.registry import build_proposer
+from taps_ray.engine.tree import DraftContext, DraftTree, HeadCache
+from taps_ray.engine.verify import SamplingParams
+from taps_ray.models.draft_head import new_head
+from taps_ray.models.stacked_head import StackedHead, stack_mismatch
+
+from oracles import fit_head
+
+GREEDY = SamplingParams()
+TREE = TreeConfig(total_token=8, depth=3, top_k=3)
+MAX_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_target) -> list[list[int]]:
+    tok = tiny_target.tokenizer
+    return [tok.encode("Hello there, how are you"), tok.encode("2+2=")]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_target, prompts) -> list[list[int]]:
+    """The target's own greedy continuations (the loop's, so stop tokens end them alike)."""
+    plain = build_proposer("plain", tiny_target, {}, TREE)
+    return [g.tokens for g in generate(tiny_target.model, plain, prompts, GREEDY, MAX_NEW, tiny_target.stop_token_ids)]
+
+
+@pytest.fixture(scope="module")
+def fitted(tiny_target, prompts, expected):
+    """Two heads fitted to the target's continuations (different data, so their trees differ): drafts get accepted."""
+    sequences = [p + e for p, e in zip(prompts, expected)]
+    return {"math": fit_head(tiny_target, sequences, steps=60), "chat": fit_head(tiny_target, sequences[1:], seed=1,
+                                                                                 steps=60)}
+
+
+class Recorder:
+    """Wraps a proposer; records each draft call's inputs, so the same calls can be drafted head by head."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.calls = inner, []
+        self.name, self.head_names = inner.name, inner.head_names
+
+    def init_state(self):
+        return self.inner.init_state()
+
+    def propose(self, state, features, next_tokens):
+        tree, new_state = self.inner.propose(state, features, next_tokens)
+        self.calls.append((features.clone(), next_tokens.clone(), tree, new_state))
+        return tree, new_state
+
+
+def _assert_same_tree(got: DraftTree, want: DraftTree) -> None:
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.parents, want.parents)
+    torch.testing.assert_close(got.confidence, want.confidence)
+    torch.testing.assert_close(got.entropy, want.entropy)
+
+
+def test_stacked_head_rows_run_each_head(tiny_target):
+    config = tiny_target.model.config
+    heads = [new_head(config, seed=1, trained_on="a"), new_head(config, seed=2, trained_on="b")]
+    stack = StackedHead(heads)
+    assert stack.stacked == 2 and not any(p.is_meta for p in stack.parameters())
+    torch.manual_seed(0)
+    d, t = config.hidden_size, 5
+    emb, features = torch.randn(2, t, d), torch.randn(2, t, d)
+    positions, mask = torch.arange(t)[None], torch.ones(t, t, dtype=torch.bool).tril()[None, None]
+    with torch.no_grad():
+        out, _ = stack(emb, features, positions, mask)
+        for n, head in enumerate(heads):
+            alone, _ = head(emb[n : n + 1], features[n : n + 1], positions, mask)
+            torch.testing.assert_close(out[n : n + 1], alone, rtol=1e-6, atol=1e-6)
+
+
+def test_stack_mismatch_names_why(tiny_target):
+    config = tiny_target.model.config
+    head = new_head(config, seed=1)
+    assert stack_mismatch([head, new_head(config, seed=2, trained_on="other data")]) is None
+    assert "configurations differ" in stack_mismatch([head, new_head(config, seed=2, fc_bias=False)])
+    assert "EAGLE-3" in stack_mismatch([new_head(config, kind="eagle3"), new_head(config, kind="eagle3", seed=2)])
+    assert "dtypes" in stack_mismatch([head, new_head(config, seed=2, dtype=torch.bfloat16)])
+    assert "at least two" in stack_mismatch([head])
+    with pytest.raises(ValueError, match="cannot stack"):
+        StackedHead([head, new_head(config, seed=2, fc_bias=False)])
+
+
+@pytest.mark.parametrize("name", ["confidence-routed", "merged"])
+def test_batched_trees_equal_per_head_trees_along_a_decode(tiny_target, fitted, prompts, name):
+    """Every step of a real decode (drafts accepted, so several positions commit at once): the side-by-side
+    trees are the trees each head drafts alone from its own cache, and the router's output follows from them."""
+    proposer = build_proposer(name, tiny_target, fitted, TREE)
+    assert proposer.side_by_side is not None
+    for prompt in prompts:
+        recorder = Recorder(proposer)
+        generation = generate(tiny_target.model, recorder, [prompt], GREEDY, MAX_NEW, tiny_target.stop_token_ids)[0]
+        assert len(recorder.calls) >= 3 and any(s.accepted for s in generation.steps)
+        alone = [(part, HeadCache()) for part in proposer.parts]
+        batched = proposer.side_by_side.init_state()
+        for features, next_tokens, tree, state in recorder.calls:
+            singles = []
+            for i, (part, cache) in enumerate(alone):
+                single, cache = part.propose(cache, features, next_tokens)
+                alone[i] = (part, cache)
+                singles.append(single)
+            side_by_side, batched = proposer.side_by_side.propose_all(batched, features, next_tokens)
+            for got, want in zip(side_by_side, singles):
+                _assert_same_tree(got, want)
+            assert state.stacked.length == alone[0][1].length and state.parts == ()
+            assert state.confidences == pytest.approx([t.mean_confidence for t in singles])
+            assert state.entropies == pytest.approx([t.mean_entropy for t in singles])
+            if name == "merged":
+                assert state.last_head == -1
+                _assert_same_tree(tree, merge_trees(singles))
+            else:
+                best = max(range(2), key=lambda i: (singles[i].mean_confidence, -i))
+                assert state.last_head == best
+                _assert_same_tree(tree, singles[best])
+
+
+@pytest.mark.parametrize("name", ["confidence-routed", "merged", "merged-dedup", "merged-budget"])
+def test_batched_drafting_is_lossless_greedy_and_accepts_drafts(tiny_target, fitted, prompts, expected, name):
+    proposer = build_proposer(name, tiny_target, fitted, TREE)
+    assert proposer.side_by_side is not None
+    generations = generate(tiny_target.model, proposer, prompts, GREEDY, MAX_NEW, tiny_target.stop_token_ids)
+    assert [g.tokens for g in generations] == expected
+    assert sum(s.accepted for g in generations for s in g.steps) > 0
+    assert sum(len(g.steps) for g in generations) < sum(len(e) for e in expected)  # fewer steps than tokens
+
+
+def test_parts_that_do_not_stack_draft_one_after_the_other(tiny_target, fitted, prompts, expected):
+    model = tiny_target.model
+    context = DraftContext(model.get_input_embeddings(), model.lm_head)
+    math = SingleHead("math", fitted["math"], context, TREE)
+    unbiased = SingleHead("flat", new_head(model.config, seed=3, fc_bias=False), context, TREE)
+    other_tree = SingleHead("chat", fitted["chat"], context, TreeConfig(total_token=6, depth=2, top_k=2))
+    for parts in ([math, unbiased], [math, other_tree], [math, NgramProposer()]):
+        for proposer in (ConfidenceRouted(parts), Merged(parts, mode="rank", budget=TREE.total_token - 1)):
+            assert proposer.side_by_side is None
+            generations = generate(model, proposer, prompts, GREEDY, MAX_NEW, tiny_target.stop_token_ids)
+            assert [g.tokens for g in generations] == expected
+    # a merged tree of a stacked router and n-gram lookup: the outer merge falls back, the inner router stacks
+    outer = build_proposer("confidence-routed+ngram", tiny_target, fitted, TREE)
+    assert outer.side_by_side is None and outer.parts[0].side_by_side is not None
+    generations = generate(model, outer, prompts, GREEDY, MAX_NEW, tiny_target.stop_token_ids)
+    assert [g.tokens for g in generations] == expected
+    assert sum(s.accepted for g in generations for s in g.steps) > 0
