@@ -6,9 +6,10 @@
 The target greedy-decodes a few GSM8K and MT-Bench prompts once with the first head and the draft inputs of every
 step (committed features and tokens) are recorded. Each proposer then replays that sequence of draft calls
 through the baseline's `draft_eagle2` (its `engine/tree.py` and `models/draft_head.py`, read from git, heads
-rebuilt from the same weights) and through this tree's proposer, interleaved and repeated with the order
-alternating, so both sides see the same machine load. Trees are compared node for node (tokens, parents,
-confidence and entropy, bit for bit).
+rebuilt from the same weights, drafted one after the other; a router or merger then combines the trees with this
+tree's `combine`) and through this tree's proposer, interleaved and repeated with the order alternating, so both
+sides see the same machine load. Trees are compared node for node (tokens, parents, confidence and entropy, bit
+for bit).
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from taps_ray.bench import BenchOptions, GREEDY, bench_prompts
+    from taps_ray.engine.combine import RouterState
     from taps_ray.engine.generate import run_loop
     from taps_ray.engine.target_batch import TargetBatch
     from taps_ray.fsio import report_lines
@@ -135,11 +137,13 @@ def main() -> int:
         seconds = {"baseline": 0.0, "this tree": 0.0}
         same = total = 0
 
+        combine = getattr(proposer, "combine", None)  # a router's or merger's choice from its parts' trees
+
         def run_old(calls):
             states, trees = old_init(), []
             for features, tokens in calls:
                 drafted, states = old_draft(states, features, tokens)
-                trees.append(drafted)
+                trees.append([combine(drafted, RouterState(parts=()))[0]] if combine else drafted)
             return trees
 
         def run_new(calls):

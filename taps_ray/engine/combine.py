@@ -149,6 +149,15 @@ class AllPartsDrafting(OverParts):
         trees, cache = self.side_by_side.propose_all(state.stacked, features, next_tokens)
         return trees, RouterState(parts=(), stacked=cache)
 
+    def propose(
+        self, state: RouterState, features: torch.Tensor, next_tokens: torch.Tensor
+    ) -> tuple[DraftTree, RouterState]:
+        return self.combine(*self.draft_all(state, features, next_tokens))
+
+    def combine(self, trees: list[DraftTree], caches: RouterState) -> tuple[DraftTree, RouterState]:
+        """The tree to verify from every part's tree, and the state: `caches` with what was chosen."""
+        raise NotImplementedError
+
 
 @dataclass
 class ConfidenceRouted(AllPartsDrafting):
@@ -160,10 +169,7 @@ class ConfidenceRouted(AllPartsDrafting):
 
     name: str = "confidence-routed"
 
-    def propose(
-        self, state: RouterState, features: torch.Tensor, next_tokens: torch.Tensor
-    ) -> tuple[DraftTree, RouterState]:
-        trees, caches = self.draft_all(state, features, next_tokens)
+    def combine(self, trees: list[DraftTree], caches: RouterState) -> tuple[DraftTree, RouterState]:
         confidences = tuple(t.mean_confidence for t in trees)
         best = max(range(len(trees)), key=lambda i: (confidences[i], -i))  # ties -> lowest index
         return trees[best], replace(
@@ -380,10 +386,7 @@ class Merged(AllPartsDrafting):
 
     initial_head: ClassVar[int] = -1
 
-    def propose(
-        self, state: RouterState, features: torch.Tensor, next_tokens: torch.Tensor
-    ) -> tuple[DraftTree, RouterState]:
-        trees, caches = self.draft_all(state, features, next_tokens)
+    def combine(self, trees: list[DraftTree], caches: RouterState) -> tuple[DraftTree, RouterState]:
         confidences = tuple(t.mean_confidence for t in trees)
         shares: tuple[int, ...] = ()
         if self.mode == "budget":
