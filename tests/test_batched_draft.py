@@ -10,7 +10,7 @@ from taps_ray.config import TreeConfig
 from taps_ray.engine.combine import ConfidenceRouted, Merged, merge_trees
 from taps_ray.engine.generate import generate
 from taps_ray.engine.ngram import NgramProposer
-from taps_ray.engine.proposers import SingleHead
+from taps_ray.engine.proposers import SingleHead, StackedHeads
 from taps_ray.engine.registry import build_proposer
 from taps_ray.engine.tree import DraftContext, DraftTree, HeadCache
 from taps_ray.engine.verify import SamplingParams
@@ -155,3 +155,23 @@ def test_parts_that_do_not_stack_draft_one_after_the_other(tiny_target, fitted, 
     generations = generate(model, outer, prompts, GREEDY, MAX_NEW, tiny_target.stop_token_ids)
     assert [g.tokens for g in generations] == expected
     assert sum(s.accepted for g in generations for s in g.steps) > 0
+
+
+def test_heads_stop_expanding_on_their_own_confidence(tiny_target, fitted, prompts, expected):
+    """With `min_confidence`, each stacked head stops at its own level, as it does alone (a fitted head is sure
+    of the continuation, a random one is not)."""
+    model = tiny_target.model
+    context = DraftContext(model.get_input_embeddings(), model.lm_head)
+    tree = TreeConfig(total_token=16, depth=4, top_k=4, min_confidence=0.05)
+    parts = [SingleHead("math", fitted["math"], context, tree),
+             SingleHead("random", new_head(model.config, seed=7), context, tree)]
+    stacked = StackedHeads(parts)
+    sequence = prompts[0] + expected[0]
+    features = model.model(torch.tensor([sequence])).last_hidden_state[0].detach()
+    next_tokens = torch.tensor(sequence[1:])
+    trees, cache = stacked.propose_all(stacked.init_state(), features[:-1], next_tokens)
+    alone = [part.propose(HeadCache(), features[:-1], next_tokens)[0] for part in parts]
+    for got, want in zip(trees, alone):
+        _assert_same_tree(got, want)
+    assert int(alone[0].depth.max()) > int(alone[1].depth.max())  # they stopped at different levels
+    assert cache.length == len(next_tokens)
