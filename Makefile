@@ -57,16 +57,15 @@ search: install
 report: install
 	$(VENV)/bin/taps report --config configs/cpu.yaml
 
-# The speed math head (configs/speed.yaml: trained on the target's own answers; resumable, skipped once trained;
-# ~26 min on a shared 2-core machine, mostly answer regeneration, per its metrics.json), then the wall-clock
-# benchmark against plain decoding, HF greedy, prompt lookup and assisted generation: fp32 on GSM8K, MT-Bench and
-# out-of-domain categories, bf16 on GSM8K (23-47 min on an idle 2-core CPU, as fast as the host runs that day;
-# `taps bench --help`) -> reports/bench.md.
-# The speed chat head (`taps train --config configs/speed.yaml --kind eagle2 --mixture chat`) is not in the default
-# bench (it did not pay on MT-Bench); serving's routed model and benchmarks/serve_load.py need it.
+# The wall-clock benchmark (reports/bench.md) drafts with the study's EAGLE-2 math head (configs/cpu.yaml, trained on
+# the target's own answers): after `make sweep` it is already trained and the bench only decodes; on a fresh clone
+# `taps train` builds just that head (resumable, skipped once trained). Then plain decoding, HF greedy, prompt lookup
+# and assisted generation against our proposers: fp32 on GSM8K, MT-Bench and out-of-domain categories, bf16 on
+# GSM8K (`taps bench --help`). The deployment heads of configs/speed.yaml (longer answers, a multi-turn chat head)
+# serve benchmarks/serve_load.py and the draft profile.
 bench: install
-	$(VENV)/bin/taps train --config configs/speed.yaml --kind eagle2 --mixture math
-	$(VENV)/bin/taps bench --config configs/speed.yaml
+	$(VENV)/bin/taps train --config configs/cpu.yaml --kind eagle2 --mixture math
+	$(VENV)/bin/taps bench --config configs/cpu.yaml
 
 clean-venv:
 	rm -rf $(VENV)

@@ -45,9 +45,9 @@ class BenchOptions:
     """Defaults are the full `make bench` run: fp32, where output must equal greedy token for token and where every
     goal is judged, decodes every prompt; bf16, the deployed dtype, decodes the first benchmark (GSM8K) with the
     same methods, for the figures beside them. Our proposers: prompt lookup alone and the math head merged with
-    it, each also under the cost model (`auto-`), which must not fall below plain anywhere. The speed chat head
-    (trained on the target's multi-turn answers) is out of the default run: merged with prompt lookup it lost to
-    plain on MT-Bench (0.77x, README "Speed on this CPU"); `--proposers chat+ngram` measures it again."""
+    it, each also under the cost model (`auto-`), which must not fall below plain anywhere. A chat head (trained on
+    the target's multi-turn answers) is out of the default run: merged with prompt lookup it lost to plain on
+    MT-Bench (0.77x, README "Speed on this CPU"); `--proposers chat+ngram` measures it again."""
 
     kind: str = "eagle2"
     proposers: list[str] = field(default_factory=lambda: ["ngram", "auto-ngram", "math+ngram", "auto-math+ngram"])

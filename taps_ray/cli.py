@@ -247,7 +247,7 @@ def bench_options(args: argparse.Namespace):
 def _bench(args: argparse.Namespace) -> int:
     from taps_ray.bench import cmd_bench
 
-    command = "taps " + " ".join(sys.argv[1:]) if sys.argv[1:] else "taps bench --config configs/speed.yaml"
+    command = "taps " + " ".join(sys.argv[1:]) if sys.argv[1:] else "taps bench --config configs/cpu.yaml"
     return cmd_bench(_config(args), bench_options(args), command)
 
 
