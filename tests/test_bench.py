@@ -136,6 +136,8 @@ def test_goals_per_row_and_what_limits():
     assert goals[1]["method"] == "ngram" and goals[1]["met"] == "yes"  # 1.10x on mt_bench
     floors = {g["method"]: (g["measured"], g["met"]) for g in goals[2:]}
     assert floors == {"math+ngram": ("worst 0.90× (mt_bench)", "no"), "ngram": ("worst 1.10× (mt_bench)", "yes")}
+    no_peers = goal_rows(_section("float32", [r for r in rows if not r[0].startswith("hf-")], ["gsm8k"]))
+    assert no_peers[0]["measured"] == "2.20× (peer not run, identical 1.00)" and no_peers[0]["met"] == "no"
     bf16 = goal_rows(_section("bfloat16", rows, ["gsm8k"]))  # identity not required: ngram's 2.5x counts
     assert bf16[0]["method"] == "ngram" and len(bf16) == 3
     [line] = limit_lines(_section("float32", rows, ["gsm8k"]))
