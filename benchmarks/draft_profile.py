@@ -56,21 +56,6 @@ def baseline(rev: str) -> tuple[types.ModuleType, types.ModuleType]:
     return head, tree
 
 
-class Recorder:
-    """Wraps a proposer and records the (features, next_tokens) of each draft call."""
-
-    def __init__(self, inner) -> None:
-        self.inner, self.calls = inner, []
-        self.name, self.head_names = inner.name, inner.head_names
-
-    def init_state(self):
-        return self.inner.init_state()
-
-    def propose(self, state, features, next_tokens):
-        self.calls.append((features.clone(), next_tokens.clone()))
-        return self.inner.propose(state, features, next_tokens)
-
-
 def baseline_drafter(head_mod, tree_mod, heads: list, context, tree_cfg):
     """The baseline's drafting of `heads` (one tree per head, drafted one after the other)."""
     rebuilt = []
@@ -107,6 +92,7 @@ def main() -> int:
     from taps_ray.bench import BenchOptions, GREEDY, bench_prompts
     from taps_ray.engine.combine import RouterState
     from taps_ray.engine.generate import run_loop
+    from taps_ray.engine.proposers import Recording
     from taps_ray.engine.target_batch import TargetBatch
     from taps_ray.fsio import report_lines
     from taps_ray.models.target import load_target
@@ -117,7 +103,7 @@ def main() -> int:
     target = load_target(cfg.target, dtype=args.dtype)
     prompts = bench_prompts(cfg, target, BenchOptions(benchmarks=["gsm8k", "mt_bench"], per_benchmark=args.per_benchmark))
     proposers = load_proposers(cfg, args.proposers, target=target, kind="eagle2")
-    first = Recorder(proposers[args.proposers[0]])
+    first = Recording(proposers[args.proposers[0]])
     recorded = []
     for _, prompt in prompts:
         first.calls = []
@@ -141,14 +127,14 @@ def main() -> int:
 
         def run_old(calls):
             states, trees = old_init(), []
-            for features, tokens in calls:
+            for features, tokens, *_ in calls:
                 drafted, states = old_draft(states, features, tokens)
                 trees.append([combine(drafted, RouterState(parts=()))[0]] if combine else drafted)
             return trees
 
         def run_new(calls):
             state, trees = proposer.init_state(), []
-            for features, tokens in calls:
+            for features, tokens, *_ in calls:
                 tree, state = proposer.propose(state, features, tokens)
                 trees.append(tree)
             return trees

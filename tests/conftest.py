@@ -46,6 +46,13 @@ def tiny_target(tiny_config: StudyConfig) -> Target:
     return load_target(tiny_config.target)
 
 
+@pytest.fixture(scope="session")
+def prompts(tiny_target: Target) -> list[list[int]]:
+    """Two short prompts for the tiny target: a sentence and a sum."""
+    tok = tiny_target.tokenizer
+    return [tok.encode("Hello there, how are you"), tok.encode("2+2=")]
+
+
 @pytest.fixture(scope="session", params=DEVICES)
 def device_target(request: pytest.FixtureRequest, tiny_config: StudyConfig, tiny_target: Target) -> Target:
     """The tiny target on each available device (fp32, as `tiny_target`)."""

@@ -10,7 +10,7 @@ from taps_ray.config import TreeConfig
 from taps_ray.engine.combine import ConfidenceRouted, Merged, merge_trees
 from taps_ray.engine.generate import generate
 from taps_ray.engine.ngram import NgramProposer
-from taps_ray.engine.proposers import SingleHead, StackedHeads
+from taps_ray.engine.proposers import Recording, SingleHead, StackedHeads
 from taps_ray.engine.registry import build_proposer
 from taps_ray.engine.tree import DraftContext, DraftTree, HeadCache
 from taps_ray.engine.verify import SamplingParams
@@ -22,12 +22,6 @@ from oracles import fit_head
 GREEDY = SamplingParams()
 TREE = TreeConfig(total_token=8, depth=3, top_k=3)
 MAX_NEW = 12
-
-
-@pytest.fixture(scope="module")
-def prompts(tiny_target) -> list[list[int]]:
-    tok = tiny_target.tokenizer
-    return [tok.encode("Hello there, how are you"), tok.encode("2+2=")]
 
 
 @pytest.fixture(scope="module")
@@ -43,22 +37,6 @@ def fitted(tiny_target, prompts, expected):
     sequences = [p + e for p, e in zip(prompts, expected)]
     return {"math": fit_head(tiny_target, sequences, steps=60), "chat": fit_head(tiny_target, sequences[1:], seed=1,
                                                                                  steps=60)}
-
-
-class Recorder:
-    """Wraps a proposer; records each draft call's inputs, so the same calls can be drafted head by head."""
-
-    def __init__(self, inner) -> None:
-        self.inner, self.calls = inner, []
-        self.name, self.head_names = inner.name, inner.head_names
-
-    def init_state(self):
-        return self.inner.init_state()
-
-    def propose(self, state, features, next_tokens):
-        tree, new_state = self.inner.propose(state, features, next_tokens)
-        self.calls.append((features.clone(), next_tokens.clone(), tree, new_state))
-        return tree, new_state
 
 
 def _assert_same_tree(got: DraftTree, want: DraftTree) -> None:
@@ -102,7 +80,7 @@ def test_batched_trees_equal_per_head_trees_along_a_decode(tiny_target, fitted, 
     proposer = build_proposer(name, tiny_target, fitted, TREE)
     assert proposer.side_by_side is not None
     for prompt in prompts:
-        recorder = Recorder(proposer)
+        recorder = Recording(proposer)
         generation = generate(tiny_target.model, recorder, [prompt], GREEDY, MAX_NEW, tiny_target.stop_token_ids)[0]
         assert len(recorder.calls) >= 3 and any(s.accepted for s in generation.steps)
         alone = [(part, HeadCache()) for part in proposer.parts]

@@ -66,12 +66,6 @@ def heads(tiny_target) -> dict[str, DraftHead]:
 
 
 @pytest.fixture(scope="module")
-def prompts(tiny_target) -> list[list[int]]:
-    tok = tiny_target.tokenizer
-    return [tok.encode("Hello there, how are you"), tok.encode("2+2=")]
-
-
-@pytest.fixture(scope="module")
 def expected(tiny_target, prompts) -> list[list[int]]:
     model, stops = tiny_target.model, tiny_target.stop_token_ids
     outs = []

@@ -16,8 +16,7 @@ import torch
 from taps_ray.config import TreeConfig
 from taps_ray.models.draft_head import DraftHead
 from taps_ray.models.stacked_head import StackedHead, stack_mismatch
-from taps_ray.engine.tree import DraftContext, DraftTree, HeadCache, draft_eagle2, draft_eagle2_trees, head_context
-from taps_ray.engine.tree import root_only
+from taps_ray.engine.tree import DraftContext, DraftTree, HeadCache, draft_eagle2_trees, head_context, root_only
 
 
 class Proposer(Protocol):
@@ -40,6 +39,23 @@ def feature_layers(proposer: Proposer) -> tuple[int, ...]:
     """The target layers a proposer drafts from, for `TargetBatch(feature_layers=...)`: () means the post-norm
     last layer (every proposer but an EAGLE-3 head's, which says so by a `feature_layers` attribute)."""
     return tuple(getattr(proposer, "feature_layers", ()))
+
+
+class Recording:
+    """Any proposer, recording each call's (features, next_tokens, tree, state): a benchmark or test can then
+    replay the same draft calls through other drafting code and compare."""
+
+    def __init__(self, inner: Proposer) -> None:
+        self.inner, self.name, self.head_names = inner, inner.name, inner.head_names
+        self.calls: list[tuple[torch.Tensor, torch.Tensor, DraftTree, Any]] = []
+
+    def init_state(self) -> Any:
+        return self.inner.init_state()
+
+    def propose(self, state: Any, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[DraftTree, Any]:
+        tree, new_state = self.inner.propose(state, features, next_tokens)
+        self.calls.append((features.clone(), next_tokens.clone(), tree, new_state))
+        return tree, new_state
 
 
 class PlainDecoding:
@@ -79,17 +95,17 @@ class SingleHead:
         return HeadCache()
 
     def propose(self, state: HeadCache, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[DraftTree, HeadCache]:
-        return draft_eagle2(
-            self.head,
-            self.context,
-            state,
-            features,
-            next_tokens,
-            total_token=self.tree.total_token,
-            depth=self.tree.depth,
-            top_k=self.tree.top_k,
-            min_confidence=self.tree.min_confidence,
-        )
+        (tree,), cache = draft_trees(self.head, self.context, self.tree, state, features, next_tokens)
+        return tree, cache
+
+
+def draft_trees(
+    head: DraftHead, context: DraftContext, tree: TreeConfig, state: HeadCache, features: torch.Tensor,
+    next_tokens: torch.Tensor,
+) -> tuple[list[DraftTree], HeadCache]:
+    """`draft_eagle2_trees` with a config's tree settings: one tree per (stacked) head."""
+    return draft_eagle2_trees(head, context, state, features, next_tokens, total_token=tree.total_token,
+                              depth=tree.depth, top_k=tree.top_k, min_confidence=tree.min_confidence)
 
 
 def stackable(parts: Sequence[Proposer]) -> bool:
@@ -120,14 +136,4 @@ class StackedHeads:
     ) -> tuple[list[DraftTree], HeadCache]:
         """Every part's tree (in part order) from the same committed inputs (see `Proposer.propose`)."""
         first = self.parts[0]
-        return draft_eagle2_trees(
-            self.head,
-            first.context,
-            state,
-            features,
-            next_tokens,
-            total_token=first.tree.total_token,
-            depth=first.tree.depth,
-            top_k=first.tree.top_k,
-            min_confidence=first.tree.min_confidence,
-        )
+        return draft_trees(self.head, first.context, first.tree, state, features, next_tokens)
