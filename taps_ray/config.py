@@ -58,6 +58,10 @@ class TargetConfig(_Strict):
     )
     dtype: DType = "bfloat16"
     attn_implementation: Literal["eager", "sdpa"] = "sdpa"
+    forward: Literal["fast", "hf"] = Field(
+        "fast", description="the verification forward: fast, taps' own Llama forward over the preallocated cache "
+        "(fused projections, no per-step cache copy; transformers' is used where it does not cover the "
+        "architecture); hf, transformers' model. Both compute the same tokens (fp32 greedy)")
     device: Device = Field(
         "auto", description="auto: CUDA when the process was given a GPU (in Ray: its num_gpus), else the CPU; "
         "cuda where none exists is an error. Heads, drafting, verification and training follow the target")

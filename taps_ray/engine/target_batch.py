@@ -10,6 +10,10 @@ the forward of a batch's tail computes only the sequences still decoding. The Ra
 between sessions: it merges batches, steps only the rows whose trees arrived and evicts rows, through the
 batch's own methods, so the cache invariant has one owner.
 
+The cache is preallocated (`models/kv_cache.py`): forwards write into it in place, a commit gathers accepted
+slots down in place and crops by moving a number, evicted rows are dropped by index. The forward is the
+model's attached one (`models/target_forward.py`): taps' own Llama forward or transformers'.
+
 Every tensor and generator lives on the model's device; trees drafted elsewhere are moved here. What a step
 hands back (`Committed`) owns its storage, never a view into the batch's tensors, so shipping one sequence's
 result (pickling it to a Ray drafter) ships that sequence's rows only.
@@ -26,10 +30,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import DynamicCache
 
 from taps_ray.engine.tree import DraftTree
 from taps_ray.engine.verify import SamplingParams, Verdict, accept, sample_root
+from taps_ray.models.kv_cache import KVCache
+from taps_ray.models.target_forward import target_forward
 
 if TYPE_CHECKING:  # an annotation only: importing the class loads transformers' model code (a drafter imports this)
     from transformers import PreTrainedModel
@@ -66,14 +71,6 @@ class TreeOutput:
     hidden: torch.Tensor  # [T, d] post-norm features, or [T, k*d] the batch's `feature_layers`
 
 
-def _pad_width(tensor: torch.Tensor, width: int) -> torch.Tensor:
-    """Zero-pad a [B, heads, slots, d] cache tensor to `width` slots (slots past a length are never attended)."""
-    missing = width - tensor.shape[2]
-    if missing <= 0:
-        return tensor
-    return torch.nn.functional.pad(tensor, (0, 0, 0, missing))
-
-
 class TargetBatch:
     """Sequences are numbered in the order they joined: `start`'s prompts, then each `merge`d batch's.
 
@@ -94,7 +91,8 @@ class TargetBatch:
         self.model = model
         self.keep_logits = keep_logits
         self.feature_layers = tuple(feature_layers)
-        self.cache = DynamicCache()
+        self.target_forward = target_forward(model)  # taps' fast forward or transformers' (`target.forward`)
+        self.cache = KVCache(self.target_forward.num_layers)
         self.lengths = torch.zeros(0, dtype=torch.long, device=self.device)
         self.params = SamplingParams()
         self.row_params: list[SamplingParams] = []
@@ -160,13 +158,10 @@ class TargetBatch:
         """
         if self.model is not other.model or self.feature_layers != other.feature_layers:
             raise ValueError("only batches of the same model and feature layers can share a forward")
-        width = max(self.cache.get_seq_length(), other.cache.get_seq_length())
         if self.batch_size == 0:
             self.cache = other.cache
         else:
-            for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
-                mine.keys = torch.cat([_pad_width(mine.keys, width), _pad_width(theirs.keys, width)], dim=0)
-                mine.values = torch.cat([_pad_width(mine.values, width), _pad_width(theirs.values, width)], dim=0)
+            self.cache.merge(other.cache)
         self.lengths = torch.cat([self.lengths, other.lengths])
         self.generators = [*self.generators, *other.generators]
         self.row_params = [*self.row_params, *other.row_params]
@@ -179,10 +174,7 @@ class TargetBatch:
             raise ValueError("keep at least one row (drop the whole batch instead)")
         index = torch.tensor(keep, dtype=torch.long, device=self.device)
         lengths = self.lengths[index]
-        width = int(lengths.max())
-        for layer in self.cache.layers:
-            layer.keys = layer.keys[index, :, :width].contiguous()
-            layer.values = layer.values[index, :, :width].contiguous()
+        self.cache.keep_rows(index, int(lengths.max()))  # in place: the buffers are kept
         self.lengths = lengths
         self.generators = [self.generators[i] for i in keep]
         self.row_params = [self.row_params[i] for i in keep]
@@ -196,25 +188,20 @@ class TargetBatch:
         sub = TargetBatch(self.model, keep_logits=self.keep_logits, feature_layers=self.feature_layers)
         sub.params = self.params
         sub.row_params = [self.row_params[i] for i in rows]
-        sub.cache = DynamicCache(
-            ddp_cache_data=[(l.keys[index, :, :width], l.values[index, :, :width]) for l in self.cache.layers]
-        )
+        sub.cache = self.cache.take_rows(index, width)
         sub.lengths = lengths.clone()
         sub.generators = [self.generators[i] for i in rows]
         return sub
 
     def _put_rows(self, rows: list[int], sub: TargetBatch) -> None:
-        """Write a stepped sub-batch (from `_take_rows`) back into its rows; the other rows keep their caches."""
+        """Write a stepped sub-batch (from `_take_rows`) back into its rows; the other rows keep their caches.
+        Only slots from the rows' shortest old length on can have changed (a commit moves nothing below a
+        sequence's length), so only those are written back."""
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         lengths = self.lengths.clone()
+        since = int(lengths[index].min())
         lengths[index] = sub.lengths
-        width = int(lengths.max())
-        sub_width = sub.cache.get_seq_length()
-        for mine, theirs in zip(self.cache.layers, sub.cache.layers, strict=True):
-            for name in ("keys", "values"):
-                full = _pad_width(getattr(mine, name), width)  # the width only grows: rows only gain tokens
-                full[index, :, :sub_width] = getattr(theirs, name)
-                setattr(mine, name, full)
+        self.cache.put_rows(index, sub.cache, since)
         self.lengths = lengths
 
     def _step(self, trees: list[DraftTree | None]) -> list[Committed | None]:
@@ -257,19 +244,11 @@ class TargetBatch:
         self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(post-norm last layer [B, T, d], proposer features); the caller applies the LM head where it needs logits.
-        `mask` None: the model's own causal mask over the whole cache. A boolean `mask` (True = may attend) is
-        read as such by SDPA; eager attention adds a 4-D mask to the scores as it is, so a boolean one would mask
-        nothing: it gets the additive form (0 or the dtype's min)."""
-        layers = self.feature_layers
-        if mask is not None and self.model.config._attn_implementation == "eager":
-            blocked = torch.finfo(self.model.dtype).min
-            mask = torch.zeros(mask.shape, dtype=self.model.dtype, device=mask.device).masked_fill(~mask, blocked)
-        out = self.model.model(
-            input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=self.cache, use_cache=True,
-            output_hidden_states=bool(layers),
-        )
-        last = out.last_hidden_state
-        return last, torch.cat([out.hidden_states[i] for i in layers], dim=-1) if layers else last
+        `mask` None: plain causal attention over the whole cache; else a boolean [B, 1, T, S] (True = may attend).
+        The forward writes its keys and values after the committed region, which then covers them."""
+        out = self.target_forward(input_ids, positions, mask, self.cache, self.feature_layers)
+        self.cache.advance(input_ids.shape[1])
+        return out
 
     @torch.no_grad()
     def prefill(self, prompts: list[list[int]]) -> list[TreeOutput]:
@@ -287,7 +266,7 @@ class TargetBatch:
         valid = columns[None, :] < lengths[:, None]  # [B, width]
         mask = causal[None] & valid[:, None, :]
         mask |= torch.eye(width, dtype=torch.bool, device=self.device)[None]  # padded rows attend to themselves: no NaN rows
-        self.cache = DynamicCache()
+        self.cache.reset(len(prompts))
         hidden, features = self._forward(ids, columns.expand(len(prompts), -1), mask[:, None])
         self.lengths = lengths
         last = self.model.lm_head(hidden[torch.arange(len(prompts), device=self.device), lengths - 1])  # [B, V]
@@ -301,7 +280,7 @@ class TargetBatch:
         width = max((t.size for t in trees if t is not None), default=0)
         if width == 0:
             return [None] * len(trees)
-        past = self.cache.get_seq_length()
+        past = self.cache.width
         if self._causal(trees, past):
             hidden, features = self._forward(
                 torch.stack([t.tokens for t in trees]).to(self.device),
@@ -347,8 +326,7 @@ class TargetBatch:
         high = int(new_lengths.max())
         in_place = low == start and all(nodes == list(range(len(nodes))) for nodes in accepted_nodes)
         if in_place:  # every sequence kept a prefix of its slots (a chain's): nothing moves, only crop
-            for layer in self.cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, :high], layer.values[:, :, :high]
+            self.cache.crop(high)
             self.lengths = new_lengths
             return
         index = torch.arange(low, high, device=self.device).repeat(self.batch_size, 1)  # identity for slots already committed
@@ -357,9 +335,5 @@ class TargetBatch:
             if nodes:
                 index[b, first : first + len(nodes)] = start + torch.tensor(nodes, device=self.device)
             index[b, first + len(nodes) :] = 0  # beyond the sequence: any slot, masked out later
-        for layer in self.cache.layers:  # in place: only slots low..high-1 move, the prefix is not copied
-            gather = index[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
-            layer.keys[:, :, low:high] = layer.keys.gather(2, gather)
-            layer.values[:, :, low:high] = layer.values.gather(2, gather)
-            layer.keys, layer.values = layer.keys[:, :, :high], layer.values[:, :, :high]
+        self.cache.compact(low, index)  # in place: only slots low..high-1 move, the prefix is not copied
         self.lengths = new_lengths

@@ -26,6 +26,7 @@ from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 from taps_ray.config import TargetConfig
 from taps_ray.fsio import atomic_dir
 from taps_ray.models.device import resolve_device
+from taps_ray.models.target_forward import attach_forward
 
 if TYPE_CHECKING:  # names only: importing them loads transformers' model code, which a drafter never needs
     from transformers import LlamaForCausalLM, PreTrainedModel
@@ -207,4 +208,5 @@ def load_target(config: TargetConfig, dtype: str | None = None) -> Target:
     model.to(device)
     model.eval()
     model.requires_grad_(False)
+    attach_forward(model, config.forward)  # last: it fuses projections in place, on the final device and dtype
     return Target(model=model, tokenizer=with_pad_token(tokenizer), name=config.name)
