@@ -43,8 +43,8 @@ def _drain(batcher: ContinuousBatcher, limit: int = 500) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_target):
-    model, tok = tiny_target.model, tiny_target.tokenizer
+def setup(forward_target):
+    model, tok = forward_target.model, forward_target.tokenizer
     bos = tok.encode("<|im_start|>")[0]
     prompts = [[bos] + tok.encode(t) for t in ("hi there", "a long prompt about numbers 1 2 3 4", "math: 12*7=", "x")]
     return model, bos, prompts
