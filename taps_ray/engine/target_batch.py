@@ -34,7 +34,7 @@ import torch
 from taps_ray.engine.tree import DraftTree
 from taps_ray.engine.verify import SamplingParams, Verdict, accept, sample_root
 from taps_ray.models.kv_cache import KVCache
-from taps_ray.models.target_forward import target_forward
+from taps_ray.models.target_forward import TargetForward, target_forward
 
 if TYPE_CHECKING:  # an annotation only: importing the class loads transformers' model code (a drafter imports this)
     from transformers import PreTrainedModel
@@ -84,14 +84,19 @@ class TargetBatch:
     `params` is what `start` was given for the whole batch (the pool groups batches by it). `keep_logits`: every
     `Committed` carries the target's logits at its tokens, for callers that report log-probabilities.
     `feature_layers`: the `hidden_states` indices whose concatenation is every `Committed.features` (EAGLE-3);
-    empty: the post-norm last layer.
+    empty: the post-norm last layer. `forward`: the target forward to verify with instead of the model's
+    attached one (a benchmark compares both on one model).
     """
 
-    def __init__(self, model: PreTrainedModel, keep_logits: bool = False, feature_layers: Sequence[int] = ()) -> None:
+    def __init__(
+        self, model: PreTrainedModel, keep_logits: bool = False, feature_layers: Sequence[int] = (),
+        forward: TargetForward | None = None,
+    ) -> None:
         self.model = model
         self.keep_logits = keep_logits
         self.feature_layers = tuple(feature_layers)
-        self.target_forward = target_forward(model)  # taps' fast forward or transformers' (`target.forward`)
+        # taps' fast forward or transformers' (`target.forward`, attached at load); `forward` overrides it
+        self.target_forward = forward if forward is not None else target_forward(model)
         self.cache = KVCache(self.target_forward.num_layers)
         self.lengths = torch.zeros(0, dtype=torch.long, device=self.device)
         self.params = SamplingParams()
@@ -185,7 +190,7 @@ class TargetBatch:
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         lengths = self.lengths[index]
         width = int(lengths.max())
-        sub = TargetBatch(self.model, keep_logits=self.keep_logits, feature_layers=self.feature_layers)
+        sub = TargetBatch(self.model, self.keep_logits, self.feature_layers, self.target_forward)
         sub.params = self.params
         sub.row_params = [self.row_params[i] for i in rows]
         sub.cache = self.cache.take_rows(index, width)
