@@ -158,16 +158,13 @@ class FastLlama:
             mask = mask.repeat(1, 1, group, 1)
         wanted = {i % (self.num_layers + 1) for i in hidden_layers}
         recorded: dict[int, torch.Tensor] = {0: x} if 0 in wanted else {}
-        q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        q_width = self.heads * self.head_dim
         for index, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.input_norm, self.eps)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
-            q, k, v = qkv.split((q_width, kv_width, kv_width), dim=-1)
-            q = q.view(batch, length, self.heads, self.head_dim).transpose(1, 2)
-            k = k.view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
-            v = v.view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(batch, length, -1, self.head_dim).transpose(1, 2)
+            qk, v = qkv[:, : self.heads + self.kv_heads], qkv[:, self.heads + self.kv_heads :]
+            qk = qk * cos + _rotate_half(qk) * sin  # queries and keys rotated in one pass, element by element as HF
+            q, k = qk[:, : self.heads], qk[:, self.heads :]
             keys, values = cache.append(index, k, v)
             folded = q.reshape(batch, self.kv_heads, group * length, self.head_dim)
             out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=self.scale)
