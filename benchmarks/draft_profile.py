@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from taps_ray.config import load_config  # noqa: E402
+from taps_ray.machine import cpu_line  # noqa: E402
 
 FIELDS = ("tokens", "parents", "confidence", "entropy")
 
@@ -161,7 +162,7 @@ def main() -> int:
     lines = [
         f"Draft ms per step, {steps} recorded steps x {args.repetitions} repetitions, target dtype "
         f"{target.dtype}, tree {cfg.tree.total_token}/{cfg.tree.depth}/{cfg.tree.top_k}, "
-        f"torch threads {torch.get_num_threads()}{', this tree compiled' if args.compile else ''}. "
+        f"torch threads {torch.get_num_threads()}{', this tree compiled' if args.compile else ''}; {cpu_line()}. "
         f"Regenerate: `{command}`.",
         "",
         "| proposer | baseline ms/step | this tree ms/step | ratio | trees bit-identical to the baseline's |",

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import shlex
 import subprocess
@@ -28,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from taps_ray.config import StudyConfig, load_config  # noqa: E402
 from taps_ray.fsio import report_lines  # noqa: E402
+from taps_ray.machine import cpu_line  # noqa: E402
 
 MB = 2**20
 TRAIN_CONFIG = "configs/tiny.yaml"
@@ -236,7 +236,7 @@ def main() -> None:
         "# Memory",
         "",
         f"Regenerate: `python benchmarks/memory.py {shlex.join(sys.argv[1:])}`",
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs.",
+        f"{cpu_line()}.",
         "",
         *actors_section(cfg, memory),
         *training_section(trained),

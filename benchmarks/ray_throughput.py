@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shlex
 import sys
 import tempfile
@@ -26,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from taps_ray.config import StudyConfig, load_config  # noqa: E402
+from taps_ray.machine import cpu_line  # noqa: E402
 
 
 def _load() -> str:
@@ -198,8 +198,8 @@ def render(args, cfg, heads_note, verify_rows, evaluation_results, load_before, 
     lines = [
         "# Ray throughput",
         "",
-        f"Regenerate with `{command}` (about {wall / 60:.0f} min here). Machine: {platform.machine()}, "
-        f"{os.cpu_count()} CPUs, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+        f"Regenerate with `{command}` (about {wall / 60:.0f} min here). {cpu_line()}; "
+        f"torch {torch.__version__} ({torch.get_num_threads()} threads), "
         f"target `{cfg.target.name}` ({cfg.eval.dtype or cfg.target.dtype}), tree {cfg.tree.total_token} tokens "
         f"(depth {cfg.tree.depth}, top-k {cfg.tree.top_k}); {heads_note}. Load average before {load_before}, after "
         f"{load_after}: the CPU is shared with other processes, so absolute numbers move between runs; each "

