@@ -54,9 +54,9 @@ def actor_memory(cfg: StudyConfig) -> dict[str, dict[str, int]]:
     import ray
 
     from taps_ray.cluster.eval_pool import EvalPool
-    from taps_ray.cluster.runtime import process_runtime_env, start_ray
     from taps_ray.eval.cell import NO_HEAD, PLAIN, Cell
     from taps_ray.eval.store import ResultsStore
+    from taps_ray.ray_runtime import process_runtime_env, start_ray
 
     one = cfg.ray.model_copy(update={"num_target_workers": 1, "num_drafters": 1, "address": None})
     benchmark = next(iter(cfg.eval.benchmarks))

@@ -544,7 +544,7 @@ def measure(args: argparse.Namespace, cfg, dtypes: list[str]) -> Run:
     import ray
     from ray import serve
 
-    from taps_ray.cluster.runtime import start_ray, start_serve
+    from taps_ray.ray_runtime import start_ray, start_serve
 
     run = Run(models=[], points={}, overload=None, failures=[])
     start_ray(cfg.ray, log_to_driver=False)

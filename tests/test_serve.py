@@ -24,10 +24,10 @@ import yaml
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 
-from taps_ray.cluster.runtime import start_serve
 from taps_ray.cluster.serve import AppArgs, app_builder, build_app
 from taps_ray.data.chat import render_ids
 from taps_ray.models.draft_head import new_head
+from taps_ray.ray_runtime import start_serve
 from taps_ray.workdir import head_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]

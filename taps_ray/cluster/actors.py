@@ -29,12 +29,12 @@ import psutil
 import ray
 import torch
 
-from taps_ray.cluster.runtime import prepare_process
 from taps_ray.cluster.verification import VerificationPool
 from taps_ray.config import StudyConfig, parse_config
 from taps_ray.engine.target_batch import Committed
 from taps_ray.engine.tree import DraftTree
 from taps_ray.engine.verify import SamplingParams
+from taps_ray.ray_runtime import prepare_process
 
 def _config(payload: str) -> StudyConfig:
     return parse_config(json.loads(payload), "<driver>")

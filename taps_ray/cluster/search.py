@@ -215,8 +215,8 @@ def quick_search(cfg: StudyConfig) -> StudyConfig:
 
 def cmd_search(cfg: StudyConfig, quick: bool = False) -> int:
     """`taps search [--quick]`: on a local Ray (or the configured cluster), like the sweep."""
-    from taps_ray.cluster.runtime import start_ray
     from taps_ray.cluster.sweep import absolute_paths, log_line, remote_env
+    from taps_ray.ray_runtime import start_ray
 
     cfg = absolute_paths(quick_search(cfg) if quick else cfg)
     start_ray(cfg.ray)

@@ -66,7 +66,6 @@ from taps_ray.cluster.api_schemas import (
     SamplingFields,
     Speculative,
 )
-from taps_ray.cluster.runtime import start_ray, start_serve
 from taps_ray.cluster.serve_metrics import serve_metrics
 from taps_ray.cluster.serve_output import ChoiceStream, TextOutput, speculative, usage
 from taps_ray.cluster.serve_scheduler import DecodeLoop, Overloaded, Ticket
@@ -74,6 +73,7 @@ from taps_ray.config import HeadKind, StudyConfig, load_config, parse_config, wi
 from taps_ray.engine.continuous import ContinuousBatcher, Result, TokenLogprob
 from taps_ray.engine.proposers import feature_layers
 from taps_ray.engine.verify import MIN_TEMPERATURE
+from taps_ray.ray_runtime import start_ray, start_serve
 
 logger = logging.getLogger("ray.serve")
 

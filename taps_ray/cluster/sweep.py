@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from taps_ray import workdir
-from taps_ray.cluster.runtime import runtime_env_vars, start_ray
 from taps_ray.config import DATA_DIR_ENV, StudyConfig, load_config, with_overrides
+from taps_ray.ray_runtime import runtime_env_vars, start_ray
 
 STAGES = ("data", "features", "train", "eval", "report")
 QUICK_COMBINATIONS = ("confidence-routed", "merged")

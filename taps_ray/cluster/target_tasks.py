@@ -20,8 +20,8 @@ from typing import Any
 import ray
 import torch
 
-from taps_ray.cluster.runtime import prepare_process, process_runtime_env
 from taps_ray.config import StudyConfig, memory_bytes, parse_config
+from taps_ray.ray_runtime import prepare_process, process_runtime_env
 
 
 @ray.remote
