@@ -333,7 +333,7 @@ def deploy(cfg, url: str, replace: bool) -> dict:
     """(Re)deploy the app for `cfg` (the old replica goes first, so the new one gets the cores); returns /healthz."""
     from ray import serve
 
-    from taps_ray.cluster.serve import build_app
+    from taps_ray.serve.app import build_app
 
     if replace:
         serve.delete(APP_NAME)

@@ -224,7 +224,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from taps_ray.cluster.serve import cmd_serve
+    from taps_ray.serve.app import cmd_serve
 
     config = _config(args)
     if args.head_kind:

@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from taps_ray.cluster.api_schemas import MAX_SEED, ErrorDetail, ErrorResponse
+from taps_ray.serve.api_schemas import MAX_SEED, ErrorDetail, ErrorResponse
 
 logger = logging.getLogger("ray.serve")
 

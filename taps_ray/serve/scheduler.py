@@ -15,7 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from taps_ray.cluster.serve_metrics import ServeMetrics
+from taps_ray.serve.metrics import ServeMetrics
 from taps_ray.eval.diagnostics import head_counts
 from taps_ray.engine.continuous import ContinuousBatcher, Request, Result, TokenLogprob
 

@@ -2,7 +2,7 @@
 
 Three ways to start it (docs/serve.md), all on loopback by default:
 
-    serve run taps_ray.cluster.serve:app_builder config=configs/cpu.yaml
+    serve run taps_ray.serve.app:app_builder config=configs/cpu.yaml
     serve run configs/serve.yaml            # or `serve deploy configs/serve.yaml` on a running cluster
     taps serve --config configs/cpu.yaml
 
@@ -48,8 +48,13 @@ from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 
-from taps_ray.cluster.api_errors import ERROR_RESPONSES, ApiError, install_error_handlers
-from taps_ray.cluster.api_schemas import (
+from taps_ray.config import HeadKind, StudyConfig, load_config, parse_config, with_overrides
+from taps_ray.engine.continuous import ContinuousBatcher, Result, TokenLogprob
+from taps_ray.engine.proposers import feature_layers
+from taps_ray.engine.verify import MIN_TEMPERATURE
+from taps_ray.ray_runtime import start_ray, start_serve
+from taps_ray.serve.api_errors import ERROR_RESPONSES, ApiError, install_error_handlers
+from taps_ray.serve.api_schemas import (
     ChatChoice,
     ChatCompletionMessage,
     ChatCompletionRequest,
@@ -66,14 +71,9 @@ from taps_ray.cluster.api_schemas import (
     SamplingFields,
     Speculative,
 )
-from taps_ray.cluster.serve_metrics import serve_metrics
-from taps_ray.cluster.serve_output import ChoiceStream, TextOutput, speculative, usage
-from taps_ray.cluster.serve_scheduler import DecodeLoop, Overloaded, Ticket
-from taps_ray.config import HeadKind, StudyConfig, load_config, parse_config, with_overrides
-from taps_ray.engine.continuous import ContinuousBatcher, Result, TokenLogprob
-from taps_ray.engine.proposers import feature_layers
-from taps_ray.engine.verify import MIN_TEMPERATURE
-from taps_ray.ray_runtime import start_ray, start_serve
+from taps_ray.serve.metrics import serve_metrics
+from taps_ray.serve.output import ChoiceStream, TextOutput, speculative, usage
+from taps_ray.serve.scheduler import DecodeLoop, Overloaded, Ticket
 
 logger = logging.getLogger("ray.serve")
 
@@ -491,7 +491,7 @@ class TapsService:
 
 
 class AppArgs(BaseModel):
-    """Arguments of `app_builder` (`serve run taps_ray.cluster.serve:app_builder key=value ...`)."""
+    """Arguments of `app_builder` (`serve run taps_ray.serve.app:app_builder key=value ...`)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -530,7 +530,7 @@ def build_app(cfg: StudyConfig, base_dir: str | Path | None = None) -> serve.App
 
 
 def app_builder(args: dict[str, str]) -> serve.Application:
-    """Serve application builder: `serve run taps_ray.cluster.serve:app_builder config=configs/cpu.yaml`."""
+    """Serve application builder: `serve run taps_ray.serve.app:app_builder config=configs/cpu.yaml`."""
     try:
         parsed = AppArgs.model_validate(args or {})
     except ValidationError as error:

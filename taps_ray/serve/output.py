@@ -12,7 +12,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from taps_ray.cluster.api_schemas import (
+from taps_ray.engine.continuous import Result, TokenLogprob
+from taps_ray.serve.api_schemas import (
     ChatLogprobs,
     ChatTokenLogprob,
     CompletionLogprobs,
@@ -20,8 +21,7 @@ from taps_ray.cluster.api_schemas import (
     TopLogprob,
     Usage,
 )
-from taps_ray.cluster.serve_scheduler import head_steps
-from taps_ray.engine.continuous import Result, TokenLogprob
+from taps_ray.serve.scheduler import head_steps
 
 
 class TextOutput:
