@@ -112,7 +112,7 @@ start=$SECONDS
 and the quick version of it for `taps bench`."""
 import sys
 import yaml
-from taps_ray.cluster.sweep import absolute_paths, quick_config
+from taps_ray.study.sweep import absolute_paths, quick_config
 from taps_ray.config import TargetConfig, parse_config
 
 data = yaml.safe_load(open("configs/tiny.yaml"))

@@ -1,6 +1,6 @@
 """Bytes per verification step between a drafter actor and its target worker, measured on SmolLM2.
 
-What crosses the wire is exactly what `cluster/actors.py` sends: a session start (prompts in, each sequence's
+What crosses the wire is exactly what `study/actors.py` sends: a session start (prompts in, each sequence's
 first `Committed` out) and, per step, the session's draft trees in (`WorkerVerifier.step`) and its `Committed`
 results out (`TargetWorker.step`), all as CPU tensors. This script runs the real loop (`run_loop`) on the real
 SmolLM2 target with a `Verifier` that pickles those very messages (protocol 5, as Ray does) and counts bytes,

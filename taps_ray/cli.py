@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="only re-render heads.md from the heads.json in that folder")
 
     sweep = commands.add_parser("sweep", help="the whole study on Ray: data, features, train (Tune), eval, report")
-    from taps_ray.cluster.sweep import add_arguments as _sweep_arguments
+    from taps_ray.study.sweep import add_arguments as _sweep_arguments
 
     _sweep_arguments(sweep)
 
@@ -150,7 +150,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _search(args: argparse.Namespace) -> int:
-    from taps_ray.cluster.search import cmd_search
+    from taps_ray.study.search import cmd_search
 
     return cmd_search(_config(args), args.quick)
 
@@ -218,7 +218,7 @@ def _heads_report(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from taps_ray.cluster.sweep import cmd_sweep
+    from taps_ray.study.sweep import cmd_sweep
 
     return cmd_sweep(args)
 

@@ -1,4 +1,4 @@
-"""`cluster.runtime`: the local Ray and Serve's HTTP proxy listen on loopback only, every socket of them."""
+"""`ray_runtime`: the local Ray and Serve's HTTP proxy listen on loopback only, every socket of them."""
 
 from __future__ import annotations
 

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from taps_ray.cluster.search import heldout_agreement, ratio_grid, run_search, trial_config
 from taps_ray.config import StudyConfig
 from taps_ray.data.mixtures import mixture_counts
 from taps_ray.engine.combine import EntropyRouted
@@ -19,6 +18,7 @@ from taps_ray.eval.cell import Cell
 from taps_ray.eval.commands import cmd_eval, plan_cells, results_store
 from taps_ray.models.draft_head import new_head
 from taps_ray.proposer_setup import heads_needed, load_heads, load_proposers
+from taps_ray.study.search import heldout_agreement, ratio_grid, run_search, trial_config
 from taps_ray.training.features import extract_features, features_folder
 from taps_ray.workdir import head_checkpoint, head_dir, searched_head
 

@@ -14,7 +14,7 @@ copied from those sets (`training.features`), not recomputed, as long as the tri
 conversations of a corpus than they hold. The held-out rule is the study's (by conversation id), so no trial
 trains on a conversation that scores it.
 
-Resuming, as in the training stage (`cluster.tune`): the experiment's name digests the search and training
+Resuming, as in the training stage (`study.tune`): the experiment's name digests the search and training
 settings and the held-out feature sets, so a rerun finds it and restores it with `Tuner.restore` (finished
 trials stay finished, the others restart), and a restarted trial continues from its head's newest epoch
 checkpoint. A trial whose mixture an earlier search already trained reports that head instead of retraining it.
@@ -31,8 +31,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from taps_ray.cluster.tune import numeric_metrics, open_experiment, restore_checkpoint
 from taps_ray.config import ConfigError, MixtureConfig, StudyConfig, TrainConfig, parse_config
+from taps_ray.study.tune import numeric_metrics, open_experiment, restore_checkpoint
 from taps_ray.workdir import search_trial_mixture, searched_head
 
 EXPERIMENT_PREFIX = "search"
@@ -205,7 +205,7 @@ def _trial_summary(result: Any) -> dict[str, Any]:
 def quick_search(cfg: StudyConfig) -> StudyConfig:
     """The sweep's `--quick` study (few conversations, small budgets, its own work dir) with at most 4 trials of
     at most 2 epochs: a search that finishes in minutes."""
-    from taps_ray.cluster.sweep import quick_config
+    from taps_ray.study.sweep import quick_config
 
     quick = quick_config(cfg)
     search = quick.search.model_copy(update={"num_samples": min(cfg.search.num_samples, 4), "sizes": [],
@@ -215,8 +215,8 @@ def quick_search(cfg: StudyConfig) -> StudyConfig:
 
 def cmd_search(cfg: StudyConfig, quick: bool = False) -> int:
     """`taps search [--quick]`: on a local Ray (or the configured cluster), like the sweep."""
-    from taps_ray.cluster.sweep import absolute_paths, log_line, remote_env
     from taps_ray.ray_runtime import start_ray
+    from taps_ray.study.sweep import absolute_paths, log_line, remote_env
 
     cfg = absolute_paths(quick_search(cfg) if quick else cfg)
     start_ray(cfg.ray)

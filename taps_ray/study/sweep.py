@@ -5,11 +5,11 @@
 
 * data      resolve every corpus and benchmark, build the training mixtures (counts -> <work_dir>/data.json)
 * features  the missing feature sets, each one's missing shards over `features.num_workers` Ray tasks (target
-            resources), every shard cached and atomic (`cluster.target_tasks`)
-* train     Ray Tune, one trial per head kind x mixture (`cluster.tune`); finished heads are skipped; then one
+            resources), every shard cached and atomic (`study.target_tasks`)
+* train     Ray Tune, one trial per head kind x mixture (`study.tune`); finished heads are skipped; then one
             Ray task (target resources) measures the held-out agreement of heads not measured yet
 * eval      every cell of the matrix not yet in the results store, through target workers and drafter
-            actors (`cluster.eval_pool`); each cell is written atomically as it finishes, actor deaths are
+            actors (`study.eval_pool`); each cell is written atomically as it finishes, actor deaths are
             retried, a cell that keeps failing is recorded (failed.json) and the sweep goes on
 * report    reads only: the study report from the results store (`report.build_report`) and the heads report
             from the heads' metrics and agreement (`report.heads.build_heads_report`)
@@ -129,7 +129,7 @@ def stage_features(cfg: StudyConfig, env: dict[str, str], log: Callable[[str], N
     if not missing:
         log(f"features: all {len(names)} feature sets cached; nothing to do")
         return {"extracted": [], "cached": names}
-    from taps_ray.cluster.target_tasks import extract_feature_sets
+    from taps_ray.study.target_tasks import extract_feature_sets
 
     log(f"features: extracting {missing} over {cfg.features.num_workers} task(s) "
         f"(cached: {[n for n in names if n not in missing]})")
@@ -143,8 +143,8 @@ def stage_features(cfg: StudyConfig, env: dict[str, str], log: Callable[[str], N
 def stage_train(cfg: StudyConfig, env: dict[str, str], log: Callable[[str], None]) -> dict[str, Any]:
     """Train the missing heads with Tune, then measure the held-out agreement of the heads not measured yet
     (cached in each head's folder), so the report stage only reads."""
-    from taps_ray.cluster.target_tasks import on_target
-    from taps_ray.cluster.tune import run_training
+    from taps_ray.study.target_tasks import on_target
+    from taps_ray.study.tune import run_training
     from taps_ray.training.agreement import measure_agreement, unmeasured_heads
 
     out = run_training(cfg, env, log)
@@ -176,11 +176,11 @@ def stage_eval(
     on_cell_done: Callable | None = None,
     on_submit: Callable | None = None,
 ) -> dict[str, Any]:
-    from taps_ray.cluster.actors import pack_heads
-    from taps_ray.cluster.eval_pool import EvalPool
     from taps_ray.eval.cell import NO_HEAD
     from taps_ray.eval.commands import plan_cells, refresh_summary, results_store
     from taps_ray.eval.runner import eval_dtype
+    from taps_ray.study.actors import pack_heads
+    from taps_ray.study.eval_pool import EvalPool
 
     store = results_store(cfg)
     cells = plan_cells(cfg)

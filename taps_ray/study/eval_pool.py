@@ -20,10 +20,10 @@ import ray.exceptions
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from taps_ray.cluster.actors import DrafterActor, TargetWorker
 from taps_ray.cluster.verification import SessionLost
 from taps_ray.config import RayConfig, memory_bytes
 from taps_ray.ray_runtime import process_runtime_env
+from taps_ray.study.actors import DrafterActor, TargetWorker
 
 log = logging.getLogger(__name__)
 
