@@ -29,11 +29,11 @@ from taps_ray.config import StudyConfig, TreeConfig
 from taps_ray.data.chat import build_prompt_ids
 from taps_ray.models.device import resolve_device
 from taps_ray.models.target import Target, load_target
-from taps_ray.proposer_setup import load_proposers
-from taps_ray.engine.generate import run_loop
-from taps_ray.engine.proposers import feature_layers
-from taps_ray.engine.target_batch import TargetBatch
-from taps_ray.engine.verify import SamplingParams
+from taps_ray.drafting.setup import load_proposers
+from taps_ray.decoding.generate import run_loop
+from taps_ray.drafting.proposers import feature_layers
+from taps_ray.decoding.target_batch import TargetBatch
+from taps_ray.decoding.verify import SamplingParams
 
 GREEDY = SamplingParams()
 HF_GREEDY, HF_PROMPT_LOOKUP, HF_ASSISTED = "hf-greedy", "hf-prompt-lookup", "hf-assisted-early-exit"

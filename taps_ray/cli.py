@@ -278,7 +278,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from taps_ray.config import ConfigError
     from taps_ray.data.sources import DataUnavailable
     from taps_ray.models.target import ModelUnavailable
-    from taps_ray.engine.registry import UnknownProposer
+    from taps_ray.drafting.registry import UnknownProposer
 
     return (ConfigError, DataUnavailable, ModelUnavailable, UnknownProposer, FileNotFoundError, ValueError)
 

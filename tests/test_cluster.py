@@ -20,18 +20,18 @@ import yaml
 
 from taps_ray.study.actors import pack_heads
 from taps_ray.study.eval_pool import EvalPool
-from taps_ray.cluster.verification import VerificationPool
+from taps_ray.decoding.verification_pool import VerificationPool
 from taps_ray.config import StudyConfig
 from taps_ray.eval.commands import plan_cells
 from taps_ray.eval.runner import run_cell
 from taps_ray.eval.cell import Cell
 from taps_ray.eval.store import ResultsStore
 from taps_ray.models.draft_head import new_head
-from taps_ray.proposer_setup import load_heads
-from taps_ray.engine.generate import generate, run_loop
-from taps_ray.engine.registry import build_proposer
-from taps_ray.engine.target_batch import TargetBatch
-from taps_ray.engine.verify import SamplingParams
+from taps_ray.drafting.setup import load_heads
+from taps_ray.decoding.generate import generate, run_loop
+from taps_ray.drafting.registry import build_proposer
+from taps_ray.decoding.target_batch import TargetBatch
+from taps_ray.decoding.verify import SamplingParams
 from taps_ray.workdir import head_checkpoint, head_dir, heads_root, results_dir
 
 REPO = Path(__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ registered combination. Every response carries `usage` and a `speculative` block
 of steps each head drafted, how many sequences shared the verification batch).
 
 Batching is continuous: every prompt becomes one `Job`, handed to the replica's decode loop
-(serve_scheduler.py around engine/continuous.py). It joins the running batch at the next verification step
+(serve/scheduler.py around decoding/continuous.py). It joins the running batch at the next verification step
 (up to `serve.max_batch_size` sequences; beyond that it waits, up to `serve.max_queued_requests`, then 503)
 and leaves when finished. One target forward per step verifies every live sequence's tree, whatever its model
 (proposer) or sampling parameters; each sequence keeps its own seed, so outputs never depend on the company.
@@ -49,9 +49,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 
 from taps_ray.config import HeadKind, StudyConfig, load_config, parse_config, with_overrides
-from taps_ray.engine.continuous import ContinuousBatcher, Result, TokenLogprob
-from taps_ray.engine.proposers import feature_layers
-from taps_ray.engine.verify import MIN_TEMPERATURE
+from taps_ray.decoding.continuous import ContinuousBatcher, Result, TokenLogprob
+from taps_ray.decoding.verify import MIN_TEMPERATURE
+from taps_ray.drafting.proposers import feature_layers
 from taps_ray.ray_runtime import start_ray, start_serve
 from taps_ray.serve.api_errors import ERROR_RESPONSES, ApiError, install_error_handlers
 from taps_ray.serve.api_schemas import (
@@ -140,8 +140,8 @@ class TapsService:
         import torch
 
         from taps_ray.models.target import load_target
-        from taps_ray.proposer_setup import load_proposers
-        from taps_ray.engine.registry import combination_names, single_names
+        from taps_ray.drafting.setup import load_proposers
+        from taps_ray.drafting.registry import combination_names, single_names
 
         self.cfg = parse_config(config, "<serve deployment>")
         serve_cfg = self.cfg.serve
@@ -178,7 +178,7 @@ class TapsService:
         )
 
     def _load_heads(self) -> tuple[dict[str, Any], list[str]]:
-        from taps_ray.proposer_setup import load_heads
+        from taps_ray.drafting.setup import load_heads
         from taps_ray.workdir import head_checkpoint, heads_root
 
         mixtures = self.cfg.train.mixtures
@@ -280,8 +280,8 @@ class TapsService:
     def _submit(self, jobs: list[Job], stops: list[str], model: str,
                 updates: asyncio.Queue | None = None) -> list[Ticket]:
         """Hand the jobs to the decode loop; all or none (a full queue is a 503 with Retry-After)."""
-        from taps_ray.engine.continuous import Request
-        from taps_ray.engine.verify import SamplingParams
+        from taps_ray.decoding.continuous import Request
+        from taps_ray.decoding.verify import SamplingParams
 
         tickets: list[Ticket] = []
         try:

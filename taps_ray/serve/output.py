@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from taps_ray.engine.continuous import Result, TokenLogprob
+from taps_ray.decoding.continuous import Result, TokenLogprob
 from taps_ray.serve.api_schemas import (
     ChatLogprobs,
     ChatTokenLogprob,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from taps_ray.serve.metrics import ServeMetrics
 from taps_ray.eval.diagnostics import head_counts
-from taps_ray.engine.continuous import ContinuousBatcher, Request, Result, TokenLogprob
+from taps_ray.decoding.continuous import ContinuousBatcher, Request, Result, TokenLogprob
 
 logger = logging.getLogger("ray.serve")
 

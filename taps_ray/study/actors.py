@@ -1,4 +1,4 @@
-"""Ray actors around the engine; thin on purpose: decoding is `taps_ray.engine`, batching is `cluster.verification`.
+"""Ray actors around the engine; thin on purpose: decoding is `taps_ray.decoding`, batching its `verification_pool`.
 
 * `TargetWorker` (async actor): holds the target and a `VerificationPool` of sessions; drafters call
   `start` / `step` / `close` on it, and it verifies the trees of many sessions in one batched forward.
@@ -29,11 +29,11 @@ import psutil
 import ray
 import torch
 
-from taps_ray.cluster.verification import VerificationPool
 from taps_ray.config import StudyConfig, parse_config
-from taps_ray.engine.target_batch import Committed
-from taps_ray.engine.tree import DraftTree
-from taps_ray.engine.verify import SamplingParams
+from taps_ray.decoding.target_batch import Committed
+from taps_ray.decoding.verification_pool import VerificationPool
+from taps_ray.decoding.verify import SamplingParams
+from taps_ray.drafting.tree import DraftTree
 from taps_ray.ray_runtime import prepare_process
 
 def _config(payload: str) -> StudyConfig:
@@ -45,7 +45,7 @@ def _config(payload: str) -> StudyConfig:
 
 def pack_heads(config: StudyConfig, kinds: list[str]) -> dict[str, dict[str, dict[str, bytes]]]:
     """kind -> mixture -> {file name: bytes} of every trained head the evaluation needs."""
-    from taps_ray.proposer_setup import head_names
+    from taps_ray.drafting.setup import head_names
     from taps_ray.workdir import head_checkpoint
 
     packed: dict[str, dict[str, dict[str, bytes]]] = {}
@@ -60,8 +60,8 @@ def pack_heads(config: StudyConfig, kinds: list[str]) -> dict[str, dict[str, dic
 
 def unpack_heads(config: StudyConfig, kind: str, packed: dict, dtype: torch.dtype, scratch: Path,
                  device: torch.device) -> dict:
+    from taps_ray.drafting.setup import load_heads
     from taps_ray.models.draft_head import DraftHead
-    from taps_ray.proposer_setup import load_heads
 
     files = packed.get(kind)
     if not files:  # nothing shipped: read the (shared) work dir, as the in-process path does

@@ -20,8 +20,8 @@ import ray.exceptions
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from taps_ray.cluster.verification import SessionLost
 from taps_ray.config import RayConfig, memory_bytes
+from taps_ray.decoding.verification_pool import SessionLost
 from taps_ray.ray_runtime import process_runtime_env
 from taps_ray.study.actors import DrafterActor, TargetWorker
 

@@ -6,7 +6,7 @@ training settings (`search.max_epochs` / `search.max_tokens` override its budget
 the head's held-out top-1 agreement with the target on each `search.heldout` mixture and their mean,
 `agreement`. ASHA (`search.grace_period`, `search.reduction_factor`, max_t = the trial's epochs) stops the trials
 that trail at a rung. The trial with the best last `agreement` becomes the `searched` head
-(`workdir.searched_head`), which the study then evaluates as one more proposer (`proposer_setup.with_searched`).
+(`workdir.searched_head`), which the study then evaluates as one more proposer (`drafting.setup.with_searched`).
 
 Cost: a trial's mixture is a seeded sample of each corpus with `search.seed`, the held-out mixtures' seed by
 default, so its conversations are the heads of the samples the held-out mixtures drew and their features are

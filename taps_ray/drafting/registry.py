@@ -18,7 +18,7 @@ import torch
 from taps_ray.config import StudyConfig, TreeConfig
 from taps_ray.models.draft_head import DraftHead
 from taps_ray.models.target import Target
-from taps_ray.engine.combine import (
+from taps_ray.drafting.combine import (
     build_averaged,
     build_confidence_routed,
     build_entropy_routed,
@@ -27,11 +27,11 @@ from taps_ray.engine.combine import (
     build_merged_dedup,
     with_ngram,
 )
-from taps_ray.engine.cost import CostAware
-from taps_ray.engine.names import AVERAGED_SWEEP, UnknownProposer, averaged_name, averaged_weight
-from taps_ray.engine.ngram import NUM_TOKENS, NgramProposer
-from taps_ray.engine.proposers import PlainDecoding, Proposer, SingleHead
-from taps_ray.engine.tree import DraftContext
+from taps_ray.drafting.cost import CostAware
+from taps_ray.drafting.names import AVERAGED_SWEEP, UnknownProposer, averaged_name, averaged_weight
+from taps_ray.drafting.ngram import NUM_TOKENS, NgramProposer
+from taps_ray.drafting.proposers import PlainDecoding, Proposer, SingleHead
+from taps_ray.drafting.tree import DraftContext
 
 Builder = Callable[[dict[str, DraftHead], DraftContext, TreeConfig], Proposer]
 
@@ -45,7 +45,7 @@ COMBINATIONS: dict[str, Builder] = {
 }
 NGRAM = "ngram"
 NGRAM_SUFFIX = "+ngram"
-AUTO_PREFIX = "auto-"  # `auto-<name>`: <name> under the per-sequence cost model (engine/cost.py)
+AUTO_PREFIX = "auto-"  # `auto-<name>`: <name> under the per-sequence cost model (drafting/cost.py)
 
 
 
@@ -95,7 +95,7 @@ def build_proposer(
     name: str, target: Target, heads: dict[str, DraftHead], tree: TreeConfig, vocab: torch.Tensor | None = None
 ) -> Proposer:
     """`heads`: by mixture, in order; a combination drafts with all of them (the first two where it takes two), so
-    stand-alone heads (compare twins, `searched`) are left out by the caller (`proposer_setup.load_proposers`).
+    stand-alone heads (compare twins, `searched`) are left out by the caller (`drafting.setup.load_proposers`).
     `vocab`: the reduced draft vocabulary (taps_ray/data/draft_vocab.py), or None for the full vocabulary.
     Only a proposer that drafts with a head makes a `DraftContext`: a CPU drafter reads its LM head then."""
     if name == "plain":

@@ -11,7 +11,7 @@ Head A is the first head of the config (math), head B the second (chat).
 * `merged-dedup` (ours, a change to the method): a trie merge; a node that repeats a path already in the tree
   is drafted once, so the same continuations cost fewer verified nodes.
 * `<proposer>+ngram` (ours, e.g. `math+ngram`): a heterogeneous merge of any proposer's tree with prompt-lookup
-  drafts (engine/ngram.py): the single-head budget of total_token−1 nodes goes to the most confident nodes of
+  drafts (drafting/ngram.py): the single-head budget of total_token−1 nodes goes to the most confident nodes of
   either, trie-merged (`rank_merge`), with the n-gram nodes' confidence calibrated per sequence.
 * `merged-budget` (ours): one tree of the single-head size (total_token−1 drafted nodes) split between the
   heads in proportion to their mean confidence, each head's share its most confident nodes, trie-merged.
@@ -40,9 +40,9 @@ import torch
 from taps_ray.config import TreeConfig
 from taps_ray.eval.diagnostics import mean_node_confidence
 from taps_ray.models.draft_head import DraftHead
-from taps_ray.engine.ngram import NgramProposer
-from taps_ray.engine.proposers import Proposer, SingleHead, StackedHeads, feature_layers, stackable
-from taps_ray.engine.tree import DraftContext, DraftTree, HeadCache, build_tree, path_scores, ranked_nodes, subtree
+from taps_ray.drafting.ngram import NgramProposer
+from taps_ray.drafting.proposers import Proposer, SingleHead, StackedHeads, feature_layers, stackable
+from taps_ray.drafting.tree import DraftContext, DraftTree, HeadCache, build_tree, path_scores, ranked_nodes, subtree
 
 # --- checkpoint averaging (docs/algorithms.md#weight-averaging) ---------------------------------------------
 
@@ -432,7 +432,7 @@ def per_question_confidence_choice(
     return ranked[0]
 
 
-# --- builders (named in engine/registry.py) ----------------------------------------------------------------
+# --- builders (named in drafting/registry.py) ----------------------------------------------------------------
 
 
 def _first_two(heads: dict[str, DraftHead], name: str) -> list[tuple[str, DraftHead]]:

@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from taps_ray.engine.target_batch import Committed, TargetBatch
-from taps_ray.engine.tree import DraftTree
-from taps_ray.engine.verify import SamplingParams
+from taps_ray.decoding.target_batch import Committed, TargetBatch
+from taps_ray.decoding.verify import SamplingParams
+from taps_ray.drafting.tree import DraftTree
 
 log = logging.getLogger(__name__)
 

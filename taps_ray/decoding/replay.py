@@ -5,7 +5,7 @@ walks the tree along the tokens the target would emit. So the target decodes eac
 one forward over prompt + continuation gives the features the live loop would hand a proposer, and every
 proposer is then replayed against that record without running the target again: `record_traces` once per
 prompt, `replay` once per proposer. The heads draft every tree the replay can reach in a few batched forwards
-(engine/replay_draft.py) instead of one draft pass per step. The step records are the live loop's (`run_loop`),
+(decoding/replay_draft.py) instead of one draft pass per step. The step records are the live loop's (`run_loop`),
 except that neither a per-step draft pass nor verification ran: `draft_s`, `verify_s` and `wall_s` are NaN
 (speed is measured by live cells only).
 
@@ -24,11 +24,11 @@ from weakref import WeakKeyDictionary
 
 import torch
 
-from taps_ray.engine.generate import Generation, Verifier, chosen_head, extend_tokens, record_step, step_tokens
-from taps_ray.engine.proposers import Proposer
-from taps_ray.engine.replay_draft import TreeMemo, replay_drafters
-from taps_ray.engine.tree import root_only
-from taps_ray.engine.verify import SamplingParams, greedy_path
+from taps_ray.decoding.generate import Generation, Verifier, chosen_head, extend_tokens, record_step, step_tokens
+from taps_ray.decoding.replay_draft import TreeMemo, replay_drafters
+from taps_ray.decoding.verify import SamplingParams, greedy_path
+from taps_ray.drafting.proposers import Proposer
+from taps_ray.drafting.tree import root_only
 
 GREEDY = SamplingParams()
 NO_TOKEN = -1  # past the recorded continuation: matches no drafted token

@@ -7,7 +7,7 @@ head, the tree at every root position the replay can reach: (1) one teacher-forc
 each whole trace gives the head's K/V and the depth-1 output at every position; (2) the deeper levels expand
 all (trace, position) rows at once, each row's nodes attending to its own trace prefix and its tree ancestors
 (one 4-D mask per block of rows); (3) the EAGLE-2 top-k, rerank and selection run per row through the live
-drafter's own `Candidates` and `select_nodes` (engine/tree.py: same order of operations, same tie-breaking).
+drafter's own `Candidates` and `select_nodes` (drafting/tree.py: same order of operations, same tie-breaking).
 Each `SingleHead` inside the proposer (alone, routed, merged, averaged, + n-gram, cost-aware) is then swapped
 for a `ReplayedHead` that answers `propose` from those trees; every other proposer part (n-gram lookup, plain)
 drafts as in the live loop.
@@ -25,10 +25,10 @@ from weakref import WeakKeyDictionary
 import torch
 
 from taps_ray.config import TreeConfig
-from taps_ray.engine.combine import OverParts
-from taps_ray.engine.cost import CostAware
-from taps_ray.engine.proposers import Proposer, SingleHead
-from taps_ray.engine.tree import Candidates, DraftContext, DraftTree, build_tree, select_nodes
+from taps_ray.drafting.combine import OverParts
+from taps_ray.drafting.cost import CostAware
+from taps_ray.drafting.proposers import Proposer, SingleHead
+from taps_ray.drafting.tree import Candidates, DraftContext, DraftTree, build_tree, select_nodes
 from taps_ray.models.draft_head import DraftHead
 
 CONTEXT_BUDGET = 1 << 22  # traces per causal head forward: batch x length^2 (the attention scores) at most this

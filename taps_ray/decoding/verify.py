@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from taps_ray.engine.tree import DraftTree
+from taps_ray.drafting.tree import DraftTree
 
 
 MIN_TEMPERATURE = 1e-5

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from taps_ray.engine.tree import DraftTree, build_tree
+from taps_ray.drafting.tree import DraftTree, build_tree
 
 MAX_NGRAM = 3
 NUM_TOKENS = 10  # the chain length HF prompt lookup is benchmarked with here (`prompt_lookup_num_tokens`)

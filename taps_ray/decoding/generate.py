@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from taps_ray.engine.proposers import Proposer, feature_layers
-from taps_ray.engine.target_batch import Committed, TargetBatch
-from taps_ray.engine.tree import DraftTree, root_only
-from taps_ray.engine.verify import SamplingParams, Verdict
+from taps_ray.decoding.target_batch import Committed, TargetBatch
+from taps_ray.decoding.verify import SamplingParams, Verdict
+from taps_ray.drafting.proposers import Proposer, feature_layers
+from taps_ray.drafting.tree import DraftTree, root_only
 
 if TYPE_CHECKING:  # an annotation only: importing the class loads transformers' model code (a drafter imports this)
     from transformers import PreTrainedModel

@@ -16,7 +16,7 @@ import torch
 from taps_ray.config import TreeConfig
 from taps_ray.models.draft_head import DraftHead
 from taps_ray.models.stacked_head import StackedHead, stack_mismatch
-from taps_ray.engine.tree import DraftContext, DraftTree, HeadCache, draft_eagle2_trees, head_context, root_only
+from taps_ray.drafting.tree import DraftContext, DraftTree, HeadCache, draft_eagle2_trees, head_context, root_only
 
 
 class Proposer(Protocol):

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import DynamicCache
 
-from taps_ray.engine.tree import DraftTree
-from taps_ray.engine.verify import SamplingParams, Verdict, accept, sample_root
+from taps_ray.decoding.verify import SamplingParams, Verdict, accept, sample_root
+from taps_ray.drafting.tree import DraftTree
 
 if TYPE_CHECKING:  # an annotation only: importing the class loads transformers' model code (a drafter imports this)
     from transformers import PreTrainedModel

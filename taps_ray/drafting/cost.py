@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
-from taps_ray.engine.generate import NOT_DRAFTED
-from taps_ray.engine.proposers import Proposer
-from taps_ray.engine.tree import DraftTree, path_scores, ranked_nodes, root_only, subtree
+from taps_ray.decoding.generate import NOT_DRAFTED
+from taps_ray.drafting.proposers import Proposer
+from taps_ray.drafting.tree import DraftTree, path_scores, ranked_nodes, root_only, subtree
 
 SMOOTHING = 0.5  # weight of the newest step in a running cost
 DECAY = 0.7  # per drafted step measured, the weight left to older ones (κ's record, the tree-cost fit)

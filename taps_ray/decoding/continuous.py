@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from taps_ray.engine.generate import NOT_DRAFTED, Generation, chosen_head, extend_tokens, record_step
-from taps_ray.engine.proposers import Proposer
-from taps_ray.engine.target_batch import Committed, TargetBatch
-from taps_ray.engine.tree import DraftTree, root_only
-from taps_ray.engine.verify import SamplingParams
+from taps_ray.decoding.generate import NOT_DRAFTED, Generation, chosen_head, extend_tokens, record_step
+from taps_ray.decoding.target_batch import Committed, TargetBatch
+from taps_ray.decoding.verify import SamplingParams
+from taps_ray.drafting.proposers import Proposer
+from taps_ray.drafting.tree import DraftTree, root_only
 
 if TYPE_CHECKING:  # an annotation only: importing the class loads transformers' model code
     from transformers import PreTrainedModel

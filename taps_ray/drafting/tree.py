@@ -283,7 +283,7 @@ def extend_context(
 class Candidates:
     """EAGLE-2's candidate nodes of R trees drafted side by side, one row per tree, flat in drafting order: the
     root's top_k children, then per level the top_k children of each of the top_k frontier nodes (the previous
-    level's best cumulative scores). Live drafting (`draft_eagle2_trees`) and replay (engine/replay_draft.py)
+    level's best cumulative scores). Live drafting (`draft_eagle2_trees`) and replay (decoding/replay_draft.py)
     both expand through it, so they rank, break ties and select alike."""
 
     def __init__(self, ctx: DraftContext, hidden: torch.Tensor, k: int) -> None:
