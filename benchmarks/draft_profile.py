@@ -93,7 +93,7 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="write the markdown here (else print it)")
     args = parser.parse_args()
 
-    from taps_ray.bench import BenchOptions, GREEDY, bench_prompts
+    from taps_ray.bench.run import BenchOptions, GREEDY, bench_prompts
     from taps_ray.decoding.generate import run_loop
     from taps_ray.decoding.target_batch import TargetBatch
     from taps_ray.drafting.combine import RouterState

@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cmd.add_argument("--head-kind", choices=HEAD_KINDS, default=None, help="default: serve.head_kind")
     bench = commands.add_parser("bench", help="wall-clock speed vs plain decoding, HF greedy, prompt lookup, assisted",
                                 argument_default=argparse.SUPPRESS,
-                                description="Every option defaults to the full `make bench` run (taps_ray/bench.py).")
+                                description="Every option defaults to the full `make bench` run (taps_ray/bench/run.py).")
     _add_config(bench)
     bench.add_argument("--kind", choices=HEAD_KINDS)
     bench.add_argument("--proposers", nargs="+", help="our proposers besides plain")
@@ -235,7 +235,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def bench_options(args: argparse.Namespace):
     """The BenchOptions a `taps bench` command line asks for: only the options given, the rest its defaults."""
-    from taps_ray.bench import BenchOptions
+    from taps_ray.bench.run import BenchOptions
 
     given = {k: v for k, v in vars(args).items() if k not in ("command", "config", "data_dir")}
     for key in ("dtypes", "narrow_dtypes"):
@@ -245,7 +245,7 @@ def bench_options(args: argparse.Namespace):
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from taps_ray.bench import cmd_bench
+    from taps_ray.bench.run import cmd_bench
 
     command = "taps " + " ".join(sys.argv[1:]) if sys.argv[1:] else "taps bench --config configs/cpu.yaml"
     return cmd_bench(_config(args), bench_options(args), command)

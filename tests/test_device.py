@@ -79,7 +79,7 @@ def _deviceless_constructors(path: Path) -> list[str]:
 def test_engine_serve_and_bench_name_the_device_of_every_tensor_and_generator():
     files = [*(p for package in ("drafting", "decoding", "serve")
                for p in sorted((REPO / "taps_ray" / package).glob("*.py"))),
-             REPO / "taps_ray" / "bench.py", REPO / "taps_ray" / "training" / "losses.py"]
+             REPO / "taps_ray" / "bench" / "run.py", REPO / "taps_ray" / "training" / "losses.py"]
     assert len(files) > 10, "the scan found no engine modules: the check would be blind"
     offenders = [hit for path in files for hit in _deviceless_constructors(path)]
     assert offenders == [], f"give these device= (the model's, or the tree's): {offenders}"

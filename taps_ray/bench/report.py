@@ -218,7 +218,7 @@ def write_bench_report(config: StudyConfig, sections: list[BenchSection], comman
         "measures rounding, not correctness: a forward over k tokens and one over 1 token round differently, so "
         "even our plain loop drifts from HF greedy at near-ties. HF assisted generation uses the target's own first "
         "quarter of layers as its draft (`assistant_early_exit`): no smaller same-tokenizer model exists offline. "
-        "The out-of-domain prompts were written for this repository (taps_ray/bench_prompts.py).",
+        "The out-of-domain prompts were written for this repository (taps_ray/bench/prompts.py).",
         "",
         "## Goals",
         "",

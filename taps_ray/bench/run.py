@@ -23,8 +23,8 @@ import psutil
 import torch
 from tqdm.auto import tqdm
 
-from taps_ray.bench_prompts import OOD_PROMPTS, first_turns
-from taps_ray.bench_report import BenchSection, write_bench_report
+from taps_ray.bench.prompts import OOD_PROMPTS, first_turns
+from taps_ray.bench.report import BenchSection, write_bench_report
 from taps_ray.config import StudyConfig, TreeConfig
 from taps_ray.data.chat import build_prompt_ids
 from taps_ray.models.device import resolve_device
