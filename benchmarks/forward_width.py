@@ -26,9 +26,9 @@ import torch  # noqa: E402
 
 from taps_ray.config import load_config  # noqa: E402
 from taps_ray.machine import cpu_line  # noqa: E402
-from taps_ray.engine.target_batch import TargetBatch  # noqa: E402
-from taps_ray.engine.tree import DraftTree, build_tree  # noqa: E402
-from taps_ray.engine.verify import SamplingParams  # noqa: E402
+from taps_ray.decoding.target_batch import TargetBatch  # noqa: E402
+from taps_ray.decoding.verify import SamplingParams  # noqa: E402
+from taps_ray.drafting.tree import DraftTree, build_tree  # noqa: E402
 from taps_ray.fsio import report_lines  # noqa: E402
 from taps_ray.models.target import load_target  # noqa: E402
 

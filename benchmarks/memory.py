@@ -40,7 +40,7 @@ CELL_QUESTIONS = 1  # the evaluated cell: plain decoding of this many questions 
 
 def floor_memory(name: str) -> dict[str, int]:
     """What every actor holds besides weights: the actor modules (torch, transformers, Ray) and the tokenizer."""
-    import taps_ray.cluster.actors as actors
+    import taps_ray.study.actors as actors
     import taps_ray.eval.runner  # noqa: F401  (a drafter imports it for its first cell)
     from taps_ray.models.target import load_tokenizer
 
@@ -53,10 +53,10 @@ def actor_memory(cfg: StudyConfig) -> dict[str, dict[str, int]]:
     evaluated cell, and of the floor."""
     import ray
 
-    from taps_ray.cluster.eval_pool import EvalPool
-    from taps_ray.cluster.runtime import process_runtime_env, start_ray
     from taps_ray.eval.cell import NO_HEAD, PLAIN, Cell
     from taps_ray.eval.store import ResultsStore
+    from taps_ray.ray_runtime import process_runtime_env, start_ray
+    from taps_ray.study.eval_pool import EvalPool
 
     one = cfg.ray.model_copy(update={"num_target_workers": 1, "num_drafters": 1, "address": None})
     benchmark = next(iter(cfg.eval.benchmarks))

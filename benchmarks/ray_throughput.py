@@ -63,10 +63,10 @@ def _prompts(cfg: StudyConfig, target, n: int) -> list[list[int]]:
 def verification(cfg: StudyConfig, target, heads_cfg: StudyConfig, kind: str, batches: list[int], steps: int,
                  repeats: int) -> list[dict]:
     """Tree tokens verified per second by TargetBatch.step, trees drafted (untimed) by the first head."""
-    from taps_ray.proposer_setup import load_proposers
-    from taps_ray.engine.proposers import feature_layers
-    from taps_ray.engine.target_batch import TargetBatch
-    from taps_ray.engine.verify import SamplingParams
+    from taps_ray.drafting.setup import load_proposers
+    from taps_ray.drafting.proposers import feature_layers
+    from taps_ray.decoding.target_batch import TargetBatch
+    from taps_ray.decoding.verify import SamplingParams
 
     name = heads_cfg.train.mixtures[0]
     proposer = load_proposers(heads_cfg, [name], target=target, kind=kind)[name]
@@ -115,13 +115,13 @@ def evaluation(cfg: StudyConfig, target, heads_cfg: StudyConfig, kind: str, prop
     import pandas as pd
     import ray
 
-    from taps_ray.cluster.actors import pack_heads
-    from taps_ray.cluster.eval_pool import EvalPool
-    from taps_ray.cluster.runtime import start_ray
+    from taps_ray.drafting.setup import load_heads
     from taps_ray.eval.cell import Cell
     from taps_ray.eval.runner import run_cell
     from taps_ray.eval.store import ResultsStore
-    from taps_ray.proposer_setup import load_heads
+    from taps_ray.ray_runtime import start_ray
+    from taps_ray.study.actors import pack_heads
+    from taps_ray.study.eval_pool import EvalPool
 
     cells = [Cell(kind, p, b, t) for p in proposers for b in cfg.eval.benchmarks for t in cfg.eval.temperatures]
     heads = load_heads(heads_cfg, kind, target.dtype)

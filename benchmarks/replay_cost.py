@@ -6,7 +6,7 @@
 
 Each proposer's T = 0 cell runs live (`eval.replay: false`: the target verifies every step, the heads draft every
 step) and replayed (the target greedy-decodes the questions once, in one batch; each head drafts its trees at
-every root position of those traces in batched forwards, engine/replay_draft.py; the proposer replays against
+every root position of those traces in batched forwards, decoding/replay_draft.py; the proposer replays against
 the record). The greedy decodes of the questions are timed apart (a cold replay minus a warm one) and shared
 over the cells that replay them: these proposers' cells, and the replayed cells of that benchmark in the
 config's study. Both runs must give the same question records; the script counts the turns where they differ
@@ -37,8 +37,8 @@ COMPARED = ["question_id", "turn", "tokens", "steps", "committed"]
 
 
 def _heads(cfg: StudyConfig, kind: str, target) -> tuple[dict, str]:
+    from taps_ray.drafting.setup import load_heads
     from taps_ray.models.draft_head import new_head
-    from taps_ray.proposer_setup import load_heads
 
     try:
         return load_heads(cfg, kind, target.dtype), f"trained `{kind}` heads from `{cfg.work_dir}`"

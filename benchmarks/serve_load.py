@@ -333,7 +333,7 @@ def deploy(cfg, url: str, replace: bool) -> dict:
     """(Re)deploy the app for `cfg` (the old replica goes first, so the new one gets the cores); returns /healthz."""
     from ray import serve
 
-    from taps_ray.cluster.serve import build_app
+    from taps_ray.serve.app import build_app
 
     if replace:
         serve.delete(APP_NAME)
@@ -539,7 +539,7 @@ def measure(args: argparse.Namespace, cfg, dtypes: list[str]) -> Run:
     import ray
     from ray import serve
 
-    from taps_ray.cluster.runtime import start_ray, start_serve
+    from taps_ray.ray_runtime import start_ray, start_serve
 
     run = Run(models=[], points={}, overload=None, failures=[])
     start_ray(cfg.ray, log_to_driver=False)

@@ -14,10 +14,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads s
 import pytest
 import torch
 
-from taps_ray.cluster.runtime import loopback_cluster
 from taps_ray.config import StudyConfig, TargetConfig, TinyTargetConfig, load_config
 from taps_ray.machine import cpu_line
 from taps_ray.models.target import Target, load_target
+from taps_ray.ray_runtime import loopback_cluster
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"

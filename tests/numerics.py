@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from taps_ray.engine.tree import DraftTree
+from taps_ray.drafting.tree import DraftTree
 
 
 def rounding_rtol(terms: int, chained: int = 1, dtype: torch.dtype = torch.float32) -> float:

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from taps_ray.config import TreeConfig
-from taps_ray.engine.combine import ConfidenceRouted, Merged, merge_trees
-from taps_ray.engine.generate import generate
-from taps_ray.engine.ngram import NgramProposer
-from taps_ray.engine.proposers import Recording, SingleHead, StackedHeads
-from taps_ray.engine.registry import build_proposer
-from taps_ray.engine.tree import DraftContext, DraftTree, HeadCache
-from taps_ray.engine.verify import SamplingParams
+from taps_ray.decoding.generate import generate
+from taps_ray.decoding.verify import SamplingParams
+from taps_ray.drafting.combine import ConfidenceRouted, Merged, merge_trees
+from taps_ray.drafting.ngram import NgramProposer
+from taps_ray.drafting.proposers import Recording, SingleHead, StackedHeads
+from taps_ray.drafting.registry import build_proposer
+from taps_ray.drafting.tree import DraftContext, DraftTree, HeadCache
 from taps_ray.models.draft_head import new_head
 from taps_ray.models.stacked_head import StackedHead, stack_mismatch
 

@@ -11,7 +11,7 @@ from scipy import stats
 from taps_ray.config import TreeConfig
 from taps_ray.eval import diagnostics
 from taps_ray.models.draft_head import DraftHead, new_head
-from taps_ray.engine.combine import (
+from taps_ray.drafting.combine import (
     ConfidenceRouted,
     EntropyRouted,
     Merged,
@@ -21,13 +21,13 @@ from taps_ray.engine.combine import (
     per_question_confidence_choice,
     split_budget,
 )
-from taps_ray.engine.generate import NOT_DRAFTED, StepRecord, generate
-from taps_ray.engine.proposers import SingleHead
-from taps_ray.engine.registry import UnknownProposer, averaged_weight, build_proposer, combination_names
-from taps_ray.engine.names import entropy_candidates
-from taps_ray.engine.target_batch import TargetBatch
-from taps_ray.engine.tree import DraftContext, HeadCache, build_tree, prune_tree
-from taps_ray.engine.verify import SamplingParams, accept_stochastic, processed_probs
+from taps_ray.decoding.generate import NOT_DRAFTED, StepRecord, generate
+from taps_ray.drafting.proposers import SingleHead
+from taps_ray.drafting.registry import UnknownProposer, averaged_weight, build_proposer, combination_names
+from taps_ray.drafting.names import entropy_candidates
+from taps_ray.decoding.target_batch import TargetBatch
+from taps_ray.drafting.tree import DraftContext, HeadCache, build_tree, prune_tree
+from taps_ray.decoding.verify import SamplingParams, accept_stochastic, processed_probs
 
 from numerics import assert_same_tree, tree_rtol
 from oracles import GreedyOracle, fit_head

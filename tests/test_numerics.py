@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from taps_ray.engine.tree import build_tree
+from taps_ray.drafting.tree import build_tree
 
 from numerics import assert_same_tree, rounding_rtol, tree_rtol
 

@@ -15,16 +15,16 @@ from taps_ray.eval.runner import TraceCache, run_cell
 from taps_ray.eval.cell import Cell
 from taps_ray.report.build import evaluation_md
 from taps_ray.report.data import ReportData
-from taps_ray.engine.generate import generate, run_loop
-from taps_ray.engine.proposers import PlainDecoding, SingleHead
-from taps_ray.engine.registry import build_proposer, proposer_names
-from taps_ray.engine.replay import record_traces, replay
-from taps_ray.engine import replay_draft
-from taps_ray.engine.replay_draft import draft_along
-from taps_ray.engine.target_batch import TargetBatch
-from taps_ray.engine.tree import DraftContext, HeadCache
+from taps_ray.decoding.generate import generate, run_loop
+from taps_ray.drafting.proposers import PlainDecoding, SingleHead
+from taps_ray.drafting.registry import build_proposer, proposer_names
+from taps_ray.decoding.replay import record_traces, replay
+from taps_ray.decoding import replay_draft
+from taps_ray.decoding.replay_draft import draft_along
+from taps_ray.decoding.target_batch import TargetBatch
+from taps_ray.drafting.tree import DraftContext, HeadCache
 from taps_ray.models.draft_head import eagle3_layers, new_head
-from taps_ray.engine.verify import SamplingParams
+from taps_ray.decoding.verify import SamplingParams
 
 from numerics import assert_same_tree, rounding_rtol, tree_rtol
 from oracles import GreedyOracle, fit_head
