@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
@@ -34,9 +33,10 @@ import torch  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 from taps_ray.config import load_config  # noqa: E402
-from taps_ray.engine.target_batch import TargetBatch  # noqa: E402
-from taps_ray.engine.tree import DraftTree, build_tree  # noqa: E402
-from taps_ray.engine.verify import SamplingParams  # noqa: E402
+from taps_ray.machine import cpu_line  # noqa: E402
+from taps_ray.decoding.target_batch import TargetBatch  # noqa: E402
+from taps_ray.decoding.verify import SamplingParams  # noqa: E402
+from taps_ray.drafting.tree import DraftTree, build_tree  # noqa: E402
 from taps_ray.fsio import report_lines  # noqa: E402
 from taps_ray.models.fast_llama import FastLlama  # noqa: E402
 from taps_ray.models.hf_forward import HFForward  # noqa: E402
@@ -50,24 +50,6 @@ def shapes(size: int) -> dict[str, DraftTree]:
     tokens = torch.full((size,), 5)
     binary = [-1] + [(node - 1) // 2 for node in range(1, size)]
     return {"chain": build_tree(tokens, torch.arange(-1, size - 1)), "tree": build_tree(tokens, torch.tensor(binary))}
-
-
-def cpu_name() -> str:
-    """The CPU model as /proc/cpuinfo names it (the platform's processor string elsewhere)."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
-
-
-def cpu_features() -> str:
-    """Whether the CPU has AMX / AVX-512 bf16 (what bf16 matmuls run on)."""
-    cpuinfo = Path("/proc/cpuinfo")
-    flags = set(cpuinfo.read_text().split()) if cpuinfo.is_file() else set()
-    found = [name for name in ("amx_bf16", "avx512_bf16", "avx512f") if name in flags]
-    return ", ".join(found) or "no AVX-512"
 
 
 def old_verifier(model: torch.nn.Module, prompt: list[int]) -> Callable[[DraftTree], None]:
@@ -160,8 +142,8 @@ def main() -> int:
         "# Target forward by tree size: taps' fast forward against transformers'",
         "",
         f"Regenerate: `python benchmarks/forward_width.py --config {args.config} --dtypes {' '.join(args.dtypes)}"
-        f" --out reports/forward_width.md`. CPU: {cpu_name()} ({cpu_features()}), {os.cpu_count()} cores, torch "
-        f"threads {torch.get_num_threads()}, torch {torch.__version__}. Context {args.context} tokens, median of "
+        f" --out reports/forward_width.md`. {cpu_line()}; torch threads {torch.get_num_threads()}, torch "
+        f"{torch.__version__}. Context {args.context} tokens, median of "
         f"{args.repetitions} interleaved verifications per forward and size, LM head included. `old`: transformers' "
         "model over its DynamicCache (the batch before this forward); `hf`: transformers' model over the batch's "
         "preallocated KVCache (`target.forward: hf`); `fast`: taps' own Llama forward over it (`target.forward: "

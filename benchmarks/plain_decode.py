@@ -31,17 +31,16 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from taps_ray.bench import BenchOptions, bench_prompts  # noqa: E402
+from taps_ray.bench.run import BenchOptions, bench_prompts  # noqa: E402
 from taps_ray.config import load_config  # noqa: E402
-from taps_ray.engine.generate import run_loop  # noqa: E402
-from taps_ray.engine.proposers import PlainDecoding  # noqa: E402
-from taps_ray.engine.target_batch import TargetBatch  # noqa: E402
-from taps_ray.engine.verify import SamplingParams  # noqa: E402
+from taps_ray.decoding.generate import run_loop  # noqa: E402
+from taps_ray.decoding.target_batch import TargetBatch  # noqa: E402
+from taps_ray.decoding.verify import SamplingParams  # noqa: E402
+from taps_ray.drafting.proposers import PlainDecoding  # noqa: E402
+from taps_ray.machine import cpu_line  # noqa: E402
 from taps_ray.models.hf_forward import HFForward  # noqa: E402
 from taps_ray.models.target import load_target  # noqa: E402
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from forward_width import cpu_features, cpu_name  # noqa: E402
 
 
 def measure(config_path: str, dtype: str, per_benchmark: int, max_new_tokens: int, repetitions: int
@@ -117,7 +116,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     from taps_ray.models.target import model_source
 
-    print(f"CPU: {cpu_name()} ({cpu_features()}), {os.cpu_count()} cores, {args.threads} threads, torch "
+    print(f"{cpu_line()}; {args.threads} threads, torch "
           f"{torch.__version__}; SmolLM2-135M-Instruct, batch 1, T=0, {args.max_new_tokens} new tokens, "
           f"{2 * args.per_benchmark} prompts (GSM8K + MT-Bench first turns), {args.repetitions} repetitions\n\n"
           "| dtype | method | tokens/s | vs hf-greedy | vs plain-hf | identical to hf-greedy |\n"

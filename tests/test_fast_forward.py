@@ -15,9 +15,9 @@ import pytest
 import torch
 import transformers
 
-from taps_ray.engine.target_batch import TargetBatch
-from taps_ray.engine.tree import build_tree
-from taps_ray.engine.verify import SamplingParams
+from taps_ray.decoding.target_batch import TargetBatch
+from taps_ray.decoding.verify import SamplingParams
+from taps_ray.drafting.tree import build_tree
 from taps_ray.models.fast_llama import FastLlama
 from taps_ray.models.hf_forward import HFForward
 from taps_ray.models.kv_cache import GROWTH, KVCache
