@@ -122,6 +122,14 @@ def test_fusing_shares_the_hf_weights_and_leaves_transformers_forward_bit_identi
             assert proj.weight.untyped_storage().data_ptr() == layer.gate_up.untyped_storage().data_ptr()
 
 
+def test_casting_the_model_after_building_is_refused_not_silently_diverging():
+    model = _llama()
+    attach_forward(model, "fast")
+    model.to(torch.float64)
+    with pytest.raises(RuntimeError, match="attach_forward"):
+        TargetBatch(model).prefill([[3, 4, 5]])
+
+
 def test_uncovered_rope_falls_back_to_transformers_with_the_same_tokens():
     dynamic = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
     model = _llama(rope_parameters=dynamic)
