@@ -94,8 +94,11 @@ def run_vllm(python: str, model_dir: str, dtype: str, prompts: list[list[int]], 
         job = Path(folder) / "job.json"
         job.write_text(json.dumps({"model": model_dir, "dtype": dtype, "prompts": prompts, "stops": stops,
                                    "max_new_tokens": max_new_tokens, "repetitions": repetitions}))
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": str(threads),
-               "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "PYTHONPATH": ""}
+        # vLLM's CPU settings as the project's interop runs use them: a 1 GiB KV cache, `threads` OpenMP threads
+        # without binding (the cores are shared), idle threads sleeping, no preloads
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LD_PRELOAD")}
+        env.update(VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND="nobind",
+                   OMP_WAIT_POLICY="PASSIVE", VLLM_NO_USAGE_STATS="1")
         done = subprocess.run([python, str(ROOT / "benchmarks" / "vllm_plain.py"), str(job)], env=env,
                               capture_output=True, text=True, timeout=3600)
         if done.returncode != 0:
@@ -127,7 +130,7 @@ def main() -> int:
         f"{args.max_new_tokens} new tokens, {2 * args.per_benchmark} prompts (GSM8K + MT-Bench first turns, "
         f"taps bench's ids), {args.repetitions} repetitions. `plain`: our loop on `target.forward: fast`; "
         "`plain-hf`: on `target.forward: hf`; `hf-greedy`: transformers' generate. These three are interleaved; "
-        "vLLM (VLLM_CPU_KVCACHE_SPACE=1, its threads bound to the same cores, no preloads) runs after them in "
+        "vLLM (VLLM_CPU_KVCACHE_SPACE=1, OMP threads unbound, no preloads, its default torch.compile) runs after them in "
         "its own process. A shared machine: read ratios within one dtype, not absolute speeds.", "",
         "| dtype | method | tokens/s | vs hf-greedy | vs plain-hf | identical to hf-greedy |",
         "|---|---|---|---|---|---|",

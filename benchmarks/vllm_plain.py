@@ -20,7 +20,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     job = json.loads(open(sys.argv[1]).read())
-    llm = LLM(model=job["model"], dtype=job["dtype"], max_model_len=2048, seed=0)
+    llm = LLM(model=job["model"], dtype=job["dtype"], max_model_len=2048, max_num_seqs=1, seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"], stop_token_ids=job["stops"])
 
     def decode(ids: list[int]) -> list[int]:
