@@ -99,11 +99,12 @@ def run_vllm(python: str, model_dir: str, dtype: str, prompts: list[list[int]], 
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LD_PRELOAD")}
         env.update(VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND="nobind",
                    OMP_WAIT_POLICY="PASSIVE", VLLM_NO_USAGE_STATS="1")
-        done = subprocess.run([python, str(ROOT / "benchmarks" / "vllm_plain.py"), str(job)], env=env,
-                              capture_output=True, text=True, timeout=3600)
-        if done.returncode != 0:
+        result_file = Path(folder) / "result.json"
+        done = subprocess.run([python, str(ROOT / "benchmarks" / "vllm_plain.py"), str(job), str(result_file)],
+                              env=env, capture_output=True, text=True, timeout=3600)
+        if done.returncode != 0 or not result_file.is_file():
             raise RuntimeError(f"vLLM run failed:\n{done.stderr[-3000:]}")
-        result = json.loads(done.stdout.strip().splitlines()[-1])
+        result = json.loads(result_file.read_text())
         return float(result["tokens_per_s"]), result["outputs"]
 
 

@@ -2,10 +2,11 @@
 """vLLM-CPU plain decoding on given prompt ids, batch 1, greedy: run by benchmarks/plain_decode.py with a vLLM
 venv's python (it imports nothing from taps_ray). Not a test.
 
-    <vLLM venv>/bin/python benchmarks/vllm_plain.py job.json
+    <vLLM venv>/bin/python benchmarks/vllm_plain.py job.json result.json
 
 job.json: {"model": folder, "dtype": "float32"|"bfloat16", "prompts": [[ids]], "stops": [ids], "max_new_tokens": n,
-"repetitions": r}. Prints one JSON line: {"tokens_per_s": ..., "outputs": [[ids]] (the first repetition)}.
+"repetitions": r}. Writes result.json: {"tokens_per_s": ..., "outputs": [[ids]] (the first repetition)} (a file,
+not stdout: vLLM prints its own lines there).
 The guard below matters: vLLM starts its engine in a spawned process that re-imports this file.
 """
 
@@ -37,7 +38,8 @@ def main() -> None:
             tokens += len(out)
             if repetition == 0:
                 outputs.append(out)
-    print(json.dumps({"tokens_per_s": tokens / seconds, "outputs": outputs}))
+    with open(sys.argv[2], "w") as result:
+        json.dump({"tokens_per_s": tokens / seconds, "outputs": outputs}, result)
 
 
 if __name__ == "__main__":
