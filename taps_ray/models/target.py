@@ -8,6 +8,9 @@ Importing this module stays light (a drafter imports it for `Target` and the tok
 and Auto classes are looked up on its lazy module only when a model or another target's tokenizer is loaded,
 since importing them costs ~130 MB (the Auto modules alone ~7 MB); the aliases' tokenizer is built from its
 files (`plain_fast_tokenizer`) without transformers' Auto machinery.
+
+`load_target` also attaches the forward the target's batches verify with (`target.forward`,
+`models/target_forward.py`): taps' fast Llama forward by default, transformers' where it does not cover the model.
 """
 
 from __future__ import annotations
