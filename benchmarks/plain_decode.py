@@ -36,7 +36,7 @@ from taps_ray.config import load_config  # noqa: E402
 from taps_ray.decoding.generate import run_loop  # noqa: E402
 from taps_ray.decoding.target_batch import TargetBatch  # noqa: E402
 from taps_ray.decoding.verify import SamplingParams  # noqa: E402
-from taps_ray.fsio import report_lines  # noqa: E402
+from taps_ray.fsio import atomic_write_text  # noqa: E402
 from taps_ray.drafting.proposers import PlainDecoding  # noqa: E402
 from taps_ray.machine import cpu_line  # noqa: E402
 from taps_ray.models.hf_forward import HFForward  # noqa: E402
@@ -108,6 +108,22 @@ def run_vllm(python: str, model_dir: str, dtype: str, prompts: list[list[int]], 
         return float(result["tokens_per_s"]), result["outputs"]
 
 
+def rows(dtype: str, speed: dict[str, float], outputs: dict[str, list[list[int]]], ours: dict[str, float]
+         ) -> list[str]:
+    """Table rows for `speed`'s methods, as ratios to our interleaved HF greedy and plain-hf runs."""
+    return [
+        f"| {dtype} | {name} | {value:.2f} | {value / ours['hf-greedy']:.2f}x | {value / ours['plain-hf']:.2f}x | "
+        f"{sum(a == b for a, b in zip(outputs[name], outputs['hf-greedy']))}/{len(outputs['hf-greedy'])} |"
+        for name, value in speed.items()
+    ]
+
+
+def write(lines: list[str], out: str | None) -> None:
+    if out:
+        atomic_write_text(out, "\n".join(lines) + "\n")
+    print(lines[-1], flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/cpu.yaml")
@@ -136,20 +152,20 @@ def main() -> int:
         "| dtype | method | tokens/s | vs hf-greedy | vs plain-hf | identical to hf-greedy |",
         "|---|---|---|---|---|---|",
     ]
-    for dtype in args.dtypes:
+    for dtype in args.dtypes:  # the report is rewritten after every part, so a stopped run keeps what it measured
         prompts, speed, outputs, stops = measure(args.config, dtype, args.per_benchmark, args.max_new_tokens,
                                                  args.repetitions)
+        lines += rows(dtype, speed, outputs, speed)
+        write(lines, args.out)
         if args.vllm_python:
             cfg = load_config(args.config)
-            speed["vllm plain"], outputs["vllm plain"] = run_vllm(
+            vllm = dict(zip(("vllm plain", "vllm outputs"), run_vllm(
                 args.vllm_python, str(model_source(cfg.target.name)), dtype, prompts, stops, args.max_new_tokens,
-                args.repetitions, args.threads)
-        for name, value in speed.items():
-            same = sum(a == b for a, b in zip(outputs[name], outputs["hf-greedy"]))
-            lines.append(f"| {dtype} | {name} | {value:.2f} | {value / speed['hf-greedy']:.2f}x | "
-                         f"{value / speed['plain-hf']:.2f}x | {same}/{len(prompts)} |")
-        print("\n".join(lines[-len(speed):]), flush=True)
-    report_lines(lines, args.out)
+                args.repetitions, args.threads)))
+            lines += rows(dtype, {"vllm plain": vllm["vllm plain"]},
+                          {"vllm plain": vllm["vllm outputs"], "hf-greedy": outputs["hf-greedy"]}, speed)
+            lines.append(f"| {dtype} | plain / vllm plain | {speed['plain'] / vllm['vllm plain']:.2f}x | | | |")
+            write(lines, args.out)
     return 0
 
 
