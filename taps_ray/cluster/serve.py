@@ -66,7 +66,7 @@ from taps_ray.cluster.api_schemas import (
     SamplingFields,
     Speculative,
 )
-from taps_ray.cluster.runtime import start_ray, start_serve
+from taps_ray.cluster.runtime import bind_replica_grpc_to_node, start_ray, start_serve
 from taps_ray.cluster.serve_metrics import serve_metrics
 from taps_ray.cluster.serve_output import ChoiceStream, TextOutput, speculative, usage
 from taps_ray.cluster.serve_scheduler import DecodeLoop, Overloaded, Ticket
@@ -143,6 +143,7 @@ class TapsService:
         from taps_ray.proposer_setup import load_proposers
         from taps_ray.engine.registry import combination_names, single_names
 
+        bind_replica_grpc_to_node()  # before Serve starts the replica's gRPC server, right after this constructor
         self.cfg = parse_config(config, "<serve deployment>")
         serve_cfg = self.cfg.serve
         torch.set_num_threads(max(1, math.ceil(serve_cfg.replica_num_cpus)))
