@@ -1,11 +1,11 @@
-"""`cluster.runtime`: the local Ray and Serve's HTTP proxy listen on loopback only, every socket of them."""
+"""`ray_runtime`: the local Ray and Serve's HTTP proxy listen on loopback only, every socket of them."""
 
 from __future__ import annotations
 
 import os
 import socket
 
-from taps_ray.cluster.runtime import start_serve
+from taps_ray.ray_runtime import start_serve
 
 from listeners import exposed, is_loopback, listeners
 
@@ -42,7 +42,7 @@ def test_ray_and_serve_listen_on_loopback_only(ray_session):
 def test_actor_environment_is_set_before_anything_is_imported(ray_session, monkeypatch):
     """The driver's HF/TAPS settings reach a task's process through its `runtime_env`: huggingface_hub reads
     them once, at import, and sees them."""
-    from taps_ray.cluster.runtime import process_runtime_env
+    from taps_ray.ray_runtime import process_runtime_env
 
     ray = ray_session
     monkeypatch.setenv("HF_HOME", "/nonexistent/taps-hf-home")  # one of runtime.ENV_KEYS, set on the driver only

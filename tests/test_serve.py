@@ -24,10 +24,10 @@ import yaml
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 
-from taps_ray.cluster.runtime import start_serve
-from taps_ray.cluster.serve import AppArgs, app_builder, build_app
 from taps_ray.data.chat import render_ids
 from taps_ray.models.draft_head import new_head
+from taps_ray.ray_runtime import start_serve
+from taps_ray.serve.app import AppArgs, app_builder, build_app
 from taps_ray.workdir import head_checkpoint
 
 from listeners import exposed, listeners
@@ -515,7 +515,7 @@ def test_serve_yaml_and_app_builder():
     deploy = ServeDeploySchema.model_validate(yaml.safe_load((REPO / "configs" / "serve.yaml").read_text()))
     assert deploy.http_options.host == "127.0.0.1"
     (app,) = deploy.applications
-    assert app.import_path == "taps_ray.cluster.serve:app_builder"
+    assert app.import_path == "taps_ray.serve.app:app_builder"
     assert set(app.args) <= set(AppArgs.model_fields)
     assert isinstance(app_builder(dict(app.args)), Application)
     assert isinstance(app_builder({"config": "configs/tiny.yaml", "num_replicas": "2"}), Application)
