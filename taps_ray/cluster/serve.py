@@ -48,6 +48,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 
+from taps_ray import ray_requests
 from taps_ray.cluster.api_errors import ERROR_RESPONSES, ApiError, install_error_handlers
 from taps_ray.cluster.api_schemas import (
     ChatChoice,
