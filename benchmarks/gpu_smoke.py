@@ -68,10 +68,10 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from taps_ray.config import TreeConfig  # noqa: E402
-from taps_ray.engine.generate import Generation, generate  # noqa: E402
-from taps_ray.engine.proposers import PlainDecoding, SingleHead  # noqa: E402
-from taps_ray.engine.tree import DraftContext  # noqa: E402
-from taps_ray.engine.verify import SamplingParams  # noqa: E402
+from taps_ray.decoding.generate import Generation, generate  # noqa: E402
+from taps_ray.drafting.proposers import PlainDecoding, SingleHead  # noqa: E402
+from taps_ray.drafting.tree import DraftContext  # noqa: E402
+from taps_ray.decoding.verify import SamplingParams  # noqa: E402
 from taps_ray.fsio import atomic_write_json, atomic_write_text  # noqa: E402
 from taps_ray.models.draft_head import new_head  # noqa: E402
 from taps_ray.training.losses import Batch, FrozenTarget, LossSettings, run_passes  # noqa: E402

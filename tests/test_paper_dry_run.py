@@ -136,9 +136,9 @@ def run_dry_run(work: Path) -> dict:
     import ray
     from ray import serve
 
-    from taps_ray.cluster.runtime import LOOPBACK, loopback_cluster
-    from taps_ray.cluster.serve import build_app
-    from taps_ray.cluster.sweep import run_sweep
+    from taps_ray.ray_runtime import LOOPBACK, loopback_cluster
+    from taps_ray.serve.app import build_app
+    from taps_ray.study.sweep import run_sweep
     from taps_ray.config import parse_config
     from taps_ray.plan import resource_requests
 
