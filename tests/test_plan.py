@@ -66,3 +66,18 @@ def test_docs_paper_plan_is_the_plan_output():
     doc = (REPO / "docs" / "paper_plan.md").read_text()
     block = doc.split(plan.BEGIN, 1)[1].split(plan.END, 1)[0].strip()
     assert block == text.strip(), "docs/paper_plan.md is stale: rerun the command it names"
+
+
+def test_every_bundle_holds_all_its_actor_asks_for():
+    """A placement-group bundle without the actor's `memory` makes Ray reject the actor ("cannot fit into any
+    bundles") when evaluation starts; the dry run shows it on a cluster, this shows it in a millisecond."""
+    from taps_ray import ray_requests
+
+    cfg = load_config(PAPER)
+    for kind in ray_requests.KINDS:
+        request = ray_requests.request_of(cfg, kind)
+        options = request.options()
+        wanted = {"CPU": options["num_cpus"], "GPU": options["num_gpus"], "memory": options.get("memory", 0),
+                  **options["resources"]}
+        assert request.bundle() == {k: v for k, v in wanted.items() if v}, kind
+        assert request.bundle()["memory"] == options["memory"] > 0, kind
