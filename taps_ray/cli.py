@@ -95,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     _sweep_arguments(sweep)
 
+    plan = commands.add_parser("plan", help="GPU, host memory and disk per actor kind, and whether each fits the "
+                               "cluster's node types (exit 1 when one does not)")
+    from taps_ray.plan import add_arguments as _plan_arguments
+
+    _plan_arguments(plan)
+
     serve_cmd = commands.add_parser("serve", help="OpenAI-compatible HTTP service of the target and heads (Ray Serve)")
     _add_config(serve_cmd)
     serve_cmd.add_argument("--host", default=None, help="listen address (default: serve.host, 127.0.0.1)")
@@ -223,6 +229,12 @@ def _sweep(args: argparse.Namespace) -> int:
     return cmd_sweep(args)
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from taps_ray.plan import cmd_plan
+
+    return cmd_plan(args)
+
+
 def _serve(args: argparse.Namespace) -> int:
     from taps_ray.serve.app import cmd_serve
 
@@ -262,6 +274,7 @@ HANDLERS: dict[str, Handler] = {
     "generate": _generate,
     "serve": _serve,
     "sweep": _sweep,
+    "plan": _plan,
     "report": _report,
     "heads-report": _heads_report,
     "bench": _bench,

@@ -48,6 +48,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 
+from taps_ray import ray_requests
 from taps_ray.config import HeadKind, StudyConfig, load_config, parse_config, with_overrides
 from taps_ray.decoding.continuous import ContinuousBatcher, Result, TokenLogprob
 from taps_ray.decoding.verify import MIN_TEMPERATURE
@@ -526,7 +527,7 @@ def build_app(cfg: StudyConfig, base_dir: str | Path | None = None) -> serve.App
     return TapsService.options(
         **scaling,
         max_ongoing_requests=max(s.max_ongoing_requests, s.max_batch_size + s.max_queued_requests + 1),
-        ray_actor_options={"num_cpus": s.replica_num_cpus, "num_gpus": s.replica_num_gpus},
+        ray_actor_options=ray_requests.serve_replica(cfg).options(),
     ).bind(cfg.model_dump(mode="json"))
 
 

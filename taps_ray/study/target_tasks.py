@@ -20,7 +20,8 @@ from typing import Any
 import ray
 import torch
 
-from taps_ray.config import StudyConfig, memory_bytes, parse_config
+from taps_ray import ray_requests
+from taps_ray.config import StudyConfig, parse_config
 from taps_ray.ray_runtime import prepare_process, process_runtime_env
 
 
@@ -36,10 +37,7 @@ def _run_on_target(payload: str, job: Callable[..., Any], args: tuple) -> Any:
 
 def _target_task(cfg: StudyConfig, env: dict[str, str], job: Callable[..., Any], *args: Any) -> ray.ObjectRef:
     """`job(cfg, target, *args)` submitted as a Ray task with the target's resources."""
-    task = _run_on_target.options(
-        num_cpus=cfg.ray.target_num_cpus, num_gpus=cfg.ray.target_num_gpus, resources=cfg.ray.target_resources,
-        memory=memory_bytes(cfg.ray.target_memory_gb), runtime_env=process_runtime_env(env),
-    )
+    task = _run_on_target.options(**ray_requests.features_task(cfg).options(), runtime_env=process_runtime_env(env))
     return task.remote(cfg.model_dump_json(), job, args)
 
 

@@ -1,6 +1,7 @@
 """The training stage on Ray Tune: one trial per (head kind × mixture), each running the trainer.
 
-Resources per trial come from the config (`ray.trial_cpus`, `ray.trial_gpus`, via `tune.with_resources`).
+Resources per trial come from the config (`ray.trial_cpus`, `ray.trial_gpus`, `ray.trial_memory_gb`,
+`ray.trial_resources`: `ray_requests.tune_trial`, via `tune.with_resources`).
 The trainer's per-epoch `report(metrics)` callback becomes `tune.report(metrics, checkpoint=<that epoch's
 folder>)`, and a last report carries the `final` head.
 
@@ -31,7 +32,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from taps_ray.config import StudyConfig, memory_bytes, parse_config
+from taps_ray import ray_requests
+from taps_ray.config import StudyConfig, parse_config
 from taps_ray.fsio import atomic_dir
 from taps_ray.workdir import FINAL, epoch_checkpoint, head_checkpoint, head_dir, tune_dir
 
@@ -156,10 +158,7 @@ def open_experiment(cfg: StudyConfig, name: str, trainable: Callable, param_spac
     path = f"{storage.rstrip('/')}/{name}"
     if "://" not in storage:
         Path(storage).mkdir(parents=True, exist_ok=True)
-    memory = memory_bytes(cfg.ray.trial_memory_gb)
-    trainable = tune.with_resources(
-        trainable, {"cpu": cfg.ray.trial_cpus, "gpu": cfg.ray.trial_gpus, **({"memory": memory} if memory else {})}
-    )
+    trainable = tune.with_resources(trainable, tune.PlacementGroupFactory([ray_requests.tune_trial(cfg).bundle()]))
     if tune.Tuner.can_restore(path):
         tuner = tune.Tuner.restore(path, trainable, resume_unfinished=True, resume_errored=True, param_space=param_space)
         return tuner, path, True
