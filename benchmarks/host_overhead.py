@@ -119,6 +119,8 @@ def main() -> int:
         results[str(batch)] = {**counted, "host_ms": statistics.median(t["host_ms"] for t in timed),
                                "forward_ms": statistics.median(t["forward_ms"] for t in timed)}
     git = os.popen(f"git -C {ROOT} rev-parse --short HEAD").read().strip()
+    if os.popen(f"git -C {ROOT} status --porcelain --untracked-files=no").read().strip():
+        git += "+changes"  # the working tree differs from the commit
     record = {"commit": git, "cpu": cpu_line(), "tree": tree.model_dump(), "results": results}
     if args.json:
         atomic_write_json(args.json, record)

@@ -51,10 +51,15 @@ def draft(sequences: list[Drafting], drafting: bool) -> None:
     for seq in sequences:
         groups.setdefault(id(seq.proposer), []).append(seq)
     for group in groups.values():
-        features = [torch.cat([f for f, _ in seq.pending]) for seq in group]
-        next_tokens = [torch.cat([t for _, t in seq.pending]) for seq in group]
+        features = [_joined([f for f, _ in seq.pending]) for seq in group]
+        next_tokens = [_joined([t for _, t in seq.pending]) for seq in group]
         t0 = time.perf_counter()
         trees, states = propose_batch(group[0].proposer, [seq.state for seq in group], features, next_tokens)
         seconds = time.perf_counter() - t0
         for seq, tree, state in zip(group, trees, states, strict=True):
             seq.tree, seq.state, seq.pending, seq.draft_s, seq.head = tree, state, [], seconds, chosen_head(state)
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The pending tensors as one (no copy for the usual single one)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

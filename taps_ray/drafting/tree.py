@@ -310,7 +310,9 @@ def reserve_slots(head: DraftHead, caches: list[HeadCache], needed: int) -> KVSl
     config, weight = head.config, next(head.parameters())
     sequences = len(caches)
     shape = (head.stacked * sequences, config.num_key_value_heads, max(2 * needed, 256), config.head_dim)
-    kv = (weight.new_empty(shape), weight.new_empty(shape))
+    # zeros, not empty: a shorter sequence's rows are read (masked) up to the longest one's slots, and masked
+    # garbage that happens to be NaN or inf would still poison attention (NaN * 0 = NaN)
+    kv = (weight.new_zeros(shape), weight.new_zeros(shape))
     fresh = KVSlots(kv, [c.length for c in caches])
     for s, cache in enumerate(caches):  # a copy per sequence only when the batch changed
         if cache.length:
@@ -463,6 +465,45 @@ def select_tree(
     )
 
 
+class ConfidenceStop:
+    """The `min_confidence` rule of R trees expanded side by side (live drafting and replay alike): a row stops
+    expanding once its best frontier node's cumulative probability falls below `min_confidence`; its later
+    candidates are never selected, so its tree is what it would be had it stopped drafting there
+    (docs/algorithms.md#draft-confidence-stop). Inactive (no host reads) for `min_confidence` 0."""
+
+    def __init__(self, min_confidence: float, rows: int, device: torch.device) -> None:
+        self.below = math.log(min_confidence) if min_confidence > 0 else -math.inf
+        self.stopped = torch.full((rows,), -1, dtype=torch.long, device=device)  # per row: its candidates then
+
+    @property
+    def active(self) -> bool:
+        return self.below > -math.inf
+
+    def all_stopped(self, candidates: Candidates) -> bool:
+        """Before a level: mark the rows that stop now; whether every row has (one read per level)."""
+        if not self.active:
+            return False
+        newly = (candidates.frontier_scores[:, 0] < self.below) & (self.stopped < 0)
+        self.stopped = torch.where(newly, candidates.width, self.stopped)
+        return bool((self.stopped >= 0).all())
+
+    def widths(self, width: int) -> torch.Tensor:
+        """Each row's candidates [R]: those before it stopped (all `width` for a row that never stopped)."""
+        return torch.where(self.stopped < 0, width, self.stopped)
+
+    def scores(self, scores: torch.Tensor) -> torch.Tensor:
+        """Flat candidate scores [R, F] with each row's candidates after its stop at -inf (never selected)."""
+        if not self.active:
+            return scores
+        late = torch.arange(scores.shape[1], device=scores.device) >= self.widths(scores.shape[1])[:, None]
+        return scores.masked_fill(late, -math.inf)
+
+    def sizes(self, width: int, drafted: int) -> torch.Tensor:
+        """Each row's tree size, root included, of `drafted` selected nodes out of `width` candidates: the
+        selection comes in flat order, so a row's valid nodes come first."""
+        return self.widths(width).clamp(max=drafted) + 1
+
+
 @torch.no_grad()
 def draft_eagle2_batch(
     head: DraftHead,
@@ -490,7 +531,9 @@ def draft_eagle2_batch(
     """
     n_draft = total_token - 1
     k = top_k
-    passes = depth if n_draft > k else 0  # a tree no wider than one level needs no expansion
+    # Every pass, even for a tree no wider than one level (n_draft <= k): a deep node can outscore a root child,
+    # and EAGLE's topK_genrate keeps the n_draft best of all k + depth*k^2 candidates.
+    passes = depth
     hidden, caches, roots = extend_batch(head, ctx, caches, features, next_tokens, reserve=passes * k)
     sequences, n = len(caches), head.stacked
     rows, dtype, device = n * sequences, hidden.dtype, hidden.device
@@ -502,14 +545,10 @@ def draft_eagle2_batch(
     mask = torch.zeros(rows, k, start + passes * k, dtype=torch.bool, device=device)
     mask[:, :, :start] = (torch.arange(start, device=device) < lengths[:, None]).repeat(n, 1)[:, None]
     eye = torch.eye(k, dtype=torch.bool, device=device)
-    stop_below = math.log(min_confidence) if min_confidence > 0 else -math.inf
-    stopped = torch.full((rows,), -1, dtype=torch.long, device=device)  # per row: its candidates when it stopped
+    stop = ConfidenceStop(min_confidence, rows, device)
     for level in range(passes):
-        if stop_below > -math.inf:
-            newly = (candidates.frontier_scores[:, 0] < stop_below) & (stopped < 0)
-            stopped = torch.where(newly, candidates.width, stopped)
-            if bool((stopped >= 0).all()):
-                break
+        if stop.all_stopped(candidates):
+            break
         end = start + (level + 1) * k
         mask[:, :, end - k : end] = eye
         out = head.step(
@@ -525,16 +564,14 @@ def draft_eagle2_batch(
         mask[:, :, start:end] = mask[:, :, start:end].gather(1, parent_row[:, :, None].expand(-1, -1, end - start))
 
     tokens, scores, parents, entropy = candidates.flat()
-    if stop_below > -math.inf:  # a stopped row's later candidates never get selected
-        late = torch.arange(candidates.width, device=device) >= torch.where(stopped < 0, candidates.width, stopped)[:, None]
-        scores = scores.masked_fill(late, -math.inf)
-    nodes, node_parents, confidence, node_entropy = select_nodes(tokens, scores, parents, entropy, n_draft)
+    nodes, node_parents, confidence, node_entropy = select_nodes(tokens, stop.scores(scores), parents, entropy,
+                                                                 n_draft)
     size = nodes.shape[1] + 1
     tokens = torch.cat([roots.repeat(n)[:, None], nodes], dim=1)
     parents = torch.cat([torch.full((rows, 1), -1, dtype=torch.long, device=device), node_parents], dim=1)
     prefix = (parents == torch.arange(-1, size - 1, device=device)).long().cumprod(-1).sum(-1)  # chain nodes
-    if stop_below > -math.inf:  # selected candidates come in flat order, so a row's valid ones come first
-        kept = torch.where(stopped < 0, candidates.width, stopped).clamp(max=size - 1) + 1
+    if stop.active:
+        kept = stop.sizes(candidates.width, size - 1)
         chains, sizes = torch.stack([(prefix >= kept).long(), kept]).tolist()
     else:
         chains, sizes = (prefix == size).tolist(), None
