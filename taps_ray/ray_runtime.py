@@ -4,6 +4,8 @@
   `ray job submit`); otherwise starts a new single-machine Ray whose every listener (GCS, raylet, agents, workers,
   the driver's own) is bound to 127.0.0.1, with no dashboard.
 * `start_serve`: Ray Serve's HTTP proxy, on 127.0.0.1 unless a host is configured.
+* `bind_replica_grpc_to_node`: a Serve replica's own gRPC server on its node's address (127.0.0.1 in a local
+  Ray), not on every interface.
 * `runtime_env_vars`, `process_runtime_env`: the driver's environment and OpenMP behaviour, handed to each actor
   or task as its Ray `runtime_env`, so they are set when its process starts, before anything is imported.
 * `prepare_process`: the torch thread count of an actor or task process.
@@ -23,6 +25,8 @@ LOOPBACK = "127.0.0.1"
 # "0" puts Ray in its single-machine mode: it takes 127.0.0.1 as the node address and binds every gRPC server
 # there; `_node_ip_address` alone leaves the GCS, raylet and worker ports on 0.0.0.0.
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+# Where Ray Serve 2.60 binds each replica's inter-deployment gRPC server: every interface, any port.
+REPLICA_GRPC_ANY_ADDRESS = "[::]:0"
 # A local Ray of one user needs no token and reports nothing home; set unless the caller chose otherwise.
 LOCAL_RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 
@@ -92,6 +96,38 @@ def start_serve(host: str = LOOPBACK, port: int = 8000) -> None:
     from ray import serve
 
     serve.start(http_options={"host": host, "port": port})
+
+
+def bind_replica_grpc_to_node() -> None:
+    """Make this Serve replica bind its inter-deployment gRPC server to the address Ray gives its node
+    (127.0.0.1 in a local, loopback Ray) instead of `[::]` (every interface); the deployment's constructor calls it.
+
+    Why: Ray Serve 2.60 starts that server in every replica right after the deployment's constructor returns, at
+    `[::]:0`, whatever the configuration: there is no switch to leave it off and no host setting
+    (`RAY_SERVE_USE_GRPC_BY_DEFAULT` only decides whether handles send requests through it; by default they use
+    Ray actor calls). Its routers dial it at `<replica node address>:<port>`, so the node's address is all it needs,
+    on one machine and on a cluster alike. Ray's replica module looks the port helper up when it starts the
+    server, so replacing it there before then is enough.
+    """
+    import ray
+    from ray.serve._private import replica
+
+    add_port = getattr(replica, "add_port_to_grpc_server", None)
+    if add_port is None:
+        raise RuntimeError(f"ray {ray.__version__}: ray.serve._private.replica has no add_port_to_grpc_server, so "
+                           "the replica's gRPC server cannot be kept off other interfaces; pin ray to the version "
+                           f"in constraints.txt or update {__name__}.bind_replica_grpc_to_node for this one")
+    if getattr(add_port, "binds_to_node", False):
+        return
+
+    def add_port_on_node(server: Any, address: str) -> int:
+        if address == REPLICA_GRPC_ANY_ADDRESS:
+            host = ray.util.get_node_ip_address()
+            address = f"[{host}]:0" if ":" in host else f"{host}:0"
+        return add_port(server, address)
+
+    add_port_on_node.binds_to_node = True  # type: ignore[attr-defined]
+    replica.add_port_to_grpc_server = add_port_on_node
 
 
 def runtime_env_vars() -> dict[str, str]:

@@ -52,7 +52,7 @@ from taps_ray.config import HeadKind, StudyConfig, load_config, parse_config, wi
 from taps_ray.decoding.continuous import ContinuousBatcher, Result, TokenLogprob
 from taps_ray.decoding.verify import MIN_TEMPERATURE
 from taps_ray.drafting.proposers import feature_layers
-from taps_ray.ray_runtime import start_ray, start_serve
+from taps_ray.ray_runtime import bind_replica_grpc_to_node, start_ray, start_serve
 from taps_ray.serve.api_errors import ERROR_RESPONSES, ApiError, install_error_handlers
 from taps_ray.serve.api_schemas import (
     ChatChoice,
@@ -143,6 +143,7 @@ class TapsService:
         from taps_ray.drafting.setup import load_proposers
         from taps_ray.drafting.registry import combination_names, single_names
 
+        bind_replica_grpc_to_node()  # before Serve starts the replica's gRPC server, right after this constructor
         self.cfg = parse_config(config, "<serve deployment>")
         serve_cfg = self.cfg.serve
         torch.set_num_threads(max(1, math.ceil(serve_cfg.replica_num_cpus)))
