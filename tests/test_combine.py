@@ -21,7 +21,8 @@ from taps_ray.drafting.combine import (
     per_question_confidence_choice,
     split_budget,
 )
-from taps_ray.decoding.generate import NOT_DRAFTED, StepRecord, generate
+from taps_ray.decoding.generate import StepRecord, generate
+from taps_ray.drafting.proposers import NOT_DRAFTED
 from taps_ray.drafting.proposers import SingleHead
 from taps_ray.drafting.registry import UnknownProposer, averaged_weight, build_proposer, combination_names
 from taps_ray.drafting.names import entropy_candidates
