@@ -23,6 +23,8 @@ from taps_ray.drafting.tree import (
 
 NOT_DRAFTED = -2  # StepRecord.head of a step that verified only the root (drafting paused by `draft_below`)
 
+NOT_DRAFTED = -2  # StepRecord.head of a step that verified only the root (drafting paused by `draft_below`)
+
 
 class Proposer(Protocol):
     name: str
