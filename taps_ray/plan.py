@@ -27,6 +27,9 @@ import yaml
 
 from taps_ray import ray_requests
 from taps_ray.config import StudyConfig, load_config
+from taps_ray.fsio import atomic_write_text
+from taps_ray.models.draft_head import DraftHead, DraftHeadConfig, eagle3_layers
+from taps_ray.models.target import TINY_ALIAS, load_tokenizer, model_source, tiny_llama_config
 from taps_ray.ray_requests import RayRequest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,8 +84,6 @@ class Shapes:
 def model_config(cfg: StudyConfig, path: str | Path | None = None) -> Any:
     """The target's config: `path`, else the offline copy of a known target, the tiny settings, or the
     `config.json` of its folder or Hub id (online)."""
-    from taps_ray.models.target import TINY_ALIAS, load_tokenizer, model_source, tiny_llama_config
-
     if path is not None:
         path = Path(path)
         return transformers.AutoConfig.from_pretrained(path) if path.is_dir() else _config_file(path)
@@ -103,8 +104,6 @@ def _config_file(path: Path) -> Any:
 
 def shapes(config: Any, kinds: list[str]) -> Shapes:
     """Exact parameter counts: the model and one head per kind built on the `meta` device."""
-    from taps_ray.models.draft_head import DraftHead, DraftHeadConfig, eagle3_layers
-
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
         heads = {}
@@ -377,7 +376,7 @@ def render(cfg: StudyConfig, s: Shapes, nodes: list[NodeType] | None, command: s
             lines += ["", "Node types: " + "; ".join(
                 f"{f.node}: {'fits' if f.fits else ('does not fit' if f.placeable else 'not placed')} ({f.why})"
                 for f in v.fits) + "."]
-        lines += [f"", *[f"- **{p}**" for p in v.problems]] if v.problems else []
+        lines += ["", *[f"- **{p}**" for p in v.problems]] if v.problems else []
     rows = disk(cfg, s)
     lines += ["", "## Disk per mixture", "",
               f"Features: {feature_bytes_per_token(cfg, s):,} B per token. Heads: fp32, every epoch kept "
@@ -401,8 +400,6 @@ BEGIN, END = "<!-- taps plan: begin -->", "<!-- taps plan: end -->"
 
 def write_into(doc: Path, text: str) -> None:
     """Replace the generated block of `doc` (between BEGIN and END) by `text`, atomically."""
-    from taps_ray.fsio import atomic_write_text
-
     body = doc.read_text()
     if BEGIN not in body or END not in body:
         raise ValueError(f"{doc} has no generated block: add the lines {BEGIN} and {END} where the plan goes")

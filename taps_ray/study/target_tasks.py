@@ -22,13 +22,13 @@ import torch
 
 from taps_ray import ray_requests
 from taps_ray.config import StudyConfig, parse_config
+from taps_ray.models.target import load_target
 from taps_ray.ray_runtime import prepare_process, process_runtime_env
+from taps_ray.training.features import extract_features, extract_shards
 
 
 @ray.remote
 def _run_on_target(payload: str, job: Callable[..., Any], args: tuple) -> Any:
-    from taps_ray.models.target import load_target
-
     cfg = parse_config(json.loads(payload), "<driver>")
     threads = prepare_process(cfg.ray.torch_threads, cfg.ray.target_num_cpus)
     os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -50,8 +50,6 @@ def on_target(cfg: StudyConfig, env: dict[str, str], job: Callable[..., Any], *a
 
 
 def _extract_part(cfg: StudyConfig, target: Any, folder: str, spec: dict, shards: list) -> tuple[int, int]:
-    from taps_ray.training.features import extract_shards
-
     return extract_shards(cfg, Path(folder), spec, shards, target), torch.get_num_threads()
 
 
@@ -71,8 +69,6 @@ def _run_shards(cfg: StudyConfig, env: dict[str, str], plan: Any, missing: list)
 def extract_feature_sets(cfg: StudyConfig, env: dict[str, str], names: list[str]) -> dict[str, dict]:
     """Extract the feature sets `names`, one after the other (a later set copies the conversations it shares
     with an earlier one); the scalar stats of each by name."""
-    from taps_ray.training.features import extract_features
-
     run_shards = functools.partial(_run_shards, cfg, env)
     out = {}
     for name in names:

@@ -35,6 +35,8 @@ from typing import Any
 from taps_ray import ray_requests
 from taps_ray.config import StudyConfig, parse_config
 from taps_ray.fsio import atomic_dir
+from taps_ray.training import trainer
+from taps_ray.training.features import features_key
 from taps_ray.workdir import FINAL, epoch_checkpoint, head_checkpoint, head_dir, tune_dir
 
 log = logging.getLogger(__name__)
@@ -42,27 +44,19 @@ log = logging.getLogger(__name__)
 EXPERIMENT_PREFIX = "train"
 
 
-def _trainer():
-    from taps_ray.training import trainer
-
-    return trainer
-
-
 def head_pairs(cfg: StudyConfig) -> list[tuple[str, str]]:
     return cfg.head_pairs()
 
 
 def expected_fingerprint(cfg: StudyConfig, kind: str, mixture: str) -> str:
-    from taps_ray.training.features import features_key
-
-    return _trainer().run_fingerprint(cfg, kind, SimpleNamespace(key=features_key(cfg, mixture)))
+    return trainer.run_fingerprint(cfg, kind, SimpleNamespace(key=features_key(cfg, mixture)))
 
 
 def head_finished(cfg: StudyConfig, kind: str, mixture: str) -> bool:
     """The head's `final` checkpoint exists and was trained with the current settings."""
     final = head_checkpoint(cfg, kind, mixture)
     try:
-        metrics = json.loads((final / _trainer().METRICS_FILE).read_text())
+        metrics = json.loads((final / trainer.METRICS_FILE).read_text())
     except (OSError, ValueError):
         return False
     return (final / "model.safetensors").is_file() and metrics.get("fingerprint") == expected_fingerprint(cfg, kind, mixture)
@@ -83,7 +77,6 @@ def _copy_in(source: Path, target: Path) -> None:
 
 def restore_checkpoint(cfg: StudyConfig, kind: str, mixture: str, folder: Path) -> str | None:
     """Put a Tune checkpoint of this head (an epoch or the final head) back into the work dir if missing."""
-    trainer = _trainer()
     heads = head_dir(cfg, kind, mixture)
     if (folder / trainer.STATE_FILE).is_file():
         epoch = json.loads((folder / trainer.STATE_FILE).read_text()).get("epoch")
@@ -120,8 +113,8 @@ def _trial(config: dict, study: str = "", env: dict | None = None) -> None:
     if head_finished(cfg, kind, mixture):  # trained before this experiment: only report it
         final = head_checkpoint(cfg, kind, mixture)
     else:
-        final = _trainer().train_head(cfg, kind, mixture, report=report, progress=False)
-    state = json.loads((final / _trainer().METRICS_FILE).read_text())
+        final = trainer.train_head(cfg, kind, mixture, report=report, progress=False)
+    state = json.loads((final / trainer.METRICS_FILE).read_text())
     last = state["history"][-1] if state.get("history") else {}
     tune.report(
         {**numeric_metrics(last), "final": 1, "epochs_this_run": len(epochs_reported)},

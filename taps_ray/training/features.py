@@ -44,6 +44,8 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from taps_ray.config import StudyConfig
+from taps_ray.data.chat import tokenize_conversation
+from taps_ray.data.mixtures import build_mixture
 from taps_ray.fsio import atomic_path, atomic_write_json, folder_lock
 from taps_ray.models.draft_head import eagle3_layers
 from taps_ray.models.target import Target, load_target, load_tokenizer, with_pad_token
@@ -336,8 +338,6 @@ def _extract_shard(source: LazyTarget, conversations: Sequence[Any], cfg: StudyC
                    donors: _Donors | None = None, answers: Path | None = None) -> tuple[list[Example], dict]:
     """`answers`: the shard's answer cache when the set trains on target answers, None for dataset answers.
     The target is loaded (`source.get()`) only when some conversation is not copied from a donor."""
-    from taps_ray.data.chat import tokenize_conversation
-
     f = cfg.features
     start, cpu_start = time.perf_counter(), time.process_time()
     meta: dict[str, Any] = {"input": len(conversations), "source": _ids_digest(conversations)}
@@ -442,8 +442,6 @@ class ShardPlan:
 def plan_shards(cfg: StudyConfig, mixture_name: str) -> ShardPlan:
     """Prepare the set's folder (its spec, no half-written files of a killed run) and cut the mixture into
     shards. The caller holds the set's `folder_lock`: extractions writing this set must not be running."""
-    from taps_ray.data.mixtures import build_mixture
-
     folder = features_folder(cfg, mixture_name)
     folder.mkdir(parents=True, exist_ok=True)
     for leftover in folder.glob(".*.tmp-*"):  # half-written files of a killed run
