@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from taps_ray.decoding.verify import SamplingParams, Verdict, accept, sample_root
+from taps_ray.decoding.verify import SamplingParams, Verdict, accept_batch, sample_root
 from taps_ray.drafting.tree import DraftTree
 from taps_ray.models.kv_cache import KVCache
 from taps_ray.models.target_forward import TargetForward, target_forward
@@ -214,10 +214,8 @@ class TargetBatch:
         t0 = time.perf_counter()
         outputs = self.verify(trees)
         t1 = time.perf_counter()
-        verdicts = [
-            None if tree is None else accept(tree, out.logits, params, generator)
-            for tree, out, params, generator in zip(trees, outputs, self.row_params, self.generators, strict=True)
-        ]
+        verdicts = accept_batch(trees, [None if out is None else out.logits for out in outputs], self.row_params,
+                                self.generators)
         t2 = time.perf_counter()
         self.commit([v.nodes if v is not None else [] for v in verdicts])
         t3 = time.perf_counter()
@@ -325,10 +323,11 @@ class TargetBatch:
 
     def commit(self, accepted_nodes: list[list[int]]) -> None:
         """Keep each sequence's accepted tree slots (root first) right after its committed prefix."""
-        start = int(self.lengths.max())  # invariant: the committed region is as wide as the longest sequence
+        lengths = self.lengths.tolist()  # one read for the batch
+        start = max(lengths)  # invariant: the committed region is as wide as the longest sequence
         new_lengths = self.lengths + torch.tensor([len(n) for n in accepted_nodes], device=self.device)
-        low = int(self.lengths.min())
-        high = int(new_lengths.max())
+        low = min(lengths)
+        high = max(length + len(n) for length, n in zip(lengths, accepted_nodes))
         in_place = low == start and all(nodes == list(range(len(nodes))) for nodes in accepted_nodes)
         if in_place:  # every sequence kept a prefix of its slots (a chain's): nothing moves, only crop
             self.cache.crop(high)
@@ -336,7 +335,7 @@ class TargetBatch:
             return
         index = torch.arange(low, high, device=self.device).repeat(self.batch_size, 1)  # identity for slots already committed
         for b, nodes in enumerate(accepted_nodes):
-            first = int(self.lengths[b]) - low
+            first = lengths[b] - low
             if nodes:
                 index[b, first : first + len(nodes)] = start + torch.tensor(nodes, device=self.device)
             index[b, first + len(nodes) :] = 0  # beyond the sequence: any slot, masked out later

@@ -145,10 +145,11 @@ def load_tokenizer(name: str = SMOLLM2_ALIAS) -> PreTrainedTokenizerBase:
     return transformers.AutoTokenizer.from_pretrained(name)
 
 
-def _tiny_model(config: TargetConfig, tokenizer: PreTrainedTokenizerBase, dtype: torch.dtype) -> LlamaForCausalLM:
+def tiny_llama_config(config: TargetConfig, tokenizer: PreTrainedTokenizerBase) -> transformers.LlamaConfig:
+    """The tiny random target's model config (its shape; `taps plan` counts its parameters from it)."""
     tiny = config.tiny
     assert tiny is not None
-    llama_config = transformers.LlamaConfig(
+    return transformers.LlamaConfig(
         vocab_size=tiny.vocab_size or len(tokenizer),
         hidden_size=tiny.hidden_size,
         intermediate_size=tiny.intermediate_size,
@@ -161,6 +162,11 @@ def _tiny_model(config: TargetConfig, tokenizer: PreTrainedTokenizerBase, dtype:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+
+
+def _tiny_model(config: TargetConfig, tokenizer: PreTrainedTokenizerBase, dtype: torch.dtype) -> LlamaForCausalLM:
+    tiny = config.tiny
+    llama_config = tiny_llama_config(config, tokenizer)
     llama_config._attn_implementation = config.attn_implementation
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(tiny.seed)
