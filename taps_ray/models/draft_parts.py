@@ -207,15 +207,21 @@ def load_draft_target(config: TargetConfig, dtype: str | None = None) -> Target:
         parts = parts_of(model.get_input_embeddings(), model.get_output_embeddings(), whole.dtype, device)
         return Target(parts.to(device), whole.tokenizer, config.name)
     wanted = torch_dtype(dtype or config.dtype)
-    source = model_source(config.name)
+    source, tied, files = _embedding_files(config.name)
+    mapped = device.type == "cpu"
+    parts = mapped_parts(files, tied, wanted) if mapped else read_parts(files, tied, wanted, device)
+    return Target(parts, with_pad_token(load_tokenizer(config.name)), config.name)
+
+
+def _embedding_files(name: str) -> tuple[str | Path, bool, dict[str, Path]]:
+    """The target's folder, whether its LM head is tied to the embeddings, and the safetensors files holding them."""
+    source = model_source(name)
     tied = tied_embeddings(source)
     names = {EMBED} if tied else {EMBED, LM_HEAD}
     files = tensor_files(source, names)
     if names - files.keys():
-        raise KeyError(f"target {config.name!r} has no tensors {sorted(names - files.keys())} in its safetensors")
-    mapped = device.type == "cpu"
-    parts = mapped_parts(files, tied, wanted) if mapped else read_parts(files, tied, wanted, device)
-    return Target(parts, with_pad_token(load_tokenizer(config.name)), config.name)
+        raise KeyError(f"target {name!r} has no tensors {sorted(names - files.keys())} in its safetensors")
+    return source, tied, files
 
 
 def load_training_target(config: TargetConfig, dtype: torch.dtype = torch.float32) -> Target:
@@ -230,12 +236,7 @@ def load_training_target(config: TargetConfig, dtype: torch.dtype = torch.float3
         lm_head = torch.nn.Linear(embed.embedding_dim, embed.num_embeddings, bias=False)
         lm_head.weight = torch.nn.Parameter(model.get_output_embeddings().weight.detach().to(dtype), requires_grad=False)
         return Target(parts_of(embed, lm_head, dtype, device, model.config).to(device), whole.tokenizer, config.name)
-    source = model_source(config.name)
-    tied = tied_embeddings(source)
-    names = {EMBED} if tied else {EMBED, LM_HEAD}
-    files = tensor_files(source, names)
-    if names - files.keys():
-        raise KeyError(f"target {config.name!r} has no tensors {sorted(names - files.keys())} in its safetensors")
+    source, tied, files = _embedding_files(config.name)
     model_config = transformers.AutoConfig.from_pretrained(source)
     parts = read_parts(files, tied, dtype, device, model_config)
     return Target(parts, with_pad_token(load_tokenizer(config.name)), config.name)
