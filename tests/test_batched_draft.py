@@ -65,12 +65,12 @@ def test_stack_mismatch_names_why(tiny_target):
     config = tiny_target.model.config
     head = new_head(config, seed=1)
     assert stack_mismatch([head, new_head(config, seed=2, trained_on="other data")]) is None
-    assert "configurations differ" in stack_mismatch([head, new_head(config, seed=2, fc_bias=False)])
+    assert "configurations differ" in stack_mismatch([head, new_head(config, seed=2, fc_bias=True)])
     assert "EAGLE-3" in stack_mismatch([new_head(config, kind="eagle3"), new_head(config, kind="eagle3", seed=2)])
     assert "dtypes" in stack_mismatch([head, new_head(config, seed=2, dtype=torch.bfloat16)])
     assert "at least two" in stack_mismatch([head])
     with pytest.raises(ValueError, match="cannot stack"):
-        StackedHead([head, new_head(config, seed=2, fc_bias=False)])
+        StackedHead([head, new_head(config, seed=2, fc_bias=True)])
 
 
 @pytest.mark.parametrize("name", ["confidence-routed", "merged"])
@@ -120,9 +120,9 @@ def test_parts_that_do_not_stack_draft_one_after_the_other(tiny_target, fitted, 
     model = tiny_target.model
     context = DraftContext(model.get_input_embeddings(), model.lm_head)
     math = SingleHead("math", fitted["math"], context, TREE)
-    unbiased = SingleHead("flat", new_head(model.config, seed=3, fc_bias=False), context, TREE)
+    biased = SingleHead("biased", new_head(model.config, seed=3, fc_bias=True), context, TREE)
     other_tree = SingleHead("chat", fitted["chat"], context, TreeConfig(total_token=6, depth=2, top_k=2))
-    for parts in ([math, unbiased], [math, other_tree], [math, NgramProposer()]):
+    for parts in ([math, biased], [math, other_tree], [math, NgramProposer()]):
         for proposer in (ConfidenceRouted(parts), Merged(parts, mode="rank", budget=TREE.total_token - 1)):
             assert proposer.side_by_side is None
             generations = generate(model, proposer, prompts, GREEDY, MAX_NEW, tiny_target.stop_token_ids)
