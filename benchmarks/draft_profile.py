@@ -5,9 +5,9 @@
 
 The target greedy-decodes a few GSM8K and MT-Bench prompts once with the first head and the draft inputs of every
 step (committed features and tokens) are recorded. Each proposer then replays that sequence of draft calls
-through the baseline's `draft_eagle2` (its `engine/tree.py` and `models/draft_head.py`, read from git, heads
-rebuilt from the same weights, drafted one after the other; a router or merger then combines the trees with this
-tree's `combine`) and through this tree's proposer, interleaved and repeated with the order alternating, so both
+through the baseline's `draft_eagle2` (its `drafting/tree.py`, or `engine/tree.py` before the layout, and
+`models/draft_head.py`, read from git, heads rebuilt from the same weights, drafted one after the other; a router
+or merger then combines the trees with this tree's `combine`) and through this tree's proposer, interleaved and repeated with the order alternating, so both
 sides see the same machine load. Trees are compared node for node (tokens, parents, confidence and entropy, bit
 for bit).
 """
@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from taps_ray.config import load_config  # noqa: E402
+from taps_ray.machine import cpu_line  # noqa: E402
 
 FIELDS = ("tokens", "parents", "confidence", "entropy")
 
@@ -52,7 +53,11 @@ def _git_module(rev: str, path: str, name: str, replaces: dict[str, types.Module
 def baseline(rev: str) -> tuple[types.ModuleType, types.ModuleType]:
     """The baseline's draft head and tree modules."""
     head = _git_module(rev, "taps_ray/models/draft_head.py", "baseline_draft_head", {})
-    tree = _git_module(rev, "taps_ray/engine/tree.py", "baseline_tree", {"taps_ray.models.draft_head": head})
+    # engine/tree.py: a baseline from before the drafting/ package
+    tree_path = next(path for path in ("taps_ray/drafting/tree.py", "taps_ray/engine/tree.py")
+                     if subprocess.run(["git", "cat-file", "-e", f"{rev}:{path}"], cwd=ROOT,
+                                   stderr=subprocess.DEVNULL).returncode == 0)
+    tree = _git_module(rev, tree_path, "baseline_tree", {"taps_ray.models.draft_head": head})
     return head, tree
 
 
@@ -89,14 +94,14 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="write the markdown here (else print it)")
     args = parser.parse_args()
 
-    from taps_ray.bench import BenchOptions, GREEDY, bench_prompts
-    from taps_ray.engine.combine import RouterState
-    from taps_ray.engine.generate import run_loop
-    from taps_ray.engine.proposers import Recording
-    from taps_ray.engine.target_batch import TargetBatch
+    from taps_ray.bench.run import BenchOptions, GREEDY, bench_prompts
+    from taps_ray.decoding.generate import run_loop
+    from taps_ray.decoding.target_batch import TargetBatch
+    from taps_ray.drafting.combine import RouterState
+    from taps_ray.drafting.proposers import Recording
+    from taps_ray.drafting.setup import load_proposers
     from taps_ray.fsio import report_lines
     from taps_ray.models.target import load_target
-    from taps_ray.proposer_setup import load_proposers
 
     torch.manual_seed(0)
     cfg = load_config(args.config)
@@ -161,7 +166,7 @@ def main() -> int:
     lines = [
         f"Draft ms per step, {steps} recorded steps x {args.repetitions} repetitions, target dtype "
         f"{target.dtype}, tree {cfg.tree.total_token}/{cfg.tree.depth}/{cfg.tree.top_k}, "
-        f"torch threads {torch.get_num_threads()}{', this tree compiled' if args.compile else ''}. "
+        f"torch threads {torch.get_num_threads()}{', this tree compiled' if args.compile else ''}; {cpu_line()}. "
         f"Regenerate: `{command}`.",
         "",
         "| proposer | baseline ms/step | this tree ms/step | ratio | trees bit-identical to the baseline's |",

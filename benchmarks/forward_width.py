@@ -25,9 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from taps_ray.config import load_config  # noqa: E402
-from taps_ray.engine.target_batch import TargetBatch  # noqa: E402
-from taps_ray.engine.tree import DraftTree, build_tree  # noqa: E402
-from taps_ray.engine.verify import SamplingParams  # noqa: E402
+from taps_ray.machine import cpu_line  # noqa: E402
+from taps_ray.decoding.target_batch import TargetBatch  # noqa: E402
+from taps_ray.decoding.verify import SamplingParams  # noqa: E402
+from taps_ray.drafting.tree import DraftTree, build_tree  # noqa: E402
 from taps_ray.fsio import report_lines  # noqa: E402
 from taps_ray.models.target import load_target  # noqa: E402
 
@@ -72,8 +73,8 @@ def main() -> int:
         "",
         f"Regenerate: `python benchmarks/forward_width.py --config {args.config}"
         f"{' --dtype ' + args.dtype if args.dtype else ''}`. {target.dtype}, context {args.context} tokens, median "
-        f"of {args.repetitions} interleaved verifications per size, torch threads {torch.get_num_threads()}, "
-        f"{os.cpu_count()} cores. `chain`: the model's causal path; `tree`: a binary tree on the 4-D mask path.",
+        f"of {args.repetitions} interleaved verifications per size, torch threads {torch.get_num_threads()}; "
+        f"{cpu_line()}. `chain`: the model's causal path; `tree`: a binary tree on the 4-D mask path.",
         "",
         "| nodes | chain ms | tree ms | chain / one token | tree / one token |",
         "|---|---|---|---|---|",

@@ -68,10 +68,10 @@ import torch
 from taps_ray.config import TargetConfig, TreeConfig
 from taps_ray.models.draft_head import new_head
 from taps_ray.models.target import load_target
-from taps_ray.engine.generate import generate
-from taps_ray.engine.proposers import SingleHead
-from taps_ray.engine.tree import DraftContext
-from taps_ray.engine.verify import SamplingParams
+from taps_ray.decoding.generate import generate
+from taps_ray.drafting.proposers import SingleHead
+from taps_ray.drafting.tree import DraftContext
+from taps_ray.decoding.verify import SamplingParams
 
 QUESTIONS = ("What is 15 + 27? Answer briefly.", "Name three colours.", "Write one sentence about rain.")
 out = {}
@@ -112,7 +112,7 @@ start=$SECONDS
 and the quick version of it for `taps bench`."""
 import sys
 import yaml
-from taps_ray.cluster.sweep import absolute_paths, quick_config
+from taps_ray.study.sweep import absolute_paths, quick_config
 from taps_ray.config import TargetConfig, parse_config
 
 data = yaml.safe_load(open("configs/tiny.yaml"))

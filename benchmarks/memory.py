@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import shlex
 import subprocess
@@ -28,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from taps_ray.config import StudyConfig, load_config  # noqa: E402
 from taps_ray.fsio import report_lines  # noqa: E402
+from taps_ray.machine import cpu_line  # noqa: E402
 
 MB = 2**20
 TRAIN_CONFIG = "configs/tiny.yaml"
@@ -40,7 +40,7 @@ CELL_QUESTIONS = 1  # the evaluated cell: plain decoding of this many questions 
 
 def floor_memory(name: str) -> dict[str, int]:
     """What every actor holds besides weights: the actor modules (torch, transformers, Ray) and the tokenizer."""
-    import taps_ray.cluster.actors as actors
+    import taps_ray.study.actors as actors
     import taps_ray.eval.runner  # noqa: F401  (a drafter imports it for its first cell)
     from taps_ray.models.target import load_tokenizer
 
@@ -53,10 +53,10 @@ def actor_memory(cfg: StudyConfig) -> dict[str, dict[str, int]]:
     evaluated cell, and of the floor."""
     import ray
 
-    from taps_ray.cluster.eval_pool import EvalPool
-    from taps_ray.cluster.runtime import process_runtime_env, start_ray
     from taps_ray.eval.cell import NO_HEAD, PLAIN, Cell
     from taps_ray.eval.store import ResultsStore
+    from taps_ray.ray_runtime import process_runtime_env, start_ray
+    from taps_ray.study.eval_pool import EvalPool
 
     one = cfg.ray.model_copy(update={"num_target_workers": 1, "num_drafters": 1, "address": None})
     benchmark = next(iter(cfg.eval.benchmarks))
@@ -236,7 +236,7 @@ def main() -> None:
         "# Memory",
         "",
         f"Regenerate: `python benchmarks/memory.py {shlex.join(sys.argv[1:])}`",
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs.",
+        f"{cpu_line()}.",
         "",
         *actors_section(cfg, memory),
         *training_section(trained),

@@ -24,10 +24,10 @@ import torch  # noqa: E402
 
 from taps_ray.config import TargetConfig, TreeConfig  # noqa: E402
 from taps_ray.models.target import load_target  # noqa: E402
-from taps_ray.engine.generate import run_loop  # noqa: E402
-from taps_ray.engine.registry import build_proposer  # noqa: E402
-from taps_ray.engine.target_batch import TargetBatch  # noqa: E402
-from taps_ray.engine.verify import SamplingParams  # noqa: E402
+from taps_ray.decoding.generate import run_loop  # noqa: E402
+from taps_ray.drafting.registry import build_proposer  # noqa: E402
+from taps_ray.decoding.target_batch import TargetBatch  # noqa: E402
+from taps_ray.decoding.verify import SamplingParams  # noqa: E402
 
 QUESTIONS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shlex
 import sys
 import tempfile
@@ -26,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from taps_ray.config import StudyConfig, load_config  # noqa: E402
+from taps_ray.machine import cpu_line  # noqa: E402
 
 
 def _load() -> str:
@@ -63,10 +63,10 @@ def _prompts(cfg: StudyConfig, target, n: int) -> list[list[int]]:
 def verification(cfg: StudyConfig, target, heads_cfg: StudyConfig, kind: str, batches: list[int], steps: int,
                  repeats: int) -> list[dict]:
     """Tree tokens verified per second by TargetBatch.step, trees drafted (untimed) by the first head."""
-    from taps_ray.proposer_setup import load_proposers
-    from taps_ray.engine.proposers import feature_layers
-    from taps_ray.engine.target_batch import TargetBatch
-    from taps_ray.engine.verify import SamplingParams
+    from taps_ray.drafting.setup import load_proposers
+    from taps_ray.drafting.proposers import feature_layers
+    from taps_ray.decoding.target_batch import TargetBatch
+    from taps_ray.decoding.verify import SamplingParams
 
     name = heads_cfg.train.mixtures[0]
     proposer = load_proposers(heads_cfg, [name], target=target, kind=kind)[name]
@@ -115,13 +115,13 @@ def evaluation(cfg: StudyConfig, target, heads_cfg: StudyConfig, kind: str, prop
     import pandas as pd
     import ray
 
-    from taps_ray.cluster.actors import pack_heads
-    from taps_ray.cluster.eval_pool import EvalPool
-    from taps_ray.cluster.runtime import start_ray
+    from taps_ray.drafting.setup import load_heads
     from taps_ray.eval.cell import Cell
     from taps_ray.eval.runner import run_cell
     from taps_ray.eval.store import ResultsStore
-    from taps_ray.proposer_setup import load_heads
+    from taps_ray.ray_runtime import start_ray
+    from taps_ray.study.actors import pack_heads
+    from taps_ray.study.eval_pool import EvalPool
 
     cells = [Cell(kind, p, b, t) for p in proposers for b in cfg.eval.benchmarks for t in cfg.eval.temperatures]
     heads = load_heads(heads_cfg, kind, target.dtype)
@@ -198,8 +198,8 @@ def render(args, cfg, heads_note, verify_rows, evaluation_results, load_before, 
     lines = [
         "# Ray throughput",
         "",
-        f"Regenerate with `{command}` (about {wall / 60:.0f} min here). Machine: {platform.machine()}, "
-        f"{os.cpu_count()} CPUs, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+        f"Regenerate with `{command}` (about {wall / 60:.0f} min here). {cpu_line()}; "
+        f"torch {torch.__version__} ({torch.get_num_threads()} threads), "
         f"target `{cfg.target.name}` ({cfg.eval.dtype or cfg.target.dtype}), tree {cfg.tree.total_token} tokens "
         f"(depth {cfg.tree.depth}, top-k {cfg.tree.top_k}); {heads_note}. Load average before {load_before}, after "
         f"{load_after}: the CPU is shared with other processes, so absolute numbers move between runs; each "

@@ -6,7 +6,7 @@
 
 Each proposer's T = 0 cell runs live (`eval.replay: false`: the target verifies every step, the heads draft every
 step) and replayed (the target greedy-decodes the questions once, in one batch; each head drafts its trees at
-every root position of those traces in batched forwards, engine/replay_draft.py; the proposer replays against
+every root position of those traces in batched forwards, decoding/replay_draft.py; the proposer replays against
 the record). The greedy decodes of the questions are timed apart (a cold replay minus a warm one) and shared
 over the cells that replay them: these proposers' cells, and the replayed cells of that benchmark in the
 config's study. Both runs must give the same question records; the script counts the turns where they differ
@@ -31,13 +31,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from taps_ray.config import StudyConfig, load_config  # noqa: E402
+from taps_ray.machine import cpu_line  # noqa: E402
 
 COMPARED = ["question_id", "turn", "tokens", "steps", "committed"]
 
 
 def _heads(cfg: StudyConfig, kind: str, target) -> tuple[dict, str]:
+    from taps_ray.drafting.setup import load_heads
     from taps_ray.models.draft_head import new_head
-    from taps_ray.proposer_setup import load_heads
 
     try:
         return load_heads(cfg, kind, target.dtype), f"trained `{kind}` heads from `{cfg.work_dir}`"
@@ -104,7 +105,7 @@ def main() -> int:
         f"{torch.get_num_threads()} torch threads, {args.questions} {args.benchmark} questions, "
         f"max_new_tokens {args.max_new_tokens}, tree {cfg.tree.total_token}/{cfg.tree.depth}/{cfg.tree.top_k}, "
         f"{heads_note}; 1-minute load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after, on "
-        f"{os.cpu_count()} cores.",
+        f"{cpu_line()}.",
         "",
         "| proposer | τ | live s | replayed s |",
         "|---|---:|---:|---:|",

@@ -32,7 +32,6 @@ import asyncio
 import itertools
 import json
 import os
-import platform
 import re
 import shlex
 import shutil
@@ -52,6 +51,7 @@ for _name, _value in (("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false
 import httpx  # noqa: E402
 
 from taps_ray.fsio import atomic_write_text  # noqa: E402
+from taps_ray.machine import cpu_line  # noqa: E402
 
 QUESTIONS = [
     "What is 12 times 7?",
@@ -333,7 +333,7 @@ def deploy(cfg, url: str, replace: bool) -> dict:
     """(Re)deploy the app for `cfg` (the old replica goes first, so the new one gets the cores); returns /healthz."""
     from ray import serve
 
-    from taps_ray.cluster.serve import build_app
+    from taps_ray.serve.app import build_app
 
     if replace:
         serve.delete(APP_NAME)
@@ -424,13 +424,8 @@ def machine() -> str:
     """CPU model and cores, and whether torch sees a GPU."""
     import torch
 
-    model = platform.processor() or "unknown CPU"
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        found = re.search(r"^model name\s*:\s*(.+)$", cpuinfo.read_text(), re.M)
-        model = found.group(1).strip() if found else model
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return f"{model}, {os.cpu_count()} cores, {gpu}"
+    return f"{cpu_line()}; {gpu}"
 
 
 def write_section(path: Path, label: str, section: str) -> None:
@@ -544,7 +539,7 @@ def measure(args: argparse.Namespace, cfg, dtypes: list[str]) -> Run:
     import ray
     from ray import serve
 
-    from taps_ray.cluster.runtime import start_ray, start_serve
+    from taps_ray.ray_runtime import start_ray, start_serve
 
     run = Run(models=[], points={}, overload=None, failures=[])
     start_ray(cfg.ray, log_to_driver=False)

@@ -1,6 +1,6 @@
 """Bytes per verification step between a drafter actor and its target worker, measured on SmolLM2.
 
-What crosses the wire is exactly what `cluster/actors.py` sends: a session start (prompts in, each sequence's
+What crosses the wire is exactly what `study/actors.py` sends: a session start (prompts in, each sequence's
 first `Committed` out) and, per step, the session's draft trees in (`WorkerVerifier.step`) and its `Committed`
 results out (`TargetWorker.step`), all as CPU tensors. This script runs the real loop (`run_loop`) on the real
 SmolLM2 target with a `Verifier` that pickles those very messages (protocol 5, as Ray does) and counts bytes,
@@ -27,11 +27,11 @@ from taps_ray.data.chat import build_prompt_ids
 from taps_ray.data.sources import load_questions
 from taps_ray.models.draft_head import new_head
 from taps_ray.models.target import load_target
-from taps_ray.engine.generate import run_loop
-from taps_ray.engine.proposers import SingleHead
-from taps_ray.engine.target_batch import Committed, TargetBatch
-from taps_ray.engine.tree import DraftContext, DraftTree
-from taps_ray.engine.verify import SamplingParams
+from taps_ray.decoding.generate import run_loop
+from taps_ray.drafting.proposers import SingleHead
+from taps_ray.decoding.target_batch import Committed, TargetBatch
+from taps_ray.drafting.tree import DraftContext, DraftTree
+from taps_ray.decoding.verify import SamplingParams
 
 LLAMA3_8B_HIDDEN = 4096
 LLAMA3_8B_BYTES = 2  # configs/paper.yaml runs the target in float16

@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="only re-render heads.md from the heads.json in that folder")
 
     sweep = commands.add_parser("sweep", help="the whole study on Ray: data, features, train (Tune), eval, report")
-    from taps_ray.cluster.sweep import add_arguments as _sweep_arguments
+    from taps_ray.study.sweep import add_arguments as _sweep_arguments
 
     _sweep_arguments(sweep)
 
@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cmd.add_argument("--head-kind", choices=HEAD_KINDS, default=None, help="default: serve.head_kind")
     bench = commands.add_parser("bench", help="wall-clock speed vs plain decoding, HF greedy, prompt lookup, assisted",
                                 argument_default=argparse.SUPPRESS,
-                                description="Every option defaults to the full `make bench` run (taps_ray/bench.py).")
+                                description="Every option defaults to the full `make bench` run (taps_ray/bench/run.py).")
     _add_config(bench)
     bench.add_argument("--kind", choices=HEAD_KINDS)
     bench.add_argument("--proposers", nargs="+", help="our proposers besides plain")
@@ -169,7 +169,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _search(args: argparse.Namespace) -> int:
-    from taps_ray.cluster.search import cmd_search
+    from taps_ray.study.search import cmd_search
 
     return cmd_search(_config(args), args.quick)
 
@@ -237,13 +237,13 @@ def _heads_report(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from taps_ray.cluster.sweep import cmd_sweep
+    from taps_ray.study.sweep import cmd_sweep
 
     return cmd_sweep(args)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from taps_ray.cluster.serve import cmd_serve
+    from taps_ray.serve.app import cmd_serve
 
     config = _config(args)
     if args.head_kind:
@@ -254,7 +254,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def bench_options(args: argparse.Namespace):
     """The BenchOptions a `taps bench` command line asks for: only the options given, the rest its defaults."""
-    from taps_ray.bench import BenchOptions
+    from taps_ray.bench.run import BenchOptions
 
     given = {k: v for k, v in vars(args).items() if k not in ("command", "config", "data_dir")}
     for key in ("dtypes", "narrow_dtypes"):
@@ -264,7 +264,7 @@ def bench_options(args: argparse.Namespace):
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from taps_ray.bench import cmd_bench
+    from taps_ray.bench.run import cmd_bench
 
     command = "taps " + " ".join(sys.argv[1:]) if sys.argv[1:] else "taps bench --config configs/cpu.yaml"
     return cmd_bench(_config(args), bench_options(args), command)
@@ -308,7 +308,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from taps_ray.config import ConfigError
     from taps_ray.data.sources import DataUnavailable
     from taps_ray.models.target import ModelUnavailable
-    from taps_ray.engine.registry import UnknownProposer
+    from taps_ray.drafting.registry import UnknownProposer
     from taps_ray.interop.side import VllmUnavailable
 
     return (ConfigError, DataUnavailable, ModelUnavailable, UnknownProposer, VllmUnavailable, FileNotFoundError,

@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from taps_ray.config import StudyConfig
-from taps_ray.engine.names import SEARCHED
+from taps_ray.drafting.names import SEARCHED
 
 FINAL = "final"  # the finished checkpoint inside a head's training folder
 EPOCH_GLOB = "epoch-*"  # the epoch checkpoints inside a head's training folder

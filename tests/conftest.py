@@ -14,9 +14,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads s
 import pytest
 import torch
 
-from taps_ray.cluster.runtime import loopback_cluster
 from taps_ray.config import StudyConfig, TargetConfig, TinyTargetConfig, load_config
+from taps_ray.machine import cpu_line
 from taps_ray.models.target import Target, load_target
+from taps_ray.ray_runtime import loopback_cluster
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -26,6 +27,11 @@ torch.set_num_threads(2)
 # Devices the engine and lossless tests run on: the CPU always, CUDA where present. Every other fixture pins
 # the CPU, so a GPU machine runs the same tests with the same numbers plus the CUDA copies.
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def pytest_report_header() -> str:
+    """The CPU family picks the kernels, and so the rounding, of every numeric path the tests compare."""
+    return cpu_line()
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from taps_ray.engine.tree import DraftTree, build_tree
+from taps_ray.drafting.tree import DraftTree, build_tree
 from taps_ray.models.draft_head import DraftHead, new_head
 
 

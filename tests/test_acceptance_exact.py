@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import taps_ray.engine.verify as verify
-from taps_ray.engine.tree import build_tree
-from taps_ray.engine.verify import SamplingParams, accept_stochastic, processed_probs
+import taps_ray.decoding.verify as verify
+from taps_ray.decoding.verify import SamplingParams, accept_stochastic, processed_probs
+from taps_ray.drafting.tree import build_tree
 
 V = 4
 PARAMS = SamplingParams(temperature=1.0)

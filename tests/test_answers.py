@@ -15,8 +15,8 @@ from taps_ray.data.mixtures import build_mixture
 from taps_ray.eval.commands import plan_cells
 from taps_ray.models.draft_head import new_head
 from taps_ray.models.target import Target
-from taps_ray.proposer_setup import heads_needed, load_proposers
-from taps_ray.engine.registry import proposer_names
+from taps_ray.drafting.setup import heads_needed, load_proposers
+from taps_ray.drafting.registry import proposer_names
 from taps_ray.report.heads import answers_twin, heads_summary, render_heads_md
 from taps_ray.training import answers as answers_mod
 from taps_ray.training.answers import AnswerCache, regenerate_answers

@@ -3,20 +3,23 @@ trees the heads draft one by one; parts that do not stack fall back to drafting 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from taps_ray.config import TreeConfig
-from taps_ray.engine.combine import ConfidenceRouted, Merged, merge_trees
-from taps_ray.engine.generate import generate
-from taps_ray.engine.ngram import NgramProposer
-from taps_ray.engine.proposers import Recording, SingleHead, StackedHeads
-from taps_ray.engine.registry import build_proposer
-from taps_ray.engine.tree import DraftContext, DraftTree, HeadCache
-from taps_ray.engine.verify import SamplingParams
+from taps_ray.decoding.generate import generate
+from taps_ray.decoding.verify import SamplingParams
+from taps_ray.drafting.combine import ConfidenceRouted, Merged, merge_trees
+from taps_ray.drafting.ngram import NgramProposer
+from taps_ray.drafting.proposers import Recording, SingleHead, StackedHeads
+from taps_ray.drafting.registry import build_proposer
+from taps_ray.drafting.tree import DraftContext, DraftTree, HeadCache
 from taps_ray.models.draft_head import new_head
 from taps_ray.models.stacked_head import StackedHead, stack_mismatch
 
+from numerics import assert_same_tree, rounding_rtol, tree_rtol
 from oracles import fit_head
 
 GREEDY = SamplingParams()
@@ -39,10 +42,10 @@ def fitted(tiny_target, prompts, expected):
                                                                                  steps=60)}
 
 
-def _assert_same_tree(got: DraftTree, want: DraftTree) -> None:
-    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.parents, want.parents)
-    torch.testing.assert_close(got.confidence, want.confidence)
-    torch.testing.assert_close(got.entropy, want.entropy)
+def _assert_same_tree(got: DraftTree, want: DraftTree, hidden_size: int) -> bool:
+    """A stacked head's tree is the head's own up to rounding: `bmm` over the stack and one head's `mm` run
+    different kernels, which round alike on some CPUs and not on others (tests/numerics.py)."""
+    return assert_same_tree(got, want, tree_rtol(hidden_size, TREE.depth))
 
 
 def test_stacked_head_rows_run_each_head(tiny_target):
@@ -58,7 +61,8 @@ def test_stacked_head_rows_run_each_head(tiny_target):
         out, _ = stack(emb, features, positions, mask)
         for n, head in enumerate(heads):
             alone, _ = head(emb[n : n + 1], features[n : n + 1], positions, mask)
-            torch.testing.assert_close(out[n : n + 1], alone, rtol=1e-6, atol=1e-6)
+            rtol = rounding_rtol(d, chained=4)  # fc, attention, MLP: reductions over the hidden size
+            torch.testing.assert_close(out[n : n + 1], alone, rtol=rtol, atol=rtol)
 
 
 def test_stack_mismatch_names_why(tiny_target):
@@ -76,15 +80,19 @@ def test_stack_mismatch_names_why(tiny_target):
 @pytest.mark.parametrize("name", ["confidence-routed", "merged"])
 def test_batched_trees_equal_per_head_trees_along_a_decode(tiny_target, fitted, prompts, name):
     """Every step of a real decode (drafts accepted, so several positions commit at once): the side-by-side
-    trees are the trees each head drafts alone from its own cache, and the router's output follows from them."""
+    trees are the trees each head drafts alone from its own cache (up to rounding and rare near-ties), and the
+    router's output follows from them."""
     proposer = build_proposer(name, tiny_target, fitted, TREE)
     assert proposer.side_by_side is not None
+    d = tiny_target.model.config.hidden_size
+    rtol = tree_rtol(d, TREE.depth)
     for prompt in prompts:
         recorder = Recording(proposer)
         generation = generate(tiny_target.model, recorder, [prompt], GREEDY, MAX_NEW, tiny_target.stop_token_ids)[0]
         assert len(recorder.calls) >= 3 and any(s.accepted for s in generation.steps)
         alone = [(part, HeadCache()) for part in proposer.parts]
         batched = proposer.side_by_side.init_state()
+        near_ties = 0
         for features, next_tokens, tree, state in recorder.calls:
             singles = []
             for i, (part, cache) in enumerate(alone):
@@ -92,18 +100,24 @@ def test_batched_trees_equal_per_head_trees_along_a_decode(tiny_target, fitted, 
                 alone[i] = (part, cache)
                 singles.append(single)
             side_by_side, batched = proposer.side_by_side.propose_all(batched, features, next_tokens)
-            for got, want in zip(side_by_side, singles):
-                _assert_same_tree(got, want)
+            tied = [_assert_same_tree(got, want, d) for got, want in zip(side_by_side, singles)]
+            near_ties += any(tied)
             assert state.stacked.length == alone[0][1].length and state.parts == ()
-            assert state.confidences == pytest.approx([t.mean_confidence for t in singles])
-            assert state.entropies == pytest.approx([t.mean_entropy for t in singles])
+            if any(tied):
+                continue  # the parts' trees differ at a near-tie: so may everything derived from them
+            assert state.confidences == pytest.approx([t.mean_confidence for t in singles], rel=rtol)
+            assert state.entropies == pytest.approx([t.mean_entropy for t in singles], rel=rtol)
             if name == "merged":
                 assert state.last_head == -1
-                _assert_same_tree(tree, merge_trees(singles))
+                _assert_same_tree(tree, merge_trees(singles), d)
             else:
-                best = max(range(2), key=lambda i: (singles[i].mean_confidence, -i))
+                means = [t.mean_confidence for t in singles]
+                if math.isclose(*means, rel_tol=rtol):
+                    continue  # the heads tie on confidence: either choice is the router's
+                best = max(range(2), key=lambda i: (means[i], -i))
                 assert state.last_head == best
-                _assert_same_tree(tree, singles[best])
+                _assert_same_tree(tree, singles[best], d)
+        assert near_ties <= len(recorder.calls) // 4, f"{near_ties} near-ties in {len(recorder.calls)} steps"
 
 
 @pytest.mark.parametrize("name", ["confidence-routed", "merged", "merged-dedup", "merged-budget"])
@@ -150,6 +164,6 @@ def test_heads_stop_expanding_on_their_own_confidence(tiny_target, fitted, promp
     trees, cache = stacked.propose_all(stacked.init_state(), features[:-1], next_tokens)
     alone = [part.propose(HeadCache(), features[:-1], next_tokens)[0] for part in parts]
     for got, want in zip(trees, alone):
-        _assert_same_tree(got, want)
+        assert_same_tree(got, want, tree_rtol(model.config.hidden_size, tree.depth))
     assert int(alone[0].depth.max()) > int(alone[1].depth.max())  # they stopped at different levels
     assert cache.length == len(next_tokens)

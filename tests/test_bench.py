@@ -11,9 +11,9 @@ import pytest
 
 import pandas as pd
 
-from taps_ray.bench import BenchOptions, Decoded, MethodRun, cmd_bench, first_per_label, run_bench, speed_table
-from taps_ray.bench_prompts import OOD_PROMPTS, first_turns, spread
-from taps_ray.bench_report import BenchSection, goal_rows, limit_lines
+from taps_ray.bench.prompts import OOD_PROMPTS, first_turns, spread
+from taps_ray.bench.report import BenchSection, goal_rows, limit_lines
+from taps_ray.bench.run import BenchOptions, Decoded, MethodRun, cmd_bench, first_per_label, run_bench, speed_table
 from taps_ray.data.sources import Question
 from taps_ray.models.draft_head import new_head
 from taps_ray.workdir import head_checkpoint

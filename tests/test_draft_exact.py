@@ -8,7 +8,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from taps_ray.engine.tree import DraftContext, DraftTree, HeadCache, _entropy, draft_eagle2, select_tree
+from taps_ray.drafting.tree import DraftContext, DraftTree, HeadCache, _entropy, draft_eagle2, select_tree
 from taps_ray.models.draft_head import DraftHead, new_head
 
 

@@ -12,7 +12,7 @@ import transformers
 from safetensors.torch import save_file
 
 from taps_ray.config import TargetConfig
-from taps_ray.engine.tree import DraftContext, DraftTree, HeadCache, draft_eagle2
+from taps_ray.drafting.tree import DraftContext, DraftTree, HeadCache, draft_eagle2
 from taps_ray.models.draft_head import new_head
 from taps_ray.models.draft_parts import (
     EMBED, LM_HEAD, WEIGHTS, WEIGHTS_INDEX, MappedHead, load_draft_target, read_parts, tensor_files,

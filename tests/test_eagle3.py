@@ -10,11 +10,11 @@ import torch
 
 from taps_ray.config import TrainConfig, TreeConfig
 from taps_ray.models.draft_head import DraftHead, eagle3_layers, new_head
-from taps_ray.engine.combine import average_heads
-from taps_ray.engine.generate import generate
-from taps_ray.engine.proposers import SingleHead, feature_layers
-from taps_ray.engine.tree import DraftContext, HeadCache, extend_context, head_context
-from taps_ray.engine.verify import SamplingParams
+from taps_ray.drafting.combine import average_heads
+from taps_ray.decoding.generate import generate
+from taps_ray.drafting.proposers import SingleHead, feature_layers
+from taps_ray.drafting.tree import DraftContext, HeadCache, extend_context, head_context
+from taps_ray.decoding.verify import SamplingParams
 from taps_ray.training.losses import Batch, FrozenTarget, LossSettings, run_passes, shift_batch, ttt_steps
 
 from oracles import GreedyOracle, OracleState

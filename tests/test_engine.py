@@ -10,11 +10,11 @@ from scipy import stats
 
 from taps_ray.config import TreeConfig
 from taps_ray.models.draft_head import new_head
-from taps_ray.engine.generate import NOT_DRAFTED, generate, run_loop, step_tokens
-from taps_ray.engine.proposers import PlainDecoding, SingleHead
-from taps_ray.engine.target_batch import TargetBatch
-from taps_ray.engine.tree import DraftContext, HeadCache, build_tree, draft_eagle2, extend_context
-from taps_ray.engine.verify import SamplingParams, accept_greedy, accept_stochastic, processed_probs
+from taps_ray.decoding.generate import NOT_DRAFTED, generate, run_loop, step_tokens
+from taps_ray.drafting.proposers import PlainDecoding, SingleHead
+from taps_ray.decoding.target_batch import TargetBatch
+from taps_ray.drafting.tree import DraftContext, HeadCache, build_tree, draft_eagle2, extend_context
+from taps_ray.decoding.verify import SamplingParams, accept_greedy, accept_stochastic, processed_probs
 
 from oracles import FixedTree, GreedyOracle, Recording, fit_head
 
@@ -317,7 +317,7 @@ def test_sampling_is_lossless_chi_square(small_vocab_target, params):
 
 def test_chi_square_detects_a_broken_acceptance_rule(small_vocab_target, monkeypatch):
     """The distribution test has power: always accepting the first candidate must fail it."""
-    import taps_ray.engine.verify as verify
+    import taps_ray.decoding.verify as verify
 
     model = small_vocab_target.model
     prompt = [1, 2, 3]

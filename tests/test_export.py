@@ -13,10 +13,10 @@ from taps_ray.cli import main
 from taps_ray.config import TreeConfig
 from taps_ray.models.draft_head import DraftHead, eagle3_layers, new_head
 from taps_ray.models.published import export_head, load_published
-from taps_ray.engine.generate import generate
-from taps_ray.engine.proposers import SingleHead
-from taps_ray.engine.tree import DraftContext, HeadCache
-from taps_ray.engine.verify import SamplingParams
+from taps_ray.decoding.generate import generate
+from taps_ray.drafting.proposers import SingleHead
+from taps_ray.drafting.tree import DraftContext, HeadCache
+from taps_ray.decoding.verify import SamplingParams
 from taps_ray.workdir import head_checkpoint
 
 TREE = TreeConfig(total_token=8, depth=3, top_k=3)

@@ -64,7 +64,7 @@ def test_drafter_imports_no_transformers_model_code() -> None:
     """What a drafter actor imports (its actor module, draft parts, the evaluation loop and its cells) leaves out
     transformers' modelling stack, which only a process that holds the whole target needs, and pandas, which only
     the driver that stores results needs."""
-    code = ("import sys, taps_ray.cluster.actors, taps_ray.models.draft_parts, taps_ray.eval.runner, taps_ray.eval.cell; "
+    code = ("import sys, taps_ray.study.actors, taps_ray.models.draft_parts, taps_ray.eval.runner, taps_ray.eval.cell; "
             "print([m for m in ('transformers.modeling_utils', 'transformers.models.llama.modeling_llama', "
             "'transformers.models.llama.configuration_llama', 'transformers.models.auto.modeling_auto', 'pandas') "
             "if m in sys.modules])")

@@ -1,4 +1,4 @@
-"""Prompt-lookup drafting (taps_ray.engine.ngram) and its heterogeneous merge with heads (`<proposer>+ngram`)."""
+"""Prompt-lookup drafting (taps_ray.drafting.ngram) and its heterogeneous merge with heads (`<proposer>+ngram`)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import torch
 
 from taps_ray.config import TreeConfig
 from taps_ray.models.draft_head import new_head
-from taps_ray.engine.combine import rank_merge
-from taps_ray.engine.continuous import ContinuousBatcher, Request
-from taps_ray.engine.generate import generate
-from taps_ray.engine.ngram import NgramProposer, NgramState, lookup, matched_prefix
-from taps_ray.engine.registry import UnknownProposer, build_proposer, heads_used, proposer_names
-from taps_ray.engine.tree import build_tree
-from taps_ray.engine.verify import SamplingParams
+from taps_ray.drafting.combine import rank_merge
+from taps_ray.decoding.continuous import ContinuousBatcher, Request
+from taps_ray.decoding.generate import generate
+from taps_ray.drafting.ngram import NgramProposer, NgramState, lookup, matched_prefix
+from taps_ray.drafting.registry import UnknownProposer, build_proposer, heads_used, proposer_names
+from taps_ray.drafting.tree import build_tree
+from taps_ray.decoding.verify import SamplingParams
 
 GREEDY = SamplingParams()
 TREE = TreeConfig(total_token=8, depth=3, top_k=3)
@@ -72,9 +72,9 @@ def test_ngram_alone_is_lossless_and_accepts(tiny_target, repetitive):
 def test_ngram_replays_like_the_live_loop_with_the_registry_reach(tiny_target, repetitive):
     """A prompt-lookup chain can reach deeper below its root than an EAGLE tree (depth + 1): replay must record
     `draft_reach` tokens past an answer's end, and traces recorded that far replay the live loop step for step."""
-    from taps_ray.engine.registry import draft_reach
-    from taps_ray.engine.replay import record_traces, replay
-    from taps_ray.engine.target_batch import TargetBatch
+    from taps_ray.decoding.replay import record_traces, replay
+    from taps_ray.decoding.target_batch import TargetBatch
+    from taps_ray.drafting.registry import draft_reach
 
     history = torch.arange(100, 112)  # twelve distinct tokens, then the first three again: a 3-gram match
     chain, _ = NgramProposer().propose(NgramState(), torch.zeros(15, 1), torch.cat([history, history[:3]]))

@@ -15,17 +15,18 @@ from taps_ray.eval.runner import TraceCache, run_cell
 from taps_ray.eval.cell import Cell
 from taps_ray.report.build import evaluation_md
 from taps_ray.report.data import ReportData
-from taps_ray.engine.generate import generate, run_loop
-from taps_ray.engine.proposers import PlainDecoding, SingleHead
-from taps_ray.engine.registry import build_proposer, proposer_names
-from taps_ray.engine.replay import record_traces, replay
-from taps_ray.engine import replay_draft
-from taps_ray.engine.replay_draft import draft_along
-from taps_ray.engine.target_batch import TargetBatch
-from taps_ray.engine.tree import DraftContext, HeadCache
+from taps_ray.decoding.generate import generate, run_loop
+from taps_ray.drafting.proposers import PlainDecoding, SingleHead
+from taps_ray.drafting.registry import build_proposer, proposer_names
+from taps_ray.decoding.replay import record_traces, replay
+from taps_ray.decoding import replay_draft
+from taps_ray.decoding.replay_draft import draft_along
+from taps_ray.decoding.target_batch import TargetBatch
+from taps_ray.drafting.tree import DraftContext, HeadCache
 from taps_ray.models.draft_head import eagle3_layers, new_head
-from taps_ray.engine.verify import SamplingParams
+from taps_ray.decoding.verify import SamplingParams
 
+from numerics import assert_same_tree, rounding_rtol, tree_rtol
 from oracles import GreedyOracle, fit_head
 
 GREEDY = SamplingParams()
@@ -70,9 +71,15 @@ def test_replay_equals_the_live_loop_for_every_proposer(tiny_config, tiny_target
         proposer = build_proposer(name, tiny_target, tiny_heads, tree)
         live = run_loop(TargetBatch(model), proposer, tiny_prompts, GREEDY, MAX_NEW, stops)
         replayed = replay(proposer, traces, MAX_NEW, stops)
-        assert compare(live, replayed) == (0, len(tiny_prompts)), name  # fp32 on the tiny target: no near-tie
+        # Replay drafts every position in one batch, the live loop one step at a time: other kernels, so a turn may
+        # part at a floating-point near-tie (none seen on the tiny target in fp32, AMD EPYC or Intel AMX). The
+        # output is the target's either way.
+        differ, turns = compare(live, replayed)
+        assert differ <= turns // 4, (name, differ, turns)
         for a, b in zip(live, replayed):
             assert b.tokens == a.tokens and b.finished_by == a.finished_by
+            if [s.accepted for s in a.steps] != [s.accepted for s in b.steps]:
+                continue  # the near-tie turn
             for x, y in zip(a.steps, b.steps):
                 assert (y.new_tokens, y.tree_size, y.head, y.node_accepted) == (x.new_tokens, x.tree_size, x.head, x.node_accepted)
                 assert y.node_confidence == pytest.approx(x.node_confidence, abs=1e-5)
@@ -139,18 +146,19 @@ def test_batched_drafts_equal_draft_eagle2_at_every_root(tiny_target, tiny_promp
     traces = record_traces(lambda: TargetBatch(model, feature_layers=layers), tiny_prompts, MAX_NEW, [], 0)
     roots = [range(len(t.prompt), len(t.sequence)) for t in traces]
     batched = draft_along(head, single.context, tree, [t.sequence for t in traces], [t.features for t in traces], roots)
-    compared = 0
+    # batched over positions vs one position at a time: other kernels, equal up to rounding (tests/numerics.py)
+    rtol = tree_rtol(model.config.hidden_size, tree.depth)
+    entropy_rtol = rounding_rtol(model.config.vocab_size, chained=tree.depth + 1)  # sums over the vocabulary
+    compared = near_ties = 0
     for trace, drafted, r in zip(traces, batched, roots):
         sequence = torch.tensor(trace.sequence)
         state, new = HeadCache(), slice(0, r.start)
         for root in r:
             live, state = single.propose(state, trace.features[new], sequence[new.start + 1 : new.stop + 1])
-            got = drafted.tree(root)
-            assert got.tokens.tolist() == live.tokens.tolist() and got.parents.tolist() == live.parents.tolist()
-            torch.testing.assert_close(got.confidence, live.confidence, rtol=1e-5, atol=1e-6)
-            torch.testing.assert_close(got.entropy, live.entropy, rtol=1e-4, atol=1e-4)  # sums over the vocabulary
+            near_ties += assert_same_tree(drafted.tree(root), live, rtol, entropy_rtol)
             new, compared = slice(root, root + 1), compared + 1
     assert compared == sum(map(len, roots)) > 50
+    assert near_ties <= compared // 20, f"{near_ties} near-ties in {compared} trees"
 
 
 def test_replay_of_deep_oracle_trees_and_a_too_short_record(tiny_target, tiny_prompts):

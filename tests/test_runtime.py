@@ -1,47 +1,24 @@
-"""`cluster.runtime`: the local Ray and Serve's HTTP proxy listen on loopback only, every socket of them."""
+"""`ray_runtime`: the local Ray and Serve's HTTP proxy listen on loopback only, every socket of them."""
 
 from __future__ import annotations
 
 import os
 import socket
 
-import psutil
+from taps_ray.ray_runtime import start_serve
 
-from taps_ray.cluster.runtime import start_serve
-
-LOOPBACKS = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
-
-
-def _session_pids(ray) -> set[int]:
-    """This process (the driver) and every process of its Ray node (GCS, raylet, agents) with their children."""
-    node = ray._private.worker._global_node
-    roots = {os.getpid(), *(info.process.pid for infos in node.all_processes.values() for info in infos)}
-    pids = set(roots)
-    for pid in roots:
-        try:
-            pids |= {child.pid for child in psutil.Process(pid).children(recursive=True)}
-        except psutil.NoSuchProcess:
-            pass
-    return pids
-
-
-def _name(pid: int) -> str:
-    try:
-        return psutil.Process(pid).name()
-    except psutil.NoSuchProcess:
-        return "exited"
-
-
-def _listeners(pids: set[int]) -> list[tuple[str, int, int, str]]:
-    """(address, port, pid, process name) of every listening TCP socket of these processes."""
-    return [(c.laddr.ip, c.laddr.port, c.pid, _name(c.pid)) for c in psutil.net_connections(kind="tcp")
-            if c.status == psutil.CONN_LISTEN and c.pid in pids]
+from listeners import exposed, is_loopback, listeners
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_loopback_check_accepts_only_loopback_addresses():
+    assert all(map(is_loopback, ["127.0.0.1", "127.3.2.1", "::1", "::ffff:127.0.0.1", "::ffff:127.9.0.1"]))
+    assert not any(map(is_loopback, ["0.0.0.0", "::", "::ffff:0.0.0.0", "192.0.2.2", "::ffff:192.0.2.2", "fe80::1"]))
 
 
 def test_ray_and_serve_listen_on_loopback_only(ray_session):
@@ -52,21 +29,20 @@ def test_ray_and_serve_listen_on_loopback_only(ray_session):
     port = _free_port()
     start_serve(port=port)
     try:
-        listeners = _listeners(_session_pids(ray))
+        found = listeners()
     finally:
         serve.shutdown()
-    ports = {p for _, p, _, _ in listeners}
+    ports = {listener.port for listener in found}
     gcs_port = int(ray._private.worker._global_node.gcs_address.rsplit(":", 1)[1])
     assert {gcs_port, port} <= ports, f"the check must see the GCS and the Serve proxy: {sorted(ports)}"
-    assert {os.getpid(), worker_pid} <= {pid for _, _, pid, _ in listeners}  # the driver's and a worker's gRPC servers
-    exposed = [(ip, p, name) for ip, p, _, name in listeners if ip not in LOOPBACKS]
-    assert not exposed, f"Ray listeners off loopback: {exposed}"
+    assert {os.getpid(), worker_pid} <= {listener.pid for listener in found}  # the driver's and a worker's gRPC servers
+    assert not exposed(found), f"Ray listeners off loopback: {exposed(found)}"
 
 
 def test_actor_environment_is_set_before_anything_is_imported(ray_session, monkeypatch):
     """The driver's HF/TAPS settings reach a task's process through its `runtime_env`: huggingface_hub reads
     them once, at import, and sees them."""
-    from taps_ray.cluster.runtime import process_runtime_env
+    from taps_ray.ray_runtime import process_runtime_env
 
     ray = ray_session
     monkeypatch.setenv("HF_HOME", "/nonexistent/taps-hf-home")  # one of runtime.ENV_KEYS, set on the driver only

@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from taps_ray.cluster.search import heldout_agreement, ratio_grid, run_search, trial_config
 from taps_ray.config import StudyConfig
 from taps_ray.data.mixtures import mixture_counts
-from taps_ray.engine.combine import EntropyRouted
-from taps_ray.engine.proposers import SingleHead
-from taps_ray.engine.registry import build_proposer
+from taps_ray.drafting.combine import EntropyRouted
+from taps_ray.drafting.proposers import SingleHead
+from taps_ray.drafting.registry import build_proposer
+from taps_ray.drafting.setup import heads_needed, load_heads, load_proposers
 from taps_ray.eval.cell import Cell
 from taps_ray.eval.commands import cmd_eval, plan_cells, results_store
 from taps_ray.models.draft_head import new_head
-from taps_ray.proposer_setup import heads_needed, load_heads, load_proposers
+from taps_ray.study.search import heldout_agreement, ratio_grid, run_search, trial_config
 from taps_ray.training.features import extract_features, features_folder
 from taps_ray.workdir import head_checkpoint, head_dir, searched_head
 
@@ -61,7 +61,7 @@ def test_searched_head_joins_the_study_alone(tiny_config, tiny_target, tmp_path)
     assert heads_needed(cfg, ["searched"]) == ["searched"]
     proposer = build_proposer("searched", tiny_target, heads, cfg.tree)
     assert isinstance(proposer, SingleHead) and proposer.head is heads["searched"]
-    # combinations draft with the study's heads only (proposer_setup keeps stand-alone heads out of them)
+    # combinations draft with the study's heads only (drafting.setup keeps stand-alone heads out of them)
     routed = load_proposers(cfg, ["entropy-routed"], target=tiny_target, heads=heads)["entropy-routed"]
     assert isinstance(routed, EntropyRouted) and [p.name for p in routed.parts] == ["math", "chat", "averaged"]
     cells = plan_cells(cfg)

@@ -24,11 +24,13 @@ import yaml
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 
-from taps_ray.cluster.runtime import start_serve
-from taps_ray.cluster.serve import AppArgs, app_builder, build_app
 from taps_ray.data.chat import render_ids
 from taps_ray.models.draft_head import new_head
+from taps_ray.ray_runtime import start_serve
+from taps_ray.serve.app import AppArgs, app_builder, build_app
 from taps_ray.workdir import head_checkpoint
+
+from listeners import exposed, listeners
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_TOKENS_LIMIT = 32
@@ -452,15 +454,21 @@ def test_full_queue_answers_503_with_retry_after(service, tiny_config, tmp_path)
         serve.delete("taps-tight")
 
 
-def test_serve_listens_on_loopback_only(service):
-    import psutil
-
+def test_every_listener_of_the_service_is_on_loopback(service, client):
+    """After requests were served, every listening socket of this process and the processes it started (GCS,
+    raylet, agents, Serve controller, proxy, replicas) is on loopback: Serve's HTTP port and the replica's own
+    inter-deployment gRPC server included (Ray Serve 2.60 binds that one to every interface by default)."""
     from taps_ray.config import ServeConfig
 
     assert ServeConfig().host == "127.0.0.1"
+    answer = client.chat.completions.create(model="routed", messages=HI, temperature=0, max_tokens=4)
+    assert answer.choices[0].message.content is not None
+    found = listeners()
     port = int(service.url.rsplit(":", 1)[1])
-    listeners = [c for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
-    assert listeners and {c.laddr.ip for c in listeners} == {"127.0.0.1"}
+    assert port in {listener.port for listener in found}, "the check must see Serve's HTTP proxy"
+    replicas = {listener.pid for listener in found if listener.name.startswith("ray::ServeReplica")}
+    assert replicas, f"the check must see the replica's listeners: {found}"
+    assert not exposed(found), f"listeners off loopback: {exposed(found)}"
 
 
 def test_openapi_schema_publishes_live_limits(service):
@@ -507,7 +515,7 @@ def test_serve_yaml_and_app_builder():
     deploy = ServeDeploySchema.model_validate(yaml.safe_load((REPO / "configs" / "serve.yaml").read_text()))
     assert deploy.http_options.host == "127.0.0.1"
     (app,) = deploy.applications
-    assert app.import_path == "taps_ray.cluster.serve:app_builder"
+    assert app.import_path == "taps_ray.serve.app:app_builder"
     assert set(app.args) <= set(AppArgs.model_fields)
     assert isinstance(app_builder(dict(app.args)), Application)
     assert isinstance(app_builder({"config": "configs/tiny.yaml", "num_replicas": "2"}), Application)

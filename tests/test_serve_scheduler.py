@@ -7,10 +7,10 @@ import threading
 
 import pytest
 
-from taps_ray.cluster.serve_scheduler import DecodeLoop, Overloaded
-from taps_ray.engine.continuous import ContinuousBatcher, Request
-from taps_ray.engine.proposers import PlainDecoding
-from taps_ray.engine.verify import SamplingParams
+from taps_ray.decoding.continuous import ContinuousBatcher, Request
+from taps_ray.decoding.verify import SamplingParams
+from taps_ray.drafting.proposers import PlainDecoding
+from taps_ray.serve.scheduler import DecodeLoop, Overloaded
 
 
 class Gated(PlainDecoding):

@@ -353,7 +353,7 @@ def _shard_content(path: Path) -> tuple[dict, bytes]:
 
 @pytest.mark.parametrize("num_workers", [1, 3])
 def test_sharded_ray_features_match_the_in_process_shards_byte_for_byte(base, tmp_path, ray_session, num_workers):
-    from taps_ray.cluster.target_tasks import extract_feature_sets
+    from taps_ray.study.target_tasks import extract_feature_sets
 
     cfg, target = base
     local = cfg.model_copy(deep=True, update={"work_dir": str(tmp_path / "local")})

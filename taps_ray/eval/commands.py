@@ -16,9 +16,9 @@ from taps_ray.eval.runner import TraceCache, cell_questions, eval_dtype, is_repl
 from taps_ray.eval.store import ResultsStore
 from taps_ray.fsio import atomic_write_parquet
 from taps_ray.models.target import load_target
-from taps_ray.proposer_setup import head_names, heads_needed, load_heads, load_proposers, with_searched
-from taps_ray.engine.generate import generate
-from taps_ray.engine.verify import SamplingParams
+from taps_ray.drafting.setup import head_names, heads_needed, load_heads, load_proposers, with_searched
+from taps_ray.decoding.generate import generate
+from taps_ray.decoding.verify import SamplingParams
 from taps_ray.workdir import results_dir
 
 
@@ -31,7 +31,7 @@ def plan_cells(
 ) -> list[Cell]:
     """Plain decoding once per benchmark and temperature, then every proposer of every head kind that has its
     heads (a `train.compare` head is trained for its own kinds only; the config's list gains `searched` for a kind
-    whose mixture-search head exists, `proposer_setup.with_searched`). With
+    whose mixture-search head exists, `drafting.setup.with_searched`). With
     `eval.replay` the T = 0 cells of draft proposers are replayed (runner.is_replayed), the rest run live; the
     cells of one benchmark and temperature are consecutive, so replayed cells share that benchmark's greedy
     decodes (runner.TraceCache holds one benchmark at a time). At T > 0 the proposers are `eval.live_proposers`

@@ -1,6 +1,6 @@
 """Entropy / confidence diagnostics over per-step decoding records (docs/algorithms.md#diagnostics), pure functions.
 
-Inputs are `StepRecord`s (taps_ray.engine.generate): per drafted node of each verified tree, its cumulative
+Inputs are `StepRecord`s (taps_ray.decoding.generate): per drafted node of each verified tree, its cumulative
 confidence, the entropy of the distribution it was drawn from, whether the target accepted it and which
 head drafted it; per step, which head's tree was verified (-1 for a merged tree).
 
@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from taps_ray.engine.generate import NOT_DRAFTED
+from taps_ray.decoding.generate import NOT_DRAFTED
 
 
 def _mean(values: Sequence[float]) -> float:

@@ -19,13 +19,13 @@ from taps_ray.data.sources import Question, load_questions
 from taps_ray.eval.cell import PLAIN, Cell
 from taps_ray.models.draft_head import DraftHead
 from taps_ray.models.target import Target
-from taps_ray.proposer_setup import load_proposers
-from taps_ray.engine.generate import Generation, Verifier, run_loop
-from taps_ray.engine.proposers import feature_layers
-from taps_ray.engine.registry import draft_reach
-from taps_ray.engine.replay import GreedyTrace, record_traces, replay
-from taps_ray.engine.target_batch import TargetBatch
-from taps_ray.engine.verify import SamplingParams
+from taps_ray.drafting.setup import load_proposers
+from taps_ray.decoding.generate import Generation, Verifier, run_loop
+from taps_ray.drafting.proposers import feature_layers
+from taps_ray.drafting.registry import draft_reach
+from taps_ray.decoding.replay import GreedyTrace, record_traces, replay
+from taps_ray.decoding.target_batch import TargetBatch
+from taps_ray.decoding.verify import SamplingParams
 
 VerifierFactory = Callable[[tuple[int, ...]], Verifier]  # the target layers the proposer drafts from -> verifier
 # Questions of a replayed cell taken together, whatever `eval.batch_size` (which sizes live cells, where speed is

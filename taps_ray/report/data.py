@@ -16,7 +16,7 @@ import pandas as pd
 
 from taps_ray.config import BENCHMARKS, HEAD_KINDS, StudyConfig
 from taps_ray.eval.diagnostics import accepted_vs_rejected, majority_head, mean_node_confidence, routing_fractions
-from taps_ray.engine.names import averaged_weight, entropy_candidates
+from taps_ray.drafting.names import averaged_weight, entropy_candidates
 from taps_ray.eval.cell import PLAIN
 from taps_ray.eval.metrics import summarize
 from taps_ray.eval.store import ResultsStore

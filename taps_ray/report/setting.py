@@ -3,23 +3,13 @@
 from __future__ import annotations
 
 import datetime as dt
-import os
 import subprocess
 from pathlib import Path
 
 from taps_ray.data.sources import DataUnavailable, resolve
+from taps_ray.machine import cpu_line
 from taps_ray.relpaths import REPO, shown_path
 from taps_ray.report.data import BENCH_LABELS, ReportData
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 def git_commit() -> str:
@@ -98,7 +88,7 @@ def setting_md(data: ReportData, command: str) -> str:
         + ".",
         f"- **Decoding**: temperatures {', '.join(f'{t:g}' for t in config.eval.temperatures)}; max_new_tokens "
         f"{config.eval.max_new_tokens}; batch {config.eval.batch_size}; seed {config.eval.seed}.",
-        f"- **Hardware** (machine that built this report): {cpu_model()}, {os.cpu_count()} cores"
+        f"- **Hardware** (machine that built this report): {cpu_line()}"
         + (f"; evaluation device recorded by the cells: {_distinct(data.meta, 'device')}" if _distinct(data.meta, "device") else "")
         + ".",
         f"- **Date**: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC}; **git commit**: `{git_commit()}`.",

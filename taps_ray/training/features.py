@@ -16,7 +16,7 @@ The target runs on right-padded batches whose attention mask is built from the s
 (`taps_ray.fsio`) as one safetensors file, so a killed run redoes only the missing shards.
 ``manifest.json``, also written atomically, marks the whole set complete; a later call with the same key reuses it.
 The three steps, `plan_shards`, `extract_shards` and `write_manifest`, run in one process here; the sweep runs the
-middle one as parallel Ray tasks (`taps_ray.cluster.target_tasks`).
+middle one as parallel Ray tasks (`taps_ray.study.target_tasks`).
 
 The cache key hashes everything that changes the stored tensors: the target (name, tiny settings, dtype),
 the mixture (corpora and ratios, size, seed), max_len, top_k, whose answers it trains on (the corpora's, or the

@@ -1,0 +1,1 @@
+"""`taps bench`: wall-clock speed of the proposers against plain decoding and peer methods, and its report."""

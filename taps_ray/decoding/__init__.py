@@ -1,0 +1,1 @@
+"""Decoding: verifying draft trees against the target and committing tokens (the loop, batching, replay)."""

@@ -1,0 +1,273 @@
+"""Continuous batching: requests join the running batch between verification steps and leave when finished.
+
+`ContinuousBatcher.step` is one scheduling iteration: admit waiting requests (prefill them together, then
+merge their cache rows into the running `TargetBatch`), draft a tree per live sequence with that sequence's own
+proposer and state, verify every tree in ONE target forward, commit, and drop the finished rows. Requests for
+different proposers and with different sampling parameters share the forward (parameters are per row).
+
+Exact like `run_loop`: a sequence's tokens depend only on its prompt, parameters and seed (at T=0 they equal
+plain greedy decoding) whoever shares its batch. `draft_below` decides per step from the live batch size; a
+paused proposer is handed the positions it missed when drafting resumes. Text-level stop conditions (stop
+strings) come in as `Request.stop`, so decoding ends at the step that completes one.
+
+Plain PyTorch, no Ray and no asyncio: the caller runs `step` in one worker thread and hears back through the
+request's callbacks (called from that thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from taps_ray.decoding.generate import NOT_DRAFTED, Generation, chosen_head, extend_tokens, record_step
+from taps_ray.decoding.target_batch import Committed, TargetBatch
+from taps_ray.decoding.verify import SamplingParams
+from taps_ray.drafting.proposers import Proposer
+from taps_ray.drafting.tree import DraftTree, root_only
+
+if TYPE_CHECKING:  # an annotation only: importing the class loads transformers' model code
+    from transformers import PreTrainedModel
+
+logger = logging.getLogger(__name__)
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass
+class TokenLogprob:
+    """One output token's log-probability under the target's raw distribution, and the most likely tokens."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class Result:
+    generation: Generation
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    max_batch: int = 0  # the most sequences that shared one of this request's verification steps
+    error: str | None = None
+
+
+@dataclass
+class Request:
+    """One sequence to decode. Callbacks run on the decoding thread and must be quick."""
+
+    prompt: list[int]
+    proposer: Proposer
+    params: SamplingParams
+    max_tokens: int
+    seed: int
+    top_logprobs: int | None = None  # None: no log-probabilities; k: the chosen token's and the k most likely
+    stop: Callable[[list[int], int], int | None] | None = None  # (tokens, new) -> cut length if the last `new` ended it
+    on_tokens: Callable[[list[int], list[TokenLogprob]], None] | None = None  # what each step added
+    on_done: Callable[[Result], None] | None = None
+    cancelled: bool = False  # set from any thread: the sequence leaves at the next step
+
+
+@dataclass
+class _Sequence:
+    request: Request
+    generation: Generation
+    state: Any = None
+    pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # committed, unseen by the proposer
+    tree: DraftTree | None = None
+    draft_s: float = 0.0
+    head: int = NOT_DRAFTED
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    max_batch: int = 0
+    admitted: float = 0.0
+
+
+def _logprobs(committed: Committed, tokens: list[int], top: int) -> list[TokenLogprob]:
+    table = committed.target_logprobs()[: len(tokens)]
+    best = table.topk(min(top, table.shape[-1]), dim=-1) if top else None
+    out = []
+    for i, token in enumerate(tokens):
+        pairs = list(zip(best.indices[i].tolist(), best.values[i].tolist())) if best is not None else []
+        out.append(TokenLogprob(token, float(table[i, token]), pairs))
+    return out
+
+
+class ContinuousBatcher:
+    """The running batch of one replica. `submit` is thread-safe; `step` runs on one thread at a time."""
+
+    def __init__(
+        self, model: PreTrainedModel, stop_ids: list[int], max_batch_size: int, draft_below: int | None = None,
+        feature_layers: tuple[int, ...] = (),
+    ) -> None:
+        """`feature_layers`: the target layers the replica's proposers draft from (`proposers.feature_layers`)."""
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
+        if draft_below is not None and draft_below < 1:
+            raise ValueError(f"draft_below must be at least 1 (or None to always draft), got {draft_below}")
+        self.model, self.stop_ids = model, set(stop_ids)
+        self.max_batch_size, self.draft_below = max_batch_size, draft_below
+        self.feature_layers = feature_layers
+        self._waiting: deque[_Sequence] = deque()
+        self._lock = threading.Lock()
+        self._running: list[_Sequence] = []  # in the row order of `_batch`
+        self._batch: TargetBatch | None = None
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def live(self) -> int:
+        return len(self._running)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    def submit(self, request: Request) -> None:
+        if request.max_tokens < 1 or not request.prompt:
+            raise ValueError("a request needs a prompt and max_tokens >= 1")
+        if request.top_logprobs is not None and not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}")
+        with self._lock:
+            self._waiting.append(_Sequence(request, Generation(prompt=list(request.prompt))))
+
+    def step(self) -> None:
+        """Admit what fits, then one verification step over every live sequence."""
+        for seq in self._running:
+            if seq.request.cancelled and not seq.generation.finished_by:
+                seq.generation.finished_by = "cancelled"
+        self._drop_finished()
+        self._admit()
+        self._drop_finished()  # a request can finish with its first token
+        if not self._running:
+            return
+        try:
+            self._verify()
+        except Exception as error:  # the batch's state is unknown: fail its sequences, keep serving the rest
+            logger.exception("a verification step over %d sequences failed", len(self._running))
+            self._fail(self._running, error)
+            self._running, self._batch = [], None
+        self._drop_finished()
+
+    def fail_all(self, reason: str) -> None:
+        """End every waiting and live request with an error (shutdown)."""
+        with self._lock:
+            waiting, self._waiting = list(self._waiting), deque()
+        self._fail([*waiting, *self._running], RuntimeError(reason))
+        self._running, self._batch = [], None
+
+    # -- scheduling ------------------------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        with self._lock:
+            fresh: list[_Sequence] = []
+            while self._waiting and len(self._running) + len(fresh) < self.max_batch_size:
+                seq = self._waiting.popleft()
+                if seq.request.cancelled:
+                    self._finish(seq, "cancelled")
+                else:
+                    fresh.append(seq)
+        if not fresh:
+            return
+        batch = TargetBatch(self.model, keep_logits=True, feature_layers=self.feature_layers)
+        try:
+            t0 = time.perf_counter()
+            started = batch.start(
+                [s.request.prompt for s in fresh], [s.request.params for s in fresh], [s.request.seed for s in fresh]
+            )
+            prefill_s = time.perf_counter() - t0
+        except Exception as error:
+            logger.exception("prefilling %d requests failed", len(fresh))
+            self._fail(fresh, error)
+            return
+        for seq, committed in zip(fresh, started, strict=True):
+            seq.generation.prefill_s, seq.admitted = prefill_s, t0
+            seq.state = seq.request.proposer.init_state()
+            self._commit(seq, committed)
+        if self._batch is None:
+            self._batch = batch
+        else:
+            self._batch.merge(batch)
+        self._running.extend(fresh)
+
+    def _verify(self) -> None:
+        drafting = self.draft_below is None or len(self._running) < self.draft_below
+        for seq in self._running:
+            self._draft(seq, drafting)
+        t0 = time.perf_counter()
+        results = self._batch.step_rows(list(range(len(self._running))), [s.tree for s in self._running])
+        verify_s = time.perf_counter() - t0
+        for seq, committed in zip(self._running, results, strict=True):
+            seq.max_batch = max(seq.max_batch, len(self._running))
+            tree, seq.tree = seq.tree, None
+            kept = self._commit(seq, committed)
+            seq.generation.steps.append(record_step(tree, committed.verdict, kept, seq.draft_s, verify_s, seq.head))
+
+    def _draft(self, seq: _Sequence, drafting: bool) -> None:
+        if not drafting:
+            root = seq.pending[-1][1][-1]
+            seq.tree, seq.draft_s, seq.head = root_only(int(root), root.device), 0.0, NOT_DRAFTED
+            return
+        features = torch.cat([f for f, _ in seq.pending])
+        next_tokens = torch.cat([n for _, n in seq.pending])
+        seq.pending = []
+        t0 = time.perf_counter()
+        seq.tree, seq.state = seq.request.proposer.propose(seq.state, features, next_tokens)
+        seq.draft_s, seq.head = time.perf_counter() - t0, chosen_head(seq.state)
+
+    def _commit(self, seq: _Sequence, committed: Committed) -> int:
+        """Extend the output (cut at a stop token, max_tokens or a completed stop string); returns tokens kept."""
+        request, generation = seq.request, seq.generation
+        before = len(generation.tokens)
+        kept = extend_tokens(generation, committed.tokens, self.stop_ids, request.max_tokens)
+        if request.stop is not None and kept:
+            cut = request.stop(generation.tokens, kept)
+            if cut is not None:
+                del generation.tokens[max(cut, before) :]
+                kept, generation.finished_by = len(generation.tokens) - before, "stop"
+        new = generation.tokens[before:]
+        logprobs = _logprobs(committed, new, request.top_logprobs) if request.top_logprobs is not None else []
+        seq.logprobs.extend(logprobs)
+        seq.pending.append((committed.features, committed.next_tokens))
+        if new and request.on_tokens is not None:
+            try:
+                request.on_tokens(new, logprobs)
+            except Exception:  # a vanished client must not stop the batch
+                logger.debug("on_tokens failed", exc_info=True)
+        return kept
+
+    def _drop_finished(self) -> None:
+        done = [s for s in self._running if s.generation.finished_by]
+        if not done:
+            return
+        for seq in done:
+            self._finish(seq, seq.generation.finished_by)
+        keep = [row for row, s in enumerate(self._running) if not s.generation.finished_by]
+        self._running = [self._running[row] for row in keep]
+        if not keep:
+            self._batch = None
+        else:
+            self._batch.keep_rows(keep)
+
+    def _finish(self, seq: _Sequence, reason: str, error: str | None = None) -> None:
+        seq.generation.finished_by = reason
+        seq.generation.wall_s = time.perf_counter() - seq.admitted if seq.admitted else 0.0
+        if seq.request.on_done is not None:
+            try:
+                seq.request.on_done(Result(seq.generation, seq.logprobs, seq.max_batch, error))
+            except Exception:
+                logger.debug("on_done failed", exc_info=True)
+
+    def _fail(self, seqs: list[_Sequence], error: BaseException) -> None:
+        """End each sequence: an error unless it had already finished (then its result is whole)."""
+        for seq in seqs:
+            if seq.generation.finished_by:
+                self._finish(seq, seq.generation.finished_by)
+            else:
+                self._finish(seq, "error", f"{type(error).__name__}: {error}")

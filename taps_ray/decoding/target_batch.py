@@ -1,0 +1,365 @@
+"""The target side of decoding: a batch of sequences sharing one right-padded KV cache.
+
+Sequence b occupies cache slots 0..lengths[b]-1. A verification step appends every sequence's (padded)
+tree after the longest sequence, runs one forward with a per-sequence 4-D mask and positions, then moves
+each sequence's accepted slots down to its own length and crops the cache. When no mask is needed (every
+sequence fills the cache and drafted a chain of the same size, as plain decoding does) the forward takes the
+model's standard causal path and the commit only crops. Plain decoding is the same step
+with a one-node tree, so speedups compare like with like. A finished sequence (tree None) leaves the cache, so
+the forward of a batch's tail computes only the sequences still decoding. The Ray pool shares one batch
+between sessions: it merges batches, steps only the rows whose trees arrived and evicts rows, through the
+batch's own methods, so the cache invariant has one owner.
+
+Every tensor and generator lives on the model's device; trees drafted elsewhere are moved here. What a step
+hands back (`Committed`) owns its storage, never a view into the batch's tensors, so shipping one sequence's
+result (pickling it to a Ray drafter) ships that sequence's rows only.
+The features handed to proposers are the target's post-norm last layer (EAGLE-2, HASS) or, with
+`feature_layers` (EAGLE-3 proposers, `proposers.feature_layers`), the hidden states of those layers
+concatenated; the target then also returns its intermediate layers, which costs nothing otherwise.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import DynamicCache
+
+from taps_ray.decoding.verify import SamplingParams, Verdict, accept, sample_root
+from taps_ray.drafting.tree import DraftTree
+
+if TYPE_CHECKING:  # an annotation only: importing the class loads transformers' model code (a drafter imports this)
+    from transformers import PreTrainedModel
+
+
+@dataclass
+class Committed:
+    """What one sequence gained in a step, and what its proposer needs next."""
+
+    tokens: list[int]  # output tokens produced: accepted drafts + bonus (the first token at start)
+    features: torch.Tensor  # [m, d] target features of the newly committed positions
+    next_tokens: torch.Tensor  # [m] the token after each of those positions; the last is the next root
+    verdict: Verdict | None = None
+    logits: torch.Tensor | None = None  # with `keep_logits`: [len(tokens), V] the target's logits at each token
+
+    def target_logprobs(self) -> torch.Tensor:
+        """[len(tokens), V] log-probabilities of the target's raw distribution at each committed token; computed
+        only when asked (the batch must keep logits)."""
+        if self.logits is None:
+            raise ValueError("this batch did not keep the target's logits (TargetBatch(keep_logits=True))")
+        return torch.log_softmax(self.logits.float(), dim=-1)
+
+    def to(self, device: torch.device | str) -> "Committed":
+        """This result on `device` (a target worker hands CPU copies to drafters that may have no GPU)."""
+        logits = None if self.logits is None else self.logits.to(device)
+        return Committed(self.tokens, self.features.to(device), self.next_tokens.to(device), self.verdict, logits)
+
+
+@dataclass
+class TreeOutput:
+    """What the target computed for one sequence's tree."""
+
+    logits: torch.Tensor  # [T, V]; after a prefill only the last token's [1, V]
+    hidden: torch.Tensor  # [T, d] post-norm features, or [T, k*d] the batch's `feature_layers`
+
+
+def _pad_width(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    """Zero-pad a [B, heads, slots, d] cache tensor to `width` slots (slots past a length are never attended)."""
+    missing = width - tensor.shape[2]
+    if missing <= 0:
+        return tensor
+    return torch.nn.functional.pad(tensor, (0, 0, 0, missing))
+
+
+class TargetBatch:
+    """Sequences are numbered in the order they joined: `start`'s prompts, then each `merge`d batch's.
+
+    Two ways to step, for two callers:
+    * `step(trees)`, the engine loop's: trees indexed by sequence; a None tree means the sequence is done for
+      good and its row leaves the cache (`live` says which sequence each row holds).
+    * `step_rows(rows, trees)`, the Ray pool's: trees for some cache rows only; the other rows, and rows whose
+      tree is None, sit this step out and keep their cache, length and generator. `keep_rows` evicts.
+
+    Sampling parameters are per row (`row_params`), so requests with different parameters share one forward;
+    `params` is what `start` was given for the whole batch (the pool groups batches by it). `keep_logits`: every
+    `Committed` carries the target's logits at its tokens, for callers that report log-probabilities.
+    `feature_layers`: the `hidden_states` indices whose concatenation is every `Committed.features` (EAGLE-3);
+    empty: the post-norm last layer.
+    """
+
+    def __init__(self, model: PreTrainedModel, keep_logits: bool = False, feature_layers: Sequence[int] = ()) -> None:
+        self.model = model
+        self.keep_logits = keep_logits
+        self.feature_layers = tuple(feature_layers)
+        self.cache = DynamicCache()
+        self.lengths = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.params = SamplingParams()
+        self.row_params: list[SamplingParams] = []
+        self.generators: list[torch.Generator] = []
+        self.live: list[int] = []  # the sequence (numbered as it joined) in each cache row
+        self.joined = 0  # sequences numbered so far
+        self.timings = {"forward": 0.0, "accept": 0.0, "commit": 0.0}  # seconds, summed over steps (profiling)
+
+    @torch.no_grad()
+    def start(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], seeds: list[int]
+    ) -> list[Committed]:
+        """Prefill and pick each sequence's first token; sequence b samples with its own seeded generator and
+        its own parameters (one `SamplingParams` for all, or one per prompt)."""
+        row_params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(row_params) != len(prompts):
+            raise ValueError(f"got {len(row_params)} sampling parameters for {len(prompts)} prompts")
+        self.params = row_params[0] if isinstance(params, list) and row_params else params
+        self.row_params = row_params
+        self.generators = [torch.Generator(device=self.device).manual_seed(seed) for seed in seeds]
+        outputs = self.prefill(prompts)
+        self.live = list(range(len(prompts)))
+        self.joined = len(prompts)
+        started = []
+        for prompt, out, row, generator in zip(prompts, outputs, row_params, self.generators, strict=True):
+            root = sample_root(out.logits[-1], row, generator)
+            logits = out.logits.clone() if self.keep_logits else None
+            next_tokens = torch.tensor(prompt[1:] + [root], device=self.device)
+            started.append(Committed([root], out.hidden.clone(), next_tokens, logits=logits))  # clones: own storage
+        return started
+
+    def step(self, trees: list[DraftTree | None]) -> list[Committed | None]:
+        """Verify every tree in one forward, accept, and commit the accepted tokens to the cache; the rows of
+        sequences whose tree is None (finished) leave the cache first."""
+        results: list[Committed | None] = [None] * len(trees)
+        rows = [row for row, b in enumerate(self.live) if trees[b] is not None]
+        if not rows:
+            return results
+        if len(rows) < len(self.live):
+            self.keep_rows(rows)
+        for b, result in zip(self.live, self._step([trees[b] for b in self.live])):
+            results[b] = result
+        return results
+
+    @torch.no_grad()
+    def step_rows(self, rows: list[int], trees: list[DraftTree | None]) -> list[Committed | None]:
+        """`step` for the cache rows `rows` only (trees in the same order; None sits out); the other rows are not
+        computed at all: the rows are copied out, stepped as a batch of their own and written back, so a row
+        that sits out costs no padded row in the forward and keeps its cache, length and generator."""
+        if rows == list(range(self.batch_size)):
+            return self._step(trees)
+        sub = self._take_rows(rows)
+        out = sub._step(trees)
+        self._put_rows(rows, sub)
+        return out
+
+    def merge(self, other: TargetBatch) -> None:
+        """Append `other`'s sequences after these (a request joins a running batch between steps); rows keep
+        their own sampling parameters and generators.
+
+        Slots beyond a sequence's length are never attended (the context is masked by `lengths`), so
+        zero-padding the narrower cache keeps the invariant "cache width = longest sequence" and every value.
+        """
+        if self.model is not other.model or self.feature_layers != other.feature_layers:
+            raise ValueError("only batches of the same model and feature layers can share a forward")
+        width = max(self.cache.get_seq_length(), other.cache.get_seq_length())
+        if self.batch_size == 0:
+            self.cache = other.cache
+        else:
+            for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
+                mine.keys = torch.cat([_pad_width(mine.keys, width), _pad_width(theirs.keys, width)], dim=0)
+                mine.values = torch.cat([_pad_width(mine.values, width), _pad_width(theirs.values, width)], dim=0)
+        self.lengths = torch.cat([self.lengths, other.lengths])
+        self.generators = [*self.generators, *other.generators]
+        self.row_params = [*self.row_params, *other.row_params]
+        self.live = [*self.live, *(self.joined + b for b in other.live)]
+        self.joined += other.joined
+
+    def keep_rows(self, keep: list[int]) -> None:
+        """Keep only the cache rows `keep` (in that order), cropped to the longest sequence left."""
+        if not keep:
+            raise ValueError("keep at least one row (drop the whole batch instead)")
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        lengths = self.lengths[index]
+        width = int(lengths.max())
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[index, :, :width].contiguous()
+            layer.values = layer.values[index, :, :width].contiguous()
+        self.lengths = lengths
+        self.generators = [self.generators[i] for i in keep]
+        self.row_params = [self.row_params[i] for i in keep]
+        self.live = [self.live[i] for i in keep]
+
+    def _take_rows(self, rows: list[int]) -> TargetBatch:
+        """A new batch holding copies of the caches of `rows` (their generators are shared, not copied)."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        lengths = self.lengths[index]
+        width = int(lengths.max())
+        sub = TargetBatch(self.model, keep_logits=self.keep_logits, feature_layers=self.feature_layers)
+        sub.params = self.params
+        sub.row_params = [self.row_params[i] for i in rows]
+        sub.cache = DynamicCache(
+            ddp_cache_data=[(l.keys[index, :, :width], l.values[index, :, :width]) for l in self.cache.layers]
+        )
+        sub.lengths = lengths.clone()
+        sub.generators = [self.generators[i] for i in rows]
+        return sub
+
+    def _put_rows(self, rows: list[int], sub: TargetBatch) -> None:
+        """Write a stepped sub-batch (from `_take_rows`) back into its rows; the other rows keep their caches."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        lengths = self.lengths.clone()
+        lengths[index] = sub.lengths
+        width = int(lengths.max())
+        sub_width = sub.cache.get_seq_length()
+        for mine, theirs in zip(self.cache.layers, sub.cache.layers, strict=True):
+            for name in ("keys", "values"):
+                full = _pad_width(getattr(mine, name), width)  # the width only grows: rows only gain tokens
+                full[index, :, :sub_width] = getattr(theirs, name)
+                setattr(mine, name, full)
+        self.lengths = lengths
+
+    def _step(self, trees: list[DraftTree | None]) -> list[Committed | None]:
+        trees = [None if tree is None else tree.to(self.device) for tree in trees]
+        t0 = time.perf_counter()
+        outputs = self.verify(trees)
+        t1 = time.perf_counter()
+        verdicts = [
+            None if tree is None else accept(tree, out.logits, params, generator)
+            for tree, out, params, generator in zip(trees, outputs, self.row_params, self.generators, strict=True)
+        ]
+        t2 = time.perf_counter()
+        self.commit([v.nodes if v is not None else [] for v in verdicts])
+        t3 = time.perf_counter()
+        for key, seconds in (("forward", t1 - t0), ("accept", t2 - t1), ("commit", t3 - t2)):
+            self.timings[key] += seconds
+        return [
+            None
+            if verdict is None
+            else Committed(
+                tokens=verdict.tokens[1:] + [verdict.bonus],
+                features=out.hidden[verdict.nodes],  # indexing by a list copies: the result owns its rows
+                next_tokens=torch.tensor(verdict.tokens[1:] + [verdict.bonus], device=self.device),
+                verdict=verdict,
+                logits=out.logits[verdict.nodes] if self.keep_logits else None,
+            )
+            for verdict, out in zip(verdicts, outputs)
+        ]
+
+    @property
+    def device(self) -> torch.device:
+        """Every tensor and generator of the batch lives on the model's device."""
+        return self.model.device
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.lengths.numel())
+
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(post-norm last layer [B, T, d], proposer features); the caller applies the LM head where it needs logits.
+        `mask` None: the model's own causal mask over the whole cache. A boolean `mask` (True = may attend) is
+        read as such by SDPA; eager attention adds a 4-D mask to the scores as it is, so a boolean one would mask
+        nothing: it gets the additive form (0 or the dtype's min)."""
+        layers = self.feature_layers
+        if mask is not None and self.model.config._attn_implementation == "eager":
+            blocked = torch.finfo(self.model.dtype).min
+            mask = torch.zeros(mask.shape, dtype=self.model.dtype, device=mask.device).masked_fill(~mask, blocked)
+        out = self.model.model(
+            input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=self.cache, use_cache=True,
+            output_hidden_states=bool(layers),
+        )
+        last = out.last_hidden_state
+        return last, torch.cat([out.hidden_states[i] for i in layers], dim=-1) if layers else last
+
+    @torch.no_grad()
+    def prefill(self, prompts: list[list[int]]) -> list[TreeOutput]:
+        """Encode right-padded prompts; returns each prompt's features over its real tokens and the logits of
+        its last token only (the LM head over a whole prompt would cost more than the rest of the prefill)."""
+        if any(not p for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        width = int(lengths.max())
+        ids = torch.zeros(len(prompts), width, dtype=torch.long, device=self.device)
+        for b, prompt in enumerate(prompts):
+            ids[b, : len(prompt)] = torch.tensor(prompt, device=self.device)
+        columns = torch.arange(width, device=self.device)
+        causal = columns[None, :] <= columns[:, None]
+        valid = columns[None, :] < lengths[:, None]  # [B, width]
+        mask = causal[None] & valid[:, None, :]
+        mask |= torch.eye(width, dtype=torch.bool, device=self.device)[None]  # padded rows attend to themselves: no NaN rows
+        self.cache = DynamicCache()
+        hidden, features = self._forward(ids, columns.expand(len(prompts), -1), mask[:, None])
+        self.lengths = lengths
+        last = self.model.lm_head(hidden[torch.arange(len(prompts), device=self.device), lengths - 1])  # [B, V]
+        return [TreeOutput(last[b : b + 1], features[b, : len(p)]) for b, p in enumerate(prompts)]
+
+    @torch.no_grad()
+    def verify(self, trees: list[DraftTree | None]) -> list[TreeOutput | None]:
+        """One forward over every sequence's tree (None: the sequence sits this step out)."""
+        if len(trees) != self.batch_size:
+            raise ValueError(f"got {len(trees)} trees for a batch of {self.batch_size} sequences")
+        width = max((t.size for t in trees if t is not None), default=0)
+        if width == 0:
+            return [None] * len(trees)
+        past = self.cache.get_seq_length()
+        if self._causal(trees, past):
+            hidden, features = self._forward(
+                torch.stack([t.tokens for t in trees]).to(self.device),
+                torch.arange(past, past + width, device=self.device).expand(len(trees), -1),
+                None,
+            )
+            logits = self.model.lm_head(hidden)
+            return [TreeOutput(logits[b], features[b]) for b in range(len(trees))]
+        batch = len(trees)
+        ids = torch.zeros(batch, width, dtype=torch.long, device=self.device)
+        positions = torch.zeros(batch, width, dtype=torch.long, device=self.device)
+        mask = torch.zeros(batch, width, past + width, dtype=torch.bool, device=self.device)
+        context = torch.arange(past, device=self.device)[None, :] < self.lengths[:, None]
+        for b, tree in enumerate(trees):
+            mask[b, :, past:] = torch.eye(width, dtype=torch.bool, device=self.device)  # padding rows see only themselves
+            if tree is None:
+                continue
+            n = tree.size
+            ids[b, :n] = tree.tokens
+            positions[b, :n] = self.lengths[b] + tree.depth
+            mask[b, :n, :past] = context[b]
+            mask[b, :n, past : past + n] = tree.mask
+        hidden, features = self._forward(ids, positions, mask[:, None])
+        logits = self.model.lm_head(hidden)
+        return [
+            None if tree is None else TreeOutput(logits[b, : tree.size], features[b, : tree.size])
+            for b, tree in enumerate(trees)
+        ]
+
+    def _causal(self, trees: list[DraftTree | None], past: int) -> bool:
+        """True when the model's own causal mask is exact: every sequence fills the cache (no context padding)
+        and has a chain of the same size (no tree padding). Plain decoding and chain drafts then skip building
+        a 4-D mask, which the attention kernels also run slower with."""
+        if any(t is None for t in trees) or len({t.size for t in trees}) > 1:
+            return False
+        return bool((self.lengths == past).all()) and all(t.is_chain for t in trees)
+
+    def commit(self, accepted_nodes: list[list[int]]) -> None:
+        """Keep each sequence's accepted tree slots (root first) right after its committed prefix."""
+        start = int(self.lengths.max())  # invariant: the committed region is as wide as the longest sequence
+        new_lengths = self.lengths + torch.tensor([len(n) for n in accepted_nodes], device=self.device)
+        low = int(self.lengths.min())
+        high = int(new_lengths.max())
+        in_place = low == start and all(nodes == list(range(len(nodes))) for nodes in accepted_nodes)
+        if in_place:  # every sequence kept a prefix of its slots (a chain's): nothing moves, only crop
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, :high], layer.values[:, :, :high]
+            self.lengths = new_lengths
+            return
+        index = torch.arange(low, high, device=self.device).repeat(self.batch_size, 1)  # identity for slots already committed
+        for b, nodes in enumerate(accepted_nodes):
+            first = int(self.lengths[b]) - low
+            if nodes:
+                index[b, first : first + len(nodes)] = start + torch.tensor(nodes, device=self.device)
+            index[b, first + len(nodes) :] = 0  # beyond the sequence: any slot, masked out later
+        for layer in self.cache.layers:  # in place: only slots low..high-1 move, the prefix is not copied
+            gather = index[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+            layer.keys[:, :, low:high] = layer.keys.gather(2, gather)
+            layer.values[:, :, low:high] = layer.values.gather(2, gather)
+            layer.keys, layer.values = layer.keys[:, :, :high], layer.values[:, :, :high]
+        self.lengths = new_lengths

@@ -1,0 +1,490 @@
+"""TAPS combinations of specialised draft heads (docs/algorithms.md#taps-combinations), registered by name in `COMBINATIONS`.
+
+Head A is the first head of the config (math), head B the second (chat).
+
+* `averaged`, `averaged-w{w}`: one head whose weights are w·A + (1−w)·B (docs/algorithms.md#weight-averaging); `averaged` is w = 0.5.
+* `confidence-routed`: both heads draft every step; the tree with the higher mean confidence is verified (docs/algorithms.md#confidence-routing).
+* `entropy-routed`: every head, and the averaged head when there are two (TAPS's candidates), drafts once at the
+  start of a sequence; the lowest mean entropy one then drafts alone for the rest of it
+  (docs/algorithms.md#entropy-routing).
+* `merged`: both trees under one shared root, verified together (docs/algorithms.md#merged-tree-verification, the reference method).
+* `merged-dedup` (ours, a change to the method): a trie merge; a node that repeats a path already in the tree
+  is drafted once, so the same continuations cost fewer verified nodes.
+* `<proposer>+ngram` (ours, e.g. `math+ngram`): a heterogeneous merge of any proposer's tree with prompt-lookup
+  drafts (drafting/ngram.py): the single-head budget of total_token−1 nodes goes to the most confident nodes of
+  either, trie-merged (`rank_merge`), with the n-gram nodes' confidence calibrated per sequence.
+* `merged-budget` (ours): one tree of the single-head size (total_token−1 drafted nodes) split between the
+  heads in proportion to their mean confidence, each head's share its most confident nodes, trie-merged.
+
+Combinations are built over sub-proposers (one `SingleHead` per head), so each head keeps its own stable
+cache in an explicit state and the heads can never clobber each other (docs/algorithms.md#taps-combinations). The routed and merged
+proposers accept any `Proposer` parts, which lets tests combine oracle drafters with real heads. When every
+part drafts every step (confidence routing, merged trees) and the parts are `SingleHead`s whose heads stack
+(same shape, context and tree settings: `stackable`), the heads draft side by side, one batched forward per
+tree level in one stacked cache (`StackedHeads`), giving the trees they would draft one by one; other parts
+draft one after the other.
+
+A routed state exposes `last_head` (the index of the part whose tree was verified; -1 for a merged tree),
+which the decoding loop copies into `StepRecord.head`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
+
+import torch
+
+from taps_ray.config import TreeConfig
+from taps_ray.eval.diagnostics import mean_node_confidence
+from taps_ray.models.draft_head import DraftHead
+from taps_ray.drafting.ngram import NgramProposer
+from taps_ray.drafting.proposers import Proposer, SingleHead, StackedHeads, feature_layers, stackable
+from taps_ray.drafting.tree import DraftContext, DraftTree, HeadCache, build_tree, path_scores, ranked_nodes, subtree
+
+# --- checkpoint averaging (docs/algorithms.md#weight-averaging) ---------------------------------------------
+
+
+def average_heads(a: DraftHead, b: DraftHead, w: float) -> DraftHead:
+    """A new head with weights w·A + (1−w)·B, computed in fp32 and cast back to A's dtype.
+
+    Both heads must have identical parameter names and shapes (the same target and the same `fc` bias).
+    """
+    if not (0.0 <= w <= 1.0) or math.isnan(w):
+        raise ValueError(f"averaging weight w={w} must lie in [0, 1] (w is the weight of head A)")
+    state_a, state_b = a.trainable_state(), b.trainable_state()
+    only_a, only_b = sorted(set(state_a) - set(state_b)), sorted(set(state_b) - set(state_a))
+    if only_a or only_b:
+        raise ValueError(
+            "cannot average draft heads with different parameters: "
+            f"only in head A {only_a}, only in head B {only_b} (heads must share the target and the fc bias setting)"
+        )
+    shapes = {k: (tuple(v.shape), tuple(state_b[k].shape)) for k, v in state_a.items() if v.shape != state_b[k].shape}
+    if shapes:
+        raise ValueError(f"cannot average draft heads with different shapes (A, B): {shapes}")
+    maps = [k for k, v in state_a.items() if not v.is_floating_point() and not torch.equal(v, state_b[k].to(v.device))]
+    if maps:
+        raise ValueError(f"cannot average draft heads with different draft vocabularies: {maps} differ")
+    dtype = next(a.parameters()).dtype
+    device = next(a.parameters()).device
+    averaged = {k: (w * v.float() + (1.0 - w) * state_b[k].float().to(v.device)).to(v.dtype)
+                if v.is_floating_point() else v for k, v in state_a.items()}
+    trained_on = f"{w:g}*[{a.config.trained_on or 'A'}]+{1 - w:g}*[{b.config.trained_on or 'B'}]"
+    head = DraftHead(a.config.model_copy(update={"trained_on": trained_on}))
+    head.load_trainable(averaged)
+    return head.to(device=device, dtype=dtype).eval()
+
+
+# --- per-step and per-sequence routing (docs/algorithms.md#taps-combinations) -------------------------------
+
+
+@dataclass(frozen=True)
+class RouterState:
+    """Per-sequence state of a router or merger: every part's own state plus what was chosen last."""
+
+    parts: tuple[Any, ...]  # each part's state; None for a part that no longer drafts (entropy routing)
+    stacked: HeadCache | None = None  # instead of `parts`: the heads' one cache when they draft side by side
+    last_head: int = 0  # part whose tree was verified last; -1 for a merged tree
+    chosen: int | None = None  # entropy routing: the head picked for this sequence
+    confidences: tuple[float, ...] = ()  # mean node confidence of each part's last tree (nan if it did not draft)
+    entropies: tuple[float, ...] = ()  # mean node entropy of each part's last tree (nan if it did not draft)
+    shares: tuple[int, ...] = ()  # merged-budget: nodes allotted to each part; rank merge: nodes each part added
+
+
+def _draft_all(parts: Sequence[Proposer], states: Sequence[Any], features: torch.Tensor, next_tokens: torch.Tensor):
+    trees, new_states = [], []
+    for part, state in zip(parts, states):
+        tree, new_state = part.propose(state, features, next_tokens)
+        trees.append(tree)
+        new_states.append(new_state)
+    return trees, tuple(new_states)
+
+
+@dataclass
+class OverParts:
+    """A proposer built from other proposers (its parts): every part keeps its own state in a RouterState
+    (or, drafting side by side, one stacked cache: `AllPartsDrafting`)."""
+
+    parts: list[Proposer]
+    initial_head: ClassVar[int] = 0  # what `last_head` says before the first verification (-1: merged trees)
+
+    @property
+    def head_names(self) -> list[str]:
+        return [n for p in self.parts for n in p.head_names]
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The parts' target layers; parts read the same committed features, so they must agree."""
+        layers = {feature_layers(p) for p in self.parts}
+        if len(layers) > 1:
+            raise ValueError(f"cannot combine heads that draft from different target layers: {sorted(layers)}")
+        return layers.pop() if layers else ()
+
+    def init_state(self) -> RouterState:
+        return RouterState(parts=tuple(p.init_state() for p in self.parts), last_head=self.initial_head)
+
+
+@dataclass
+class AllPartsDrafting(OverParts):
+    """A proposer whose parts all draft every step, from the same inputs: side by side in one batched forward
+    per tree level when they stack (`StackedHeads`), else one after the other."""
+
+    def __post_init__(self) -> None:
+        self.side_by_side = StackedHeads(self.parts) if stackable(self.parts) else None
+
+    def init_state(self) -> RouterState:
+        if self.side_by_side is None:
+            return super().init_state()
+        return RouterState(parts=(), stacked=self.side_by_side.init_state(), last_head=self.initial_head)
+
+    def draft_all(
+        self, state: RouterState, features: torch.Tensor, next_tokens: torch.Tensor
+    ) -> tuple[list[DraftTree], RouterState]:
+        """Every part's tree, and a state that holds only the parts' new caches."""
+        if self.side_by_side is None:
+            trees, states = _draft_all(self.parts, state.parts, features, next_tokens)
+            return trees, RouterState(parts=states)
+        trees, cache = self.side_by_side.propose_all(state.stacked, features, next_tokens)
+        return trees, RouterState(parts=(), stacked=cache)
+
+    def propose(
+        self, state: RouterState, features: torch.Tensor, next_tokens: torch.Tensor
+    ) -> tuple[DraftTree, RouterState]:
+        return self.combine(*self.draft_all(state, features, next_tokens))
+
+    def combine(self, trees: list[DraftTree], caches: RouterState) -> tuple[DraftTree, RouterState]:
+        """The tree to verify from every part's tree, and the state: `caches` with what was chosen."""
+        raise NotImplementedError
+
+
+@dataclass
+class ConfidenceRouted(AllPartsDrafting):
+    """Every part drafts from the same inputs each step; the tree with the highest mean confidence is verified.
+
+    Ties go to the earlier part (head A). Every part's stable cache advances every step, so switching heads
+    between steps is free.
+    """
+
+    name: str = "confidence-routed"
+
+    def combine(self, trees: list[DraftTree], caches: RouterState) -> tuple[DraftTree, RouterState]:
+        confidences = tuple(t.mean_confidence for t in trees)
+        best = max(range(len(trees)), key=lambda i: (confidences[i], -i))  # ties -> lowest index
+        return trees[best], replace(
+            caches,
+            last_head=best,
+            confidences=confidences,
+            entropies=tuple(t.mean_entropy for t in trees),
+        )
+
+
+@dataclass
+class EntropyRouted(OverParts):
+    """Per sequence: every part drafts the first tree; the lowest mean node entropy part then drafts alone.
+
+    Ties go to the earlier part. Unlike the reference probe (docs/algorithms.md#entropy-routing), the probe costs no extra target prefill
+    and consumes no extra randomness: it is the sequence's first drafting step, from the root the loop sampled.
+    """
+
+    name: str = "entropy-routed"
+
+    def propose(
+        self, state: RouterState, features: torch.Tensor, next_tokens: torch.Tensor
+    ) -> tuple[DraftTree, RouterState]:
+        if state.chosen is None:
+            trees, states = _draft_all(self.parts, state.parts, features, next_tokens)
+            entropies = tuple(t.mean_entropy for t in trees)
+            chosen = min(range(len(trees)), key=lambda i: (entropies[i], i))
+            kept = tuple(s if i == chosen else None for i, s in enumerate(states))  # drop the others' caches
+            return trees[chosen], RouterState(
+                parts=kept,
+                last_head=chosen,
+                chosen=chosen,
+                confidences=tuple(t.mean_confidence for t in trees),
+                entropies=entropies,
+            )
+        chosen = state.chosen
+        tree, part_state = self.parts[chosen].propose(state.parts[chosen], features, next_tokens)
+        parts = tuple(part_state if i == chosen else None for i in range(len(self.parts)))
+        nan = float("nan")
+        return tree, RouterState(
+            parts=parts,
+            last_head=chosen,
+            chosen=chosen,
+            confidences=tuple(tree.mean_confidence if i == chosen else nan for i in range(len(self.parts))),
+            entropies=tuple(tree.mean_entropy if i == chosen else nan for i in range(len(self.parts))),
+        )
+
+
+# --- merged trees (docs/algorithms.md#merged-tree-verification) ---------------------------------------------
+
+
+def merge_trees(trees: Sequence[DraftTree], dedup: bool = False) -> DraftTree:
+    """All trees under one shared root; node order root | tree 0 nodes | tree 1 nodes | ...
+
+    Without `dedup` this is the reference merge: tree i's nodes are copied as they are (duplicates of other
+    trees' nodes stay, and are verified twice), and tree i's rows see the root and their own ancestors only.
+    With `dedup` it is a trie merge: a node whose (parent, token) already exists reuses that node, so a path
+    repeated by a later tree costs nothing. A node keeps the statistics and `source` of the first tree that
+    drafted it. `source` is the index of that tree in `trees`.
+    """
+    if not trees:
+        raise ValueError("merge_trees needs at least one tree")
+    root = int(trees[0].tokens[0])
+    if any(int(t.tokens[0]) != root for t in trees):
+        raise ValueError(f"merged trees must share the root; got roots {[int(t.tokens[0]) for t in trees]}")
+    tokens, parents = [root], [-1]
+    confidence: list[float] = []
+    entropy: list[float] = []
+    source: list[int] = []
+    existing: dict[tuple[int, int], int] = {}
+    for index, tree in enumerate(trees):
+        node_of = [0] * tree.size
+        tree_tokens, tree_parents = tree.tokens.tolist(), tree.parents.tolist()
+        tree_conf, tree_ent = tree.confidence.tolist(), tree.entropy.tolist()
+        for j in range(1, tree.size):
+            key = (node_of[tree_parents[j]], tree_tokens[j])
+            if dedup and key in existing:
+                node_of[j] = existing[key]
+                continue
+            node_of[j] = len(tokens)
+            existing.setdefault(key, node_of[j])
+            tokens.append(tree_tokens[j])
+            parents.append(key[0])
+            confidence.append(tree_conf[j - 1])
+            entropy.append(tree_ent[j - 1])
+            source.append(index)
+    device = trees[0].tokens.device
+    return build_tree(
+        torch.tensor(tokens, device=device),
+        torch.tensor(parents, device=device),
+        confidence=torch.tensor(confidence, dtype=torch.float32, device=device),
+        entropy=torch.tensor(entropy, dtype=torch.float32, device=device),
+        source=torch.tensor(source, dtype=torch.long, device=device),
+    )
+
+
+def split_budget(budget: int, weights: Sequence[float]) -> list[int]:
+    """Split `budget` nodes in proportion to `weights`, at least 1 each when budget allows (largest remainder).
+
+    Ties go to the earlier part. Non-positive or non-finite total weight splits evenly.
+    """
+    n = len(weights)
+    w = [max(float(x), 0.0) if math.isfinite(x) else 0.0 for x in weights]
+    if sum(w) <= 0:
+        w = [1.0] * n
+    order = sorted(range(n), key=lambda i: (-w[i], i))
+    if budget < n:
+        shares = [0] * n
+        for i in order[:budget]:
+            shares[i] = 1
+        return shares
+    rest = budget - n
+    raw = [rest * x / sum(w) for x in w]
+    shares = [1 + int(math.floor(r)) for r in raw]
+    left = budget - sum(shares)
+    by_fraction = sorted(range(n), key=lambda i: (-(raw[i] - math.floor(raw[i])), i))
+    for i in by_fraction[:left]:
+        shares[i] += 1
+    return shares
+
+
+def budget_merge(trees: Sequence[DraftTree], budget: int, shares: Sequence[int]) -> DraftTree:
+    """A trie-merged tree of exactly min(budget, distinct nodes) drafted nodes.
+
+    Tree i contributes its most confident nodes until it has added shares[i] nodes not already present
+    (a node repeating an earlier tree's path is shared and costs nothing). Budget left over (a tree ran out)
+    is filled round-robin from the trees' next most confident nodes. Each tree's contribution is a prefix of
+    its `ranked_nodes`, hence a closed subtree.
+    """
+    ranked = [ranked_nodes(t) for t in trees]
+    paths = [_paths(t) for t in trees]
+    taken = [0] * len(trees)
+    present: set[tuple[int, ...]] = set()
+
+    def take(i: int) -> bool:
+        """Take tree i's next node; True if it added a new path."""
+        path = paths[i][ranked[i][taken[i]]]
+        taken[i] += 1
+        if path in present:
+            return False
+        present.add(path)
+        return True
+
+    for i in range(len(trees)):
+        added = 0
+        while added < shares[i] and taken[i] < len(ranked[i]) and len(present) < budget:
+            added += take(i)
+    while len(present) < budget and any(taken[i] < len(ranked[i]) for i in range(len(trees))):
+        for i in range(len(trees)):
+            if len(present) < budget and taken[i] < len(ranked[i]):
+                take(i)
+    pruned = [subtree(t, ranked[i][: taken[i]]) for i, t in enumerate(trees)]
+    return merge_trees(pruned, dedup=True)
+
+
+def rank_merge(trees: Sequence[DraftTree], budget: int) -> tuple[DraftTree, tuple[int, ...]]:
+    """A trie-merged tree of the `budget` most confident distinct nodes over all trees, and each tree's count.
+
+    One ranking over every tree's nodes by `path_scores` (ties to the earlier tree): with confidences that
+    estimate a node's chance of being accepted (an EAGLE head's cumulative probability, an n-gram chain's
+    calibrated rate^depth), the budget goes where the expected accepted length grows most, whichever source
+    drafted the node. A node repeating a path already taken is shared and costs nothing (prefix
+    de-duplication). Each tree's contribution is a prefix of its `ranked_nodes`, hence a closed subtree.
+    """
+    ranked = [ranked_nodes(t) for t in trees]
+    entries = []
+    for i, tree in enumerate(trees):
+        score = path_scores(tree)
+        entries += [(-score[j], i, position) for position, j in enumerate(ranked[i])]
+    entries.sort()  # within a tree, positions come in order: every tree is taken as a prefix
+    paths = [_paths(t) for t in trees]
+    taken = [0] * len(trees)
+    added = [0] * len(trees)
+    present: set[tuple[int, ...]] = set()
+    for _, i, position in entries:
+        if len(present) >= budget:
+            break
+        taken[i] = position + 1
+        path = paths[i][ranked[i][position]]
+        if path not in present:
+            present.add(path)
+            added[i] += 1
+    pruned = [subtree(t, ranked[i][: taken[i]]) for i, t in enumerate(trees)]
+    return merge_trees(pruned, dedup=True), tuple(added)
+
+
+def _paths(tree: DraftTree) -> list[tuple[int, ...]]:
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    paths: list[tuple[int, ...]] = [()]
+    for j in range(1, tree.size):
+        paths.append(paths[parents[j]] + (tokens[j],))
+    return paths
+
+
+@dataclass
+class Merged(AllPartsDrafting):
+    """Every part drafts from the same inputs; their trees are verified together as one tree (last_head = -1).
+
+    mode: "concat" (the reference `_merge_trees`), "dedup" (trie merge), "budget" (one single-tree budget of
+    `budget` drafted nodes split by mean confidence, then trie-merged) or "rank" (the `budget` most confident
+    nodes of all trees, `rank_merge`: for parts of different kinds, such as a head and n-gram lookup).
+    """
+
+    mode: str = "concat"
+    budget: int | None = None
+    name: str = "merged"
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("concat", "dedup", "budget", "rank"):
+            raise ValueError(f"unknown merge mode {self.mode!r}; use concat, dedup, budget or rank")
+        if self.mode in ("budget", "rank") and (self.budget is None or self.budget < 1):
+            raise ValueError(f"merge mode {self.mode!r} needs a node budget of at least 1")
+        super().__post_init__()
+
+    initial_head: ClassVar[int] = -1
+
+    def combine(self, trees: list[DraftTree], caches: RouterState) -> tuple[DraftTree, RouterState]:
+        confidences = tuple(t.mean_confidence for t in trees)
+        shares: tuple[int, ...] = ()
+        if self.mode == "budget":
+            shares = tuple(split_budget(self.budget, confidences))
+            tree = budget_merge(trees, self.budget, shares)
+        elif self.mode == "rank":
+            tree, shares = rank_merge(trees, self.budget)
+        else:
+            tree = merge_trees(trees, dedup=self.mode == "dedup")
+        return tree, replace(
+            caches,
+            last_head=-1,
+            confidences=confidences,
+            entropies=tuple(t.mean_entropy for t in trees),
+            shares=shares,
+        )
+
+
+# --- post-hoc per-question router (docs/algorithms.md#per-question-confidence-router) -----------------------
+
+
+def per_question_confidence_choice(
+    records_by_head: dict[str, list[Any]], eps: float = 0.01, fallback: str | None = "mixed"
+) -> str:
+    """The head a per-question confidence router picks from complete single-head generations of one question.
+
+    records_by_head: head name -> that head's `StepRecord`s for the question (all turns). A head's score is
+    the mean confidence over every drafted node of every step. The fallback head (if present in the dict) is
+    not a candidate; when the two best candidates' scores differ by less than `eps`, the fallback is chosen
+    (the reference chooses Mixed), or the first candidate when `fallback` is None. Otherwise the highest score
+    wins, ties to the earlier head. An analysis tool: it needs every head's full generation (oracle-like).
+    """
+    candidates = [name for name in records_by_head if name != fallback]
+    if not candidates:
+        raise ValueError(f"no candidate heads besides the fallback {fallback!r}")
+    scores = {}
+    for name in candidates:
+        score = mean_node_confidence(records_by_head[name])
+        scores[name] = 0.0 if math.isnan(score) else score
+    ranked = sorted(candidates, key=lambda n: (-scores[n], candidates.index(n)))
+    if len(ranked) >= 2 and abs(scores[ranked[0]] - scores[ranked[1]]) < eps:
+        return fallback if fallback is not None else candidates[0]
+    return ranked[0]
+
+
+# --- builders (named in drafting/registry.py) ----------------------------------------------------------------
+
+
+def _first_two(heads: dict[str, DraftHead], name: str) -> list[tuple[str, DraftHead]]:
+    if len(heads) < 2:
+        raise ValueError(
+            f"proposer {name!r} combines two heads (A = first, B = second in config order) but got "
+            f"{len(heads)}: {list(heads)}; train at least two mixtures (train.mixtures)"
+        )
+    return list(heads.items())[:2]
+
+
+def _single_heads(pairs: Sequence[tuple[str, DraftHead]], context: DraftContext, tree: TreeConfig) -> list[Proposer]:
+    return [SingleHead(name, head, context, tree) for name, head in pairs]
+
+
+def build_averaged(
+    heads: dict[str, DraftHead], context: DraftContext, tree: TreeConfig, w: float = 0.5, name: str = "averaged"
+) -> Proposer:
+    """`averaged-w{w}`: one head whose weights are w·A + (1−w)·B (w = weight of head A)."""
+    (_, a), (_, b) = _first_two(heads, name)
+    if w in (0.0, 1.0):  # the average is exactly one of the heads: share its weights instead of copying
+        return SingleHead(name, a if w == 1.0 else b, context, tree)
+    return SingleHead(name, average_heads(a, b, w), context, tree)
+
+
+def build_confidence_routed(heads: dict[str, DraftHead], context: DraftContext, tree: TreeConfig) -> Proposer:
+    return ConfidenceRouted(_single_heads(_first_two(heads, "confidence-routed"), context, tree))
+
+
+def build_entropy_routed(heads: dict[str, DraftHead], context: DraftContext, tree: TreeConfig) -> Proposer:
+    """Candidates as `names.entropy_candidates`: every head, then the averaged head when there are two."""
+    if not heads:
+        raise ValueError("proposer 'entropy-routed' needs at least one head")
+    parts = _single_heads(list(heads.items()), context, tree)
+    if len(heads) >= 2:
+        parts.append(build_averaged(heads, context, tree))
+    return EntropyRouted(parts)
+
+
+def build_merged(heads: dict[str, DraftHead], context: DraftContext, tree: TreeConfig) -> Proposer:
+    return Merged(_single_heads(_first_two(heads, "merged"), context, tree), mode="concat", name="merged")
+
+
+def build_merged_dedup(heads: dict[str, DraftHead], context: DraftContext, tree: TreeConfig) -> Proposer:
+    return Merged(_single_heads(_first_two(heads, "merged-dedup"), context, tree), mode="dedup", name="merged-dedup")
+
+
+def build_merged_budget(heads: dict[str, DraftHead], context: DraftContext, tree: TreeConfig) -> Proposer:
+    parts = _single_heads(_first_two(heads, "merged-budget"), context, tree)
+    return Merged(parts, mode="budget", budget=tree.total_token - 1, name="merged-budget")
+
+
+def with_ngram(inner: Proposer, tree: TreeConfig, name: str) -> Proposer:
+    """`<proposer>+ngram`: `inner`'s tree and a prompt-lookup chain, ranked into the single-head node budget."""
+    return Merged([inner, NgramProposer()], mode="rank", budget=tree.total_token - 1, name=name)

@@ -1,0 +1,139 @@
+"""The proposer seam: every way of drafting looks the same to the decoding loop.
+
+A proposer is stateless; what it remembers about one sequence (its heads' stable caches, a routing
+choice) lives in an explicit state object that the loop passes in and gets back. That keeps two heads
+from sharing a cache and lets a Ray actor hold the states of many sequences.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from taps_ray.config import TreeConfig
+from taps_ray.models.draft_head import DraftHead
+from taps_ray.models.stacked_head import StackedHead, stack_mismatch
+from taps_ray.drafting.tree import DraftContext, DraftTree, HeadCache, draft_eagle2_trees, head_context, root_only
+
+
+class Proposer(Protocol):
+    name: str
+    head_names: list[str]
+
+    def init_state(self) -> Any: ...
+
+    def propose(self, state: Any, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[DraftTree, Any]:
+        """Extend the proposer's context with committed (feature, next token) pairs and draft a tree.
+
+        `features` [m, d]: target features of the positions committed since the last call (the prompt on
+        the first call; [m, k*d] the fused layers of `feature_layers` for EAGLE-3 proposers); `next_tokens`
+        [m]: the token after each of them; the last one is the tree's root.
+        """
+        ...
+
+
+def feature_layers(proposer: Proposer) -> tuple[int, ...]:
+    """The target layers a proposer drafts from, for `TargetBatch(feature_layers=...)`: () means the post-norm
+    last layer (every proposer but an EAGLE-3 head's, which says so by a `feature_layers` attribute)."""
+    return tuple(getattr(proposer, "feature_layers", ()))
+
+
+class Recording:
+    """Any proposer, recording each call's (features, next_tokens, tree, state): a benchmark or test can then
+    replay the same draft calls through other drafting code and compare."""
+
+    def __init__(self, inner: Proposer) -> None:
+        self.inner, self.name, self.head_names = inner, inner.name, inner.head_names
+        self.calls: list[tuple[torch.Tensor, torch.Tensor, DraftTree, Any]] = []
+
+    def init_state(self) -> Any:
+        return self.inner.init_state()
+
+    def propose(self, state: Any, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[DraftTree, Any]:
+        tree, new_state = self.inner.propose(state, features, next_tokens)
+        self.calls.append((features.clone(), next_tokens.clone(), tree, new_state))
+        return tree, new_state
+
+
+class PlainDecoding:
+    """No drafting: a root-only tree, so the loop degenerates into ordinary autoregressive decoding."""
+
+    name = "plain"
+    head_names: list[str] = []
+
+    def init_state(self) -> None:
+        return None
+
+    def propose(self, state: None, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[DraftTree, None]:
+        return root_only(int(next_tokens[-1]), next_tokens.device), None
+
+
+@dataclass
+class SingleHead:
+    """One EAGLE head drafting EAGLE-2 dynamic trees."""
+
+    name: str
+    head: DraftHead
+    context: DraftContext
+    tree: TreeConfig
+
+    def __post_init__(self) -> None:
+        self.context = head_context(self.head, self.context)
+
+    @property
+    def head_names(self) -> list[str]:
+        return [self.name]
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return tuple(self.head.config.feature_layers)
+
+    def init_state(self) -> HeadCache:
+        return HeadCache()
+
+    def propose(self, state: HeadCache, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[DraftTree, HeadCache]:
+        (tree,), cache = draft_trees(self.head, self.context, self.tree, state, features, next_tokens)
+        return tree, cache
+
+
+def draft_trees(
+    head: DraftHead, context: DraftContext, tree: TreeConfig, state: HeadCache, features: torch.Tensor,
+    next_tokens: torch.Tensor,
+) -> tuple[list[DraftTree], HeadCache]:
+    """`draft_eagle2_trees` with a config's tree settings: one tree per (stacked) head."""
+    return draft_eagle2_trees(head, context, state, features, next_tokens, total_token=tree.total_token,
+                              depth=tree.depth, top_k=tree.top_k, min_confidence=tree.min_confidence)
+
+
+def stackable(parts: Sequence[Proposer]) -> bool:
+    """Whether `parts` can draft as `StackedHeads`: `SingleHead`s with one context and one tree setting whose
+    heads stack (`stack_mismatch`)."""
+    if not parts or not all(isinstance(p, SingleHead) for p in parts):
+        return False
+    first = parts[0]
+    same_drafting = all(p.context is first.context and p.tree == first.tree for p in parts)
+    return same_drafting and stack_mismatch([p.head for p in parts]) is None
+
+
+@dataclass
+class StackedHeads:
+    """`SingleHead`s (`stackable`) drafting side by side: one forward per tree level for all their heads
+    (models/stacked_head.py), each head's tree as it would draft alone. The state is one stacked `HeadCache`."""
+
+    parts: list[SingleHead]
+
+    def __post_init__(self) -> None:
+        self.head = StackedHead([p.head for p in self.parts])
+
+    def init_state(self) -> HeadCache:
+        return HeadCache()
+
+    def propose_all(
+        self, state: HeadCache, features: torch.Tensor, next_tokens: torch.Tensor
+    ) -> tuple[list[DraftTree], HeadCache]:
+        """Every part's tree (in part order) from the same committed inputs (see `Proposer.propose`)."""
+        first = self.parts[0]
+        return draft_trees(self.head, first.context, first.tree, state, features, next_tokens)

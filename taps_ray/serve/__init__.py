@@ -1,0 +1,1 @@
+"""Serving: the Ray Serve app with an OpenAI-compatible API over continuous batching."""

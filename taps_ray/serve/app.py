@@ -1,0 +1,575 @@
+"""Ray Serve app: the target plus the specialised draft heads behind an OpenAI-compatible HTTP API.
+
+Three ways to start it (docs/serve.md), all on loopback by default:
+
+    serve run taps_ray.serve.app:app_builder config=configs/cpu.yaml
+    serve run configs/serve.yaml            # or `serve deploy configs/serve.yaml` on a running cluster
+    taps serve --config configs/cpu.yaml
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (SSE with "stream": true), GET /v1/models,
+GET /healthz, GET /openapi.json. The request's `model` names the proposer: `plain` (the target alone), a
+head by its mixture (`math`, `chat`, ...), `routed` (= `confidence-routed`), `merged` or any other
+registered combination. Every response carries `usage` and a `speculative` block (tau, steps, the fraction
+of steps each head drafted, how many sequences shared the verification batch).
+
+Batching is continuous: every prompt becomes one `Job`, handed to the replica's decode loop
+(serve/scheduler.py around decoding/continuous.py). It joins the running batch at the next verification step
+(up to `serve.max_batch_size` sequences; beyond that it waits, up to `serve.max_queued_requests`, then 503)
+and leaves when finished. One target forward per step verifies every live sequence's tree, whatever its model
+(proposer) or sampling parameters; each sequence keeps its own seed, so outputs never depend on the company.
+
+Validation: bodies are pydantic models; malformed JSON, wrong types, out-of-range values and non-neutral values
+of OpenAI fields the service lacks become 400 with the field, the problem and the fix; limits that depend on the
+running service (known models, prompt length in tokens, max_tokens_limit, vocabulary) are checked in the handlers
+and also published in the OpenAPI schema (model enum, max_tokens maximum). A 5xx is a full replica (503 with
+Retry-After) or an unexpected failure of the service.
+"""
+
+# No `from __future__ import annotations`: Serve's FastAPI class-based views need real annotations on the
+# endpoint methods (string annotations make FastAPI read a pydantic body as a missing query parameter).
+
+import asyncio
+import json
+import logging
+import math
+import random
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from ray import serve
+
+from taps_ray.config import HeadKind, StudyConfig, load_config, parse_config, with_overrides
+from taps_ray.decoding.continuous import ContinuousBatcher, Result, TokenLogprob
+from taps_ray.decoding.verify import MIN_TEMPERATURE
+from taps_ray.drafting.proposers import feature_layers
+from taps_ray.ray_runtime import bind_replica_grpc_to_node, start_ray, start_serve
+from taps_ray.serve.api_errors import ERROR_RESPONSES, ApiError, install_error_handlers
+from taps_ray.serve.api_schemas import (
+    ChatChoice,
+    ChatCompletionMessage,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorDetail,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    SamplingFields,
+    Speculative,
+)
+from taps_ray.serve.metrics import serve_metrics
+from taps_ray.serve.output import ChoiceStream, TextOutput, speculative, usage
+from taps_ray.serve.scheduler import DecodeLoop, Overloaded, Ticket
+
+logger = logging.getLogger("ray.serve")
+
+APP_NAME = "taps"
+ALIASES = {"routed": "confidence-routed"}
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MIN_TOP_P = 1e-6
+SHUTDOWN_GRACE_S = 5.0  # after Serve's own drain: how long the running batch may still finish
+
+api = FastAPI(
+    title="taps-ray",
+    description="Task-aware speculative decoding (TAPS) behind an OpenAI-compatible API",
+    version="0.1.0",
+    openapi_url=None,  # served by the deployment, with the service's live limits filled in
+    docs_url=None,
+    redoc_url=None,
+)
+install_error_handlers(api)
+
+
+@api.middleware("http")
+async def _count_requests(request: Request, call_next: Callable) -> Any:
+    """requests by model and status (the endpoints put the body's model on request.state)."""
+    response = await call_next(request)
+    if request.method == "POST":
+        serve_metrics().request(getattr(request.state, "model", "unknown"), response.status_code)
+    return response
+
+# --- decoding jobs -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    """One prompt of a validated request: what the engine decodes."""
+
+    proposer: str
+    temperature: float
+    top_p: float
+    top_k: int
+    prompt: list[int]
+    max_tokens: int
+    seed: int
+    top_logprobs: int | None = None
+
+
+def _resolve_paths(cfg: StudyConfig, base: Path) -> StudyConfig:
+    """Absolute work_dir / reports_dir, so replicas find the heads whatever their working directory."""
+    update = {}
+    for name in ("work_dir", "reports_dir"):
+        path = Path(getattr(cfg, name)).expanduser()
+        update[name] = str(path if path.is_absolute() else (base / path).resolve())
+    return cfg.model_copy(update=update)
+
+
+# --- the deployment ------------------------------------------------------------------------------------------
+
+
+@serve.deployment(name="TapsService")
+@serve.ingress(api)
+class TapsService:
+    """One replica: the target, every head that exists, and a proposer per servable model name."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        import torch
+
+        from taps_ray.models.target import load_target
+        from taps_ray.drafting.setup import load_proposers
+        from taps_ray.drafting.registry import combination_names, single_names
+
+        bind_replica_grpc_to_node()  # before Serve starts the replica's gRPC server, right after this constructor
+        self.cfg = parse_config(config, "<serve deployment>")
+        serve_cfg = self.cfg.serve
+        torch.set_num_threads(max(1, math.ceil(serve_cfg.replica_num_cpus)))
+        self.target = load_target(self.cfg.target)
+        self.tokenizer = self.target.tokenizer
+        self.stop_ids = self.target.stop_token_ids
+        self.vocab_size = int(self.target.model.get_input_embeddings().weight.shape[0])
+        self.kind = serve_cfg.head_kind
+        self.heads, self.missing = self._load_heads()
+        names = single_names(list(self.heads))  # plain, every head, ngram, every head + ngram
+        self.proposers: dict[str, Any] = load_proposers(self.cfg, names, target=self.target, heads=self.heads)
+        mixtures = self.cfg.train.mixtures
+        if all(m in self.heads for m in mixtures[:2]) and len(mixtures) >= 2:
+            for name in combination_names():
+                try:
+                    self.proposers.update(load_proposers(self.cfg, [name], target=self.target, heads=self.heads))
+                except Exception as error:  # a combination that cannot use these heads is left out, not fatal
+                    logger.warning("combination %r left out: %s", name, error)
+        self.max_tokens_limit = serve_cfg.max_tokens_limit
+        self.default_max_tokens = min(serve_cfg.default_max_tokens, serve_cfg.max_tokens_limit)
+        self.created = int(time.time())
+        self._openapi: dict[str, Any] | None = None
+        self.output = TextOutput(self.tokenizer, self.stop_ids)
+        layers = {feature_layers(p) for p in self.proposers.values()} - {()}  # plain drafts from no feature
+        if len(layers) > 1:
+            raise ValueError(f"the served heads draft from different target layers: {sorted(layers)}")
+        self.batcher = ContinuousBatcher(self.target.model, self.stop_ids, serve_cfg.max_batch_size,
+                                         serve_cfg.draft_below, layers.pop() if layers else ())
+        self.loop = DecodeLoop(self.batcher, serve_cfg.max_queued_requests, serve_cfg.stall_timeout_s, serve_metrics())
+        logger.info(
+            "taps serve: target %s, %s heads %s, models %s", self.cfg.target.name, self.kind,
+            sorted(self.heads), self.model_names(),
+        )
+
+    def _load_heads(self) -> tuple[dict[str, Any], list[str]]:
+        from taps_ray.drafting.setup import load_heads
+        from taps_ray.workdir import head_checkpoint, heads_root
+
+        mixtures = self.cfg.train.mixtures
+        missing = [m for m in mixtures if not head_checkpoint(self.cfg, self.kind, m).is_dir()]
+        heads = load_heads(
+            self.cfg, self.kind, self.target.dtype, [m for m in mixtures if m not in missing], self.target.device
+        )
+        if missing:
+            logger.warning(
+                "taps serve: no trained %s head for %s under %s, so only %s can be served; train them with "
+                "`taps train --config <cfg> --kind %s --mixture <name>` (or `make sweep`) and restart the service",
+                self.kind, ", ".join(missing), heads_root(self.cfg),
+                ", ".join(["plain", *heads]) or "plain", self.kind,
+            )
+        return heads, missing
+
+    # -- model names ----------------------------------------------------------------------------------------
+
+    def model_names(self) -> list[str]:
+        reverse = {v: k for k, v in ALIASES.items()}
+        return [reverse.get(name, name) for name in self.proposers]
+
+    def _proposer_for(self, model: str) -> str:
+        name = ALIASES.get(model, model)
+        if name in self.proposers:
+            return name
+        known = ", ".join(self.model_names())
+        if name in self.cfg.train.mixtures or name in ("confidence-routed", "merged") or model in ALIASES:
+            raise ApiError(
+                404,
+                f"model {model!r} is not loaded: this service found no trained {self.kind} heads for "
+                f"{', '.join(self.missing) or 'it'}; available: {known}. Train the heads "
+                f"(`taps train --kind {self.kind} ...`) and restart, or use one of the available models",
+                "model",
+                "model_not_found",
+            )
+        raise ApiError(404, f"unknown model {model!r}; choose one of: {known} (GET /v1/models)", "model", "model_not_found")
+
+    # -- validation shared by both endpoints -----------------------------------------------------------------
+
+    def _job(self, body: SamplingFields, prompt: list[int], top_logprobs: int | None) -> Job:
+        proposer = self._proposer_for(body.model)
+        if not prompt:
+            raise ApiError(400, "the prompt has no tokens; send some text", "prompt", "empty_prompt")
+        limit = self.cfg.serve.max_prompt_tokens
+        if len(prompt) > limit:
+            raise ApiError(
+                400,
+                f"the prompt is {len(prompt)} tokens but this service takes at most {limit} "
+                "(serve.max_prompt_tokens); shorten the prompt or drop earlier messages",
+                "prompt",
+                "context_length_exceeded",
+            )
+        max_tokens = body.token_limit if body.token_limit is not None else self.default_max_tokens
+        if not 1 <= max_tokens <= self.max_tokens_limit:
+            raise ApiError(
+                400,
+                f"max_tokens={max_tokens} is out of range; use 1..{self.max_tokens_limit} (serve.max_tokens_limit)",
+                "max_tokens",
+                "invalid_value",
+            )
+        seed = body.seed if body.seed is not None else random.getrandbits(63)
+        # Numerical floors (the engine samples in float32): a top_p below float32's smallest value rounds to 0 and
+        # drops every token; top_p < 1e-6 keeps only the most likely token exactly like 1e-6 does (its probability
+        # is >= 1/vocab > 1e-6). T is floored at the engine's MIN_TEMPERATURE, the floor the engine applies anyway,
+        # so requests below it share one batch group.
+        temperature = body.temperature if body.temperature == 0 else max(body.temperature, MIN_TEMPERATURE)
+        top_p = max(body.top_p, MIN_TOP_P)
+        return Job(proposer, temperature, top_p, body.top_k, prompt, max_tokens, seed, top_logprobs)
+
+    def _completion_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ApiError(
+                400,
+                f"prompt holds token ids outside the vocabulary (e.g. {bad[0]}); use ids in 0..{self.vocab_size - 1} "
+                "or send the prompt as text",
+                "prompt",
+                "invalid_value",
+            )
+        return list(prompt)
+
+    def _chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
+        from taps_ray.data.chat import render_ids
+
+        turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in messages]
+        try:
+            return render_ids(self.tokenizer, turns, add_generation_prompt=True)
+        except Exception as error:  # a chat template that rejects this message order
+            raise ApiError(
+                400, f"the chat template cannot render these messages ({error}); check the roles' order", "messages",
+                "invalid_value",
+            ) from None
+
+    # -- decoding ----------------------------------------------------------------------------------------------
+
+    def _submit(self, jobs: list[Job], stops: list[str], model: str,
+                updates: asyncio.Queue | None = None) -> list[Ticket]:
+        """Hand the jobs to the decode loop; all or none (a full queue is a 503 with Retry-After)."""
+        from taps_ray.decoding.continuous import Request
+        from taps_ray.decoding.verify import SamplingParams
+
+        tickets: list[Ticket] = []
+        try:
+            for index, job in enumerate(jobs):
+                params = SamplingParams(temperature=job.temperature, top_p=job.top_p, top_k=job.top_k)
+                request = Request(prompt=job.prompt, proposer=self.proposers[job.proposer], params=params,
+                                  max_tokens=job.max_tokens, seed=job.seed, top_logprobs=job.top_logprobs,
+                                  stop=self.output.stop_rule(stops))
+                tickets.append(self.loop.submit(request, model, updates, index))
+        except Overloaded as error:
+            for ticket in tickets:
+                ticket.cancel()
+            raise ApiError(503, str(error), None, "overloaded", retry_after_s=error.retry_after_s) from None
+        return tickets
+
+    def _result(self, result: Result) -> Result:
+        if result.error is None:
+            return result
+        if self.loop.closing:
+            raise ApiError(503, "this replica shut down before the request finished; retry", None, "overloaded",
+                           retry_after_s=1)
+        raise RuntimeError(f"decoding failed: {result.error}")
+
+    # -- endpoints -------------------------------------------------------------------------------------------
+
+    def check_health(self) -> None:
+        """Serve's periodic health check: fails when the decode loop has work but makes no progress."""
+        self.loop.check_health()
+
+    async def __del__(self) -> None:
+        """Graceful shutdown (Serve has already drained in-flight requests for graceful_shutdown_timeout_s):
+        refuse new work, give the running batch a last moment, and fail what is left with a 503."""
+        if hasattr(self, "loop"):  # __init__ may have failed before it
+            await self.loop.shutdown(SHUTDOWN_GRACE_S)
+
+    @api.get("/healthz", summary="liveness and what is loaded")
+    def healthz(self) -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "target": self.cfg.target.name,
+            "head_kind": self.kind,
+            "heads": sorted(self.heads),
+            "missing_heads": self.missing,
+            "models": self.model_names(),
+            "running": self.batcher.live,
+            "waiting": self.batcher.waiting,
+        }
+
+    @api.get("/v1/models", response_model=ModelList, summary="the models (proposers) this service can use")
+    def models(self) -> ModelList:
+        cards = []
+        for model in self.model_names():
+            proposer = self.proposers[ALIASES.get(model, model)]
+            cards.append(ModelCard(id=model, created=self.created, proposer=proposer.name, heads=list(proposer.head_names)))
+        return ModelList(data=cards)
+
+    @api.get("/openapi.json", include_in_schema=False)
+    def openapi(self, request: Request) -> JSONResponse:
+        if self._openapi is None:
+            schema = get_openapi(title=api.title, version=api.version, description=api.description, routes=request.app.routes)
+            components = schema.get("components", {}).get("schemas", {})
+            for name in ("CompletionRequest", "ChatCompletionRequest"):
+                properties = components.get(name, {}).get("properties", {})
+                if "model" in properties:
+                    properties["model"] = {**properties["model"], "enum": self.model_names()}
+                for key in ("max_tokens", "max_completion_tokens"):
+                    for option in properties.get(key, {}).get("anyOf", []):
+                        if option.get("type") == "integer":
+                            option["maximum"] = self.max_tokens_limit
+            self._openapi = schema
+        return JSONResponse(self._openapi)
+
+    @api.get("/docs", include_in_schema=False)
+    def docs(self) -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="openapi.json", title="taps-ray API")
+
+    @api.post("/v1/completions", response_model=CompletionResponse, responses=ERROR_RESPONSES, summary="text completion")
+    async def completions(self, body: CompletionRequest, request: Request):
+        request.state.model = body.model
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        offsets: dict[int, int] = defaultdict(int)
+
+        def logprobs(index: int, taken: list[TokenLogprob]) -> dict[str, Any] | None:
+            if body.logprobs is None:
+                return None
+            formatted = self.output.completion_logprobs(taken, offsets[index])
+            offsets[index] += sum(len(t) for t in formatted.tokens)
+            return formatted.model_dump()
+
+        def chunk(index: int, piece: str, reason: str | None, taken: list[TokenLogprob]) -> dict[str, Any]:
+            return {
+                "id": rid, "object": "text_completion", "created": created, "model": body.model,
+                "choices": [{"index": index, "text": piece, "finish_reason": reason, "logprobs": logprobs(index, taken)}],
+            }
+
+        def response(results: list[Result], jobs: list[Job]) -> CompletionResponse:
+            choices = []
+            for index, result in enumerate(results):
+                text, finish = self.output.finish(result, body.stop_strings)
+                choices.append(CompletionChoice(index=index, text=text, finish_reason=finish,
+                                                logprobs=self._completion_logprobs(body, result)))
+            return CompletionResponse(id=rid, created=created, model=body.model, choices=choices,
+                                      usage=usage(results), speculative=self._speculative(results, jobs))
+
+        top = body.logprobs
+        jobs = [self._job(body, self._completion_prompt(p), top) for p in body.prompts]
+        return await self._respond(body, jobs, chunk, response, "text_completion")
+
+    @api.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES, summary="chat completion")
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+        request.state.model = body.model
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        first = [True]
+
+        def chunk(index: int, piece: str, reason: str | None, taken: list[TokenLogprob]) -> dict[str, Any]:
+            delta: dict[str, Any] = {"content": piece} if piece or reason is None else {}
+            if first[0]:
+                delta["role"] = "assistant"
+                first[0] = False
+            logprobs = self.output.chat_logprobs(taken).model_dump() if body.logprobs else None
+            return {
+                "id": rid, "object": "chat.completion.chunk", "created": created, "model": body.model,
+                "choices": [{"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}],
+            }
+
+        def response(results: list[Result], jobs: list[Job]) -> ChatCompletionResponse:
+            (result,) = results
+            text, finish = self.output.finish(result, body.stop_strings)
+            logprobs = self.output.chat_logprobs(result.logprobs) if body.logprobs else None
+            choice = ChatChoice(index=0, message=ChatCompletionMessage(content=text), finish_reason=finish,
+                                logprobs=logprobs)
+            return ChatCompletionResponse(id=rid, created=created, model=body.model, choices=[choice],
+                                          usage=usage(results), speculative=self._speculative(results, jobs))
+
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        jobs = [self._job(body, self._chat_prompt(body.messages), top)]
+        return await self._respond(body, jobs, chunk, response, "chat.completion.chunk")
+
+    def _completion_logprobs(self, body: CompletionRequest, result: Result) -> CompletionLogprobs | None:
+        return None if body.logprobs is None else self.output.completion_logprobs(result.logprobs)
+
+    def _speculative(self, results: list[Result], jobs: list[Job]) -> Speculative:
+        proposer = self.proposers[jobs[0].proposer]
+        return speculative(results, jobs[0].proposer, list(proposer.head_names))
+
+    async def _respond(self, body: SamplingFields, jobs: list[Job], chunk: Callable[..., dict],
+                       response: Callable[[list[Result], list[Job]], BaseModel], chunk_object: str):
+        """Decode a request's prompts; stream chunks (SSE) or return the whole response built by `response`."""
+        if body.stream:
+            return self._stream(body, jobs, chunk, chunk_object)
+        tickets = self._submit(jobs, body.stop_strings, body.model)
+        results = [self._result(await ticket.wait()) for ticket in tickets]
+        return response(results, jobs)
+
+    def _stream(self, body: SamplingFields, jobs: list[Job], make_chunk: Callable[..., dict],
+                chunk_object: str) -> StreamingResponse:
+        """Server-sent events: per choice, one chunk per verification step as it decodes (text that can no longer
+        change, see `ChoiceStream`), then its finish chunk; with `stream_options.include_usage` a last chunk with
+        empty choices and the usage; then [DONE]."""
+        updates: asyncio.Queue = asyncio.Queue()
+        tickets = self._submit(jobs, body.stop_strings, body.model, updates)  # a 503 before the stream starts
+        choices = [ChoiceStream(self.output, body.stop_strings) for _ in jobs]
+
+        def event(payload: dict[str, Any]) -> str:
+            return f"data: {json.dumps(payload)}\n\n"
+
+        async def events() -> AsyncIterator[str]:
+            results: list[Result | None] = [None] * len(jobs)
+            try:
+                while any(r is None for r in results):
+                    index, update = await updates.get()
+                    stream = choices[index]
+                    if update is not None:
+                        piece = stream.add(update.tokens, update.logprobs)
+                        if piece:
+                            yield event(make_chunk(index, piece, None, stream.take_logprobs()))
+                        continue
+                    result = results[index] = self._result(await tickets[index].wait())
+                    rest, finish = stream.close(result)
+                    if rest:
+                        yield event(make_chunk(index, rest, None, stream.take_logprobs()))
+                    last = make_chunk(index, "", finish, stream.take_logprobs())
+                    last["speculative"] = speculative(
+                        [result], jobs[index].proposer, list(self.proposers[jobs[index].proposer].head_names)
+                    ).model_dump()
+                    yield event(last)
+            except Exception as error:  # the decode failed after the stream began: say so in the stream
+                logger.exception("streamed decode failed")
+                detail = ErrorDetail(message=f"decoding failed: {error}", type="server_error")
+                yield event(ErrorResponse(error=detail).model_dump())
+                yield "data: [DONE]\n\n"
+                return
+            finally:
+                for ticket in tickets:  # the client went away: its sequences leave the batch
+                    ticket.cancel()
+            if body.include_usage:
+                yield event({"id": make_chunk(0, "", None, [])["id"], "object": chunk_object,
+                             "created": int(time.time()), "model": body.model, "choices": [],
+                             "usage": usage(results).model_dump()})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+
+# --- building and starting the application -------------------------------------------------------------------
+
+
+class AppArgs(BaseModel):
+    """Arguments of `app_builder` (`serve run taps_ray.serve.app:app_builder key=value ...`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    config: str = Field("configs/cpu.yaml", description="study config; relative paths: cwd first, then the repo root")
+    head_kind: HeadKind | None = None
+    work_dir: str | None = None
+    num_replicas: int | None = Field(None, gt=0)
+    max_batch_size: int | None = Field(None, gt=0)
+
+
+def _find_config(path: str) -> tuple[StudyConfig, Path]:
+    """Load a config; a relative path is tried against the working directory, then the repository root.
+
+    Returns the config and the directory its relative work_dir is resolved against (the same one).
+    """
+    candidate = Path(path).expanduser()
+    if not candidate.is_absolute() and not candidate.is_file() and (REPO_ROOT / candidate).is_file():
+        return load_config(REPO_ROOT / candidate), REPO_ROOT
+    return load_config(candidate), Path.cwd()
+
+
+def build_app(cfg: StudyConfig, base_dir: str | Path | None = None) -> serve.Application:
+    """The bound Serve application for a study config (replicas, batch limits and heads from `cfg.serve`).
+
+    A replica takes in enough requests to fill its batch and its own queue, so it is the replica that answers
+    503 + Retry-After when full (Serve's own `max_queued_requests` would count requests still being routed).
+    """
+    cfg = _resolve_paths(cfg, Path(base_dir) if base_dir is not None else Path.cwd())
+    s = cfg.serve
+    scaling = {"autoscaling_config": s.autoscaling_config} if s.autoscaling_config else {"num_replicas": s.num_replicas}
+    return TapsService.options(
+        **scaling,
+        max_ongoing_requests=max(s.max_ongoing_requests, s.max_batch_size + s.max_queued_requests + 1),
+        ray_actor_options={"num_cpus": s.replica_num_cpus, "num_gpus": s.replica_num_gpus},
+    ).bind(cfg.model_dump(mode="json"))
+
+
+def app_builder(args: dict[str, str]) -> serve.Application:
+    """Serve application builder: `serve run taps_ray.serve.app:app_builder config=configs/cpu.yaml`."""
+    try:
+        parsed = AppArgs.model_validate(args or {})
+    except ValidationError as error:
+        raise ValueError(f"bad app_builder args {args}: {error}; known args: {', '.join(AppArgs.model_fields)}") from None
+    cfg, base = _find_config(parsed.config)
+    serve_update = {k: v for k, v in {"head_kind": parsed.head_kind, "num_replicas": parsed.num_replicas,
+                                       "max_batch_size": parsed.max_batch_size}.items() if v is not None}
+    if serve_update:
+        cfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update=serve_update)})
+    return build_app(with_overrides(cfg, work_dir=parsed.work_dir), base)
+
+
+def start(cfg: StudyConfig, host: str | None = None, port: int | None = None, base_dir: str | Path | None = None) -> str:
+    """Start Serve's HTTP proxy on host:port and deploy the app (Ray must be initialised); returns the URL."""
+    host = host or cfg.serve.host
+    port = port or cfg.serve.port
+    start_serve(host, port)
+    serve.run(build_app(cfg, base_dir), name=APP_NAME, route_prefix="/", blocking=False)
+    return f"http://{host}:{port}"
+
+
+def cmd_serve(cfg: StudyConfig, host: str | None = None, port: int | None = None, blocking: bool = True) -> str:
+    """`taps serve`: a local loopback Ray (unless cfg.ray.address or RAY_ADDRESS names one to join), the app,
+    then block until Ctrl-C."""
+    import ray
+
+    started_ray = start_ray(cfg.ray)
+    url = start(cfg, host, port)
+    print(f"taps serve: {url}  (models: GET {url}/v1/models, health: GET {url}/healthz; Ctrl-C stops)", flush=True)
+    if not blocking:
+        return url
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("taps serve: shutting down", flush=True)
+    finally:
+        serve.shutdown()
+        if started_ray:
+            ray.shutdown()
+    return url

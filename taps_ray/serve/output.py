@@ -1,0 +1,149 @@
+"""What the Serve app returns from decoded tokens: text cut at stop strings, log-probabilities, usage, the
+`speculative` block, and the streamed pieces of one choice.
+
+Stop strings: `TextOutput.stop_rule` is handed to the engine, which ends decoding at the step that completes
+one and keeps tokens only up to the token that completed it, so `usage.completion_tokens` counts what was
+returned (as vLLM does); the text is then cut before the stop string.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from taps_ray.decoding.continuous import Result, TokenLogprob
+from taps_ray.serve.api_schemas import (
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    Speculative,
+    TopLogprob,
+    Usage,
+)
+from taps_ray.serve.scheduler import head_steps
+
+
+class TextOutput:
+    """Token ids -> text for one tokenizer: a final stop token is dropped, special tokens are skipped."""
+
+    def __init__(self, tokenizer: Any, stop_ids: list[int]) -> None:
+        self.tokenizer, self.stop_ids = tokenizer, set(stop_ids)
+
+    def text(self, tokens: list[int]) -> str:
+        if tokens and tokens[-1] in self.stop_ids:
+            tokens = tokens[:-1]
+        return self.tokenizer.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def stop_rule(self, stops: list[str]) -> Callable[[list[int], int], int | None] | None:
+        """For the engine: how many tokens to keep once one of `stops` appears in the last `new` tokens' text."""
+        if not stops:
+            return None
+
+        def rule(tokens: list[int], new: int) -> int | None:
+            if not any(s in self.text(tokens) for s in stops):
+                return None
+            for keep in range(len(tokens) - new + 1, len(tokens) + 1):
+                text = self.text(tokens[:keep])
+                if any(s in text for s in stops):
+                    return keep
+            return None
+
+        return rule
+
+    def finish(self, result: Result, stops: list[str]) -> tuple[str, str]:
+        """The returned text and finish_reason."""
+        text = self.text(result.generation.tokens)
+        cuts = [text.find(s) for s in stops if s in text]
+        if cuts:
+            return text[: min(cuts)], "stop"
+        return text, "stop" if result.generation.finished_by == "stop" else "length"
+
+    def token(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def chat_logprobs(self, logprobs: list[TokenLogprob]) -> ChatLogprobs:
+        def top(token: int, logprob: float) -> TopLogprob:
+            text = self.token(token)
+            return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+        return ChatLogprobs(content=[
+            ChatTokenLogprob(**top(lp.token, lp.logprob).model_dump(), top_logprobs=[top(t, v) for t, v in lp.top])
+            for lp in logprobs
+        ])
+
+    def completion_logprobs(self, logprobs: list[TokenLogprob], offset: int = 0) -> CompletionLogprobs:
+        tokens = [self.token(lp.token) for lp in logprobs]
+        offsets = []
+        for text in tokens:
+            offsets.append(offset)
+            offset += len(text)
+        return CompletionLogprobs(
+            tokens=tokens,
+            token_logprobs=[lp.logprob for lp in logprobs],
+            top_logprobs=[{self.token(t): v for t, v in lp.top} for lp in logprobs],
+            text_offset=offsets,
+        )
+
+
+def usage(results: list[Result]) -> Usage:
+    prompt = sum(len(r.generation.prompt) for r in results)
+    completion = sum(len(r.generation.tokens) for r in results)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def speculative(results: list[Result], proposer: str, head_names: list[str]) -> Speculative:
+    """The `speculative` block of one response (over its choices when a request has several prompts)."""
+    steps = [s for r in results for s in r.generation.steps]
+    counts: Counter = Counter()
+    for result in results:
+        counts.update(head_steps(result, head_names))
+    total = sum(counts.values())
+    committed = sum(s.accepted + 1 for s in steps)
+    return Speculative(
+        proposer=proposer,
+        tau=round(sum(s.new_tokens for s in steps) / len(steps), 4) if steps else 0.0,
+        tau_taps=round(committed / max(len(steps) - len(results), 1), 4),
+        steps=len(steps),
+        accepted_tokens=sum(s.accepted for s in steps),
+        head_fractions={name: round(n / total, 4) for name, n in counts.items()} if total else {},
+        batch_size=max(r.max_batch for r in results),
+        decode_s=round(max(r.generation.wall_s for r in results), 4),
+    )
+
+
+class ChoiceStream:
+    """The streamed text of one choice. Text is sent only once it can no longer change: not while it ends in a
+    partial UTF-8 character, and never the last len(longest stop)-1 characters, which a stop string could still
+    claim. So the pieces always concatenate to exactly the non-streamed text."""
+
+    def __init__(self, output: TextOutput, stops: list[str]) -> None:
+        self.output, self.stops = output, stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.tokens: list[int] = []
+        self.sent = ""
+        self.logprobs: list[TokenLogprob] = []  # not yet sent
+
+    def add(self, tokens: list[int], logprobs: list[TokenLogprob]) -> str:
+        """The piece of text that became final with these tokens ("" if none)."""
+        self.tokens += tokens
+        self.logprobs += logprobs
+        text = self.output.text(self.tokens)
+        if text.endswith("\ufffd") or not text.startswith(self.sent):
+            return ""
+        safe = min([len(text) - self.hold, *[text.find(s) for s in self.stops if s in text]])
+        if safe <= len(self.sent):
+            return ""
+        piece, self.sent = text[len(self.sent) : safe], text[:safe]
+        return piece
+
+    def close(self, result: Result) -> tuple[str, str]:
+        """The rest of the text and the finish_reason."""
+        text, finish = self.output.finish(result, self.stops)
+        rest = text[len(self.sent) :] if text.startswith(self.sent) else ""
+        self.sent = text
+        return rest, finish
+
+    def take_logprobs(self) -> list[TokenLogprob]:
+        taken, self.logprobs = self.logprobs, []
+        return taken
