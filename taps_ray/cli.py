@@ -129,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--vllm-head-kind", choices=HEAD_KINDS, help="the head vLLM drafts with (default eagle3)")
     bench.add_argument("--vllm-preload", nargs="+", choices=("on", "off"),
                        help="vLLM with tcmalloc + libiomp preloaded (on), without (off), or both (default: on)")
+    bench.add_argument("--vllm-eager", action="store_true", help="vLLM without torch.compile (faster start)")
 
     interop = commands.add_parser("interop", help="serve our exported heads in vLLM's CPU build and check outputs and "
                                   "acceptance against our engine (docs/export.md)")

@@ -68,6 +68,7 @@ class BenchOptions:
     vllm_head_kind: str = "eagle3"  # the exported head vLLM drafts with (the config's `math` head of this kind)
     vllm_preload: list[str] = field(default_factory=lambda: ["on"])  # tcmalloc + libiomp preloaded: on, off, both
     vllm_k: int = 3  # vLLM's num_speculative_tokens for the head
+    vllm_eager: bool = False  # vLLM without torch.compile (starts in a minute instead of several on 2 cores)
 
     def tree_configs(self, base: TreeConfig) -> dict[str, TreeConfig]:
         """`--trees 8/3/2 ...` as TreeConfigs (the config's draft vocabulary kept), keyed by their spelling."""
@@ -206,7 +207,7 @@ def vllm_runs(config: StudyConfig, target: Target, prompts: list[list[int]], opt
     specs = speculative_configs(config, options.vllm_head_kind, "math", options.vllm_k)
     runs = {}
     for preload in options.vllm_preload:
-        side = side_vllm(options.vllm_venv, preload=preload == "on")
+        side = side_vllm(options.vllm_venv, preload=preload == "on", enforce_eager=options.vllm_eager)
         suffix = "" if preload == "on" else "-nopreload"
         for name, spec in specs.items():
             peer = run_peer(side, target, prompts, dtype, options.max_new_tokens, spec, options.repetitions)
@@ -335,7 +336,7 @@ def cmd_bench(config: StudyConfig, options: BenchOptions, command: str) -> int:
                      f"repetitions after one warm-up prompt: plain, n-gram (prompt_lookup_min 1, max 3, 10 tokens, "
                      f"our n-gram's settings) and our exported {options.vllm_head_kind} math head "
                      f"(num_speculative_tokens {options.vllm_k}); its tau is 1 + accepted / drafts from its "
-                     f"counters. Run with {side_vllm(options.vllm_venv).describe()}"
+                     f"counters. Run with {side_vllm(options.vllm_venv, enforce_eager=options.vllm_eager).describe()}"
                      + ("; `-nopreload` rows without LD_PRELOAD." if "off" in options.vllm_preload else "."))
     for section in sections:
         print(section.dtype)
