@@ -89,7 +89,8 @@ vllm-venv: $(VLLM_VENV)/.ok
 # Our exported heads in the real vLLM (docs/export.md#checked-against-vllm): the three head kinds of
 # configs/interop.yaml (trained on first use, resumable), exported for vLLM, served by vLLM-CPU at fp32 on GSM8K
 # prompts; fails unless outputs equal plain decoding and vLLM's acceptance is within 5% of ours. Writes
-# reports/interop.md. Not part of `make test` / .ci/run: the first run installs vLLM (~5 min) and trains three heads.
+# reports/interop.md. Not part of `make test` / .ci/run: the first run installs vLLM (~6 min, 3.4 GB) and trains
+# three heads (~30 min on 2 shared cores); docs/export.md says why.
 # Debian's libtcmalloc-minimal4 is preloaded when installed (vLLM's CPU notes), as is the venv's libiomp5.
 INTEROP_CONFIG ?= configs/interop.yaml
 interop: install $(VLLM_VENV)/.ok
