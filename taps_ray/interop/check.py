@@ -12,6 +12,7 @@ both. The results go to <reports_dir>/<name>.md; the command exits non-zero when
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,7 +139,7 @@ def run_interop(cfg: StudyConfig, options: InteropOptions, side: SideVllm) -> tu
             ours_identical=sum(a == b for a, b in zip(tokens, plain_ours)), prompts=len(prompts)))
     plain_same = sum(a == b for a, b in zip(plain_ours, plain_vllm.tokens))
     meta = {"vllm_version": plain_vllm.vllm_version, "plain_identical": plain_same, "prompts": len(prompts),
-            "seconds": time.perf_counter() - started}
+            "seconds": time.perf_counter() - started, "load": os.getloadavg()}
     return results, meta
 
 
@@ -172,11 +173,10 @@ def interop_report(cfg: StudyConfig, options: InteropOptions, side: SideVllm, re
         "",
         f"The check: every output equal to both plain decodings, vLLM accepted tokens, and vLLM's mean acceptance "
         f"length (1 + accepted / drafts over its `vllm:spec_decode_*` counters) within {100 * options.tolerance:g}% "
-        "of our tau (committed tokens per verification step, the prefill's token excluded). Our tau counts a last "
-        "step's tokens past the token limit or the stop token as vLLM's counters do not quite, so the two may "
-        "differ by a little on short answers.",
+        "of our tau (committed tokens per verification step, the prefill's token excluded).",
         "",
-        f"Took {meta['seconds'] / 60:.1f} min (one vLLM process per configuration, each compiling its model).",
+        f"Took {meta['seconds'] / 60:.1f} min (one vLLM process per configuration; the machine is shared, load "
+        "average " + " / ".join(f"{x:.0f}" for x in meta["load"]) + " over 1 / 5 / 15 min at the end).",
         "",
     ])
 
