@@ -1,13 +1,19 @@
 #!/usr/bin/env python
-"""What one target verification costs by tree size, chains and branching trees, in the same run. Not a test.
+"""What one target verification costs by tree size on each target forward, in the same run. Not a test.
 
-    python benchmarks/forward_width.py --config configs/speed.yaml --dtype float32 --out reports/forward_width.md
+    python benchmarks/forward_width.py --config configs/speed.yaml --dtypes float32 bfloat16 \\
+        --out reports/forward_width.md
 
 Tree size is the lever of every speculative method: a tree of k nodes pays when its accepted tokens outweigh what
-its forward costs over a one-token forward. The target prefills one prompt, then each tree is verified against
-that same context (the cache cropped back after each forward), sizes interleaved and repeated; the median of
-each is reported with its ratio to a single token. Branching trees take the 4-D mask path, chains the model's own
-causal path, so the two columns also show what the mask costs.
+its forward costs over a one-token forward. Three forwards verify the same trees against the same context, on
+one model (the fast forward's fused weights are views the HF modules compute with too):
+* `old`: transformers' model over its `DynamicCache` (what `TargetBatch` ran before the fast forward: the cache
+  concatenates itself every forward; cropped back after each verification);
+* `hf`: transformers' model over the batch's preallocated `KVCache` (`target.forward: hf`);
+* `fast`: taps' own Llama forward over the same cache (`target.forward: fast`, the default).
+Each includes the LM head over every node. The target prefills one prompt, then each (forward, size, shape) is
+verified with the cache cropped back after each forward, all interleaved and repeated; the median of each is
+reported. Chains of one token are plain decoding; the `tree` rows are binary trees on the 4-D mask path.
 """
 
 from __future__ import annotations
@@ -17,12 +23,14 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
 
 from taps_ray.config import load_config  # noqa: E402
 from taps_ray.machine import cpu_line  # noqa: E402
@@ -30,7 +38,11 @@ from taps_ray.decoding.target_batch import TargetBatch  # noqa: E402
 from taps_ray.decoding.verify import SamplingParams  # noqa: E402
 from taps_ray.drafting.tree import DraftTree, build_tree  # noqa: E402
 from taps_ray.fsio import report_lines  # noqa: E402
+from taps_ray.models.fast_llama import FastLlama  # noqa: E402
+from taps_ray.models.hf_forward import HFForward  # noqa: E402
 from taps_ray.models.target import load_target  # noqa: E402
+
+FORWARDS = ("old", "hf", "fast")
 
 
 def shapes(size: int) -> dict[str, DraftTree]:
@@ -40,49 +52,107 @@ def shapes(size: int) -> dict[str, DraftTree]:
     return {"chain": build_tree(tokens, torch.arange(-1, size - 1)), "tree": build_tree(tokens, torch.tensor(binary))}
 
 
+def old_verifier(model: torch.nn.Module, prompt: list[int]) -> Callable[[DraftTree], None]:
+    """transformers' model over a `DynamicCache` holding the prompt: verify a tree as the batch did, crop back."""
+    cache = DynamicCache()
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        model.model(input_ids=ids, cache=cache, use_cache=True)
+    past = len(prompt)
+
+    @torch.no_grad()
+    def verify(tree: DraftTree) -> None:
+        n = tree.size
+        positions = (past + tree.depth)[None]
+        if tree.is_chain:  # the model's own causal mask, as the batch's causal path
+            mask = None
+        else:
+            mask = torch.ones(1, 1, n, past + n, dtype=torch.bool)
+            mask[0, 0, :, past:] = tree.mask
+        out = model.model(input_ids=tree.tokens[None], attention_mask=mask, position_ids=positions, cache=cache,
+                          use_cache=True)
+        model.lm_head(out.last_hidden_state)
+        cache.crop(-n)  # drop the tree: the cache holds the prompt again
+
+    return verify
+
+
+def batch_verifier(model: torch.nn.Module, prompt: list[int], forward: FastLlama | HFForward
+                   ) -> Callable[[DraftTree], None]:
+    batch = TargetBatch(model, forward=forward)
+    batch.start([prompt], SamplingParams(), [0])
+
+    def verify(tree: DraftTree) -> None:
+        batch.verify([tree])
+        batch.commit([[]])  # keep nothing: the cache is back to the prompt
+
+    return verify
+
+
+def measure(config: str, dtype: str, sizes: list[int], context: int, repetitions: int) -> list[str]:
+    cfg = load_config(config)
+    target = load_target(cfg.target.model_copy(update={"forward": "fast"}), dtype=dtype)
+    model = target.model
+    fast = model.taps_target_forward
+    assert isinstance(fast, FastLlama), "the benchmark needs a target the fast forward covers"
+    prompt = torch.randint(100, 10_000, (context,), generator=torch.Generator().manual_seed(0)).tolist()
+    verifiers = {
+        "old": old_verifier(model, prompt),
+        "hf": batch_verifier(model, prompt, HFForward(model)),
+        "fast": batch_verifier(model, prompt, fast),
+    }
+    trees = {(size, kind): tree for size in sizes for kind, tree in shapes(size).items() if size > 1 or kind == "chain"}
+    seconds: dict[tuple[str, int, str], list[float]] = {(f, *key): [] for f in FORWARDS for key in trees}
+    for repetition in range(repetitions + 1):  # the first round warms up
+        for key, tree in trees.items():
+            for name in FORWARDS:
+                start = time.perf_counter()
+                verifiers[name](tree)
+                elapsed = time.perf_counter() - start
+                if repetition:
+                    seconds[(name, *key)].append(elapsed)
+    median = {key: 1000 * statistics.median(values) for key, values in seconds.items()}
+    lines = [
+        f"## {target.dtype}",
+        "",
+        "| nodes | shape | old ms | hf ms | fast ms | old / fast | hf / fast | fast / fast one token |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    one = median[("fast", 1, "chain")]
+    for (size, kind) in trees:
+        old, hf, new = (median[(name, size, kind)] for name in FORWARDS)
+        lines.append(f"| {size} | {kind} | {old:.1f} | {hf:.1f} | {new:.1f} | {old / new:.2f}x | {hf / new:.2f}x "
+                     f"| {new / one:.2f} |")
+    return [*lines, ""]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/speed.yaml")
-    parser.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: the config's)")
-    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 6, 8, 11, 12, 16, 24, 32])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 4, 16, 60])
     parser.add_argument("--context", type=int, default=160, help="prompt tokens already in the cache")
     parser.add_argument("--repetitions", type=int, default=15)
     parser.add_argument("--out", default=None, help="write the markdown here (else print it)")
     args = parser.parse_args()
 
-    torch.manual_seed(0)
-    cfg = load_config(args.config)
-    target = load_target(cfg.target, dtype=args.dtype)
-    batch = TargetBatch(target.model)
-    prompt = torch.randint(100, 10_000, (args.context,)).tolist()
-    batch.start([prompt], SamplingParams(), [0])
-    trees = {(size, kind): tree for size in args.sizes for kind, tree in shapes(size).items() if size > 1 or kind == "chain"}
-    seconds: dict[tuple[int, str], list[float]] = {key: [] for key in trees}
-    for repetition in range(args.repetitions + 1):  # the first round warms up
-        for key, tree in trees.items():
-            start = time.perf_counter()
-            batch.verify([tree])
-            elapsed = time.perf_counter() - start
-            batch.commit([[]])  # keep nothing: the cache is back to the prompt
-            if repetition:
-                seconds[key].append(elapsed)
-    median = {key: 1000 * statistics.median(values) for key, values in seconds.items()}
-    one = median[(1, "chain")]
+    sections = [line for dtype in args.dtypes
+                for line in measure(args.config, dtype, args.sizes, args.context, args.repetitions)]
     lines = [
-        "# Target forward by tree size",
+        "# Target forward by tree size: taps' fast forward against transformers'",
         "",
-        f"Regenerate: `python benchmarks/forward_width.py --config {args.config}"
-        f"{' --dtype ' + args.dtype if args.dtype else ''}`. {target.dtype}, context {args.context} tokens, median "
-        f"of {args.repetitions} interleaved verifications per size, torch threads {torch.get_num_threads()}; "
-        f"{cpu_line()}. `chain`: the model's causal path; `tree`: a binary tree on the 4-D mask path.",
+        f"Regenerate: `python benchmarks/forward_width.py --config {args.config} --dtypes {' '.join(args.dtypes)}"
+        f" --out reports/forward_width.md`. {cpu_line()}; torch threads {torch.get_num_threads()}, torch "
+        f"{torch.__version__}. Context {args.context} tokens, median of "
+        f"{args.repetitions} interleaved verifications per forward and size, LM head included. `old`: transformers' "
+        "model over its DynamicCache (the batch before this forward); `hf`: transformers' model over the batch's "
+        "preallocated KVCache (`target.forward: hf`); `fast`: taps' own Llama forward over it (`target.forward: "
+        "fast`, the default). `chain`: a chain (one node is plain decoding); `tree`: a binary tree (4-D mask). "
+        "Ratios > 1 mean the fast forward is faster. Timings on a shared machine: read the ratios, which come "
+        "from interleaved runs, rather than the absolute times.",
         "",
-        "| nodes | chain ms | tree ms | chain / one token | tree / one token |",
-        "|---|---|---|---|---|",
+        *sections,
     ]
-    for size in args.sizes:
-        chain, tree = median[(size, "chain")], median.get((size, "tree"))
-        tree_ms, tree_ratio = (f"{tree:.1f}", f"{tree / one:.2f}") if tree is not None else ("–", "–")
-        lines.append(f"| {size} | {chain:.1f} | {tree_ms} | {chain / one:.2f} | {tree_ratio} |")
     report_lines(lines, args.out)
     return 0
 

@@ -11,7 +11,12 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from taps_ray.config import HEAD_KINDS
+from taps_ray.config import HEAD_KINDS, ConfigError, load_config, with_overrides
+from taps_ray.data.commands import cmd_list, cmd_show
+from taps_ray.data.sources import DataUnavailable
+from taps_ray.drafting.names import UnknownProposer
+from taps_ray.interop.side import VllmUnavailable
+from taps_ray.workdir import head_checkpoint
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -94,9 +99,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="only re-render heads.md from the heads.json in that folder")
 
     sweep = commands.add_parser("sweep", help="the whole study on Ray: data, features, train (Tune), eval, report")
-    from taps_ray.study.sweep import add_arguments as _sweep_arguments
+    from taps_ray.study.sweep import add_arguments as _sweep_arguments  # late: torch, Ray Tune, matplotlib
 
     _sweep_arguments(sweep)
+
+    plan = commands.add_parser("plan", help="GPU, host memory and disk per actor kind, and whether each fits the "
+                               "cluster's node types (exit 1 when one does not)")
+    from taps_ray.plan import add_arguments as _plan_arguments  # late: plan loads torch and transformers
+
+    _plan_arguments(plan)
 
     serve_cmd = commands.add_parser("serve", help="OpenAI-compatible HTTP service of the target and heads (Ray Serve)")
     _add_config(serve_cmd)
@@ -148,37 +159,34 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", None: None}
 
 
 def _data(args: argparse.Namespace) -> int:
-    from taps_ray.data.commands import cmd_list, cmd_show
-
     if args.data_command == "list":
         return cmd_list(args.data_dir)
     return cmd_show(args.name, args.n, args.data_dir)
 
 
 def _features(args: argparse.Namespace) -> int:
-    from taps_ray.training.commands import cmd_features
+    from taps_ray.training.commands import cmd_features  # late: torch and transformers (this command only)
 
     cmd_features(_config(args), args.mixture)
     return 0
 
 
 def _train(args: argparse.Namespace) -> int:
-    from taps_ray.training.commands import cmd_train
+    from taps_ray.training.commands import cmd_train  # late: torch and transformers (this command only)
 
     cmd_train(_config(args), args.kind, args.mixture)
     return 0
 
 
 def _search(args: argparse.Namespace) -> int:
-    from taps_ray.study.search import cmd_search
+    from taps_ray.study.search import cmd_search  # late: Ray Tune, torch, transformers (this command only)
 
     return cmd_search(_config(args), args.quick)
 
 
 def _export(args: argparse.Namespace) -> int:
-    from taps_ray.models.draft_head import DraftHead
-    from taps_ray.models.published import export_head
-    from taps_ray.workdir import head_checkpoint
+    from taps_ray.models.draft_head import DraftHead  # late: torch (this command only)
+    from taps_ray.models.published import export_head  # late: torch, safetensors (this command only)
 
     folder = head_checkpoint(_config(args), args.kind, args.mixture)
     if not folder.is_dir():
@@ -189,14 +197,14 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _agreement(args: argparse.Namespace) -> int:
-    from taps_ray.training.commands import cmd_agreement
+    from taps_ray.training.commands import cmd_agreement  # late: torch and transformers (this command only)
 
     cmd_agreement(_config(args))
     return 0
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from taps_ray.eval.commands import cmd_eval, plan_cells
+    from taps_ray.eval.commands import cmd_eval, plan_cells  # late: torch, transformers, pandas (this command only)
 
     config = _config(args)
     cells = plan_cells(config, args.kinds, args.proposers, args.benchmarks, args.temperatures)
@@ -204,7 +212,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from taps_ray.eval.commands import cmd_generate
+    from taps_ray.eval.commands import cmd_generate  # late: torch, transformers, pandas (this command only)
 
     if args.temperature < 0 or args.max_new_tokens < 1:
         raise ValueError("--temperature must be >= 0 and --max-new-tokens >= 1")
@@ -215,8 +223,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from taps_ray.report import build_report
-    from taps_ray.report.data import results_source
+    from taps_ray.report import build_report  # late: matplotlib and pandas (this command only)
+    from taps_ray.report.data import results_source  # late: pandas (this command only)
 
     source = results_source(args.results) if args.results else None
     command = f"taps report --config {args.config}" + (f" --results {args.results}" if args.results else "")
@@ -226,7 +234,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _heads_report(args: argparse.Namespace) -> int:
-    from taps_ray.report.heads import build_heads_report, rerender_heads_md
+    from taps_ray.report.heads import build_heads_report, rerender_heads_md  # late: matplotlib, torch
 
     config = _config(args)
     folder = args.output or config.reports_dir
@@ -238,13 +246,19 @@ def _heads_report(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from taps_ray.study.sweep import cmd_sweep
+    from taps_ray.study.sweep import cmd_sweep  # late: Ray Tune, torch, matplotlib (this command only)
 
     return cmd_sweep(args)
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from taps_ray.plan import cmd_plan  # late: plan loads torch and transformers
+
+    return cmd_plan(args)
+
+
 def _serve(args: argparse.Namespace) -> int:
-    from taps_ray.serve.app import cmd_serve
+    from taps_ray.serve.app import cmd_serve  # late: Ray Serve, torch, transformers (this command only)
 
     config = _config(args)
     if args.head_kind:
@@ -255,7 +269,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def bench_options(args: argparse.Namespace):
     """The BenchOptions a `taps bench` command line asks for: only the options given, the rest its defaults."""
-    from taps_ray.bench.run import BenchOptions
+    from taps_ray.bench.run import BenchOptions  # late: torch, transformers, matplotlib (this command only)
 
     given = {k: v for k, v in vars(args).items() if k not in ("command", "config", "data_dir")}
     for key in ("dtypes", "narrow_dtypes"):
@@ -265,21 +279,24 @@ def bench_options(args: argparse.Namespace):
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from taps_ray.bench.run import cmd_bench
+    from taps_ray.bench.run import cmd_bench  # late: torch, transformers, matplotlib (this command only)
 
     command = "taps " + " ".join(sys.argv[1:]) if sys.argv[1:] else "taps bench --config configs/cpu.yaml"
     return cmd_bench(_config(args), bench_options(args), command)
 
 
 def _interop(args: argparse.Namespace) -> int:
-    from taps_ray.interop.check import InteropOptions, cmd_interop
-    from taps_ray.interop.side import side_vllm
+    from taps_ray.bench.prompts import first_turns  # late: the bench's datasets loaders
+    from taps_ray.interop.check import InteropOptions, cmd_interop  # late: torch, transformers
+    from taps_ray.interop.side import side_vllm  # late: only this command runs vLLM
 
     options = InteropOptions(kinds=args.kinds, mixture=args.mixture, prompts=args.prompts,
                              max_new_tokens=args.max_new_tokens, k=args.k, name=args.name)
+    config = _config(args)
+    turns = [text for _, text in first_turns([options.benchmark], options.prompts, [], 0, config.resolved_data_dir())]
     command = "taps " + " ".join(sys.argv[1:]) if sys.argv[1:] else "taps interop --config configs/interop.yaml"
     # eager: the check compares outputs and acceptance, and each of its vLLM processes then starts in a minute
-    return cmd_interop(_config(args), options, side_vllm(args.vllm_venv, enforce_eager=True), command)
+    return cmd_interop(config, options, side_vllm(args.vllm_venv, enforce_eager=True), command, turns)
 
 
 HANDLERS: dict[str, Handler] = {
@@ -293,6 +310,7 @@ HANDLERS: dict[str, Handler] = {
     "generate": _generate,
     "serve": _serve,
     "sweep": _sweep,
+    "plan": _plan,
     "report": _report,
     "heads-report": _heads_report,
     "bench": _bench,
@@ -301,17 +319,11 @@ HANDLERS: dict[str, Handler] = {
 
 
 def _config(args: argparse.Namespace):
-    from taps_ray.config import load_config, with_overrides
-
     return with_overrides(load_config(args.config), data_dir=args.data_dir)
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from taps_ray.config import ConfigError
-    from taps_ray.data.sources import DataUnavailable
-    from taps_ray.models.target import ModelUnavailable
-    from taps_ray.drafting.registry import UnknownProposer
-    from taps_ray.interop.side import VllmUnavailable
+    from taps_ray.models.target import ModelUnavailable  # late: torch, transformers (`taps --help` goes without)
 
     return (ConfigError, DataUnavailable, ModelUnavailable, UnknownProposer, VllmUnavailable, FileNotFoundError,
             ValueError)

@@ -58,6 +58,10 @@ class TargetConfig(_Strict):
     )
     dtype: DType = "bfloat16"
     attn_implementation: Literal["eager", "sdpa"] = "sdpa"
+    forward: Literal["fast", "hf"] = Field(
+        "fast", description="the verification forward: fast, taps' own Llama forward over the preallocated cache "
+        "(fused projections, no per-step cache copy; transformers' is used where it does not cover the "
+        "architecture); hf, transformers' model. Both compute the same tokens (fp32 greedy)")
     device: Device = Field(
         "auto", description="auto: CUDA when the process was given a GPU (in Ray: its num_gpus), else the CPU; "
         "cuda where none exists is an error. Heads, drafting, verification and training follow the target")
@@ -246,6 +250,9 @@ class RayConfig(_Strict):
         default_factory=dict, description="custom Ray resources per target worker and features task, e.g. "
         "{'accelerator_type:A100': 0.001} to keep them on one kind of GPU node")
     drafter_resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per drafter actor")
+    trial_resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources per training trial, e.g. {'accelerator_type:L40S': "
+        "0.001} to keep trials on GPUs with room for them (`taps plan` says which fit)")
     target_memory_gb: float | None = Field(
         None, gt=0, description="host memory (GB = 1e9 bytes) Ray reserves per target worker and features task (None: none declared)")
     drafter_memory_gb: float | None = Field(None, gt=0, description="host memory (GB) Ray reserves per drafter actor")
@@ -278,6 +285,8 @@ class ServeConfig(_Strict):
     max_ongoing_requests: int = Field(32, gt=0, description="requests one replica holds at once (queued + decoding)")
     replica_num_cpus: float = Field(1.0, gt=0, description="CPUs Ray reserves per replica (also its torch threads)")
     replica_num_gpus: float = Field(0.0, ge=0, description="GPUs Ray reserves per replica (target.device auto then uses it)")
+    replica_memory_gb: float | None = Field(None, gt=0, description="host memory (GB) Ray reserves per replica (None: none declared)")
+    replica_resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per replica")
     draft_below: int | None = Field(
         None, gt=0, description="draft only while fewer requests than this decode in one batch; larger batches decode "
         "plainly (lossless either way). None: always draft. Speculation pays while the target's forward is "

@@ -30,12 +30,15 @@ REPLICA_GRPC_ANY_ADDRESS = "[::]:0"
 # A local Ray of one user needs no token and reports nothing home; set unless the caller chose otherwise.
 LOCAL_RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 
-# What a remote process must see as the driver does (offline switches, local data, caches).
+# What a remote process must see as the driver does (offline switches, local data, caches, the Hub token:
+# the paper's Llama-3-8B-Instruct is gated, and a GPU task without the driver's HF_TOKEN fails to download it;
+# HF_HOME on the shared disk (cluster.yaml) downloads it once for every node).
 ENV_KEYS = (
     "HF_HUB_OFFLINE",
     "TRANSFORMERS_OFFLINE",
     "HF_DATASETS_OFFLINE",
     "HF_HOME",
+    "HF_TOKEN",
     DATA_DIR_ENV,
     "TAPS_CACHE",
     "TOKENIZERS_PARALLELISM",

@@ -18,10 +18,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from taps_ray.config import StudyConfig
-from taps_ray.drafting.names import SEARCHED
 
 FINAL = "final"  # the finished checkpoint inside a head's training folder
 EPOCH_GLOB = "epoch-*"  # the epoch checkpoints inside a head's training folder
+SEARCHED = "searched"  # the head of the best mixture `taps search` found: drafts alone, never in a combination
 
 
 def root(cfg: StudyConfig) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -27,6 +28,8 @@ torch.set_num_threads(2)
 # Devices the engine and lossless tests run on: the CPU always, CUDA where present. Every other fixture pins
 # the CPU, so a GPU machine runs the same tests with the same numbers plus the CUDA copies.
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# The target forwards the lossless tests run on (`target.forward`): taps' own Llama forward and transformers'.
+FORWARDS = ["fast", "hf"]
 
 
 def pytest_report_header() -> str:
@@ -59,17 +62,37 @@ def prompts(tiny_target: Target) -> list[list[int]]:
     return [tok.encode("Hello there, how are you"), tok.encode("2+2=")]
 
 
-@pytest.fixture(scope="session", params=DEVICES)
-def device_target(request: pytest.FixtureRequest, tiny_config: StudyConfig, tiny_target: Target) -> Target:
-    """The tiny target on each available device (fp32, as `tiny_target`)."""
-    if request.param == "cpu":
-        return tiny_target
-    return load_target(tiny_config.target.model_copy(update={"device": request.param}))
+@pytest.fixture(scope="session")
+def tiny_variants(tiny_config: StudyConfig, tiny_target: Target) -> Callable[[str, str], Target]:
+    """The tiny target (fp32) on a device with a target forward, each loaded once per session; `tiny_target` is
+    the CPU one with the config's forward."""
+    loaded = {("cpu", tiny_config.target.forward): tiny_target}
+
+    def variant(device: str, forward: str) -> Target:
+        if (device, forward) not in loaded:
+            update = {"device": device, "forward": forward}
+            loaded[device, forward] = load_target(tiny_config.target.model_copy(update=update))
+        return loaded[device, forward]
+
+    return variant
 
 
-@pytest.fixture(scope="session", params=DEVICES)
+@pytest.fixture(scope="session", params=FORWARDS)
+def forward_target(request: pytest.FixtureRequest, tiny_variants: Callable[[str, str], Target]) -> Target:
+    """The tiny target on the CPU verifying with each target forward."""
+    return tiny_variants("cpu", request.param)
+
+
+@pytest.fixture(scope="session", params=[(d, f) for d in DEVICES for f in FORWARDS], ids=lambda p: "-".join(p))
+def device_target(request: pytest.FixtureRequest, tiny_variants: Callable[[str, str], Target]) -> Target:
+    """The tiny target on each available device with each target forward (fp32, as `tiny_target`)."""
+    return tiny_variants(*request.param)
+
+
+@pytest.fixture(scope="session", params=[(d, f) for d in DEVICES for f in FORWARDS], ids=lambda p: "-".join(p))
 def smollm2_fp32(request: pytest.FixtureRequest) -> Target:
-    return load_target(TargetConfig(name="smollm2-135m-instruct", dtype="float32", device=request.param))
+    device, forward = request.param
+    return load_target(TargetConfig(name="smollm2-135m-instruct", dtype="float32", device=device, forward=forward))
 
 
 @pytest.fixture(scope="session")
@@ -92,15 +115,17 @@ def ray_session(ray_cluster):
     return ray
 
 
-@pytest.fixture(scope="session")
-def small_vocab_target() -> Target:
-    """A 5-token random target with moderate distributions: exact joint probabilities are cheap to enumerate."""
+@pytest.fixture(scope="session", params=FORWARDS)
+def small_vocab_target(request: pytest.FixtureRequest) -> Target:
+    """A 5-token random target with moderate distributions: exact joint probabilities are cheap to enumerate;
+    one per target forward."""
     config = TargetConfig(
         name="tiny-random-llama",
         dtype="float32",
         tiny=TinyTargetConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                               num_key_value_heads=1, vocab_size=5, seed=3),
         device="cpu",
+        forward=request.param,
     )
     target = load_target(config)
     with torch.no_grad():  # moderate, non-degenerate next-token distributions

@@ -210,15 +210,17 @@ def test_stepping_some_rows_leaves_the_others_untouched(tiny_target, cfg):
     started = shared.start(prompts, params, [0, 1, 2])
     alone.start(prompts[1:2], params, [1])
     tree, _ = proposer.propose(proposer.init_state(), started[1].features, started[1].next_tokens)
-    before = [layer.keys[[0, 2]].clone() for layer in shared.cache.layers]
+    layers = range(shared.cache.num_layers)
+    before = [shared.cache.layer(i)[0][[0, 2]].clone() for i in layers]
     got = shared.step_rows([1], [tree])[0]
     want = alone.step([tree])[0]
     assert got.tokens == want.tokens
     torch.testing.assert_close(got.features, want.features)
     assert shared.lengths.tolist() == [5, int(alone.lengths[0]), 4]
-    for layer, old in zip(shared.cache.layers, before):
-        torch.testing.assert_close(layer.keys[[0, 2], :, : old.shape[2]], old)
-        assert layer.keys.shape[2] == int(shared.lengths.max())
+    for i, old in zip(layers, before):
+        keys = shared.cache.layer(i)[0]
+        torch.testing.assert_close(keys[[0, 2], :, : old.shape[2]], old)
+        assert keys.shape[2] == int(shared.lengths.max())
     assert shared.batch_size == 3 and shared.live == [0, 1, 2]  # rows sitting out stay in the cache
 
 
@@ -230,11 +232,12 @@ def test_merge_and_select_keep_each_sequence(tiny_target):
     both.start([[1, 5, 9, 14, 3], [1, 7, 2]], params, [0, 1])
     a.merge(b)
     assert a.lengths.tolist() == both.lengths.tolist() == [5, 3] and a.live == [0, 1] and a.joined == 2
-    for mine, theirs in zip(a.cache.layers, both.cache.layers):
+    for i in range(a.cache.num_layers):
         for row, n in enumerate((5, 3)):
-            torch.testing.assert_close(mine.keys[row, :, :n], theirs.keys[row, :, :n])
+            for mine, theirs in zip(a.cache.layer(i), both.cache.layer(i)):
+                torch.testing.assert_close(mine[row, :, :n], theirs[row, :, :n])
     a.keep_rows([1])
-    assert a.lengths.tolist() == [3] and a.cache.get_seq_length() == 3 and a.live == [1]
+    assert a.lengths.tolist() == [3] and a.cache.width == 3 and a.live == [1]
 
 
 # --- fault tolerance -------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from scipy import stats
 
 from taps_ray.config import TreeConfig
 from taps_ray.eval import diagnostics
+from taps_ray.eval.diagnostics import per_question_confidence_choice
 from taps_ray.models.draft_head import DraftHead, new_head
 from taps_ray.drafting.combine import (
     ConfidenceRouted,
@@ -18,11 +19,10 @@ from taps_ray.drafting.combine import (
     average_heads,
     budget_merge,
     merge_trees,
-    per_question_confidence_choice,
     split_budget,
 )
-from taps_ray.decoding.generate import NOT_DRAFTED, StepRecord, generate
-from taps_ray.drafting.proposers import SingleHead
+from taps_ray.decoding.generate import StepRecord, generate
+from taps_ray.drafting.proposers import NOT_DRAFTED, SingleHead
 from taps_ray.drafting.registry import UnknownProposer, averaged_weight, build_proposer, combination_names
 from taps_ray.drafting.names import entropy_candidates
 from taps_ray.decoding.target_batch import TargetBatch

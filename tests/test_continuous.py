@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from taps_ray.decoding.continuous import ContinuousBatcher, Request, Result
-from taps_ray.decoding.generate import NOT_DRAFTED, run_loop
+from taps_ray.decoding.generate import run_loop
+from taps_ray.drafting.proposers import NOT_DRAFTED
 from taps_ray.decoding.target_batch import TargetBatch
 from taps_ray.decoding.verify import SamplingParams
 from taps_ray.drafting.proposers import PlainDecoding
@@ -43,8 +44,8 @@ def _drain(batcher: ContinuousBatcher, limit: int = 500) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_target):
-    model, tok = tiny_target.model, tiny_target.tokenizer
+def setup(forward_target):
+    model, tok = forward_target.model, forward_target.tokenizer
     bos = tok.encode("<|im_start|>")[0]
     prompts = [[bos] + tok.encode(t) for t in ("hi there", "a long prompt about numbers 1 2 3 4", "math: 12*7=", "x")]
     return model, bos, prompts

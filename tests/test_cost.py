@@ -11,7 +11,8 @@ import torch
 from taps_ray.config import TreeConfig
 from taps_ray.models.draft_head import new_head
 from taps_ray.drafting.cost import MIN_PAUSE, CostAware, TreeCost, best_size
-from taps_ray.decoding.generate import NOT_DRAFTED, generate
+from taps_ray.decoding.generate import generate
+from taps_ray.drafting.proposers import NOT_DRAFTED
 from taps_ray.drafting.registry import build_proposer, heads_used
 from taps_ray.drafting.tree import DraftTree, build_tree
 from taps_ray.decoding.verify import SamplingParams

@@ -56,9 +56,12 @@ def test_a_ray_task_without_gpus_resolves_auto_to_the_cpu(ray_session):
 
 
 def test_serve_replicas_reserve_the_configured_gpus(tiny_config):
-    serve_cfg = tiny_config.serve.model_copy(update={"replica_num_gpus": 0.5})
+    serve_cfg = tiny_config.serve.model_copy(update={"replica_num_gpus": 0.5, "replica_memory_gb": 3.0,
+                                                     "replica_resources": {"accelerator_type:L40S": 0.001}})
     app = build_app(tiny_config.model_copy(update={"serve": serve_cfg}))
-    assert app._bound_deployment.ray_actor_options == {"num_cpus": serve_cfg.replica_num_cpus, "num_gpus": 0.5}
+    assert app._bound_deployment.ray_actor_options == {
+        "num_cpus": serve_cfg.replica_num_cpus, "num_gpus": 0.5, "memory": 3_000_000_000,
+        "resources": {"accelerator_type:L40S": 0.001}}
 
 
 def _deviceless_constructors(path: Path) -> list[str]:

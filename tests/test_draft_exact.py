@@ -36,7 +36,7 @@ def reference_draft(head, ctx, kv, length, features, next_tokens, total_token, d
     cand = [(tokens, scores, torch.full((k,), -1), _entropy(log_p).expand(k))]
     f_tokens, f_scores, f_hidden, f_flat = tokens, scores, hidden.expand(k, -1), torch.arange(k)
     ancestors, tree_kv = torch.eye(k, dtype=torch.bool), kv
-    for level in range(depth if total_token - 1 > k else 0):
+    for level in range(depth):  # every pass, as EAGLE's topK_genrate, however small the tree
         mask = torch.cat([torch.ones(k, length, dtype=torch.bool), ancestors], dim=1)
         out, tree_kv = _reference_forward(head, ctx.embed(f_tokens[None]), f_hidden[None],
                                           torch.full((1, k), length + level), mask[None, None], tree_kv)

@@ -10,7 +10,8 @@ from scipy import stats
 
 from taps_ray.config import TreeConfig
 from taps_ray.models.draft_head import new_head
-from taps_ray.decoding.generate import NOT_DRAFTED, generate, run_loop, step_tokens
+from taps_ray.decoding.generate import generate, run_loop, step_tokens
+from taps_ray.drafting.proposers import NOT_DRAFTED
 from taps_ray.drafting.proposers import PlainDecoding, SingleHead
 from taps_ray.decoding.target_batch import TargetBatch
 from taps_ray.drafting.tree import DraftContext, HeadCache, build_tree, draft_eagle2, extend_context
@@ -77,9 +78,9 @@ def test_eagle2_tree_invariants(tiny_target):
     assert (tree.entropy >= 0).all()
 
 
-def test_tree_verified_logits_equal_sequential_logits(tiny_target):
-    model = tiny_target.model
-    prompt = tiny_target.tokenizer.encode("Tree attention must equal sequential decoding")
+def test_tree_verified_logits_equal_sequential_logits(forward_target):
+    model = forward_target.model
+    prompt = forward_target.tokenizer.encode("Tree attention must equal sequential decoding")
     tree = build_tree(torch.tensor([11, 12, 13, 14, 15, 16]), torch.tensor([-1, 0, 0, 1, 1, 2]))
     batch = TargetBatch(model)
     batch.prefill([prompt])
@@ -95,7 +96,7 @@ def test_eager_attention_masks_the_tree_like_sdpa(tiny_config):
     sequential decoding (a boolean mask would mask nothing: measured 0.16 apart on this tree)."""
     from taps_ray.models.target import load_target
 
-    eager = load_target(tiny_config.target.model_copy(update={"attn_implementation": "eager"}))
+    eager = load_target(tiny_config.target.model_copy(update={"attn_implementation": "eager", "forward": "hf"}))
     assert eager.model.config._attn_implementation == "eager"
     prompt = eager.tokenizer.encode("Tree attention must equal sequential decoding")
     tree = build_tree(torch.tensor([11, 12, 13, 14, 15, 16]), torch.tensor([-1, 0, 0, 1, 1, 2]))
@@ -160,8 +161,8 @@ def test_greedy_oracle_accepts_and_stays_lossless_batch_and_alone(device_target)
         assert alone.tau > 1.5
 
 
-def test_stop_token_inside_accepted_block_cuts_output(tiny_target):
-    model, tok = tiny_target.model, tiny_target.tokenizer
+def test_stop_token_inside_accepted_block_cuts_output(forward_target):
+    model, tok = forward_target.model, forward_target.tokenizer
     bos = tok.encode("<|im_start|>")[0]
     prompt = [bos] + tok.encode("stop me somewhere")
     expected = _hf_greedy(model, prompt, 30, [])
@@ -173,8 +174,8 @@ def test_stop_token_inside_accepted_block_cuts_output(tiny_target):
     assert generation.tokens == _hf_greedy(model, prompt, 30, [stop])
 
 
-def test_spec_bench_new_tokens_trim_after_a_stop_token_but_not_at_the_token_budget(tiny_target):
-    model, tok = tiny_target.model, tiny_target.tokenizer
+def test_spec_bench_new_tokens_trim_after_a_stop_token_but_not_at_the_token_budget(forward_target):
+    model, tok = forward_target.model, forward_target.tokenizer
     bos = tok.encode("<|im_start|>")[0]
     prompt = [bos] + tok.encode("budget me somewhere")
     oracle = GreedyOracle(model, first_token=bos, depth=4)
@@ -193,8 +194,8 @@ def test_spec_bench_new_tokens_trim_after_a_stop_token_but_not_at_the_token_budg
     assert step_tokens([4, 9, 2, 9], {9}) == 2 and step_tokens([4, 5], {9}) == 2
 
 
-def test_draft_below_pauses_drafting_while_the_batch_is_large_and_resumes_with_whole_context(tiny_target):
-    model, tok = tiny_target.model, tiny_target.tokenizer
+def test_draft_below_pauses_drafting_while_the_batch_is_large_and_resumes_with_whole_context(forward_target):
+    model, tok = forward_target.model, forward_target.tokenizer
     bos = tok.encode("<|im_start|>")[0]
     prompts = [[bos] + tok.encode(t) for t in ("hi", "a long prompt about numbers 1 2 3 4", "math: 12*7=")]
     budgets = [6, 40, 40]  # sequence 0 finishes first, so the batch shrinks from 3 to 2

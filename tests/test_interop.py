@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from oracles import fit_head
+from taps_ray.bench.prompts import first_turns
 from taps_ray.config import TargetConfig
 from taps_ray.interop.check import InteropOptions, KindResult, chain, interop_prompts, ours, run_interop, vllm_acceptance
 from taps_ray.interop.side import SideVllm, VllmUnavailable, side_vllm
@@ -66,11 +67,12 @@ def test_vllm_serves_our_exported_eagle_head_with_our_output_and_acceptance(tiny
                                          "work_dir": str(tmp_path / "work"), "reports_dir": str(tmp_path)})
     options = InteropOptions(kinds=["eagle2"], prompts=2, max_new_tokens=24, k=3)
     target = load_target(cfg.target, dtype="float32")
-    prompts = interop_prompts(cfg, target, options)
+    turns = [text for _, text in first_turns(["gsm8k"], options.prompts, [], 0, cfg.resolved_data_dir())]
+    prompts = interop_prompts(cfg, target, turns)
     plain, _, _ = ours(target, None, prompts, options)
     head = fit_head(target, [p + t for p, t in zip(prompts, plain)], steps=60, fc_bias=False)
     head.save(head_checkpoint(cfg, "eagle2", "math"))
-    results, meta = run_interop(cfg, options, side)
+    results, meta = run_interop(cfg, options, side, turns)
     assert meta["plain_identical"] == 2
     (result,) = results
     assert result.vllm_accepted > 0 and result.passed(0.05), result

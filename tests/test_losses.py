@@ -243,3 +243,24 @@ def test_run_passes_accumulates_and_builds_versions():
     eagle = run_passes(head, batch, frozen, LossSettings(noise_std=0.0), backward=False)
     assert "topk" not in eagle.terms and "acc_1" not in eagle.terms
     assert eagle.terms["loss0"] == pytest.approx(eagle.terms["reg"] + 0.1 * eagle.terms["cls"], rel=1e-10)
+
+
+def test_target_logits_under_bf16_autocast_move_the_loss_by_rounding_only():
+    """bf16-mixed computes the target's logits on bf16 matmuls (softmax in fp32): the distribution and the
+    soft cross-entropy stay within bf16 rounding of the fp32 ones, and the bf16 path was really taken."""
+    g = torch.Generator().manual_seed(5)
+    d, vocab, b, t = 64, 1000, 2, 9
+    frozen = FrozenTarget(embed=torch.randn(vocab, d, generator=g), lm_head=torch.randn(vocab, d, generator=g) / 8)
+    batch = Batch(torch.randint(0, vocab, (b, t), generator=g), torch.ones(b, t), torch.randn(b, t, d, generator=g),
+                  torch.tensor([t, t - 2]))
+    s = shift_batch(batch, dtype=torch.float32)
+    exact = TargetDistribution.build(s, frozen)
+    fast = TargetDistribution.build(s, frozen, LossSettings(autocast=torch.bfloat16).precision(torch.device("cpu")))
+    assert fast.probs.dtype == torch.float32 and not torch.equal(fast.probs, exact.probs)
+    assert torch.allclose(fast.probs, exact.probs, rtol=0.05, atol=1e-4)
+    log_q = torch.log_softmax(torch.randn(exact.probs.shape, generator=g), dim=-1)
+    from taps_ray.training.losses import token_terms
+
+    cls_exact, cls_fast = token_terms(log_q, exact)["cls"], token_terms(log_q, fast)["cls"]
+    assert float(cls_fast) == pytest.approx(float(cls_exact), rel=1e-2)
+    assert (fast.argmax == exact.argmax).float().mean() > 0.9

@@ -11,11 +11,12 @@ import torch
 from taps_ray.config import TreeConfig
 from taps_ray.data.chat import build_prompt_ids
 from taps_ray.data.sources import load_questions
-from taps_ray.eval.runner import TraceCache, run_cell
+from taps_ray.eval.runner import TraceCache, is_replayed, run_cell
 from taps_ray.eval.cell import Cell
 from taps_ray.report.build import evaluation_md
 from taps_ray.report.data import ReportData
 from taps_ray.decoding.generate import generate, run_loop
+from taps_ray.drafting.cost import CostAware
 from taps_ray.drafting.proposers import PlainDecoding, SingleHead
 from taps_ray.drafting.registry import build_proposer, proposer_names
 from taps_ray.decoding.replay import record_traces, replay
@@ -129,7 +130,8 @@ def _eagle3_head(target):
     [
         ("eagle2", TreeConfig(total_token=8, depth=3, top_k=3)),
         ("eagle2", TreeConfig(total_token=12, depth=4, top_k=2)),
-        ("eagle2", TreeConfig(total_token=3, depth=3, top_k=3)),  # no wider than one level: no expansion pass
+        ("eagle2", TreeConfig(total_token=3, depth=3, top_k=3)),  # no wider than one level: still every pass
+        ("eagle2", TreeConfig(total_token=16, depth=4, top_k=2, min_confidence=0.95)),  # trees that stop early
         ("eagle2-vocab", TreeConfig(total_token=8, depth=3, top_k=3)),  # the reduced draft vocabulary
         ("eagle3", TreeConfig(total_token=8, depth=3, top_k=3)),  # fused layers, its own vocabulary
     ],
@@ -149,15 +151,19 @@ def test_batched_drafts_equal_draft_eagle2_at_every_root(tiny_target, tiny_promp
     # batched over positions vs one position at a time: other kernels, equal up to rounding (tests/numerics.py)
     rtol = tree_rtol(model.config.hidden_size, tree.depth)
     entropy_rtol = rounding_rtol(model.config.vocab_size, chained=tree.depth + 1)  # sums over the vocabulary
-    compared = near_ties = 0
+    compared = near_ties = stopped = deep = 0
     for trace, drafted, r in zip(traces, batched, roots):
         sequence = torch.tensor(trace.sequence)
         state, new = HeadCache(), slice(0, r.start)
         for root in r:
             live, state = single.propose(state, trace.features[new], sequence[new.start + 1 : new.stop + 1])
             near_ties += assert_same_tree(drafted.tree(root), live, rtol, entropy_rtol)
-            new, compared = slice(root, root + 1), compared + 1
+            new, compared, stopped = slice(root, root + 1), compared + 1, stopped + (live.size < tree.total_token)
+            deep += bool((live.depth > 1).any())
     assert compared == sum(map(len, roots)) > 50
+    if tree.total_token - 1 <= tree.top_k:  # S <= K: every pass still runs, and a deep node can win (EAGLE's rule)
+        assert deep > 0
+    assert (stopped > 0) == (tree.min_confidence > 0)  # the stop rule was exercised where it applies
     assert near_ties <= compared // 20, f"{near_ties} near-ties in {compared} trees"
 
 
@@ -272,3 +278,13 @@ def test_a_second_feature_kind_reuses_the_greedy_decode(tiny_target):
     assert cache.continuation(("q", 0), prompts[1]) is None  # another prompt: decode again
     cache.of("svamp")
     assert cache.continuation(("q", 0), prompts[0]) is None  # a new benchmark forgets the decodes
+
+
+def test_auto_cells_run_live_and_replay_refuses_a_cost_aware_proposer(tiny_config, tiny_target):
+    """The cost model decides from measured draft and verify times; a replay has neither, so its cells run live."""
+    config = tiny_config.model_copy(update={"eval": tiny_config.eval.model_copy(update={"replay": True})})
+    assert is_replayed(config, Cell("eagle2", "math", "mt_bench", 0.0))
+    assert not is_replayed(config, Cell("eagle2", "auto-math", "mt_bench", 0.0))
+    with pytest.raises(ValueError, match="run it live"):
+        replay_draft.replay_drafters(CostAware(PlainDecoding()), [[1, 2, 3]], [torch.zeros(3, 4)], [range(2, 3)],
+                                     [replay_draft.TreeMemo()])

@@ -45,13 +45,14 @@ def test_actor_environment_is_set_before_anything_is_imported(ray_session, monke
     from taps_ray.ray_runtime import process_runtime_env
 
     ray = ray_session
-    monkeypatch.setenv("HF_HOME", "/nonexistent/taps-hf-home")  # one of runtime.ENV_KEYS, set on the driver only
+    monkeypatch.setenv("HF_HOME", "/nonexistent/taps-hf-home")  # runtime.ENV_KEYS, set on the driver only
+    monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")  # the gated target's download needs it on every node
 
     @ray.remote
-    def seen() -> tuple[str, int, str]:
-        from huggingface_hub import constants
+    def seen() -> tuple[str, int, str, str | None]:
+        from huggingface_hub import constants, get_token
 
-        return constants.HF_HOME, constants.HF_HUB_ETAG_TIMEOUT, os.environ["OMP_WAIT_POLICY"]
+        return constants.HF_HOME, constants.HF_HUB_ETAG_TIMEOUT, os.environ["OMP_WAIT_POLICY"], get_token()
 
     task = seen.options(runtime_env=process_runtime_env({"HF_HUB_ETAG_TIMEOUT": "17"}))
-    assert ray.get(task.remote(), timeout=120) == ("/nonexistent/taps-hf-home", 17, "PASSIVE")
+    assert ray.get(task.remote(), timeout=120) == ("/nonexistent/taps-hf-home", 17, "PASSIVE", "hf_not_a_real_token")

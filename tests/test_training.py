@@ -397,3 +397,47 @@ def test_epoch_streams_a_few_shards_at_a_time():
     assert [sorted({e.shard for batch in w for e in batch}) for w in held] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
     lengths = [len(e) for batch in held[0] for e in batch]
     assert lengths == sorted(lengths)
+
+
+def test_mixed_features_are_copied_by_the_driver_without_the_target(base, tmp_path, monkeypatch):
+    """A set its donors cover is written before any task starts: no shard is left for a task holding the
+    target, and the target is never loaded (the paper's mixed sets cost no GPU task)."""
+    import shutil
+
+    cfg = base[0].model_copy(deep=True, update={"work_dir": str(tmp_path)})
+    for name in ("math", "chat"):  # the donors alone (the module's features root may hold a mixed set already)
+        shutil.copytree(features_folder(base[0], name), features_folder(cfg, name))
+
+    def no_target(*_args, **_kwargs):
+        raise AssertionError("the target was loaded for a set its donors cover")
+
+    monkeypatch.setattr(features_mod, "load_target", no_target)
+    handed = []
+    mixed = extract_features(cfg, "mixed", progress=False,
+                             run_shards=lambda plan, missing: (handed.append(missing), (0, None))[1])
+    assert handed == [[]]
+    assert mixed.stats["copied_conversations"] == mixed.stats["conversations"] > 0
+    assert mixed.stats["computed_tokens"] == 0
+
+
+def test_training_on_cached_features_reads_only_the_embeddings_and_lm_head(base, tmp_path, monkeypatch):
+    """A trial without a target loads `load_training_target` (no decoder layer) and trains the very head that
+    training with the whole target does."""
+    from safetensors.torch import load_file
+
+    from taps_ray.models.draft_parts import load_training_target
+
+    whole_cfg, target = fresh(base, tmp_path / "whole", max_tokens=600)
+    with_whole = train_head(whole_cfg, "eagle2", "math", target=target, progress=False)
+    parts_cfg, _ = fresh(base, tmp_path / "parts", max_tokens=600)
+
+    def no_target(*_args, **_kwargs):
+        raise AssertionError("training on cached features loaded the whole target")
+
+    monkeypatch.setattr(features_mod, "load_target", no_target)
+    with_parts = train_head(parts_cfg, "eagle2", "math", progress=False)
+    ours, theirs = load_file(with_parts / "model.safetensors"), load_file(with_whole / "model.safetensors")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    parts = load_training_target(whole_cfg.target).model
+    assert {name.split(".")[0] for name, _ in parts.named_parameters()} <= {"embed_tokens", "lm_head"}
+    assert parts.config.hidden_size == target.model.config.hidden_size

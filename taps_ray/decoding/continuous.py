@@ -22,15 +22,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import torch
-
-from taps_ray.decoding.generate import NOT_DRAFTED, Generation, chosen_head, extend_tokens, record_step
+from taps_ray.decoding.draft_step import Drafting, draft
+from taps_ray.decoding.generate import Generation, extend_tokens, node_values, record_step
 from taps_ray.decoding.target_batch import Committed, TargetBatch
 from taps_ray.decoding.verify import SamplingParams
 from taps_ray.drafting.proposers import Proposer
-from taps_ray.drafting.tree import DraftTree, root_only
 
 if TYPE_CHECKING:  # an annotation only: importing the class loads transformers' model code
     from transformers import PreTrainedModel
@@ -77,11 +75,7 @@ class Request:
 class _Sequence:
     request: Request
     generation: Generation
-    state: Any = None
-    pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # committed, unseen by the proposer
-    tree: DraftTree | None = None
-    draft_s: float = 0.0
-    head: int = NOT_DRAFTED
+    drafting: Drafting | None = None  # its proposer, state, committed positions it has not seen, next tree
     logprobs: list[TokenLogprob] = field(default_factory=list)
     max_batch: int = 0
     admitted: float = 0.0
@@ -188,7 +182,7 @@ class ContinuousBatcher:
             return
         for seq, committed in zip(fresh, started, strict=True):
             seq.generation.prefill_s, seq.admitted = prefill_s, t0
-            seq.state = seq.request.proposer.init_state()
+            seq.drafting = Drafting(seq.request.proposer, seq.request.proposer.init_state())
             self._commit(seq, committed)
         if self._batch is None:
             self._batch = batch
@@ -198,28 +192,17 @@ class ContinuousBatcher:
 
     def _verify(self) -> None:
         drafting = self.draft_below is None or len(self._running) < self.draft_below
-        for seq in self._running:
-            self._draft(seq, drafting)
+        draft([s.drafting for s in self._running], drafting)
+        trees = [s.drafting.tree for s in self._running]
         t0 = time.perf_counter()
-        results = self._batch.step_rows(list(range(len(self._running))), [s.tree for s in self._running])
+        results = self._batch.step_rows(list(range(len(self._running))), trees)
         verify_s = time.perf_counter() - t0
-        for seq, committed in zip(self._running, results, strict=True):
+        for seq, committed, tree, nodes in zip(self._running, results, trees, node_values(trees), strict=True):
             seq.max_batch = max(seq.max_batch, len(self._running))
-            tree, seq.tree = seq.tree, None
+            seq.drafting.tree = None
             kept = self._commit(seq, committed)
-            seq.generation.steps.append(record_step(tree, committed.verdict, kept, seq.draft_s, verify_s, seq.head))
-
-    def _draft(self, seq: _Sequence, drafting: bool) -> None:
-        if not drafting:
-            root = seq.pending[-1][1][-1]
-            seq.tree, seq.draft_s, seq.head = root_only(int(root), root.device), 0.0, NOT_DRAFTED
-            return
-        features = torch.cat([f for f, _ in seq.pending])
-        next_tokens = torch.cat([n for _, n in seq.pending])
-        seq.pending = []
-        t0 = time.perf_counter()
-        seq.tree, seq.state = seq.request.proposer.propose(seq.state, features, next_tokens)
-        seq.draft_s, seq.head = time.perf_counter() - t0, chosen_head(seq.state)
+            seq.generation.steps.append(record_step(tree, committed.verdict, kept, seq.drafting.draft_s, verify_s,
+                                                    seq.drafting.head, nodes))
 
     def _commit(self, seq: _Sequence, committed: Committed) -> int:
         """Extend the output (cut at a stop token, max_tokens or a completed stop string); returns tokens kept."""
@@ -234,7 +217,7 @@ class ContinuousBatcher:
         new = generation.tokens[before:]
         logprobs = _logprobs(committed, new, request.top_logprobs) if request.top_logprobs is not None else []
         seq.logprobs.extend(logprobs)
-        seq.pending.append((committed.features, committed.next_tokens))
+        seq.drafting.pending.append((committed.features, committed.next_tokens))
         if new and request.on_tokens is not None:
             try:
                 request.on_tokens(new, logprobs)

@@ -15,13 +15,13 @@ import torch
 
 from taps_ray.decoding.target_batch import Committed, TargetBatch
 from taps_ray.decoding.verify import SamplingParams, Verdict
+from taps_ray.decoding.draft_step import Drafting, draft
 from taps_ray.drafting.proposers import Proposer, feature_layers
-from taps_ray.drafting.tree import DraftTree, root_only
+from taps_ray.drafting.tree import DraftTree
 
 if TYPE_CHECKING:  # an annotation only: importing the class loads transformers' model code (a drafter imports this)
     from transformers import PreTrainedModel
 
-NOT_DRAFTED = -2  # StepRecord.head of a step that verified only the root (drafting paused by `draft_below`)
 
 
 @dataclass
@@ -60,10 +60,14 @@ class Generation:
         return committed / (len(self.steps) - 1) if len(self.steps) > 1 else math.nan
 
 
-def record_step(tree: DraftTree, verdict: Verdict, new_tokens: int, draft_s: float, verify_s: float, head: int) -> StepRecord:
+def record_step(tree: DraftTree, verdict: Verdict, new_tokens: int, draft_s: float, verify_s: float, head: int,
+                nodes: tuple[list[float], list[float], list[int]] | None = None) -> StepRecord:
+    """One step's record; `nodes`: the tree's per-node (confidence, entropy, source) already read to the host
+    (`node_values`, one read for a batch), else read here."""
     accepted = [False] * tree.size
     for node in verdict.nodes:
         accepted[node] = True
+    confidence, entropy, source = nodes if nodes is not None else node_values([tree])[0]
     return StepRecord(
         accepted=verdict.accepted,
         new_tokens=new_tokens,
@@ -71,11 +75,27 @@ def record_step(tree: DraftTree, verdict: Verdict, new_tokens: int, draft_s: flo
         draft_s=draft_s,
         verify_s=verify_s,
         head=head,
-        node_confidence=tree.confidence.tolist(),
-        node_entropy=tree.entropy.tolist(),
+        node_confidence=confidence,
+        node_entropy=entropy,
         node_accepted=accepted[1:],
-        node_source=tree.source.tolist(),
+        node_source=source,
     )
+
+
+def node_values(trees: list[DraftTree]) -> list[tuple[list[float], list[float], list[int]]]:
+    """Each tree's per-node confidences, entropies and sources on the host, in one device-to-host read."""
+    if not trees:
+        return []
+    device = trees[0].tokens.device
+    flat = torch.cat([torch.stack([t.confidence.double(), t.entropy.double(), t.source.double()]).to(device)
+                      for t in trees], dim=1).tolist()
+    out, at = [], 0
+    for tree in trees:
+        n = tree.size - 1
+        conf, ent, src = (row[at : at + n] for row in flat)
+        out.append((conf, ent, [int(s) for s in src]))
+        at += n
+    return out
 
 
 def extend_tokens(generation: Generation, new: list[int], stop_ids: set[int], max_new_tokens: int) -> int:
@@ -101,11 +121,6 @@ def step_tokens(new: list[int], stop_ids: set[int]) -> int:
         if token in stop_ids:
             return i + 1
     return len(new)
-
-
-def chosen_head(state: object) -> int:
-    """Routers expose the head they used last as `state.last_head`; single heads are head 0."""
-    return getattr(state, "last_head", 0)
 
 
 class Verifier(Protocol):
@@ -147,48 +162,34 @@ def run_loop(
     prefill_s = time.perf_counter() - start
 
     generations = [Generation(prompt=list(p), prefill_s=prefill_s) for p in prompts]
-    states = [proposer.init_state() for _ in prompts]
-    trees: list[DraftTree | None] = [None] * len(prompts)
-    draft_times = [0.0] * len(prompts)
-    heads = [NOT_DRAFTED] * len(prompts)
-    missed: list[list[Committed]] = [[] for _ in prompts]  # committed while drafting was paused
+    sequences = [Drafting(proposer, proposer.init_state()) for _ in prompts]
 
-    def draft(b: int, committed: Committed) -> None:
+    def draft_unfinished(committed: dict[int, Committed]) -> None:
+        """Hand each unfinished sequence what it committed and draft all of their next trees at once."""
+        live = [b for b in committed if not generations[b].finished_by]
+        for b in live:
+            sequences[b].pending.append((committed[b].features, committed[b].next_tokens))
         unfinished = sum(not g.finished_by for g in generations)
-        if draft_below is not None and unfinished >= draft_below:
-            missed[b].append(committed)
-            root = committed.next_tokens[-1]
-            trees[b], draft_times[b], heads[b] = root_only(int(root), root.device), 0.0, NOT_DRAFTED
-            return
-        parts, missed[b] = [*missed[b], committed], []
-        features, next_tokens = torch.cat([c.features for c in parts]), torch.cat([c.next_tokens for c in parts])
-        t0 = time.perf_counter()
-        trees[b], states[b] = proposer.propose(states[b], features, next_tokens)
-        draft_times[b] = time.perf_counter() - t0
-        heads[b] = chosen_head(states[b])
+        draft([sequences[b] for b in live], draft_below is None or unfinished < draft_below)
 
     for b, committed in enumerate(started):
         extend_tokens(generations[b], committed.tokens, stops, budgets[b])
-    for b, committed in enumerate(started):  # after every sequence is extended, so `draft` counts the finished
-        if not generations[b].finished_by:
-            draft(b, committed)
+    draft_unfinished(dict(enumerate(started)))  # after every sequence is extended, so the finished are counted
 
-    while any(t is not None for t in trees):
+    while any(seq.tree is not None for seq in sequences):
+        trees = [seq.tree for seq in sequences]
         t0 = time.perf_counter()
         results = verifier.step(trees)
         verify_s = time.perf_counter() - t0
-        for b, committed in enumerate(results):
-            if committed is None:
-                continue
-            generation = generations[b]
+        done = {b: committed for b, committed in enumerate(results) if committed is not None}
+        values = node_values([trees[b] for b in done])
+        for (b, committed), nodes in zip(done.items(), values):
+            generation, seq = generations[b], sequences[b]
             extend_tokens(generation, committed.tokens, stops, budgets[b])
-            step = record_step(trees[b], committed.verdict, step_tokens(committed.tokens, stops), draft_times[b],
-                               verify_s, heads[b])
-            generation.steps.append(step)
-            trees[b] = None
-        for b, committed in enumerate(results):
-            if committed is not None and not generations[b].finished_by:
-                draft(b, committed)
+            generation.steps.append(record_step(seq.tree, committed.verdict, step_tokens(committed.tokens, stops),
+                                                seq.draft_s, verify_s, seq.head, nodes))
+            seq.tree = None
+        draft_unfinished(done)
     wall = time.perf_counter() - start
     for generation in generations:
         generation.wall_s = wall

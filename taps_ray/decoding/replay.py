@@ -24,7 +24,8 @@ from weakref import WeakKeyDictionary
 
 import torch
 
-from taps_ray.decoding.generate import Generation, Verifier, chosen_head, extend_tokens, record_step, step_tokens
+from taps_ray.decoding.draft_step import chosen_head
+from taps_ray.decoding.generate import Generation, Verifier, extend_tokens, record_step, step_tokens
 from taps_ray.decoding.replay_draft import TreeMemo, replay_drafters
 from taps_ray.decoding.verify import SamplingParams, greedy_path
 from taps_ray.drafting.proposers import Proposer

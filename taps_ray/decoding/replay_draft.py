@@ -28,7 +28,7 @@ from taps_ray.config import TreeConfig
 from taps_ray.drafting.combine import OverParts
 from taps_ray.drafting.cost import CostAware
 from taps_ray.drafting.proposers import Proposer, SingleHead
-from taps_ray.drafting.tree import Candidates, DraftContext, DraftTree, build_tree, select_nodes
+from taps_ray.drafting.tree import Candidates, ConfidenceStop, DraftContext, DraftTree, build_tree, select_nodes
 from taps_ray.models.draft_head import DraftHead
 
 CONTEXT_BUDGET = 1 << 22  # traces per causal head forward: batch x length^2 (the attention scores) at most this
@@ -47,6 +47,7 @@ class TraceTrees:
     parents: torch.Tensor  # [R, n] long
     confidence: torch.Tensor  # [R, n] float32
     entropy: torch.Tensor  # [R, n] float32
+    sizes: list[int] | None = None  # per row: its drafted nodes (`min_confidence` stopped it early); None: all n
 
     def covers(self, roots: range) -> bool:
         return roots.start == self.first and len(roots) == len(self.roots)
@@ -59,11 +60,12 @@ class TraceTrees:
                 f"{self.first}..{self.first + len(self.roots) - 1}"
             )
         device = self.tokens.device
+        n = self.tokens.shape[1] if self.sizes is None else self.sizes[row]
         return build_tree(
-            torch.cat([torch.tensor([self.roots[row]], device=device), self.tokens[row]]),
-            torch.cat([torch.tensor([-1], device=device), self.parents[row]]),
-            confidence=self.confidence[row],
-            entropy=self.entropy[row],
+            torch.cat([torch.tensor([self.roots[row]], device=device), self.tokens[row, :n]]),
+            torch.cat([torch.tensor([-1], device=device), self.parents[row, :n]]),
+            confidence=self.confidence[row, :n],
+            entropy=self.entropy[row, :n],
         )
 
 
@@ -89,14 +91,12 @@ class ReplayedHead:
 
 
 def swap_heads(proposer: Proposer, swap: Callable[[SingleHead], Proposer]) -> Proposer:
-    """`proposer` with every `SingleHead` inside it (as a part of a router or merger, or wrapped by the cost
-    model) replaced by `swap(head)`; other proposers are returned as they are."""
+    """`proposer` with every `SingleHead` inside it (as a part of a router or merger) replaced by `swap(head)`;
+    other proposers are returned as they are."""
     if isinstance(proposer, SingleHead):
         return swap(proposer)
     if isinstance(proposer, OverParts):
         return replace(proposer, parts=[swap_heads(p, swap) for p in proposer.parts])
-    if isinstance(proposer, CostAware):
-        return replace(proposer, inner=swap_heads(proposer.inner, swap))
     return proposer
 
 
@@ -116,7 +116,11 @@ def replay_drafters(
 ) -> list[Proposer]:
     """Per trace, `proposer` with its heads answering from trees drafted at the root positions `roots[i]` of
     `sequences[i]` (prompt + greedy continuation) with target features `features[i]`. `memos[i]`: trace i's trees
-    already drafted by earlier proposers (read and filled)."""
+    already drafted by earlier proposers (read and filled). A cost-aware proposer cannot be replayed: it decides
+    from measured draft and verify times, which replay does not have (its cells run live, eval/runner.py)."""
+    if isinstance(proposer, CostAware):
+        raise ValueError(f"{proposer.name!r} decides from measured step times, which a replay does not have: "
+                         "run it live (eval.replay leaves auto-* cells live)")
     singles: dict[int, SingleHead] = {}
     swap_heads(proposer, lambda s: singles.setdefault(id(s), s))
     trees = {key: _remembered(s, sequences, features, roots, memos) for key, s in singles.items()}
@@ -205,20 +209,26 @@ def _draft_group(
     eye = torch.eye(k, dtype=torch.bool, device=device)
     ancestors = eye.expand(rows, k, k)
     blocks = _Blocks(trace_of, root_at, kv, k, width)
-    passes = tree.depth if n_draft > k else 0  # as draft_eagle2: a tree no wider than one level needs no expansion
+    passes = tree.depth  # as live drafting and EAGLE's topK_genrate: every pass, whatever the tree's size
+    stop = ConfidenceStop(tree.min_confidence, rows, device)  # as live drafting stops
     for level in range(passes):
+        if stop.all_stopped(candidates):
+            break
         out = blocks.forward(head, ctx, candidates.frontier_tokens, candidates.frontier_hidden, ancestors, level,
                              dtype)  # [R, k, d]
         parent_row = candidates.expand(ctx, out)
         kept = ancestors.gather(1, parent_row[:, :, None].expand(-1, -1, ancestors.shape[-1]))
         ancestors = torch.cat([kept, eye.expand(rows, k, k)], dim=2)
 
-    drafted = select_nodes(*candidates.flat(), n_draft)
-    return [_trace_trees(r, sequences[b], drafted, b, trace_of) for b, r in enumerate(roots)]
+    tokens, scores, parents, entropy = candidates.flat()
+    drafted = select_nodes(tokens, stop.scores(scores), parents, entropy, n_draft)
+    sizes = (stop.sizes(candidates.width, drafted[0].shape[1]) - 1).tolist() if stop.active else None
+    return [_trace_trees(r, sequences[b], drafted, b, trace_of, sizes) for b, r in enumerate(roots)]
 
 
 def _trace_trees(
-    r: range, sequence: list[int], drafted: tuple[torch.Tensor, ...] | None, b: int, trace_of: torch.Tensor
+    r: range, sequence: list[int], drafted: tuple[torch.Tensor, ...] | None, b: int, trace_of: torch.Tensor,
+    sizes: list[int] | None = None,
 ) -> TraceTrees:
     """Trace b's rows of the group's drafted (tokens, parents, confidence, entropy)."""
     if drafted is None:
@@ -226,7 +236,9 @@ def _trace_trees(
         return TraceTrees(r.start, [], empty.long(), empty.long(), empty, empty)
     mine = (trace_of == b).nonzero().flatten()
     tokens, parents, confidence, entropy = (t[mine] for t in drafted)
-    return TraceTrees(r.start, [sequence[c] for c in r], tokens, parents, confidence.float(), entropy.float())
+    mine_sizes = None if sizes is None else [sizes[i] for i in mine.tolist()]
+    return TraceTrees(r.start, [sequence[c] for c in r], tokens, parents, confidence.float(), entropy.float(),
+                      mine_sizes)
 
 
 class _Blocks:

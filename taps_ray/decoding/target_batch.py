@@ -10,6 +10,10 @@ the forward of a batch's tail computes only the sequences still decoding. The Ra
 between sessions: it merges batches, steps only the rows whose trees arrived and evicts rows, through the
 batch's own methods, so the cache invariant has one owner.
 
+The cache is preallocated (`models/kv_cache.py`): forwards write into it in place, a commit gathers accepted
+slots down in place and crops by moving a number, evicted rows are dropped by index. The forward is the
+model's attached one (`models/target_forward.py`): taps' own Llama forward or transformers'.
+
 Every tensor and generator lives on the model's device; trees drafted elsewhere are moved here. What a step
 hands back (`Committed`) owns its storage, never a view into the batch's tensors, so shipping one sequence's
 result (pickling it to a Ray drafter) ships that sequence's rows only.
@@ -26,10 +30,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import DynamicCache
 
-from taps_ray.decoding.verify import SamplingParams, Verdict, accept, sample_root
+from taps_ray.decoding.verify import SamplingParams, Verdict, accept_batch, sample_root
 from taps_ray.drafting.tree import DraftTree
+from taps_ray.models.kv_cache import KVCache
+from taps_ray.models.target_forward import TargetForward, target_forward
 
 if TYPE_CHECKING:  # an annotation only: importing the class loads transformers' model code (a drafter imports this)
     from transformers import PreTrainedModel
@@ -66,14 +71,6 @@ class TreeOutput:
     hidden: torch.Tensor  # [T, d] post-norm features, or [T, k*d] the batch's `feature_layers`
 
 
-def _pad_width(tensor: torch.Tensor, width: int) -> torch.Tensor:
-    """Zero-pad a [B, heads, slots, d] cache tensor to `width` slots (slots past a length are never attended)."""
-    missing = width - tensor.shape[2]
-    if missing <= 0:
-        return tensor
-    return torch.nn.functional.pad(tensor, (0, 0, 0, missing))
-
-
 class TargetBatch:
     """Sequences are numbered in the order they joined: `start`'s prompts, then each `merge`d batch's.
 
@@ -87,14 +84,20 @@ class TargetBatch:
     `params` is what `start` was given for the whole batch (the pool groups batches by it). `keep_logits`: every
     `Committed` carries the target's logits at its tokens, for callers that report log-probabilities.
     `feature_layers`: the `hidden_states` indices whose concatenation is every `Committed.features` (EAGLE-3);
-    empty: the post-norm last layer.
+    empty: the post-norm last layer. `forward`: the target forward to verify with instead of the model's
+    attached one (a benchmark compares both on one model).
     """
 
-    def __init__(self, model: PreTrainedModel, keep_logits: bool = False, feature_layers: Sequence[int] = ()) -> None:
+    def __init__(
+        self, model: PreTrainedModel, keep_logits: bool = False, feature_layers: Sequence[int] = (),
+        forward: TargetForward | None = None,
+    ) -> None:
         self.model = model
         self.keep_logits = keep_logits
         self.feature_layers = tuple(feature_layers)
-        self.cache = DynamicCache()
+        # taps' fast forward or transformers' (`target.forward`, attached at load); `forward` overrides it
+        self.target_forward = forward if forward is not None else target_forward(model)
+        self.cache = KVCache(self.target_forward.num_layers)
         self.lengths = torch.zeros(0, dtype=torch.long, device=self.device)
         self.params = SamplingParams()
         self.row_params: list[SamplingParams] = []
@@ -160,13 +163,10 @@ class TargetBatch:
         """
         if self.model is not other.model or self.feature_layers != other.feature_layers:
             raise ValueError("only batches of the same model and feature layers can share a forward")
-        width = max(self.cache.get_seq_length(), other.cache.get_seq_length())
         if self.batch_size == 0:
             self.cache = other.cache
         else:
-            for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
-                mine.keys = torch.cat([_pad_width(mine.keys, width), _pad_width(theirs.keys, width)], dim=0)
-                mine.values = torch.cat([_pad_width(mine.values, width), _pad_width(theirs.values, width)], dim=0)
+            self.cache.merge(other.cache)
         self.lengths = torch.cat([self.lengths, other.lengths])
         self.generators = [*self.generators, *other.generators]
         self.row_params = [*self.row_params, *other.row_params]
@@ -179,10 +179,7 @@ class TargetBatch:
             raise ValueError("keep at least one row (drop the whole batch instead)")
         index = torch.tensor(keep, dtype=torch.long, device=self.device)
         lengths = self.lengths[index]
-        width = int(lengths.max())
-        for layer in self.cache.layers:
-            layer.keys = layer.keys[index, :, :width].contiguous()
-            layer.values = layer.values[index, :, :width].contiguous()
+        self.cache.keep_rows(index, int(lengths.max()))  # in place: the buffers are kept
         self.lengths = lengths
         self.generators = [self.generators[i] for i in keep]
         self.row_params = [self.row_params[i] for i in keep]
@@ -193,28 +190,23 @@ class TargetBatch:
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         lengths = self.lengths[index]
         width = int(lengths.max())
-        sub = TargetBatch(self.model, keep_logits=self.keep_logits, feature_layers=self.feature_layers)
+        sub = TargetBatch(self.model, self.keep_logits, self.feature_layers, self.target_forward)
         sub.params = self.params
         sub.row_params = [self.row_params[i] for i in rows]
-        sub.cache = DynamicCache(
-            ddp_cache_data=[(l.keys[index, :, :width], l.values[index, :, :width]) for l in self.cache.layers]
-        )
+        sub.cache = self.cache.take_rows(index, width)
         sub.lengths = lengths.clone()
         sub.generators = [self.generators[i] for i in rows]
         return sub
 
     def _put_rows(self, rows: list[int], sub: TargetBatch) -> None:
-        """Write a stepped sub-batch (from `_take_rows`) back into its rows; the other rows keep their caches."""
+        """Write a stepped sub-batch (from `_take_rows`) back into its rows; the other rows keep their caches.
+        Only slots from the rows' shortest old length on can have changed (a commit moves nothing below a
+        sequence's length), so only those are written back."""
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         lengths = self.lengths.clone()
+        since = int(lengths[index].min())
         lengths[index] = sub.lengths
-        width = int(lengths.max())
-        sub_width = sub.cache.get_seq_length()
-        for mine, theirs in zip(self.cache.layers, sub.cache.layers, strict=True):
-            for name in ("keys", "values"):
-                full = _pad_width(getattr(mine, name), width)  # the width only grows: rows only gain tokens
-                full[index, :, :sub_width] = getattr(theirs, name)
-                setattr(mine, name, full)
+        self.cache.put_rows(index, sub.cache, since)
         self.lengths = lengths
 
     def _step(self, trees: list[DraftTree | None]) -> list[Committed | None]:
@@ -222,10 +214,8 @@ class TargetBatch:
         t0 = time.perf_counter()
         outputs = self.verify(trees)
         t1 = time.perf_counter()
-        verdicts = [
-            None if tree is None else accept(tree, out.logits, params, generator)
-            for tree, out, params, generator in zip(trees, outputs, self.row_params, self.generators, strict=True)
-        ]
+        verdicts = accept_batch(trees, [None if out is None else out.logits for out in outputs], self.row_params,
+                                self.generators)
         t2 = time.perf_counter()
         self.commit([v.nodes if v is not None else [] for v in verdicts])
         t3 = time.perf_counter()
@@ -257,19 +247,11 @@ class TargetBatch:
         self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(post-norm last layer [B, T, d], proposer features); the caller applies the LM head where it needs logits.
-        `mask` None: the model's own causal mask over the whole cache. A boolean `mask` (True = may attend) is
-        read as such by SDPA; eager attention adds a 4-D mask to the scores as it is, so a boolean one would mask
-        nothing: it gets the additive form (0 or the dtype's min)."""
-        layers = self.feature_layers
-        if mask is not None and self.model.config._attn_implementation == "eager":
-            blocked = torch.finfo(self.model.dtype).min
-            mask = torch.zeros(mask.shape, dtype=self.model.dtype, device=mask.device).masked_fill(~mask, blocked)
-        out = self.model.model(
-            input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=self.cache, use_cache=True,
-            output_hidden_states=bool(layers),
-        )
-        last = out.last_hidden_state
-        return last, torch.cat([out.hidden_states[i] for i in layers], dim=-1) if layers else last
+        `mask` None: plain causal attention over the whole cache; else a boolean [B, 1, T, S] (True = may attend).
+        The forward writes its keys and values after the committed region, which then covers them."""
+        out = self.target_forward(input_ids, positions, mask, self.cache, self.feature_layers)
+        self.cache.advance(input_ids.shape[1])
+        return out
 
     @torch.no_grad()
     def prefill(self, prompts: list[list[int]]) -> list[TreeOutput]:
@@ -287,7 +269,7 @@ class TargetBatch:
         valid = columns[None, :] < lengths[:, None]  # [B, width]
         mask = causal[None] & valid[:, None, :]
         mask |= torch.eye(width, dtype=torch.bool, device=self.device)[None]  # padded rows attend to themselves: no NaN rows
-        self.cache = DynamicCache()
+        self.cache.reset(len(prompts))
         hidden, features = self._forward(ids, columns.expand(len(prompts), -1), mask[:, None])
         self.lengths = lengths
         last = self.model.lm_head(hidden[torch.arange(len(prompts), device=self.device), lengths - 1])  # [B, V]
@@ -301,7 +283,7 @@ class TargetBatch:
         width = max((t.size for t in trees if t is not None), default=0)
         if width == 0:
             return [None] * len(trees)
-        past = self.cache.get_seq_length()
+        past = self.cache.width
         if self._causal(trees, past):
             hidden, features = self._forward(
                 torch.stack([t.tokens for t in trees]).to(self.device),
@@ -341,25 +323,21 @@ class TargetBatch:
 
     def commit(self, accepted_nodes: list[list[int]]) -> None:
         """Keep each sequence's accepted tree slots (root first) right after its committed prefix."""
-        start = int(self.lengths.max())  # invariant: the committed region is as wide as the longest sequence
+        lengths = self.lengths.tolist()  # one read for the batch
+        start = max(lengths)  # invariant: the committed region is as wide as the longest sequence
         new_lengths = self.lengths + torch.tensor([len(n) for n in accepted_nodes], device=self.device)
-        low = int(self.lengths.min())
-        high = int(new_lengths.max())
+        low = min(lengths)
+        high = max(length + len(n) for length, n in zip(lengths, accepted_nodes))
         in_place = low == start and all(nodes == list(range(len(nodes))) for nodes in accepted_nodes)
         if in_place:  # every sequence kept a prefix of its slots (a chain's): nothing moves, only crop
-            for layer in self.cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, :high], layer.values[:, :, :high]
+            self.cache.crop(high)
             self.lengths = new_lengths
             return
         index = torch.arange(low, high, device=self.device).repeat(self.batch_size, 1)  # identity for slots already committed
         for b, nodes in enumerate(accepted_nodes):
-            first = int(self.lengths[b]) - low
+            first = lengths[b] - low
             if nodes:
                 index[b, first : first + len(nodes)] = start + torch.tensor(nodes, device=self.device)
             index[b, first + len(nodes) :] = 0  # beyond the sequence: any slot, masked out later
-        for layer in self.cache.layers:  # in place: only slots low..high-1 move, the prefix is not copied
-            gather = index[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
-            layer.keys[:, :, low:high] = layer.keys.gather(2, gather)
-            layer.values[:, :, low:high] = layer.values.gather(2, gather)
-            layer.keys, layer.values = layer.keys[:, :, :high], layer.values[:, :, :high]
+        self.cache.compact(low, index)  # in place: only slots low..high-1 move, the prefix is not copied
         self.lengths = new_lengths

@@ -88,6 +88,43 @@ def greedy_path(tree: DraftTree, target_next: torch.Tensor) -> Verdict:
     return Verdict(nodes=nodes, tokens=tree.tokens[nodes].tolist(), bonus=int(target_next[nodes[-1]]))
 
 
+def accept_greedy_batch(trees: list[DraftTree], logits: list[torch.Tensor]) -> list[Verdict]:
+    """`accept_greedy` of a batch of trees in vectorised passes on the device; the host reads one small tensor
+    for the whole batch. A node is accepted when every drafted node on its path equals the target's argmax
+    after its parent; the verdict is the deepest accepted node, and on equal depths the one whose path comes
+    first in lexicographic order (= DFS preorder with children in index order), the first retrieve row's, as
+    `greedy_path` picks."""
+    pad = torch.nn.utils.rnn.pad_sequence
+    width = max(t.size for t in trees)
+    device = trees[0].tokens.device
+    nodes = torch.arange(width, device=device)
+    tokens = pad([t.tokens for t in trees], batch_first=True, padding_value=-1)  # [B, T]
+    parents = pad([t.parents for t in trees], batch_first=True)
+    depth = pad([t.depth for t in trees], batch_first=True)
+    target_next = pad([greedy_tokens(x) for x in logits], batch_first=True)
+    mask = torch.stack([torch.nn.functional.pad(t.mask, (0, width - t.size, 0, width - t.size)) for t in trees])
+    valid = nodes < torch.tensor([t.size for t in trees], device=device)[:, None]
+    ok = (tokens == target_next.gather(1, parents.clamp(min=0))) | (nodes == 0)
+    accepted = ~(mask & ~ok[:, None, :]).any(-1) & valid  # every node on the path matches
+    # preorder rank: 1 + the subtree sizes of earlier siblings, summed over the path below the root
+    subtree = mask.sum(1)  # [B, T]: descendants and self
+    sibling = (parents[:, :, None] == parents[:, None, :]) & (nodes[None, :] < nodes[:, None])[None]
+    before = (sibling & valid[:, None, :]).float() @ subtree.float()[:, :, None]  # [B, T, 1]
+    step = (1.0 + before[..., 0]).masked_fill(nodes == 0, 0.0)
+    preorder = (mask.float() @ step[:, :, None])[..., 0].long()
+    key = torch.where(accepted, depth * (width + 1) + (width - preorder), -1)
+    best = key.argmax(-1)  # [B]
+    rows = torch.arange(len(trees), device=device)
+    path = torch.where(mask[rows, best], nodes, width).sort(-1).values  # root-to-node order, `width` pads
+    path_tokens = tokens.gather(1, path.clamp(max=width - 1))
+    packed = torch.cat([depth[rows, best, None] + 1, path, path_tokens, target_next[rows, best, None]], dim=1)
+    verdicts = []
+    for row in packed.tolist():
+        n = row[0]
+        verdicts.append(Verdict(nodes=row[1 : 1 + n], tokens=row[1 + width : 1 + width + n], bonus=row[-1]))
+    return verdicts
+
+
 def _remove(probs: torch.Tensor, token: int) -> torch.Tensor:
     probs = probs.clone()
     probs[token] = 0.0
@@ -146,6 +183,22 @@ def accept(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, genera
     if generator is None:
         raise ValueError("sampling (temperature > 0) needs a seeded torch.Generator")
     return accept_stochastic(tree, logits, params, generator)
+
+
+def accept_batch(
+    trees: list[DraftTree | None], logits: list[torch.Tensor | None], params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+) -> list[Verdict | None]:
+    """`accept` of each tree (None: none), the greedy ones in one vectorised pass (`accept_greedy_batch`)."""
+    verdicts: list[Verdict | None] = [None] * len(trees)
+    greedy = [b for b, tree in enumerate(trees) if tree is not None and params[b].greedy]
+    if greedy:
+        for b, verdict in zip(greedy, accept_greedy_batch([trees[b] for b in greedy], [logits[b] for b in greedy])):
+            verdicts[b] = verdict
+    for b, tree in enumerate(trees):
+        if tree is not None and not params[b].greedy:
+            verdicts[b] = accept(tree, logits[b], params[b], generators[b])
+    return verdicts
 
 
 def sample_root(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

@@ -38,7 +38,6 @@ from typing import Any, ClassVar
 import torch
 
 from taps_ray.config import TreeConfig
-from taps_ray.eval.diagnostics import mean_node_confidence
 from taps_ray.models.draft_head import DraftHead
 from taps_ray.drafting.ngram import NgramProposer
 from taps_ray.drafting.proposers import Proposer, SingleHead, StackedHeads, feature_layers, stackable
@@ -403,33 +402,6 @@ class Merged(AllPartsDrafting):
             entropies=tuple(t.mean_entropy for t in trees),
             shares=shares,
         )
-
-
-# --- post-hoc per-question router (docs/algorithms.md#per-question-confidence-router) -----------------------
-
-
-def per_question_confidence_choice(
-    records_by_head: dict[str, list[Any]], eps: float = 0.01, fallback: str | None = "mixed"
-) -> str:
-    """The head a per-question confidence router picks from complete single-head generations of one question.
-
-    records_by_head: head name -> that head's `StepRecord`s for the question (all turns). A head's score is
-    the mean confidence over every drafted node of every step. The fallback head (if present in the dict) is
-    not a candidate; when the two best candidates' scores differ by less than `eps`, the fallback is chosen
-    (the reference chooses Mixed), or the first candidate when `fallback` is None. Otherwise the highest score
-    wins, ties to the earlier head. An analysis tool: it needs every head's full generation (oracle-like).
-    """
-    candidates = [name for name in records_by_head if name != fallback]
-    if not candidates:
-        raise ValueError(f"no candidate heads besides the fallback {fallback!r}")
-    scores = {}
-    for name in candidates:
-        score = mean_node_confidence(records_by_head[name])
-        scores[name] = 0.0 if math.isnan(score) else score
-    ranked = sorted(candidates, key=lambda n: (-scores[n], candidates.index(n)))
-    if len(ranked) >= 2 and abs(scores[ranked[0]] - scores[ranked[1]]) < eps:
-        return fallback if fallback is not None else candidates[0]
-    return ranked[0]
 
 
 # --- builders (named in drafting/registry.py) ----------------------------------------------------------------

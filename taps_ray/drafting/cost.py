@@ -32,8 +32,7 @@ from typing import Any
 
 import torch
 
-from taps_ray.decoding.generate import NOT_DRAFTED
-from taps_ray.drafting.proposers import Proposer
+from taps_ray.drafting.proposers import NOT_DRAFTED, Proposer
 from taps_ray.drafting.tree import DraftTree, path_scores, ranked_nodes, root_only, subtree
 
 SMOOTHING = 0.5  # weight of the newest step in a running cost

@@ -10,7 +10,6 @@ import math
 import re
 
 AVERAGED_SWEEP = (0.0, 0.25, 0.5, 0.75, 1.0)  # the averaged weights the study lists (`registry.proposer_names`)
-SEARCHED = "searched"  # the head of the best mixture `taps search` found: drafts alone, never in a combination
 _AVERAGED = re.compile(r"^averaged-w(.*)$")
 
 

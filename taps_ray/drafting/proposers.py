@@ -16,7 +16,14 @@ import torch
 from taps_ray.config import TreeConfig
 from taps_ray.models.draft_head import DraftHead
 from taps_ray.models.stacked_head import StackedHead, stack_mismatch
-from taps_ray.drafting.tree import DraftContext, DraftTree, HeadCache, draft_eagle2_trees, head_context, root_only
+from taps_ray.drafting.tree import (
+    DraftContext, DraftTree, HeadCache, draft_eagle2_batch, draft_eagle2_trees, head_context, root_only,
+)
+
+
+NOT_DRAFTED = -2  # StepRecord.head of a step that verified only the root (drafting paused by `draft_below`)
+
+NOT_DRAFTED = -2  # StepRecord.head of a step that verified only the root (drafting paused by `draft_below`)
 
 
 class Proposer(Protocol):
@@ -33,6 +40,19 @@ class Proposer(Protocol):
         [m]: the token after each of them; the last one is the tree's root.
         """
         ...
+
+
+def propose_batch(
+    proposer: Proposer, states: list[Any], features: list[torch.Tensor], next_tokens: list[torch.Tensor]
+) -> tuple[list[DraftTree], list[Any]]:
+    """`Proposer.propose` for several sequences at once (the decoding loop's one call per step): a proposer that
+    drafts a batch in one pass says so by a `propose_batch` method of this signature; any other is called
+    sequence by sequence."""
+    batched = getattr(proposer, "propose_batch", None)
+    if batched is not None:
+        return batched(states, features, next_tokens)
+    out = [proposer.propose(state, f, t) for state, f, t in zip(states, features, next_tokens, strict=True)]
+    return [tree for tree, _ in out], [state for _, state in out]
 
 
 def feature_layers(proposer: Proposer) -> tuple[int, ...]:
@@ -68,7 +88,7 @@ class PlainDecoding:
         return None
 
     def propose(self, state: None, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[DraftTree, None]:
-        return root_only(int(next_tokens[-1]), next_tokens.device), None
+        return root_only(next_tokens[-1:], next_tokens.device), None
 
 
 @dataclass
@@ -97,6 +117,16 @@ class SingleHead:
     def propose(self, state: HeadCache, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[DraftTree, HeadCache]:
         (tree,), cache = draft_trees(self.head, self.context, self.tree, state, features, next_tokens)
         return tree, cache
+
+    def propose_batch(
+        self, states: list[HeadCache], features: list[torch.Tensor], next_tokens: list[torch.Tensor]
+    ) -> tuple[list[DraftTree], list[HeadCache]]:
+        """Every sequence's tree in one forward per tree level (`draft_eagle2_batch`)."""
+        tree = self.tree
+        trees, caches = draft_eagle2_batch(self.head, self.context, states, features, next_tokens,
+                                           total_token=tree.total_token, depth=tree.depth, top_k=tree.top_k,
+                                           min_confidence=tree.min_confidence)
+        return [t for (t,) in trees], caches
 
 
 def draft_trees(

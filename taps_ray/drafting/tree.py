@@ -18,26 +18,40 @@ from taps_ray.models.draft_head import DraftHead, KVCache
 
 @dataclass
 class DraftTree:
-    """Node 0 is the root (the token the target produced last, not yet in its cache)."""
+    """Node 0 is the root (the token the target produced last, not yet in its cache).
+
+    Every field is built on the device without reading values back (`tree_structure`), so drafting a batch of
+    trees costs the host no sync; `retrieve` (the root-to-leaf rows, whose count depends on the tree) is derived
+    on first use, by the stochastic verifier, replay and merged trees. `chain`: whether every node's parent is
+    the node before it, when the builder knows it without reading the tree (None: `is_chain` reads it)."""
 
     tokens: torch.Tensor  # [T] long
     parents: torch.Tensor  # [T] long, -1 for the root; parents precede children
     depth: torch.Tensor  # [T] long, root = 0
     mask: torch.Tensor  # [T, T] bool, ancestors and self
-    retrieve: torch.Tensor  # [L, Dmax] long, root-to-leaf node indices, right-padded with -1
     confidence: torch.Tensor  # [T-1] float32, cumulative path probability of each drafted node
     entropy: torch.Tensor  # [T-1] float32, entropy (nats) of the distribution each node was drawn from
     source: torch.Tensor = field(default=None)  # [T-1] long, which head drafted each node (merged trees)
+    chain: bool | None = None
 
     def __post_init__(self) -> None:
         if self.source is None:
             self.source = torch.zeros(self.size - 1, dtype=torch.long, device=self.tokens.device)
+        self._retrieve: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> "DraftTree":
         """This tree on `device` (itself when it is there already)."""
         if self.tokens.device == torch.device(device):
             return self
-        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self) if f.name != "chain"})
+
+    @property
+    def retrieve(self) -> torch.Tensor:
+        """[L, Dmax] long: root-to-leaf node indices, one row per leaf, right-padded with -1, rows in
+        lexicographic order (-1 last), so the stochastic verifier tries siblings in drafted-rank order."""
+        if self._retrieve is None:
+            self._retrieve = _retrieve_rows(self.parents, self.mask)
+        return self._retrieve
 
     @property
     def size(self) -> int:
@@ -46,7 +60,9 @@ class DraftTree:
     @property
     def is_chain(self) -> bool:
         """Every node's parent is the node before it (plain decoding's one-node tree is a chain)."""
-        return bool((self.parents == torch.arange(-1, self.size - 1, device=self.parents.device)).all())
+        if self.chain is None:
+            self.chain = bool((self.parents == torch.arange(-1, self.size - 1, device=self.parents.device)).all())
+        return self.chain
 
     @property
     def mean_confidence(self) -> float:
@@ -57,6 +73,37 @@ class DraftTree:
         return float(self.entropy.mean()) if self.entropy.numel() else 0.0
 
 
+def tree_structure(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depth [R, T] and ancestor-and-self mask [R, T, T] of R trees of T nodes from their parent pointers
+    [R, T] (-1: the root), on the device in a fixed number of passes: the mask is the reflexive-transitive
+    closure of the parent relation, by repeated squaring (paths of up to 2^i edges after i squarings)."""
+    size = parents.shape[-1]
+    nodes = torch.arange(size, device=parents.device)
+    reach = (parents[..., None] == nodes) | torch.eye(size, dtype=torch.bool, device=parents.device)
+    closure = reach.float()
+    for _ in range(max(size - 1, 1).bit_length()):
+        closure = (closure @ closure).clamp_(max=1.0)
+    mask = closure > 0
+    return mask.sum(-1) - 1, mask
+
+
+def _retrieve_rows(parents: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`DraftTree.retrieve` from a tree's parents and mask (read on the host: the row count is the leaf count)."""
+    device, mask, parents = parents.device, mask.cpu(), parents.cpu()
+    size = mask.shape[0]
+    is_parent = torch.zeros(size, dtype=torch.bool)
+    is_parent[parents[1:]] = True
+    leaves = (~is_parent).nonzero().flatten()
+    width = int(mask.sum(-1).max())
+    # each leaf's ancestors in index order (= root-to-leaf order); `size` pads, so it sorts after every node
+    rows = torch.where(mask[leaves], torch.arange(size), size).sort(dim=-1).values[:, :width]
+    order = torch.arange(len(leaves))
+    for column in reversed(range(width)):  # lexicographic: stable sorts from the last column to the first
+        order = order[rows[order, column].sort(stable=True).indices]
+    rows = rows[order]
+    return rows.masked_fill(rows == size, -1).to(device)
+
+
 def build_tree(
     tokens: torch.Tensor,
     parents: torch.Tensor,
@@ -64,42 +111,42 @@ def build_tree(
     entropy: torch.Tensor | None = None,
     source: torch.Tensor | None = None,
 ) -> DraftTree:
-    """Derive depth, ancestor mask and retrieve rows from parent pointers (parents must precede children)."""
-    size = int(tokens.numel())
-    device = tokens.device
+    """A tree from parent pointers, checked (parents must precede children; reading them syncs once): for
+    proposers that build trees node by node. Drafters that produce valid trees by construction use
+    `trees_from_rows`."""
     parent_list = parents.tolist()
     if parent_list[0] != -1 or any(not (0 <= p < i) for i, p in enumerate(parent_list) if i):
         raise ValueError(f"invalid tree: node 0 must be the root and every parent must precede its child: {parent_list}")
-    mask = torch.zeros(size, size, dtype=torch.bool, device="cpu")  # filled row by row on the host, moved once
-    depth = [0] * size
-    mask[0, 0] = True
-    for node in range(1, size):
-        parent = parent_list[node]
-        mask[node] = mask[parent]
-        mask[node, node] = True
-        depth[node] = depth[parent] + 1
-    is_parent = [False] * size
-    for node in range(1, size):
-        is_parent[parent_list[node]] = True
-    leaves = [n for n in range(size) if not is_parent[n]]
-    width = max(depth) + 1
-    rows = []
-    for leaf in leaves:
-        path = mask[leaf].nonzero().flatten().tolist()  # ancestors in index order = root-to-leaf order
-        rows.append(path + [-1] * (width - len(path)))
-    # Lexicographic row order (-1 last): the stochastic verifier then tries siblings in drafted-rank order.
-    rows.sort(key=lambda row: [r if r >= 0 else size for r in row])
+    device = tokens.device
+    size = int(tokens.numel())
+    chain = parent_list == list(range(-1, size - 1))
     empty = torch.zeros(size - 1, dtype=torch.float32, device=device)
-    return DraftTree(
-        tokens=tokens.long(),
-        parents=parents.long().to(device),
-        depth=torch.tensor(depth, dtype=torch.long, device=device),
-        mask=mask.to(device),
-        retrieve=torch.tensor(rows, dtype=torch.long, device=device),
-        confidence=empty.clone() if confidence is None else confidence.float().to(device),
-        entropy=empty.clone() if entropy is None else entropy.float().to(device),
-        source=None if source is None else source.to(device),
+    (tree,) = trees_from_rows(
+        tokens.long()[None], parents.long().to(device)[None],
+        (empty if confidence is None else confidence.float().to(device))[None],
+        (empty if entropy is None else entropy.float().to(device))[None],
+        None if source is None else source.to(device)[None], chains=[chain],
     )
+    return tree
+
+
+def trees_from_rows(
+    tokens: torch.Tensor, parents: torch.Tensor, confidence: torch.Tensor, entropy: torch.Tensor,
+    source: torch.Tensor | None = None, sizes: list[int] | None = None, chains: list[bool] | None = None,
+) -> list[DraftTree]:
+    """R trees from [R, T] tokens and parents (root first) and [R, T-1] node confidences and entropies, their
+    structure built in one batched pass (`tree_structure`); tree r keeps its first `sizes[r]` nodes (default
+    all). The trees are views of the batched tensors. `chains`: each tree's `DraftTree.chain`, if known."""
+    depth, mask = tree_structure(parents)
+    rows, width = tokens.shape
+    sizes = [width] * rows if sizes is None else sizes
+    chains = [None] * rows if chains is None else chains
+    return [
+        DraftTree(tokens=tokens[r, :n], parents=parents[r, :n], depth=depth[r, :n], mask=mask[r, :n, :n],
+                  confidence=confidence[r, : n - 1], entropy=entropy[r, : n - 1],
+                  source=None if source is None else source[r, : n - 1], chain=chains[r])
+        for r, n in enumerate(sizes)
+    ]
 
 
 def path_scores(tree: DraftTree) -> list[float]:
@@ -142,9 +189,15 @@ def subtree(tree: DraftTree, keep: list[int]) -> DraftTree:
     )
 
 
-def root_only(root: int, device: torch.device | str) -> DraftTree:
-    """The degenerate tree of plain autoregressive decoding: verify the root, accept nothing drafted."""
-    return build_tree(torch.tensor([root], device=device), torch.tensor([-1], device=device))
+def root_only(root: int | torch.Tensor, device: torch.device | str) -> DraftTree:
+    """The degenerate tree of plain autoregressive decoding: verify the root, accept nothing drafted. `root` may
+    be a one-element tensor (no host read)."""
+    tokens = root.reshape(1).long().to(device) if isinstance(root, torch.Tensor) else torch.tensor([root], device=device)
+    empty = torch.zeros(0, dtype=torch.float32, device=device)
+    return DraftTree(tokens=tokens, parents=torch.full((1,), -1, dtype=torch.long, device=device),
+                     depth=torch.zeros(1, dtype=torch.long, device=device),
+                     mask=torch.ones(1, 1, dtype=torch.bool, device=device), confidence=empty, entropy=empty,
+                     chain=True)
 
 
 def _entropy(log_probs: torch.Tensor) -> torch.Tensor:
@@ -206,78 +259,122 @@ def head_context(head: DraftHead, ctx: DraftContext) -> DraftContext:
 
 @dataclass
 class KVSlots:
-    """Preallocated keys and values [N, kvh, capacity, hd] of one head (N = 1) or of a stack of N heads
-    (models/stacked_head.py; every head sees the same committed inputs, so they share one length), shared
-    along one sequence's states.
+    """Preallocated keys and values [N*S, kvh, capacity, hd] of S sequences drafted together by one head
+    (N = 1) or a stack of N heads (models/stacked_head.py; row n*S + s: head n of sequence s; every head of a
+    sequence sees the same committed inputs, so they share one length). `stable[s]`: sequence s's slots
+    0..stable[s]-1 hold the newest stable cache written into them.
 
-    Slots 0..stable-1 hold the newest stable cache written into them; a draft writes its tree's K/V after
-    that and the next extension overwrites them, so drafting copies no cache. A state older than `stable`
-    that extends again (a branch) gets its own copy, so no state ever sees another's K/V.
-    """
+    A draft writes its tree's K/V after the stable caches and the next extension overwrites them, so drafting
+    copies no cache. A state older than its sequence's `stable` that extends again (a branch), or a batch of
+    states that are not exactly these S sequences in order, gets its own copy, so no state ever sees another's
+    K/V."""
 
     kv: KVCache
-    stable: int
+    stable: list[int]
 
     @property
     def capacity(self) -> int:
         return int(self.kv[0].shape[2])
 
+    @property
+    def sequences(self) -> int:
+        return len(self.stable)
+
 
 @dataclass
 class HeadCache:
-    """A head's (or head stack's) stable cache: K/V for draft positions 0..length-1, built from committed target
-    features only."""
+    """A head's (or head stack's) stable cache of one sequence: K/V for draft positions 0..length-1, built from
+    committed target features only; it is sequence `row` of `slots`."""
 
     slots: KVSlots | None = None
     length: int = 0
+    row: int = 0
 
     @property
     def kv(self) -> KVCache | None:
         """The stable keys and values [N, kvh, length, hd] (views of the slots)."""
         if self.slots is None:
             return None
-        keys, values = self.slots.kv
-        return keys[:, :, : self.length], values[:, :, : self.length]
+        s = self.slots.sequences
+        return tuple(t.view(-1, s, *t.shape[1:])[:, self.row, :, : self.length] for t in self.slots.kv)
 
-    def reserve(self, head: DraftHead, needed: int) -> KVSlots:
-        """Slots this cache can extend in place to `needed` positions: its own, or a fresh copy when they are
-        too small or a newer state has extended them already."""
-        slots = self.slots
-        if slots is not None and slots.stable == self.length and slots.capacity >= needed:
-            return slots
-        config, weight = head.config, next(head.parameters())
-        shape = (head.stacked, config.num_key_value_heads, max(2 * needed, 256), config.head_dim)
-        kv = (weight.new_empty(shape), weight.new_empty(shape))
-        if self.length:
-            kv[0][:, :, : self.length], kv[1][:, :, : self.length] = self.kv
-        return KVSlots(kv, self.length)
+
+def reserve_slots(head: DraftHead, caches: list[HeadCache], needed: int) -> KVSlots:
+    """Slots the sequences `caches` extend in place to `needed` positions: their shared ones when they are
+    exactly those slots' sequences in order, each at its stable length, with room; else fresh slots holding a
+    copy of each stable cache."""
+    slots = caches[0].slots
+    if (slots is not None and slots.sequences == len(caches) and slots.capacity >= needed
+            and all(c.slots is slots and c.row == s and slots.stable[s] == c.length for s, c in enumerate(caches))):
+        return slots
+    config, weight = head.config, next(head.parameters())
+    sequences = len(caches)
+    shape = (head.stacked * sequences, config.num_key_value_heads, max(2 * needed, 256), config.head_dim)
+    # zeros, not empty: a shorter sequence's rows are read (masked) up to the longest one's slots, and masked
+    # garbage that happens to be NaN or inf would still poison attention (NaN * 0 = NaN)
+    kv = (weight.new_zeros(shape), weight.new_zeros(shape))
+    fresh = KVSlots(kv, [c.length for c in caches])
+    for s, cache in enumerate(caches):  # a copy per sequence only when the batch changed
+        if cache.length:
+            for mine, theirs in zip(HeadCache(fresh, cache.length, s).kv, cache.kv):
+                mine.copy_(theirs)
+    return fresh
+
+
+def extend_batch(
+    head: DraftHead, ctx: DraftContext, caches: list[HeadCache], features: list[torch.Tensor],
+    next_tokens: list[torch.Tensor], reserve: int = 0,
+) -> tuple[torch.Tensor, list[HeadCache], torch.Tensor]:
+    """Step A for S sequences in one forward: feed each sequence's (h_p, x_{p+1}) pairs of newly committed
+    positions (their counts may differ: right-padded, each row writing its own slots). Returns the last output
+    of every stacked head of every sequence [N*S, d] (row n*S + s), the new caches, whose slots hold `reserve`
+    more positions after the longest for the trees drafted next, and the last next token of each sequence [S]
+    (the trees' roots).
+
+    The committed tensors may come from another device (a target worker hands back CPU tensors); they move
+    to the head's."""
+    weight = next(head.parameters())
+    dtype, device, n = weight.dtype, weight.device, head.stacked
+    sequences = len(caches)
+    counts = [int(t.numel()) for t in next_tokens]  # shapes: known on the host
+    lengths = [c.length for c in caches]
+    widest, most = max(lengths), max(counts)
+    slots = reserve_slots(head, caches, widest + most + reserve)
+    tokens = torch.nn.utils.rnn.pad_sequence([t.to(device) for t in next_tokens], batch_first=True)  # [S, M]
+    feats = torch.nn.utils.rnn.pad_sequence([f.to(device=device, dtype=dtype) for f in features], batch_first=True)
+    offsets = torch.arange(most, device=device)
+    uniform = len(set(lengths)) == 1
+    start_of = torch.tensor(lengths, device=device)[:, None]  # [S, 1]
+    slot = start_of + offsets  # [S, M]: where each new position's K/V goes
+    columns = torch.arange(widest + most, device=device)
+    seen = columns <= slot[:, :, None]  # [S, M, widest + M]: a row's committed slots and its new ones up to itself
+    mask = seen[None].expand(n, -1, -1, -1).reshape(n * sequences, 1, most, widest + most)
+    out = head.step(
+        ctx.embed(tokens).to(dtype).reshape(1, sequences * most, -1).expand(n, -1, -1),
+        feats.reshape(1, sequences * most, -1).expand(n, -1, -1),
+        slot.reshape(1, -1),  # positions = slots: a sequence's draft positions are contiguous
+        mask,
+        slots.kv,
+        widest,
+        sequences=sequences,
+        write_index=None if uniform else slot[None].expand(n, -1, -1).reshape(n * sequences, most),
+    )
+    last = torch.tensor([c - 1 for c in counts], device=device)
+    rows = torch.arange(sequences, device=device)
+    hidden = out.view(n, sequences, most, -1)[:, rows, last].reshape(n * sequences, -1)
+    roots = tokens[rows, last]
+    new = [c + m for c, m in zip(lengths, counts)]
+    slots.stable = list(new)
+    return hidden, [HeadCache(slots, length, s) for s, length in enumerate(new)], roots
 
 
 def extend_context(
     head: DraftHead, ctx: DraftContext, cache: HeadCache, features: torch.Tensor, next_tokens: torch.Tensor,
     reserve: int = 0,
 ) -> tuple[torch.Tensor, HeadCache]:
-    """Step A: feed (h_p, x_{p+1}) pairs of newly committed positions; returns the last output of every stacked
-    head [N, d] and the new cache, whose slots hold `reserve` more positions for the tree drafted next.
-
-    The committed tensors may come from another device (a target worker hands back CPU tensors); they move
-    to the head's."""
-    m = int(next_tokens.numel())
-    weight = next(head.parameters())
-    dtype, device, rows = weight.dtype, weight.device, head.stacked
-    slots = cache.reserve(head, cache.length + m + reserve)
-    positions = torch.arange(cache.length, cache.length + m, device=device).unsqueeze(0)  # broadcast over heads
-    mask = torch.ones(m, cache.length + m, dtype=torch.bool, device=device).tril(diagonal=cache.length)
-    out = head.step(
-        ctx.embed(next_tokens.to(device).unsqueeze(0)).to(dtype).expand(rows, -1, -1),
-        features.unsqueeze(0).to(device=device, dtype=dtype).expand(rows, -1, -1),
-        positions,
-        mask[None, None],
-        slots.kv,
-        cache.length,
-    )
-    slots.stable = cache.length + m
-    return out[:, -1], HeadCache(slots=slots, length=cache.length + m)
+    """`extend_batch` of one sequence: the last output of every stacked head [N, d] and the new cache."""
+    hidden, (cache,), _ = extend_batch(head, ctx, [cache], [features], [next_tokens], reserve)
+    return hidden, cache
 
 
 class Candidates:
@@ -347,9 +444,9 @@ def select_nodes(
     node_of_flat = torch.full_like(tokens, -1)
     node_of_flat.scatter_(1, selected, torch.arange(1, n + 1, device=device).expand(rows, n))
     parent_flat = parents.gather(1, selected)
+    # A child's cumulative score never exceeds its parent's and ties go to the lower flat index, so a selected
+    # node's parent is always selected (checked by tests/test_engine.py, not here: reading it would sync).
     node_parents = torch.where(parent_flat < 0, 0, node_of_flat.gather(1, parent_flat.clamp(min=0)))
-    if (node_parents < 0).any():
-        raise AssertionError("EAGLE-2 selection kept a node without its parent")
     return tokens.gather(1, selected), node_parents, scores.gather(1, selected).exp(), entropy.gather(1, selected)
 
 
@@ -368,7 +465,121 @@ def select_tree(
     )
 
 
+class ConfidenceStop:
+    """The `min_confidence` rule of R trees expanded side by side (live drafting and replay alike): a row stops
+    expanding once its best frontier node's cumulative probability falls below `min_confidence`; its later
+    candidates are never selected, so its tree is what it would be had it stopped drafting there
+    (docs/algorithms.md#draft-confidence-stop). Inactive (no host reads) for `min_confidence` 0."""
+
+    def __init__(self, min_confidence: float, rows: int, device: torch.device) -> None:
+        self.below = math.log(min_confidence) if min_confidence > 0 else -math.inf
+        self.stopped = torch.full((rows,), -1, dtype=torch.long, device=device)  # per row: its candidates then
+
+    @property
+    def active(self) -> bool:
+        return self.below > -math.inf
+
+    def all_stopped(self, candidates: Candidates) -> bool:
+        """Before a level: mark the rows that stop now; whether every row has (one read per level)."""
+        if not self.active:
+            return False
+        newly = (candidates.frontier_scores[:, 0] < self.below) & (self.stopped < 0)
+        self.stopped = torch.where(newly, candidates.width, self.stopped)
+        return bool((self.stopped >= 0).all())
+
+    def widths(self, width: int) -> torch.Tensor:
+        """Each row's candidates [R]: those before it stopped (all `width` for a row that never stopped)."""
+        return torch.where(self.stopped < 0, width, self.stopped)
+
+    def scores(self, scores: torch.Tensor) -> torch.Tensor:
+        """Flat candidate scores [R, F] with each row's candidates after its stop at -inf (never selected)."""
+        if not self.active:
+            return scores
+        late = torch.arange(scores.shape[1], device=scores.device) >= self.widths(scores.shape[1])[:, None]
+        return scores.masked_fill(late, -math.inf)
+
+    def sizes(self, width: int, drafted: int) -> torch.Tensor:
+        """Each row's tree size, root included, of `drafted` selected nodes out of `width` candidates: the
+        selection comes in flat order, so a row's valid nodes come first."""
+        return self.widths(width).clamp(max=drafted) + 1
+
+
 @torch.no_grad()
+def draft_eagle2_batch(
+    head: DraftHead,
+    ctx: DraftContext,
+    caches: list[HeadCache],
+    features: list[torch.Tensor],
+    next_tokens: list[torch.Tensor],
+    total_token: int,
+    depth: int,
+    top_k: int,
+    min_confidence: float = 0.0,
+) -> tuple[list[list[DraftTree]], list[HeadCache]]:
+    """EAGLE-2 dynamic trees of S sequences at once: expand the top_k best nodes per level, keep the
+    total_token-1 best candidates. Returns, per sequence, one tree per stacked head (`head.stacked`; one for a
+    plain head), and the sequences' new caches.
+
+    One forward per tree level drafts every head of every sequence (rows n*S + s); selection, masks, positions
+    and the trees' structure are built on the device, so without `min_confidence` the host reads one small
+    tensor per call (which trees are chains). `features[s]` [m, d] are sequence s's target features of the
+    newly committed positions ([m, k*d] fused layers for an EAGLE-3 head, whose deeper levels read its own
+    outputs) and `next_tokens[s]` [m] the tokens that follow each of them; the last of these is the root.
+    `ctx` is the head's (`head_context`). `min_confidence` > 0 stops expanding a tree once its best frontier
+    node's cumulative probability falls below it: deeper nodes would be less likely still to be accepted
+    (docs/algorithms.md#draft-confidence-stop); deciding to stop reads the frontier once per level.
+    """
+    n_draft = total_token - 1
+    k = top_k
+    # Every pass, even for a tree no wider than one level (n_draft <= k): a deep node can outscore a root child,
+    # and EAGLE's topK_genrate keeps the n_draft best of all k + depth*k^2 candidates.
+    passes = depth
+    hidden, caches, roots = extend_batch(head, ctx, caches, features, next_tokens, reserve=passes * k)
+    sequences, n = len(caches), head.stacked
+    rows, dtype, device = n * sequences, hidden.dtype, hidden.device
+    candidates = Candidates(ctx, hidden, k)
+    # Tree K/V go after the longest sequence's cache; each row sees its own committed slots, then its tree
+    # columns = each frontier node's ancestors + self.
+    start = max(c.length for c in caches)
+    lengths = torch.tensor([c.length for c in caches], device=device)
+    mask = torch.zeros(rows, k, start + passes * k, dtype=torch.bool, device=device)
+    mask[:, :, :start] = (torch.arange(start, device=device) < lengths[:, None]).repeat(n, 1)[:, None]
+    eye = torch.eye(k, dtype=torch.bool, device=device)
+    stop = ConfidenceStop(min_confidence, rows, device)
+    for level in range(passes):
+        if stop.all_stopped(candidates):
+            break
+        end = start + (level + 1) * k
+        mask[:, :, end - k : end] = eye
+        out = head.step(
+            ctx.embed(candidates.frontier_tokens).to(dtype).reshape(n, sequences * k, -1),
+            candidates.frontier_hidden.reshape(n, sequences * k, -1),
+            (lengths[:, None] + level).expand(-1, k).reshape(1, -1),  # broadcast over heads
+            mask[:, None, :, :end],
+            caches[0].slots.kv,
+            end - k,
+            sequences=sequences,
+        ).reshape(rows, k, -1)
+        parent_row = candidates.expand(ctx, out)
+        mask[:, :, start:end] = mask[:, :, start:end].gather(1, parent_row[:, :, None].expand(-1, -1, end - start))
+
+    tokens, scores, parents, entropy = candidates.flat()
+    nodes, node_parents, confidence, node_entropy = select_nodes(tokens, stop.scores(scores), parents, entropy,
+                                                                 n_draft)
+    size = nodes.shape[1] + 1
+    tokens = torch.cat([roots.repeat(n)[:, None], nodes], dim=1)
+    parents = torch.cat([torch.full((rows, 1), -1, dtype=torch.long, device=device), node_parents], dim=1)
+    prefix = (parents == torch.arange(-1, size - 1, device=device)).long().cumprod(-1).sum(-1)  # chain nodes
+    if stop.active:
+        kept = stop.sizes(candidates.width, size - 1)
+        chains, sizes = torch.stack([(prefix >= kept).long(), kept]).tolist()
+    else:
+        chains, sizes = (prefix == size).tolist(), None
+    chains = [bool(c) for c in chains]
+    trees = trees_from_rows(tokens, parents, confidence, node_entropy, sizes=sizes, chains=chains)
+    return [trees[s::sequences] for s in range(sequences)], caches
+
+
 def draft_eagle2_trees(
     head: DraftHead,
     ctx: DraftContext,
@@ -380,51 +591,9 @@ def draft_eagle2_trees(
     top_k: int,
     min_confidence: float = 0.0,
 ) -> tuple[list[DraftTree], HeadCache]:
-    """EAGLE-2 dynamic trees: expand the top_k best nodes per level, keep the total_token-1 best candidates.
-
-    One tree per stacked head (`head.stacked`; one for a plain head), all drafted in one forward per level.
-    `features` [m, d] are the target features of the newly committed positions ([m, k*d] fused layers for an
-    EAGLE-3 head, whose deeper levels read its own outputs) and `next_tokens` [m] the tokens that follow each of
-    them; the last of these is the tree's root. `ctx` is the head's (`head_context`). `min_confidence` > 0 stops
-    expanding a head's tree once its best frontier node's cumulative probability falls below it: deeper nodes
-    would be less likely still to be accepted (docs/algorithms.md#draft-confidence-stop).
-    """
-    n_draft = total_token - 1
-    k = top_k
-    passes = depth if n_draft > k else 0  # a tree no wider than one level needs no expansion
-    hidden, cache = extend_context(head, ctx, cache, features, next_tokens, reserve=passes * k)
-    root = int(next_tokens[-1])
-    rows, dtype, device = head.stacked, hidden.dtype, hidden.device
-    candidates = Candidates(ctx, hidden, k)
-    # One mask per head for every pass: committed columns all True, tree columns = each frontier node's
-    # ancestors + self.
-    start = cache.length
-    mask = torch.ones(rows, k, start + passes * k, dtype=torch.bool, device=device)
-    eye = torch.eye(k, dtype=torch.bool, device=device)
-    stop_below = math.log(min_confidence) if min_confidence > 0 else -math.inf
-    widths: list[int | None] = [None] * rows  # per head: its candidates when it stopped (None: never stopped)
-    for level in range(passes):
-        if stop_below > -math.inf:
-            for n, best in enumerate(candidates.frontier_scores[:, 0].tolist()):
-                if widths[n] is None and best < stop_below:
-                    widths[n] = candidates.width
-            if None not in widths:
-                break
-        end = start + (level + 1) * k
-        mask[:, :, end - k : end] = eye
-        out = head.step(
-            ctx.embed(candidates.frontier_tokens).to(dtype),
-            candidates.frontier_hidden,
-            torch.full((1, k), start + level, device=device),  # broadcast over heads
-            mask[:, None, :, :end],
-            cache.slots.kv,
-            end - k,
-        )
-        parent_row = candidates.expand(ctx, out)
-        mask[:, :, start:end] = mask[:, :, start:end].gather(1, parent_row[:, :, None].expand(-1, -1, end - start))
-
-    flat = candidates.flat()
-    trees = [select_tree(root, n_draft, *(t[n, : widths[n]] for t in flat)) for n in range(rows)]
+    """`draft_eagle2_batch` of one sequence: one tree per stacked head, and its cache."""
+    (trees,), (cache,) = draft_eagle2_batch(head, ctx, [cache], [features], [next_tokens], total_token, depth,
+                                            top_k, min_confidence)
     return trees, cache
 
 

@@ -10,15 +10,16 @@ import traceback
 from tqdm import tqdm
 
 from taps_ray.config import StudyConfig
+from taps_ray.data.chat import build_prompt_ids
+from taps_ray.decoding.generate import generate
+from taps_ray.decoding.verify import SamplingParams
+from taps_ray.drafting.setup import head_names, heads_needed, load_heads, load_proposers, with_searched
 from taps_ray.eval.cell import NO_HEAD, PLAIN, Cell
 from taps_ray.eval.metrics import summarize
 from taps_ray.eval.runner import TraceCache, cell_questions, eval_dtype, is_replayed, run_cell
 from taps_ray.eval.store import ResultsStore
 from taps_ray.fsio import atomic_write_parquet
 from taps_ray.models.target import load_target
-from taps_ray.drafting.setup import head_names, heads_needed, load_heads, load_proposers, with_searched
-from taps_ray.decoding.generate import generate
-from taps_ray.decoding.verify import SamplingParams
 from taps_ray.workdir import results_dir
 
 
@@ -115,8 +116,6 @@ def cmd_generate(
     seed: int = 0,
 ) -> int:
     """Decode one chat prompt with plain decoding and with the proposer; report tau and the speedup."""
-    from taps_ray.data.chat import build_prompt_ids
-
     target = load_target(config.target, dtype=dtype)
     proposers = load_proposers(config, [PLAIN, proposer_name], target=target, kind=kind)
     prompt_ids = build_prompt_ids(target.tokenizer, [prompt], [], config.eval.system_prompt)

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 
-from taps_ray.bench.prompts import first_turns
 from taps_ray.config import StudyConfig, TreeConfig
 from taps_ray.data.chat import build_prompt_ids
 from taps_ray.decoding.generate import generate
@@ -80,9 +79,9 @@ def chain(k: int) -> TreeConfig:
     return TreeConfig(total_token=k + 1, depth=k, top_k=1, draft_vocab_size=None)
 
 
-def interop_prompts(cfg: StudyConfig, target: Target, options: InteropOptions) -> list[list[int]]:
-    turns = first_turns([options.benchmark], options.prompts, [], 0, cfg.resolved_data_dir())
-    return [build_prompt_ids(target.tokenizer, [text], [], cfg.eval.system_prompt) for _, text in turns]
+def interop_prompts(cfg: StudyConfig, target: Target, turns: list[str]) -> list[list[int]]:
+    """The prompt ids of first user turns (the caller picks them as `taps bench` does: bench.prompts)."""
+    return [build_prompt_ids(target.tokenizer, [text], [], cfg.eval.system_prompt) for text in turns]
 
 
 def ours(target: Target, head: DraftHead | None, prompts: list[list[int]], options: InteropOptions):
@@ -109,11 +108,12 @@ def vllm_acceptance(counters: list[dict]) -> tuple[float, int, int, list[int]]:
     return (1 + accepted / drafts if drafts else float("nan")), drafts, accepted, per_pos
 
 
-def run_interop(cfg: StudyConfig, options: InteropOptions, side: SideVllm) -> tuple[list[KindResult], dict]:
+def run_interop(cfg: StudyConfig, options: InteropOptions, side: SideVllm,
+                turns: list[str]) -> tuple[list[KindResult], dict]:
     side.check()
     target = load_target(cfg.target, dtype="float32")
     target.model.eval()
-    prompts = interop_prompts(cfg, target, options)
+    prompts = interop_prompts(cfg, target, turns)
     heads = {}
     for kind in options.kinds:
         folder = head_checkpoint(cfg, kind, options.mixture)
@@ -181,8 +181,8 @@ def interop_report(cfg: StudyConfig, options: InteropOptions, side: SideVllm, re
     ])
 
 
-def cmd_interop(cfg: StudyConfig, options: InteropOptions, side: SideVllm, command: str) -> int:
-    results, meta = run_interop(cfg, options, side)
+def cmd_interop(cfg: StudyConfig, options: InteropOptions, side: SideVllm, command: str, turns: list[str]) -> int:
+    results, meta = run_interop(cfg, options, side, turns)
     text = interop_report(cfg, options, side, results, meta, command)
     out = Path(cfg.reports_dir) / f"{options.name}.md"
     atomic_write_text(out, text)

@@ -3,25 +3,33 @@
 `target.device: auto` means the GPU when this process was given one: inside a Ray actor or task that is what
 Ray granted it (`ray.get_gpu_ids()`, i.e. its `num_gpus`), since a CPU actor on a GPU node still sees the
 node's GPUs; outside Ray it is whatever torch can use. `cuda` where there is none is a config error.
+Ray is not imported here: a process that never imported it is no Ray worker, and the engine then runs where
+Ray is not installed at all (benchmarks/gpu_smoke.py on a bare GPU machine).
 """
 
 from __future__ import annotations
 
-import ray
+import sys
+
 import torch
 
 from taps_ray.config import ConfigError, TargetConfig
 
 
-def _in_ray_worker() -> bool:
-    return ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE
+def _ray_worker():
+    """The `ray` module when this process is a Ray worker (an actor or task), else None."""
+    ray = sys.modules.get("ray")  # a Ray worker imported Ray before running any of this project's code
+    if ray is None or not ray.is_initialized():
+        return None
+    return ray if ray.get_runtime_context().worker.mode == ray.WORKER_MODE else None
 
 
 def gpu_granted() -> bool:
     """True when this process may use a GPU: Ray gave it one (in an actor or task), else torch sees one."""
     if not torch.cuda.is_available():
         return False
-    return bool(ray.get_gpu_ids()) if _in_ray_worker() else True
+    ray = _ray_worker()
+    return bool(ray.get_gpu_ids()) if ray is not None else True
 
 
 def resolve_device(target: TargetConfig) -> torch.device:

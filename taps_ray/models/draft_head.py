@@ -34,6 +34,18 @@ WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 
 
+def _unfold(t: torch.Tensor, sequences: int) -> torch.Tensor:
+    """[B, h, S*T, hd] -> [B*S, h, T, hd]: each sequence's tokens as their own attention row."""
+    b, h, st, hd = t.shape
+    return t.view(b, h, sequences, st // sequences, hd).transpose(1, 2).reshape(b * sequences, h, -1, hd)
+
+
+def _fold(t: torch.Tensor, sequences: int) -> torch.Tensor:
+    """The inverse of `_unfold`: [B*S, h, T, hd] -> [B, h, S*T, hd]."""
+    bs, h, tt, hd = t.shape
+    return t.view(bs // sequences, sequences, h, tt, hd).transpose(1, 2).reshape(bs // sequences, h, -1, hd)
+
+
 class DraftHeadConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
@@ -218,16 +230,33 @@ class DraftHead(nn.Module):
         mask: torch.Tensor,
         kv: KVCache,
         start: int,
+        sequences: int = 1,
+        write_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`forward` over preallocated keys and values `kv` [B,kvh,capacity,hd] (drafting): this call's K/V are
         written at slots start..start+T-1 and the attention reads slots 0..start+T-1, so a draft pass copies
-        no cache. `mask` is [B,1,T,start+T]. Returns the predicted next features [B,T,d]."""
+        no cache. `mask` is [B,1,T,start+T]. Returns the predicted next features [B,T,d].
+
+        `sequences` S > 1 drafts S sequences in one call: the inputs are [B, S*T, d] (each sequence's T
+        tokens in turn, so every linear layer runs once for all of them), the cache and mask have B*S rows
+        (row b*S + s: batch row b of sequence s) and the output is [B, S*T, d]. `write_index` [B*S, T] writes
+        each row's K/V at its own slots (sequences of different lengths) instead of start..start+T-1."""
         x, residual = self.inputs(token_embeddings, features)
         q, k, v = self.project(x, positions)
+        if sequences > 1:
+            q, k, v = (_unfold(t, sequences) for t in (q, k, v))
         end = start + k.shape[2]
-        kv[0][:, :, start:end] = k
-        kv[1][:, :, start:end] = v
-        return self.finish(residual, self.attend(q, kv[0][:, :, :end], kv[1][:, :, :end], mask))
+        if write_index is None:
+            kv[0][:, :, start:end] = k
+            kv[1][:, :, start:end] = v
+        else:
+            index = write_index[:, None, :, None].expand_as(k)
+            kv[0].scatter_(2, index, k)
+            kv[1].scatter_(2, index, v)
+        attended = self.attend(q, kv[0][:, :, :end], kv[1][:, :, :end], mask)
+        if sequences > 1:
+            attended = _fold(attended, sequences)
+        return self.finish(residual, attended)
 
     # --- persistence -------------------------------------------------------------------------------------
     def trainable_state(self) -> dict[str, torch.Tensor]:

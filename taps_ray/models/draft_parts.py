@@ -1,5 +1,9 @@
 """The part of the target a drafter holds: input embeddings, LM head, tokenizer — never the decoder layers.
 
+Training on cached features needs the same parts (`load_training_target`): the features are the target's
+post-norm hidden states, so the head trains against the embeddings and LM head alone, and a Tune trial never
+holds the 8B decoder layers (16 GB at the paper's size) on its GPU or in host memory.
+
 A Ray drafter drafts with the target's token embeddings and LM head (`spec.tree.DraftContext`); its heads read
 the target's post-norm features, which the target worker computes, so it needs no final norm and no layer.
 For a HF checkpoint only those tensors come from the safetensors files (sharded or not; a tied LM head is the
@@ -115,12 +119,13 @@ class DraftParts(torch.nn.Module):
     it drafts in (`Target.dtype`, `Target.device`), nothing else."""
 
     def __init__(self, embed_tokens: torch.nn.Module, lm_head: torch.nn.Module, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, config: transformers.PretrainedConfig | None = None) -> None:
         super().__init__()
         self.embed_tokens = embed_tokens
         self.lm_head = lm_head
         self.dtype = dtype
         self._device = device
+        self.config = config  # the target model's config: the shapes a new head is built with (training)
 
     def get_input_embeddings(self) -> torch.nn.Module:
         return self.embed_tokens
@@ -169,8 +174,8 @@ def tied_embeddings(source: str | Path) -> bool:
 
 
 def parts_of(embed_tokens: torch.nn.Module, lm_head: torch.nn.Module, dtype: torch.dtype,
-             device: torch.device) -> DraftParts:
-    parts = DraftParts(embed_tokens, lm_head, dtype, device).eval()
+             device: torch.device, config: transformers.PretrainedConfig | None = None) -> DraftParts:
+    parts = DraftParts(embed_tokens, lm_head, dtype, device, config).eval()
     parts.requires_grad_(False)
     return parts
 
@@ -182,14 +187,15 @@ def mapped_parts(files: dict[str, Path], tied: bool, dtype: torch.dtype) -> Draf
     return parts_of(MappedEmbedding(embed), MappedHead(head), dtype, torch.device("cpu"))
 
 
-def read_parts(files: dict[str, Path], tied: bool, dtype: torch.dtype, device: torch.device) -> DraftParts:
+def read_parts(files: dict[str, Path], tied: bool, dtype: torch.dtype, device: torch.device,
+               config: transformers.PretrainedConfig | None = None) -> DraftParts:
     """Draft parts read whole, cast and moved to `device` (a GPU: host memory is not what it spares)."""
     tensors = read_tensors(files)
     embed = torch.nn.Embedding.from_pretrained(tensors[EMBED].to(dtype), freeze=True)
     with torch.device("meta"):  # the weight is assigned below: allocate none here
         lm_head = torch.nn.Linear(embed.embedding_dim, embed.num_embeddings, bias=False)
     lm_head.weight = embed.weight if tied else torch.nn.Parameter(tensors[LM_HEAD].to(dtype), requires_grad=False)
-    return parts_of(embed, lm_head, dtype, device).to(device)
+    return parts_of(embed, lm_head, dtype, device, config).to(device)
 
 
 def load_draft_target(config: TargetConfig, dtype: str | None = None) -> Target:
@@ -209,4 +215,27 @@ def load_draft_target(config: TargetConfig, dtype: str | None = None) -> Target:
         raise KeyError(f"target {config.name!r} has no tensors {sorted(names - files.keys())} in its safetensors")
     mapped = device.type == "cpu"
     parts = mapped_parts(files, tied, wanted) if mapped else read_parts(files, tied, wanted, device)
+    return Target(parts, with_pad_token(load_tokenizer(config.name)), config.name)
+
+
+def load_training_target(config: TargetConfig, dtype: torch.dtype = torch.float32) -> Target:
+    """What training on cached features reads from the target: embeddings and LM head read whole in `dtype`
+    (training's `FrozenTarget` dtype, so no second copy is made) on the target's device, the tokenizer and the
+    model config (head shapes); no decoder layer, no final norm (the stored features are post-norm)."""
+    device = resolve_device(config)
+    if config.name == TINY_ALIAS:
+        whole = load_target(config)
+        model = whole.model
+        embed = torch.nn.Embedding.from_pretrained(model.get_input_embeddings().weight.detach().to(dtype), freeze=True)
+        lm_head = torch.nn.Linear(embed.embedding_dim, embed.num_embeddings, bias=False)
+        lm_head.weight = torch.nn.Parameter(model.get_output_embeddings().weight.detach().to(dtype), requires_grad=False)
+        return Target(parts_of(embed, lm_head, dtype, device, model.config).to(device), whole.tokenizer, config.name)
+    source = model_source(config.name)
+    tied = tied_embeddings(source)
+    names = {EMBED} if tied else {EMBED, LM_HEAD}
+    files = tensor_files(source, names)
+    if names - files.keys():
+        raise KeyError(f"target {config.name!r} has no tensors {sorted(names - files.keys())} in its safetensors")
+    model_config = transformers.AutoConfig.from_pretrained(source)
+    parts = read_parts(files, tied, dtype, device, model_config)
     return Target(parts, with_pad_token(load_tokenizer(config.name)), config.name)

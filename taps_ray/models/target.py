@@ -8,6 +8,9 @@ Importing this module stays light (a drafter imports it for `Target` and the tok
 and Auto classes are looked up on its lazy module only when a model or another target's tokenizer is loaded,
 since importing them costs ~130 MB (the Auto modules alone ~7 MB); the aliases' tokenizer is built from its
 files (`plain_fast_tokenizer`) without transformers' Auto machinery.
+
+`load_target` also attaches the forward the target's batches verify with (`target.forward`,
+`models/target_forward.py`): taps' fast Llama forward by default, transformers' where it does not cover the model.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 from taps_ray.config import TargetConfig
 from taps_ray.fsio import atomic_dir
 from taps_ray.models.device import resolve_device
+from taps_ray.models.target_forward import attach_forward
 
 if TYPE_CHECKING:  # names only: importing them loads transformers' model code, which a drafter never needs
     from transformers import LlamaForCausalLM, PreTrainedModel
@@ -141,10 +145,11 @@ def load_tokenizer(name: str = SMOLLM2_ALIAS) -> PreTrainedTokenizerBase:
     return transformers.AutoTokenizer.from_pretrained(name)
 
 
-def _tiny_model(config: TargetConfig, tokenizer: PreTrainedTokenizerBase, dtype: torch.dtype) -> LlamaForCausalLM:
+def tiny_llama_config(config: TargetConfig, tokenizer: PreTrainedTokenizerBase) -> transformers.LlamaConfig:
+    """The tiny random target's model config (its shape; `taps plan` counts its parameters from it)."""
     tiny = config.tiny
     assert tiny is not None
-    llama_config = transformers.LlamaConfig(
+    return transformers.LlamaConfig(
         vocab_size=tiny.vocab_size or len(tokenizer),
         hidden_size=tiny.hidden_size,
         intermediate_size=tiny.intermediate_size,
@@ -157,6 +162,11 @@ def _tiny_model(config: TargetConfig, tokenizer: PreTrainedTokenizerBase, dtype:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+
+
+def _tiny_model(config: TargetConfig, tokenizer: PreTrainedTokenizerBase, dtype: torch.dtype) -> LlamaForCausalLM:
+    tiny = config.tiny
+    llama_config = tiny_llama_config(config, tokenizer)
     llama_config._attn_implementation = config.attn_implementation
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(tiny.seed)
@@ -207,4 +217,5 @@ def load_target(config: TargetConfig, dtype: str | None = None) -> Target:
     model.to(device)
     model.eval()
     model.requires_grad_(False)
+    attach_forward(model, config.forward)  # last: it fuses projections in place, on the final device and dtype
     return Target(model=model, tokenizer=with_pad_token(tokenizer), name=config.name)

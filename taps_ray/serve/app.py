@@ -48,10 +48,16 @@ from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 
+from taps_ray import ray_requests
 from taps_ray.config import HeadKind, StudyConfig, load_config, parse_config, with_overrides
+from taps_ray.data.chat import render_ids
 from taps_ray.decoding.continuous import ContinuousBatcher, Result, TokenLogprob
-from taps_ray.decoding.verify import MIN_TEMPERATURE
+from taps_ray.decoding.continuous import Request as BatchRequest
+from taps_ray.decoding.verify import MIN_TEMPERATURE, SamplingParams
 from taps_ray.drafting.proposers import feature_layers
+from taps_ray.drafting.registry import combination_names, single_names
+from taps_ray.drafting.setup import load_heads, load_proposers
+from taps_ray.models.target import load_target
 from taps_ray.ray_runtime import bind_replica_grpc_to_node, start_ray, start_serve
 from taps_ray.serve.api_errors import ERROR_RESPONSES, ApiError, install_error_handlers
 from taps_ray.serve.api_schemas import (
@@ -74,6 +80,7 @@ from taps_ray.serve.api_schemas import (
 from taps_ray.serve.metrics import serve_metrics
 from taps_ray.serve.output import ChoiceStream, TextOutput, speculative, usage
 from taps_ray.serve.scheduler import DecodeLoop, Overloaded, Ticket
+from taps_ray.workdir import head_checkpoint, heads_root
 
 logger = logging.getLogger("ray.serve")
 
@@ -139,10 +146,6 @@ class TapsService:
     def __init__(self, config: dict[str, Any]) -> None:
         import torch
 
-        from taps_ray.models.target import load_target
-        from taps_ray.drafting.setup import load_proposers
-        from taps_ray.drafting.registry import combination_names, single_names
-
         bind_replica_grpc_to_node()  # before Serve starts the replica's gRPC server, right after this constructor
         self.cfg = parse_config(config, "<serve deployment>")
         serve_cfg = self.cfg.serve
@@ -179,9 +182,6 @@ class TapsService:
         )
 
     def _load_heads(self) -> tuple[dict[str, Any], list[str]]:
-        from taps_ray.drafting.setup import load_heads
-        from taps_ray.workdir import head_checkpoint, heads_root
-
         mixtures = self.cfg.train.mixtures
         missing = [m for m in mixtures if not head_checkpoint(self.cfg, self.kind, m).is_dir()]
         heads = load_heads(
@@ -265,8 +265,6 @@ class TapsService:
         return list(prompt)
 
     def _chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
-        from taps_ray.data.chat import render_ids
-
         turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in messages]
         try:
             return render_ids(self.tokenizer, turns, add_generation_prompt=True)
@@ -281,14 +279,11 @@ class TapsService:
     def _submit(self, jobs: list[Job], stops: list[str], model: str,
                 updates: asyncio.Queue | None = None) -> list[Ticket]:
         """Hand the jobs to the decode loop; all or none (a full queue is a 503 with Retry-After)."""
-        from taps_ray.decoding.continuous import Request
-        from taps_ray.decoding.verify import SamplingParams
-
         tickets: list[Ticket] = []
         try:
             for index, job in enumerate(jobs):
                 params = SamplingParams(temperature=job.temperature, top_p=job.top_p, top_k=job.top_k)
-                request = Request(prompt=job.prompt, proposer=self.proposers[job.proposer], params=params,
+                request = BatchRequest(prompt=job.prompt, proposer=self.proposers[job.proposer], params=params,
                                   max_tokens=job.max_tokens, seed=job.seed, top_logprobs=job.top_logprobs,
                                   stop=self.output.stop_rule(stops))
                 tickets.append(self.loop.submit(request, model, updates, index))
@@ -526,7 +521,7 @@ def build_app(cfg: StudyConfig, base_dir: str | Path | None = None) -> serve.App
     return TapsService.options(
         **scaling,
         max_ongoing_requests=max(s.max_ongoing_requests, s.max_batch_size + s.max_queued_requests + 1),
-        ray_actor_options={"num_cpus": s.replica_num_cpus, "num_gpus": s.replica_num_gpus},
+        ray_actor_options=ray_requests.serve_replica(cfg).options(),
     ).bind(cfg.model_dump(mode="json"))
 
 

@@ -33,8 +33,16 @@ from taps_ray.config import StudyConfig, parse_config
 from taps_ray.decoding.target_batch import Committed
 from taps_ray.decoding.verification_pool import VerificationPool
 from taps_ray.decoding.verify import SamplingParams
+from taps_ray.drafting.setup import head_names, load_heads
 from taps_ray.drafting.tree import DraftTree
+from taps_ray.eval.cell import NO_HEAD, Cell
+from taps_ray.eval.runner import TraceCache, eval_dtype, is_replayed, run_cell
+from taps_ray.models.draft_head import DraftHead
+from taps_ray.models.draft_parts import load_draft_target
+from taps_ray.models.target import load_target
 from taps_ray.ray_runtime import prepare_process
+from taps_ray.workdir import head_checkpoint
+
 
 def _config(payload: str) -> StudyConfig:
     return parse_config(json.loads(payload), "<driver>")
@@ -45,9 +53,6 @@ def _config(payload: str) -> StudyConfig:
 
 def pack_heads(config: StudyConfig, kinds: list[str]) -> dict[str, dict[str, dict[str, bytes]]]:
     """kind -> mixture -> {file name: bytes} of every trained head the evaluation needs."""
-    from taps_ray.drafting.setup import head_names
-    from taps_ray.workdir import head_checkpoint
-
     packed: dict[str, dict[str, dict[str, bytes]]] = {}
     for kind in kinds:
         packed[kind] = {}
@@ -60,9 +65,6 @@ def pack_heads(config: StudyConfig, kinds: list[str]) -> dict[str, dict[str, dic
 
 def unpack_heads(config: StudyConfig, kind: str, packed: dict, dtype: torch.dtype, scratch: Path,
                  device: torch.device) -> dict:
-    from taps_ray.drafting.setup import load_heads
-    from taps_ray.models.draft_head import DraftHead
-
     files = packed.get(kind)
     if not files:  # nothing shipped: read the (shared) work dir, as the in-process path does
         return load_heads(config, kind, dtype, device=device)
@@ -125,8 +127,6 @@ class TargetWorker:
     """The target model plus per-session KV caches; verifies drafters' trees in batched forwards."""
 
     def __init__(self, payload: str) -> None:
-        from taps_ray.models.target import load_target
-
         config = _config(payload)
         self.threads = prepare_process(config.ray.torch_threads, config.ray.target_num_cpus)
         self.target = load_target(config.target, dtype=config.eval.dtype)
@@ -163,8 +163,6 @@ class DrafterActor:
     """Draft heads + the draft side of the loop; evaluates whole cells against its target worker."""
 
     def __init__(self, payload: str, worker: Any, name: str, heads: dict) -> None:
-        from taps_ray.models.draft_parts import load_draft_target
-
         self.config = _config(payload)
         self.threads = prepare_process(self.config.ray.torch_threads, self.config.ray.drafter_num_cpus)
         self.worker = worker
@@ -181,8 +179,6 @@ class DrafterActor:
             pass
 
     def _heads(self, kind: str) -> dict:
-        from taps_ray.eval.runner import eval_dtype
-
         if kind not in self.heads:
             self.heads[kind] = unpack_heads(
                 self.config, kind, self.packed, eval_dtype(self.config), self.scratch / "heads", self.target.device
@@ -192,9 +188,6 @@ class DrafterActor:
     def run_cell(self, cell: dict) -> tuple[list[dict], list[dict], dict]:
         """One cell through the worker: (steps, questions, info), the records exactly as `run_cell` returns them
         in-process."""
-        from taps_ray.eval.cell import NO_HEAD, Cell
-        from taps_ray.eval.runner import TraceCache, is_replayed, run_cell
-
         the_cell = Cell(**cell)
         heads = {} if the_cell.head_kind == NO_HEAD else self._heads(the_cell.head_kind)
         sessions: list[WorkerVerifier] = []

@@ -20,7 +20,8 @@ import ray.exceptions
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from taps_ray.config import RayConfig, memory_bytes
+from taps_ray import ray_requests
+from taps_ray.config import RayConfig, StudyConfig
 from taps_ray.decoding.verification_pool import SessionLost
 from taps_ray.ray_runtime import process_runtime_env
 from taps_ray.study.actors import DrafterActor, TargetWorker
@@ -44,17 +45,11 @@ def drafters_of(r: RayConfig, worker: int) -> list[int]:
     return list(range(worker, r.num_drafters, r.num_target_workers))
 
 
-def _bundle(num_cpus: float, num_gpus: float, resources: dict[str, float]) -> dict[str, float]:
-    """One actor's reservation as a placement-group bundle (Ray rejects zero amounts and empty bundles: an
-    actor that asks for nothing holds a token CPU share)."""
-    bundle = {"CPU": num_cpus, "GPU": num_gpus, **resources}
-    return {name: amount for name, amount in bundle.items() if amount > 0} or {"CPU": 0.01}
-
-
-def worker_bundles(r: RayConfig, num_drafters: int) -> list[dict[str, float]]:
-    """The bundles of one worker's placement group: the worker's, then one per drafter of it."""
-    drafter = _bundle(r.drafter_num_cpus, r.drafter_num_gpus, r.drafter_resources)
-    return [_bundle(r.target_num_cpus, r.target_num_gpus, r.target_resources), *[drafter] * num_drafters]
+def worker_bundles(cfg: StudyConfig, num_drafters: int) -> list[dict[str, float]]:
+    """The bundles of one worker's placement group: the worker's, then one per drafter of it, each exactly
+    what its actor asks for (`ray_requests`: CPUs, GPUs, memory, custom resources)."""
+    drafter = ray_requests.drafter(cfg).bundle()
+    return [ray_requests.target_worker(cfg).bundle(), *[drafter] * num_drafters]
 
 
 @dataclass
@@ -79,14 +74,13 @@ class EvalPool:
         payload = config.model_dump_json()
         self._restarts = dict(max_restarts=r.actor_max_restarts, max_task_retries=0, runtime_env=process_runtime_env(env))
         self.groups = [
-            placement_group(worker_bundles(r, len(drafters_of(r, w))), strategy=STRATEGY)
+            placement_group(worker_bundles(config, len(drafters_of(r, w))), strategy=STRATEGY)
             for w in range(r.num_target_workers)
         ]
         self.workers = [
             TargetWorker.options(
-                num_cpus=r.target_num_cpus, num_gpus=r.target_num_gpus, resources=r.target_resources,
-                memory=memory_bytes(r.target_memory_gb), max_concurrency=1000, scheduling_strategy=self._bundle(w, 0),
-                **self._restarts,
+                **ray_requests.target_worker(config).options(), max_concurrency=1000,
+                scheduling_strategy=self._bundle(w, 0), **self._restarts,
             ).remote(payload)
             for w in range(r.num_target_workers)
         ]
@@ -220,6 +214,5 @@ class EvalPool:
         worker = index % r.num_target_workers
         bundle = self._bundle(worker, 1 + drafters_of(r, worker).index(index))
         return DrafterActor.options(
-            num_cpus=r.drafter_num_cpus, num_gpus=r.drafter_num_gpus, resources=r.drafter_resources,
-            memory=memory_bytes(r.drafter_memory_gb), scheduling_strategy=bundle, **self._restarts,
+            **ray_requests.drafter(self.config).options(), scheduling_strategy=bundle, **self._restarts,
         ).remote(*self._drafter_args[index])

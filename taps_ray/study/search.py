@@ -32,7 +32,13 @@ from pathlib import Path
 from typing import Any
 
 from taps_ray.config import ConfigError, MixtureConfig, StudyConfig, TrainConfig, parse_config
+from taps_ray.models.target import load_target
+from taps_ray.ray_runtime import start_ray
+from taps_ray.study.sweep import absolute_paths, log_line, quick_config, remote_env
 from taps_ray.study.tune import numeric_metrics, open_experiment, restore_checkpoint
+from taps_ray.training.agreement import evaluate_agreement
+from taps_ray.training.features import extract_features, features_key
+from taps_ray.training.trainer import METRICS_FILE, STATE_FILE, train_head, write_final
 from taps_ray.workdir import search_trial_mixture, searched_head
 
 EXPERIMENT_PREFIX = "search"
@@ -70,8 +76,6 @@ def trial_config(cfg: StudyConfig, ratio: float, size: int) -> tuple[StudyConfig
 
 def heldout_agreement(cfg: StudyConfig, head: str | Path, target: Any) -> dict[str, float]:
     """{"agreement_<mixture>": depth-1 held-out agreement for each search.heldout mixture, METRIC: their mean}."""
-    from taps_ray.training.agreement import evaluate_agreement
-
     measured = evaluate_agreement(cfg, head, cfg.search.heldout, target=target, passes=1)
     scores = {f"{METRIC}_{name}": float(measured[name]["acc"]) for name in cfg.search.heldout}
     return {**scores, METRIC: sum(scores.values()) / len(scores)}
@@ -80,10 +84,6 @@ def heldout_agreement(cfg: StudyConfig, head: str | Path, target: Any) -> dict[s
 def _trial(config: dict, study: str = "", env: dict | None = None) -> None:
     """One trial: train (or resume) the sampled mixture's head, reporting its held-out agreement every epoch."""
     from ray import tune
-
-    from taps_ray.models.target import load_target
-    from taps_ray.training.features import extract_features
-    from taps_ray.training.trainer import METRICS_FILE, train_head
 
     os.environ.update(env or {})
     cfg, mixture = trial_config(parse_config(json.loads(study), "<search trial>"), config[RATIO], config[SIZE])
@@ -115,8 +115,6 @@ def search_space(cfg: StudyConfig) -> dict:
 
 def experiment_name(cfg: StudyConfig) -> str:
     """The search's experiment: config name, head kind and a digest of everything a trial's result depends on."""
-    from taps_ray.training.features import features_key
-
     spec = {"search": cfg.search.model_dump(mode="json"), "sizes": search_sizes(cfg),
             "train": trial_budget(cfg).model_dump(mode="json"), "vocab": cfg.tree.draft_vocab_size,
             "heldout": [features_key(cfg, name) for name in cfg.search.heldout]}
@@ -132,8 +130,6 @@ def _trial_name(trial) -> str:
 def save_searched(cfg: StudyConfig, best: Any, experiment: str) -> Path:
     """Write the best trial's newest checkpoint as the `searched` head, with what the search found in its
     metrics.json; an unchanged pick leaves the head (and its agreement caches) as it is."""
-    from taps_ray.training.trainer import METRICS_FILE, STATE_FILE, write_final
-
     found = {"experiment": experiment, "trial": best.metrics.get("trial_id"), RATIO: best.config[RATIO],
              SIZE: best.config[SIZE], "epoch": best.metrics.get("epoch"),
              **{k: v for k, v in best.metrics.items() if k.startswith(METRIC)}}
@@ -155,8 +151,6 @@ def run_search(cfg: StudyConfig, env: dict[str, str] | None = None,
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
     from ray.tune.search.basic_variant import BasicVariantGenerator
-
-    from taps_ray.training.trainer import METRICS_FILE
 
     s = cfg.search
     unknown = [name for name in s.heldout if name not in cfg.mixtures]
@@ -205,8 +199,6 @@ def _trial_summary(result: Any) -> dict[str, Any]:
 def quick_search(cfg: StudyConfig) -> StudyConfig:
     """The sweep's `--quick` study (few conversations, small budgets, its own work dir) with at most 4 trials of
     at most 2 epochs: a search that finishes in minutes."""
-    from taps_ray.study.sweep import quick_config
-
     quick = quick_config(cfg)
     search = quick.search.model_copy(update={"num_samples": min(cfg.search.num_samples, 4), "sizes": [],
                                              "max_epochs": min(cfg.search.max_epochs or 2, 2)})
@@ -215,9 +207,6 @@ def quick_search(cfg: StudyConfig) -> StudyConfig:
 
 def cmd_search(cfg: StudyConfig, quick: bool = False) -> int:
     """`taps search [--quick]`: on a local Ray (or the configured cluster), like the sweep."""
-    from taps_ray.ray_runtime import start_ray
-    from taps_ray.study.sweep import absolute_paths, log_line, remote_env
-
     cfg = absolute_paths(quick_search(cfg) if quick else cfg)
     start_ray(cfg.ray)
     summary = run_search(cfg, remote_env(cfg), log_line)

@@ -30,7 +30,23 @@ from typing import Any
 
 from taps_ray import workdir
 from taps_ray.config import DATA_DIR_ENV, StudyConfig, load_config, with_overrides
+from taps_ray.data.draft_vocab import draft_vocabulary
+from taps_ray.data.mixtures import build_mixture
+from taps_ray.data.sources import load_questions
+from taps_ray.eval.cell import NO_HEAD
+from taps_ray.eval.commands import plan_cells, refresh_summary, results_store
+from taps_ray.eval.runner import eval_dtype
+from taps_ray.fsio import atomic_write_json
+from taps_ray.models.target import Target, load_tokenizer
 from taps_ray.ray_runtime import runtime_env_vars, start_ray
+from taps_ray.report import build_report
+from taps_ray.report.heads import build_heads_report
+from taps_ray.study.actors import pack_heads
+from taps_ray.study.eval_pool import EvalPool
+from taps_ray.study.target_tasks import extract_feature_sets, on_target
+from taps_ray.study.tune import run_training
+from taps_ray.training.agreement import measure_agreement, unmeasured_heads
+from taps_ray.training.features import MANIFEST, features_folder
 
 STAGES = ("data", "features", "train", "eval", "report")
 QUICK_COMBINATIONS = ("confidence-routed", "merged")
@@ -105,10 +121,6 @@ def remote_env(cfg: StudyConfig) -> dict[str, str]:
 
 
 def stage_data(cfg: StudyConfig, log: Callable[[str], None]) -> dict[str, Any]:
-    from taps_ray.data.mixtures import build_mixture
-    from taps_ray.data.sources import load_questions
-    from taps_ray.fsio import atomic_write_json
-
     data_dir = cfg.resolved_data_dir()
     summary: dict[str, Any] = {"mixtures": {}, "benchmarks": {}}
     for name in cfg.head_mixtures():
@@ -122,15 +134,11 @@ def stage_data(cfg: StudyConfig, log: Callable[[str], None]) -> dict[str, Any]:
 
 
 def stage_features(cfg: StudyConfig, env: dict[str, str], log: Callable[[str], None]) -> dict[str, Any]:
-    from taps_ray.training.features import MANIFEST, features_folder
-
     names = cfg.head_mixtures()
     missing = [n for n in names if not (features_folder(cfg, n) / MANIFEST).is_file()]
     if not missing:
         log(f"features: all {len(names)} feature sets cached; nothing to do")
         return {"extracted": [], "cached": names}
-    from taps_ray.study.target_tasks import extract_feature_sets
-
     log(f"features: extracting {missing} over {cfg.features.num_workers} task(s) "
         f"(cached: {[n for n in names if n not in missing]})")
     stats = extract_feature_sets(cfg, env, missing)
@@ -143,10 +151,6 @@ def stage_features(cfg: StudyConfig, env: dict[str, str], log: Callable[[str], N
 def stage_train(cfg: StudyConfig, env: dict[str, str], log: Callable[[str], None]) -> dict[str, Any]:
     """Train the missing heads with Tune, then measure the held-out agreement of the heads not measured yet
     (cached in each head's folder), so the report stage only reads."""
-    from taps_ray.study.target_tasks import on_target
-    from taps_ray.study.tune import run_training
-    from taps_ray.training.agreement import measure_agreement, unmeasured_heads
-
     out = run_training(cfg, env, log)
     todo = unmeasured_heads(cfg)
     if not todo:
@@ -161,9 +165,6 @@ def stage_train(cfg: StudyConfig, env: dict[str, str], log: Callable[[str], None
 
 def _prepare_draft_vocabulary(cfg: StudyConfig) -> None:
     """Build the shared reduced draft vocabulary once, here, instead of racing in every drafter."""
-    from taps_ray.data.draft_vocab import draft_vocabulary
-    from taps_ray.models.target import Target, load_tokenizer
-
     tokenizer = load_tokenizer(cfg.target.name)
     stop_ids = Target(model=None, tokenizer=tokenizer, name=cfg.target.name).stop_token_ids
     draft_vocabulary(cfg, tokenizer, stop_ids)
@@ -176,12 +177,6 @@ def stage_eval(
     on_cell_done: Callable | None = None,
     on_submit: Callable | None = None,
 ) -> dict[str, Any]:
-    from taps_ray.eval.cell import NO_HEAD
-    from taps_ray.eval.commands import plan_cells, refresh_summary, results_store
-    from taps_ray.eval.runner import eval_dtype
-    from taps_ray.study.actors import pack_heads
-    from taps_ray.study.eval_pool import EvalPool
-
     store = results_store(cfg)
     cells = plan_cells(cfg)
     todo = [c for c in cells if not store.is_done(c)]
@@ -203,9 +198,6 @@ def stage_eval(
 
 def stage_report(cfg: StudyConfig, log: Callable[[str], None], command: str | None = None) -> dict[str, Any]:
     """The study report from the results store, and the heads report from the heads' files; reads only."""
-    from taps_ray.report import build_report
-    from taps_ray.report.heads import build_heads_report
-
     path = build_report(cfg, command=command)
     log(f"report: {path}")
     heads = build_heads_report(cfg)
@@ -260,8 +252,6 @@ def run_sweep(
         results["stages"][stage] = {"seconds": round(seconds, 1), **_jsonable(out)}
         log(f"stage {stage} finished in {seconds / 60:.1f} min")
     results["seconds"] = round(time.perf_counter() - sweep_start, 1)
-    from taps_ray.fsio import atomic_write_json
-
     atomic_write_json(workdir.sweep_summary(cfg), results, default=str)
     log(f"sweep finished in {results['seconds'] / 60:.1f} min: "
         + ", ".join(f"{k} {v['seconds'] / 60:.1f} min" for k, v in results["stages"].items()))

@@ -20,14 +20,15 @@ from typing import Any
 import ray
 import torch
 
-from taps_ray.config import StudyConfig, memory_bytes, parse_config
+from taps_ray import ray_requests
+from taps_ray.config import StudyConfig, parse_config
+from taps_ray.models.target import load_target
 from taps_ray.ray_runtime import prepare_process, process_runtime_env
+from taps_ray.training.features import extract_features, extract_shards
 
 
 @ray.remote
 def _run_on_target(payload: str, job: Callable[..., Any], args: tuple) -> Any:
-    from taps_ray.models.target import load_target
-
     cfg = parse_config(json.loads(payload), "<driver>")
     threads = prepare_process(cfg.ray.torch_threads, cfg.ray.target_num_cpus)
     os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -36,10 +37,7 @@ def _run_on_target(payload: str, job: Callable[..., Any], args: tuple) -> Any:
 
 def _target_task(cfg: StudyConfig, env: dict[str, str], job: Callable[..., Any], *args: Any) -> ray.ObjectRef:
     """`job(cfg, target, *args)` submitted as a Ray task with the target's resources."""
-    task = _run_on_target.options(
-        num_cpus=cfg.ray.target_num_cpus, num_gpus=cfg.ray.target_num_gpus, resources=cfg.ray.target_resources,
-        memory=memory_bytes(cfg.ray.target_memory_gb), runtime_env=process_runtime_env(env),
-    )
+    task = _run_on_target.options(**ray_requests.features_task(cfg).options(), runtime_env=process_runtime_env(env))
     return task.remote(cfg.model_dump_json(), job, args)
 
 
@@ -52,8 +50,6 @@ def on_target(cfg: StudyConfig, env: dict[str, str], job: Callable[..., Any], *a
 
 
 def _extract_part(cfg: StudyConfig, target: Any, folder: str, spec: dict, shards: list) -> tuple[int, int]:
-    from taps_ray.training.features import extract_shards
-
     return extract_shards(cfg, Path(folder), spec, shards, target), torch.get_num_threads()
 
 
@@ -73,8 +69,6 @@ def _run_shards(cfg: StudyConfig, env: dict[str, str], plan: Any, missing: list)
 def extract_feature_sets(cfg: StudyConfig, env: dict[str, str], names: list[str]) -> dict[str, dict]:
     """Extract the feature sets `names`, one after the other (a later set copies the conversations it shares
     with an earlier one); the scalar stats of each by name."""
-    from taps_ray.training.features import extract_features
-
     run_shards = functools.partial(_run_shards, cfg, env)
     out = {}
     for name in names:

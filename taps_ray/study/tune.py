@@ -1,6 +1,7 @@
 """The training stage on Ray Tune: one trial per (head kind × mixture), each running the trainer.
 
-Resources per trial come from the config (`ray.trial_cpus`, `ray.trial_gpus`, via `tune.with_resources`).
+Resources per trial come from the config (`ray.trial_cpus`, `ray.trial_gpus`, `ray.trial_memory_gb`,
+`ray.trial_resources`: `ray_requests.tune_trial`, via `tune.with_resources`).
 The trainer's per-epoch `report(metrics)` callback becomes `tune.report(metrics, checkpoint=<that epoch's
 folder>)`, and a last report carries the `final` head.
 
@@ -31,8 +32,11 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from taps_ray.config import StudyConfig, memory_bytes, parse_config
+from taps_ray import ray_requests
+from taps_ray.config import StudyConfig, parse_config
 from taps_ray.fsio import atomic_dir
+from taps_ray.training import trainer
+from taps_ray.training.features import features_key
 from taps_ray.workdir import FINAL, epoch_checkpoint, head_checkpoint, head_dir, tune_dir
 
 log = logging.getLogger(__name__)
@@ -40,27 +44,19 @@ log = logging.getLogger(__name__)
 EXPERIMENT_PREFIX = "train"
 
 
-def _trainer():
-    from taps_ray.training import trainer
-
-    return trainer
-
-
 def head_pairs(cfg: StudyConfig) -> list[tuple[str, str]]:
     return cfg.head_pairs()
 
 
 def expected_fingerprint(cfg: StudyConfig, kind: str, mixture: str) -> str:
-    from taps_ray.training.features import features_key
-
-    return _trainer().run_fingerprint(cfg, kind, SimpleNamespace(key=features_key(cfg, mixture)))
+    return trainer.run_fingerprint(cfg, kind, SimpleNamespace(key=features_key(cfg, mixture)))
 
 
 def head_finished(cfg: StudyConfig, kind: str, mixture: str) -> bool:
     """The head's `final` checkpoint exists and was trained with the current settings."""
     final = head_checkpoint(cfg, kind, mixture)
     try:
-        metrics = json.loads((final / _trainer().METRICS_FILE).read_text())
+        metrics = json.loads((final / trainer.METRICS_FILE).read_text())
     except (OSError, ValueError):
         return False
     return (final / "model.safetensors").is_file() and metrics.get("fingerprint") == expected_fingerprint(cfg, kind, mixture)
@@ -81,7 +77,6 @@ def _copy_in(source: Path, target: Path) -> None:
 
 def restore_checkpoint(cfg: StudyConfig, kind: str, mixture: str, folder: Path) -> str | None:
     """Put a Tune checkpoint of this head (an epoch or the final head) back into the work dir if missing."""
-    trainer = _trainer()
     heads = head_dir(cfg, kind, mixture)
     if (folder / trainer.STATE_FILE).is_file():
         epoch = json.loads((folder / trainer.STATE_FILE).read_text()).get("epoch")
@@ -118,8 +113,8 @@ def _trial(config: dict, study: str = "", env: dict | None = None) -> None:
     if head_finished(cfg, kind, mixture):  # trained before this experiment: only report it
         final = head_checkpoint(cfg, kind, mixture)
     else:
-        final = _trainer().train_head(cfg, kind, mixture, report=report, progress=False)
-    state = json.loads((final / _trainer().METRICS_FILE).read_text())
+        final = trainer.train_head(cfg, kind, mixture, report=report, progress=False)
+    state = json.loads((final / trainer.METRICS_FILE).read_text())
     last = state["history"][-1] if state.get("history") else {}
     tune.report(
         {**numeric_metrics(last), "final": 1, "epochs_this_run": len(epochs_reported)},
@@ -156,10 +151,7 @@ def open_experiment(cfg: StudyConfig, name: str, trainable: Callable, param_spac
     path = f"{storage.rstrip('/')}/{name}"
     if "://" not in storage:
         Path(storage).mkdir(parents=True, exist_ok=True)
-    memory = memory_bytes(cfg.ray.trial_memory_gb)
-    trainable = tune.with_resources(
-        trainable, {"cpu": cfg.ray.trial_cpus, "gpu": cfg.ray.trial_gpus, **({"memory": memory} if memory else {})}
-    )
+    trainable = tune.with_resources(trainable, tune.PlacementGroupFactory([ray_requests.tune_trial(cfg).bundle()]))
     if tune.Tuner.can_restore(path):
         tuner = tune.Tuner.restore(path, trainable, resume_unfinished=True, resume_errored=True, param_space=param_space)
         return tuner, path, True

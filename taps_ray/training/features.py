@@ -22,7 +22,10 @@ The cache key hashes everything that changes the stored tensors: the target (nam
 the mixture (corpora and ratios, size, seed), max_len, top_k, whose answers it trains on (the corpora's, or the
 target's with its generation settings, `taps_ray.training.answers`) and which extra layers are kept.
 A conversation already extracted for another mixture under the same settings (same id and same messages) is
-copied from that set instead of being run through the target again.
+copied from that set instead of being run through the target again. The driver writes the shards that need no
+target at all (every conversation copied, or too short to train on) itself, before any Ray task starts, and a
+process loads the target only for a shard with something to compute: a mixed set of the paper's mixtures, made of
+its donors' conversations, costs no GPU task and no load of the target.
 """
 
 from __future__ import annotations
@@ -41,9 +44,11 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from taps_ray.config import StudyConfig
+from taps_ray.data.chat import tokenize_conversation
+from taps_ray.data.mixtures import build_mixture
 from taps_ray.fsio import atomic_path, atomic_write_json, folder_lock
 from taps_ray.models.draft_head import eagle3_layers
-from taps_ray.models.target import Target, load_target
+from taps_ray.models.target import Target, load_target, load_tokenizer, with_pad_token
 from taps_ray.training.answers import AnswerCache, length_batches, regenerate_answers
 from taps_ray.workdir import features_dir
 
@@ -292,16 +297,47 @@ class _Donors:
         return self._cache[path].get(conv_id)
 
 
+class NeedsTarget(Exception):
+    """A shard has conversations to run through the target, and this process may not load it."""
+
+
+class LazyTarget:
+    """The target as a shard needs it: its tokenizer at once (cheap), the model on first `get()`, never when
+    `may_load` is False (the driver copying donor shards raises `NeedsTarget` instead)."""
+
+    def __init__(self, cfg: StudyConfig, target: Target | None = None, may_load: bool = True) -> None:
+        self._cfg, self._target, self._may_load = cfg, target, may_load
+        self._tokenizer = None
+
+    @property
+    def tokenizer(self):
+        if self._target is not None:
+            return self._target.tokenizer
+        if self._tokenizer is None:
+            self._tokenizer = with_pad_token(load_tokenizer(self._cfg.target.name))
+        return self._tokenizer
+
+    @property
+    def loaded(self) -> bool:
+        return self._target is not None
+
+    def get(self) -> Target:
+        if self._target is None:
+            if not self._may_load:
+                raise NeedsTarget()
+            self._target = load_target(self._cfg.target)
+        return self._target
+
+
 def answers_path(shard: Path) -> Path:
     """The answer cache of a shard of a target-answer set (`AnswerCache`), beside the shard."""
     return shard.with_name(f"answers-{shard.stem}.jsonl")
 
 
-def _extract_shard(target: Target, conversations: Sequence[Any], cfg: StudyConfig, bar: tqdm | None,
+def _extract_shard(source: LazyTarget, conversations: Sequence[Any], cfg: StudyConfig, bar: tqdm | None,
                    donors: _Donors | None = None, answers: Path | None = None) -> tuple[list[Example], dict]:
-    """`answers`: the shard's answer cache when the set trains on target answers, None for dataset answers."""
-    from taps_ray.data.chat import tokenize_conversation
-
+    """`answers`: the shard's answer cache when the set trains on target answers, None for dataset answers.
+    The target is loaded (`source.get()`) only when some conversation is not copied from a donor."""
     f = cfg.features
     start, cpu_start = time.perf_counter(), time.process_time()
     meta: dict[str, Any] = {"input": len(conversations), "source": _ids_digest(conversations)}
@@ -315,19 +351,21 @@ def _extract_shard(target: Target, conversations: Sequence[Any], cfg: StudyConfi
     todo = [c for c in conversations if c.id not in copied]
     if answers is not None and todo:
         cache = AnswerCache(answers, {c.id: digests[c.id] for c in todo})
-        todo = regenerate_answers(target, todo, f.batch_size, f.regenerate_max_new_tokens, f.max_len, cache, bar)
+        todo = regenerate_answers(source.get(), todo, f.batch_size, f.regenerate_max_new_tokens, f.max_len, cache, bar)
         meta["regenerated"] = len(todo)
         meta["regenerate_s"] = time.perf_counter() - start
     samples = []
     for conv in todo:
-        ids, mask = tokenize_conversation(target.tokenizer, conv.messages, f.max_len)
+        ids, mask = tokenize_conversation(source.tokenizer, conv.messages, f.max_len)
         if len(ids) >= 2 and sum(mask) > 0:
             samples.append((conv.id, ids, mask))
     meta["skipped"] = len(conversations) - len(samples) - len(copied)
     extract_start, extract_cpu = time.perf_counter(), time.process_time()
     computed: dict[str, Example] = {}
-    layers = eagle3_layers(target.model.config.num_hidden_layers) if keeps_eagle3_layers(cfg) else []
-    meta["aux_layers"] = layers
+    target = source.get() if samples else None
+    layers = eagle3_layers(target.model.config.num_hidden_layers) if target and keeps_eagle3_layers(cfg) else []
+    if target is not None:  # a shard copied whole records no layers of its own
+        meta["aux_layers"] = layers
     for batch in length_batches([len(s[1]) for s in samples], f.batch_size):
         outs = target_features(target, [samples[i][1] for i in batch], f.top_k, layers)
         for i, (h, p, k, aux) in zip(batch, outs):
@@ -379,7 +417,7 @@ def _finished(folder: Path) -> FeatureSet | None:
 def _extract_features(cfg: StudyConfig, mixture_name: str, target: Target | None, progress: bool,
                       run_shards: ShardRunner | None) -> FeatureSet:
     plan = plan_shards(cfg, mixture_name)
-    missing = plan.missing()
+    missing = copy_donor_shards(cfg, plan.folder, plan.spec, plan.missing())
     if run_shards is None:
         extracted_tokens, threads = extract_shards(cfg, plan.folder, plan.spec, missing, target, progress), torch.get_num_threads()
     else:
@@ -404,8 +442,6 @@ class ShardPlan:
 def plan_shards(cfg: StudyConfig, mixture_name: str) -> ShardPlan:
     """Prepare the set's folder (its spec, no half-written files of a killed run) and cut the mixture into
     shards. The caller holds the set's `folder_lock`: extractions writing this set must not be running."""
-    from taps_ray.data.mixtures import build_mixture
-
     folder = features_folder(cfg, mixture_name)
     folder.mkdir(parents=True, exist_ok=True)
     for leftover in folder.glob(".*.tmp-*"):  # half-written files of a killed run
@@ -426,8 +462,7 @@ def extract_shards(cfg: StudyConfig, folder: Path, spec: dict[str, Any], shards:
     todo = [(name, chunk) for name, chunk in shards if not _shard_done(folder / name, chunk)]
     if not todo:
         return 0
-    if target is None:
-        target = load_target(cfg.target)
+    source = LazyTarget(cfg, target)
     donors = _Donors(folder.parent, spec, folder)
     log.info("features %s: extracting %d shards (%d conversations available from other mixtures)",
              folder.name, len(todo), len(donors.index))
@@ -437,7 +472,7 @@ def extract_shards(cfg: StudyConfig, folder: Path, spec: dict[str, Any], shards:
     try:
         for done, (name, chunk) in enumerate(todo, start=1):
             answers = answers_path(folder / name) if spec["regenerate"] else None
-            examples, meta = _extract_shard(target, chunk, cfg, bar, donors, answers)
+            examples, meta = _extract_shard(source, chunk, cfg, bar, donors, answers)
             write_shard(folder / name, examples, meta)
             extracted_tokens += meta["computed_tokens"]
             elapsed = time.perf_counter() - run_start
@@ -445,6 +480,30 @@ def extract_shards(cfg: StudyConfig, folder: Path, spec: dict[str, Any], shards:
     finally:
         bar.close()
     return extracted_tokens
+
+
+def copy_donor_shards(cfg: StudyConfig, folder: Path, spec: dict[str, Any],
+                      shards: Sequence[tuple[str, Sequence[Any]]]) -> list[tuple[str, Sequence[Any]]]:
+    """Write here, without the target, every shard of `shards` that needs none (each conversation copied from a
+    donor set or too short to train on); returns the shards left for a process holding the target."""
+    if not shards:
+        return []
+    donors = _Donors(folder.parent, spec, folder)
+    if not donors.index:
+        return list(shards)
+    source = LazyTarget(cfg, may_load=False)
+    left = []
+    for name, chunk in shards:
+        try:
+            answers = answers_path(folder / name) if spec["regenerate"] else None
+            examples, meta = _extract_shard(source, chunk, cfg, None, donors, answers)
+        except NeedsTarget:
+            left.append((name, chunk))
+            continue
+        write_shard(folder / name, examples, meta)
+    log.info("features %s: %d of %d missing shards copied from donor sets", folder.name, len(shards) - len(left),
+             len(shards))
+    return left
 
 
 def write_manifest(plan: ShardPlan, extracted_shards: int, extracted_tokens: int,

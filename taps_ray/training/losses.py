@@ -17,6 +17,7 @@ unrolled over `passes` steps, each step reading its own previous outputs as hidd
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, fields, field, replace
 from typing import Literal
 
@@ -241,10 +242,18 @@ class TargetDistribution:
     norm: torch.Tensor  # sum(mask) + 1e-5
 
     @classmethod
-    def build(cls, shifted: Shifted, frozen: FrozenTarget) -> "TargetDistribution":
+    def build(cls, shifted: Shifted, frozen: FrozenTarget,
+              precision: contextlib.AbstractContextManager | None = None) -> "TargetDistribution":
+        """`precision`: the forward passes' autocast (`LossSettings.precision`). Under bf16-mixed the target's
+        logits, a step's largest matmul (N x d x V: 8,192 x 4,096 x 128,256 at the paper's size), run on the
+        same bf16 tensor cores as the head's; their softmax runs in fp32, so the loss moves by rounding only
+        (tests/test_losses.py)."""
         index = torch.nonzero(shifted.mask, as_tuple=True)
         with torch.no_grad():
-            logits = frozen.logits(shifted.target[index])
+            with precision if precision is not None else contextlib.nullcontext():
+                logits = frozen.logits(shifted.target[index])
+            if logits.dtype in (torch.bfloat16, torch.float16):
+                logits = logits.float()
             probs = torch.softmax(logits, dim=-1)
             argmax = logits.argmax(-1)
         tp = shifted.topk_probs[index] if shifted.topk_probs is not None else None
@@ -299,7 +308,7 @@ def run_passes(head: DraftHead, batch: Batch, frozen: FrozenTarget, settings: Lo
     if head.eagle3:
         return run_ttt(head, batch, frozen, settings, backward=backward, passes=passes)
     shifted = shift_batch(batch, settings.noise_std if noise else 0.0, generator, dtype, settings.mask_alignment)
-    dist = TargetDistribution.build(shifted, frozen)
+    dist = TargetDistribution.build(shifted, frozen, settings.precision(weight.device))
     emb = frozen.embeddings(shifted.tok_in).to(dtype)
     n_passes = passes or settings.passes
     with_topk = settings.topk_weight > 0

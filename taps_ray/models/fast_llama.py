@@ -1,0 +1,191 @@
+"""taps' own Llama forward for decoding: the target's verification step without transformers' model code.
+
+Why: at batch 1 on a CPU a small target's forward is dominated by per-op overhead, not by its matmuls;
+transformers' eager Llama spends ~40 small ops a layer (three q/k/v matmuls, two gate/up matmuls, a mask built
+per forward, `repeat_kv`, the output recorder's hooks) over a `DynamicCache` that copies itself every step.
+This forward computes the same function op for op where it matters for rounding (RMSNorm in float32, RoPE's
+`q*cos + rotate_half(q)*sin`, softmax inside SDPA) with
+* q/k/v and gate/up each as one matmul: the HF model's own weights are concatenated once and the HF
+  parameters become views of the fused tensor, so no weight is held twice and transformers' forward (still
+  used by `generate`, training and the `hf` fallback) computes with the very same storage;
+* grouped-query attention without `repeat_kv`: the query heads sharing a key/value head are folded into the
+  query length (as transformers does for one query token, here for trees too, the mask repeated to match);
+* keys and values written in place into the batch's preallocated `KVCache`.
+RoPE's inverse frequencies and scaling are read from the HF model's rotary module (so Llama-3's `llama3`
+scaling, or linear scaling, is exactly HF's); rope types that change the frequencies with the position
+(dynamic, longrope) are not covered and fall back to transformers (`supported`).
+The hidden-state indices follow transformers': 0 the embeddings, i the output of layer i-1, the last the
+post-norm output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from taps_ray.models.kv_cache import KVCache
+
+SUPPORTED_MODEL_TYPES = ("llama",)
+STATIC_ROPE_TYPES = ("default", "linear", "llama3")  # the inverse frequencies do not depend on the positions
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """Why this forward does not cover `model` (None: it does)."""
+    config = model.config
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model type {config.model_type!r} (covered: {', '.join(SUPPORTED_MODEL_TYPES)})"
+    if config.hidden_act not in ("silu", "swish"):
+        return f"activation {config.hidden_act!r} (covered: silu)"
+    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope_type not in STATIC_ROPE_TYPES:
+        return f"rope type {rope_type!r} (covered: {', '.join(STATIC_ROPE_TYPES)})"
+    if getattr(config, "pretraining_tp", 1) != 1:
+        return "pretraining_tp > 1"
+    return None
+
+
+def _fuse(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for several projections of the same input; each projection's parameters become
+    views of it, so the HF modules keep computing with the same numbers and no memory is duplicated."""
+    weight = torch.cat([linear.weight.detach() for linear in linears])
+    has_bias = linears[0].bias is not None
+    bias = torch.cat([linear.bias.detach() for linear in linears]) if has_bias else None
+    start = 0
+    for linear in linears:
+        rows = linear.weight.shape[0]
+        linear.weight = nn.Parameter(weight[start : start + rows], requires_grad=False)
+        if bias is not None:
+            linear.bias = nn.Parameter(bias[start : start + rows], requires_grad=False)
+        start += rows
+    return weight, bias
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm, op for op: the statistics in float32, the scale in the input's dtype."""
+    dtype = x.dtype
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class FastLlama:
+    """The decoding forward of a transformers Llama (`LlamaForCausalLM`), sharing its weights.
+
+    Called as the batch's target forward: (input ids [B, T], positions [B, T], a boolean mask [B, 1, T, S]
+    or None for plain causal attention after the cache, the batch's `KVCache`, the hidden-state indices to
+    return) -> (post-norm last layer [B, T, d], the requested hidden states concatenated, or the last layer).
+    The LM head stays the HF model's (`model.lm_head`), applied by the batch where it needs logits.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"taps' fast forward does not cover this target: {reason}; use target.forward: hf")
+        config = model.config
+        inner = model.model
+        self.model = model
+        self.embed = inner.embed_tokens.weight
+        self.norm = inner.norm.weight
+        self.eps = config.rms_norm_eps
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.scale = self.head_dim**-0.5
+        rotary = inner.rotary_emb
+        self.inv_freq = rotary.inv_freq.detach().float()
+        self.rope_scaling = float(rotary.attention_scaling)
+        self.layers = [self._layer(block) for block in inner.layers[: config.num_hidden_layers]]
+        self._first_q = inner.layers[0].self_attn.q_proj.weight
+
+    def _check_shared(self) -> None:
+        """The fused weights are the HF model's: a `model.to(...)` after building replaced the HF parameters'
+        storage (not the fused copies), and the two forwards would silently compute different models."""
+        if self._first_q.data_ptr() != self.layers[0].qkv.data_ptr():
+            raise RuntimeError("the target's weights were cast or moved after its fast forward was built; "
+                               "call models.target_forward.attach_forward(model, 'fast') again")
+
+    @staticmethod
+    def _layer(block: nn.Module) -> _Layer:
+        attn, mlp = block.self_attn, block.mlp
+        qkv, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+        gate_up, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
+        return _Layer(
+            input_norm=block.input_layernorm.weight, qkv=qkv, qkv_bias=qkv_bias,
+            o=attn.o_proj.weight, o_bias=attn.o_proj.bias, post_norm=block.post_attention_layernorm.weight,
+            gate_up=gate_up, gate_up_bias=gate_up_bias, down=mlp.down_proj.weight, down_bias=mlp.down_proj.bias,
+        )
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [B, 1, T, head_dim] of the positions, computed as transformers' rotary module does."""
+        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos() * self.rope_scaling, emb.sin() * self.rope_scaling
+        return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
+
+    @torch.no_grad()
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache: KVCache,
+        hidden_layers: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self._check_shared()
+        batch, length = input_ids.shape
+        x = F.embedding(input_ids, self.embed)
+        cos, sin = self.rope(positions, x.dtype)
+        group = self.heads // self.kv_heads
+        if mask is None and length > 1:  # causal after the cache: query i sees the cache and queries 0..i
+            past = cache.width
+            columns = torch.arange(past + length, device=x.device)
+            mask = (columns[None, :] <= past + torch.arange(length, device=x.device)[:, None])[None, None]
+        if mask is not None and group > 1 and length > 1:  # rows of the folded queries: head-major, then position
+            mask = mask.repeat(1, 1, group, 1)
+        wanted = {i % (self.num_layers + 1) for i in hidden_layers}
+        recorded: dict[int, torch.Tensor] = {0: x} if 0 in wanted else {}
+        q_width = self.heads * self.head_dim
+        for index, layer in enumerate(self.layers):
+            h = _rms_norm(x, layer.input_norm, self.eps)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(batch, length, -1, self.head_dim).transpose(1, 2)
+            qk, v = qkv[:, : self.heads + self.kv_heads], qkv[:, self.heads + self.kv_heads :]
+            qk = qk * cos + _rotate_half(qk) * sin  # queries and keys rotated in one pass, element by element as HF
+            q, k = qk[:, : self.heads], qk[:, self.heads :]
+            keys, values = cache.append(index, k, v)
+            folded = q.reshape(batch, self.kv_heads, group * length, self.head_dim)
+            out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=self.scale)
+            out = out.view(batch, self.heads, length, self.head_dim).transpose(1, 2).reshape(batch, length, q_width)
+            x = x + F.linear(out, layer.o, layer.o_bias)
+            h = _rms_norm(x, layer.post_norm, self.eps)
+            gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+            if index + 1 in wanted and index + 1 < self.num_layers:
+                recorded[index + 1] = x
+        last = _rms_norm(x, self.norm, self.eps)
+        if not hidden_layers:
+            return last, last
+        recorded[self.num_layers] = last
+        return last, torch.cat([recorded[i % (self.num_layers + 1)] for i in hidden_layers], dim=-1)

@@ -1,0 +1,159 @@
+"""A preallocated key/value cache for a batch of right-padded sequences, owned by the target's `TargetBatch`.
+
+Why not transformers' `DynamicCache`: it concatenates each layer's keys and values onto a new tensor at every
+forward (a copy of the whole cache per layer per step), and the batch then copied it again to move accepted tree
+slots, crop it or drop rows. Here every layer has one buffer [rows, kv_heads, capacity, head_dim] allocated
+once; a forward writes its slots in place (`append`), accepted tree nodes are gathered down in place
+(`compact`), cropping only moves a number (`crop`), and rows are kept or evicted by index in place
+(`keep_rows`). The capacity grows by doubling, so a buffer is reallocated (and copied) a logarithmic number
+of times per sequence, never per forward.
+
+The invariant is the batch's: the committed region is `width` slots wide (the longest sequence); a row's slots
+past its own length hold anything and are never attended (the batch's masks see to it). During a forward
+every layer appends its T new slots after `width`; `advance(T)` then widens the region once for all layers.
+Plain torch, no transformers import: both target forwards (taps' own and transformers', through an adapter in
+`models/hf_forward.py`) write into it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+GROWTH = 256  # slots: capacities are multiples of this (one reallocation per 256 slots at first, then doubling)
+
+
+def _capacity(needed: int, current: int) -> int:
+    """The next capacity holding `needed` slots: at least double the current one, rounded up to `GROWTH`."""
+    wanted = max(needed, 2 * current)
+    return -(-wanted // GROWTH) * GROWTH
+
+
+class KVCache:
+    """Keys and values of `num_layers` layers for `rows` sequences; buffers are allocated on the first append
+    (the shapes come from the model's own key states, so any full-attention architecture fits)."""
+
+    def __init__(self, num_layers: int, rows: int = 0) -> None:
+        self.num_layers = num_layers
+        self.rows = rows
+        self.width = 0
+        self._keys: list[torch.Tensor | None] = [None] * num_layers
+        self._values: list[torch.Tensor | None] = [None] * num_layers
+
+    def reset(self, rows: int) -> None:
+        """Empty the cache for `rows` new sequences; the buffers are reused when they have room for the rows."""
+        for layer, buffer in enumerate(self._keys):
+            if buffer is not None and buffer.shape[0] < rows:
+                self._keys[layer] = self._values[layer] = None
+        self.rows, self.width = rows, 0
+
+    def append(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write a forward's new keys and values [rows, heads, T, head_dim] after the committed region and return
+        the layer's keys and values over committed + new slots (views: nothing is copied)."""
+        if keys.shape[0] != self.rows:
+            raise ValueError(f"a forward of {keys.shape[0]} rows on a cache of {self.rows} rows")
+        end = self.width + keys.shape[2]
+        buffer_k, buffer_v = self._keys[layer], self._values[layer]
+        if buffer_k is None or buffer_k.shape[2] < end:
+            buffer_k, buffer_v = self._grown(layer, keys, end)
+        buffer_k[: self.rows, :, self.width : end] = keys
+        buffer_v[: self.rows, :, self.width : end] = values
+        return buffer_k[: self.rows, :, :end], buffer_v[: self.rows, :, :end]
+
+    def _grown(self, layer: int, like: torch.Tensor, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's buffers reallocated to hold `needed` slots, the committed region copied over."""
+        old_k, old_v = self._keys[layer], self._values[layer]
+        current = 0 if old_k is None else old_k.shape[2]
+        rows = max(self.rows, 0 if old_k is None else old_k.shape[0])
+        shape = (rows, like.shape[1], _capacity(needed, current), like.shape[3])
+        new_k = torch.empty(shape, dtype=like.dtype, device=like.device)
+        new_v = torch.empty(shape, dtype=like.dtype, device=like.device)
+        if old_k is not None and self.width:
+            new_k[: self.rows, :, : self.width] = old_k[: self.rows, :, : self.width]
+            new_v[: self.rows, :, : self.width] = old_v[: self.rows, :, : self.width]
+        self._keys[layer], self._values[layer] = new_k, new_v
+        return new_k, new_v
+
+    def advance(self, slots: int) -> None:
+        """Every layer has appended `slots` slots: the region now covers them (until `compact` or `crop`)."""
+        self.width += slots
+
+    def crop(self, width: int) -> None:
+        """Keep only the first `width` slots (nothing moves)."""
+        if width > self.width:
+            raise ValueError(f"cannot crop a cache of {self.width} slots to {width}")
+        self.width = width
+
+    def compact(self, low: int, index: torch.Tensor) -> None:
+        """Slots low..low+n-1 of row b take the slots `index[b]` ([rows, n], gathered from the whole region), in
+        place; then the region is cropped to low + n. Slots below `low` are not touched."""
+        high = low + index.shape[1]
+        for buffers in (self._keys, self._values):
+            for layer, buffer in enumerate(buffers):
+                if buffer is None:
+                    continue
+                region = buffer[: self.rows, :, : self.width]
+                gather = index[:, None, :, None].expand(-1, buffer.shape[1], -1, buffer.shape[3])
+                buffer[: self.rows, :, low:high] = region.gather(2, gather)
+        self.width = high
+
+    def keep_rows(self, index: torch.Tensor, width: int) -> None:
+        """Keep the rows `index` (in that order) as rows 0..len-1, cropped to `width` slots, in place."""
+        for buffers in (self._keys, self._values):
+            for buffer in buffers:
+                if buffer is not None:
+                    buffer[: len(index), :, :width] = buffer[index, :, :width]
+        self.rows, self.width = len(index), width
+
+    def take_rows(self, index: torch.Tensor, width: int) -> KVCache:
+        """A new cache holding copies of the rows `index`, `width` slots wide."""
+        sub = KVCache(self.num_layers, rows=len(index))
+        sub.width = width
+        for layer in range(self.num_layers):
+            buffer_k, buffer_v = self._keys[layer], self._values[layer]
+            if buffer_k is None:
+                continue
+            sub._grown(layer, buffer_k, width)
+            sub._keys[layer][:, :, :width] = buffer_k[index, :, :width]
+            sub._values[layer][:, :, :width] = buffer_v[index, :, :width]
+        return sub
+
+    def put_rows(self, index: torch.Tensor, sub: KVCache, since: int) -> None:
+        """Write the slots `since`.. of a stepped `take_rows` cache back into the rows `index` (the slots before
+        `since` are unchanged copies); the region widens to the sub-cache's width if it grew past it."""
+        width = max(self.width, sub.width)
+        for layer in range(self.num_layers):
+            theirs_k, theirs_v = sub._keys[layer], sub._values[layer]
+            if theirs_k is None:
+                continue
+            if self._keys[layer] is None or self._keys[layer].shape[2] < width:
+                self._grown(layer, theirs_k, width)
+            self._keys[layer][index, :, since : sub.width] = theirs_k[:, :, since : sub.width]
+            self._values[layer][index, :, since : sub.width] = theirs_v[:, :, since : sub.width]
+        self.width = width
+
+    def merge(self, other: KVCache) -> None:
+        """Append `other`'s rows after these; the narrower region is padded (padding slots are never attended)."""
+        if other.num_layers != self.num_layers:
+            raise ValueError(f"cannot merge a cache of {other.num_layers} layers into one of {self.num_layers}")
+        width = max(self.width, other.width)
+        rows = self.rows + other.rows
+        for layer in range(self.num_layers):
+            like = self._keys[layer] if self._keys[layer] is not None else other._keys[layer]
+            if like is None:
+                continue
+            shape = (rows, like.shape[1], _capacity(width, 0), like.shape[3])
+            for buffers, source in ((self._keys, other._keys), (self._values, other._values)):
+                merged = torch.zeros(shape, dtype=like.dtype, device=like.device)
+                if buffers[layer] is not None:
+                    merged[: self.rows, :, : self.width] = buffers[layer][: self.rows, :, : self.width]
+                if source[layer] is not None:
+                    merged[self.rows :, :, : other.width] = source[layer][: other.rows, :, : other.width]
+                buffers[layer] = merged
+        self.rows, self.width = rows, width
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `index`'s keys and values over the committed region, [rows, heads, width, head_dim] (views)."""
+        keys, values = self._keys[index], self._values[index]
+        if keys is None or values is None:
+            raise ValueError(f"layer {index} of the cache holds nothing yet (no forward has run)")
+        return keys[: self.rows, :, : self.width], values[: self.rows, :, : self.width]

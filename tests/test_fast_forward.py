@@ -1,0 +1,199 @@
+"""taps' fast Llama forward against transformers', and the preallocated KV cache the batch owns.
+
+Tolerances come from fp32 rounding, not from a number picked to pass: both forwards are compared with the same
+model in float64, and the fast forward must be about as close to it as transformers' own fp32 forward is (fusing
+projections changes the order of sums, so the two fp32 forwards are not bit-identical; on AVX-512 and on AMX
+machines alike they round differently from float64 by the same order). Greedy tokens must agree wherever the
+float64 margin between the two best logits exceeds that error bound.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+from taps_ray.decoding.target_batch import TargetBatch
+from taps_ray.decoding.verify import SamplingParams
+from taps_ray.drafting.tree import build_tree
+from taps_ray.models.fast_llama import FastLlama
+from taps_ray.models.hf_forward import HFForward
+from taps_ray.models.kv_cache import GROWTH, KVCache
+from taps_ray.models.target_forward import attach_forward, target_forward
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+CONFIGS = {
+    "gqa": {},
+    "llama3-rope-biases-head-dim": {"rope_parameters": LLAMA3_ROPE, "attention_bias": True, "mlp_bias": True,
+                                    "head_dim": 24},
+}
+TREE = build_tree(torch.tensor([11, 12, 13, 14, 15, 16, 17]), torch.tensor([-1, 0, 0, 1, 1, 2, 5]))
+CHAIN = build_tree(torch.tensor([21, 22, 23, 24]), torch.tensor([-1, 0, 1, 2]))
+
+
+def _llama(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: object) -> transformers.LlamaForCausalLM:
+    settings = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True)
+    config = transformers.LlamaConfig(**{**settings, **overrides})
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(8.0)  # sharp distributions, as the tiny target has
+    return model.to(dtype).eval().requires_grad_(False)
+
+
+def _verify(model: torch.nn.Module, feature_layers: tuple[int, ...] = ()) -> list[torch.Tensor]:
+    """Logits (and features) of a padded two-row prefill, then a tree on row 0 and a chain on row 1 after it:
+    prompts long enough that Llama-3's rope scaling reaches its scaled and interpolated bands."""
+    prompts = [list(range(3, 40)), list(range(50, 70))]
+    batch = TargetBatch(model, feature_layers=feature_layers)
+    outs = batch.prefill(prompts)
+    trees = batch.verify([TREE, CHAIN])
+    return [o.logits.double() for o in outs] + [t.logits.double() for t in trees] + [t.hidden.double() for t in trees]
+
+
+def _three_ways(dtype: torch.dtype, **overrides: object) -> tuple[list, list, list]:
+    fast = _llama(dtype, **overrides)
+    hf, exact = copy.deepcopy(fast), copy.deepcopy(fast).double()
+    attach_forward(fast, "fast")
+    attach_forward(hf, "hf")
+    attach_forward(exact, "hf")
+    assert isinstance(target_forward(fast), FastLlama) and isinstance(target_forward(hf), HFForward)
+    return _verify(fast, (0, 2, -1)), _verify(hf, (0, 2, -1)), _verify(exact, (0, 2, -1))
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_fast_forward_is_as_close_to_float64_as_transformers_fp32(name):
+    fast, hf, exact = _three_ways(torch.float32, **CONFIGS[name])
+    eps = torch.finfo(torch.float32).eps
+    checked = 0
+    for got, reference, truth in zip(fast, hf, exact, strict=True):
+        hf_error = (reference - truth).abs().max().item()
+        bound = 8 * max(hf_error, eps * truth.abs().max().item())
+        assert (got - truth).abs().max().item() <= bound
+        if truth.shape[-1] == 96:  # logits: the tokens agree wherever the float64 margin exceeds the error bound
+            top2 = truth.topk(2, dim=-1).values
+            clear = (top2[:, 0] - top2[:, 1]) > 2 * bound
+            assert torch.equal(got.argmax(-1)[clear], truth.argmax(-1)[clear])
+            checked += int(clear.sum())
+    assert checked >= 10  # the token check compared real positions
+
+
+def test_fast_forward_bf16_is_as_close_to_float64_as_transformers_bf16():
+    fast, hf, exact = _three_ways(torch.bfloat16)
+    for got, reference, truth in zip(fast, hf, exact, strict=True):
+        hf_error = (reference - truth).abs().max().item()
+        bound = 4 * max(hf_error, torch.finfo(torch.bfloat16).eps * truth.abs().max().item())
+        assert (got - truth).abs().max().item() <= bound
+
+
+def test_llama3_rope_frequencies_are_transformers_own():
+    model = _llama(**CONFIGS["llama3-rope-biases-head-dim"])
+    fast = FastLlama(model)
+    rotary = model.model.rotary_emb
+    assert torch.equal(fast.inv_freq, rotary.inv_freq.float()) and fast.rope_scaling == rotary.attention_scaling
+    positions = torch.arange(200)[None]
+    x = torch.zeros(1, 1, dtype=torch.float32)
+    cos, sin = fast.rope(positions, torch.float32)
+    want_cos, want_sin = rotary(x, positions)
+    assert torch.equal(cos[:, 0], want_cos) and torch.equal(sin[:, 0], want_sin)
+    default = FastLlama(_llama())
+    assert not torch.equal(default.inv_freq[: fast.inv_freq.numel()], fast.inv_freq)  # the scaling did something
+
+
+def test_fusing_shares_the_hf_weights_and_leaves_transformers_forward_bit_identical():
+    model = _llama(attention_bias=True)
+    ids = torch.tensor([[3, 8, 13, 21, 34]])
+    before = model(ids).logits
+    parameters = sum(p.numel() for p in model.parameters())
+    fast = FastLlama(model)
+    assert torch.equal(model(ids).logits, before)
+    assert sum(p.numel() for p in model.parameters()) == parameters
+    for block, layer in zip(model.model.layers, fast.layers, strict=True):
+        attn, mlp = block.self_attn, block.mlp
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+            assert proj.weight.untyped_storage().data_ptr() == layer.qkv.untyped_storage().data_ptr()
+            assert proj.bias.untyped_storage().data_ptr() == layer.qkv_bias.untyped_storage().data_ptr()
+        for proj in (mlp.gate_proj, mlp.up_proj):
+            assert proj.weight.untyped_storage().data_ptr() == layer.gate_up.untyped_storage().data_ptr()
+
+
+def test_casting_the_model_after_building_is_refused_not_silently_diverging():
+    model = _llama()
+    attach_forward(model, "fast")
+    model.to(torch.float64)
+    with pytest.raises(RuntimeError, match="attach_forward"):
+        TargetBatch(model).prefill([[3, 4, 5]])
+
+
+def test_uncovered_rope_falls_back_to_transformers_with_the_same_tokens():
+    dynamic = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    model = _llama(rope_parameters=dynamic)
+    with pytest.raises(ValueError, match="rope type 'dynamic'.*target.forward: hf"):
+        FastLlama(model)
+    assert isinstance(attach_forward(model, "fast"), HFForward)
+    prompt = [3, 9, 27, 81 % 96]
+    batch = TargetBatch(model)
+    tokens = [c.tokens[0] for c in batch.start([prompt], SamplingParams(), [0])]
+    want = model.generate(torch.tensor([prompt]), max_new_tokens=1, do_sample=False, pad_token_id=0)[0, -1]
+    assert tokens == [int(want)]
+
+
+# --- the preallocated cache ----------------------------------------------------------------------------------
+
+
+def test_decoding_writes_in_place_the_buffers_are_allocated_once_per_capacity():
+    model = _llama()
+    attach_forward(model, "fast")
+    batch = TargetBatch(model)
+    prompt = list(range(3, 20))
+    root = batch.start([prompt], SamplingParams(), [0])[0].tokens[-1]
+
+    def decode(steps: int) -> None:
+        nonlocal root
+        for _ in range(steps):
+            root = batch.step([build_tree(torch.tensor([root]), torch.tensor([-1]))])[0].tokens[-1]
+
+    pointers = {batch.cache.layer(i)[0].data_ptr() for i in range(3)}
+    decode(GROWTH - len(prompt) - 1)  # stays within the first capacity
+    assert {batch.cache.layer(i)[0].data_ptr() for i in range(3)} == pointers
+    assert batch.cache.width == GROWTH - 1
+    keys_before = batch.cache.layer(0)[0].clone()
+    decode(10)  # past it: one reallocation, the committed slots carried over
+    assert batch.cache.layer(0)[0].data_ptr() not in pointers and batch.cache.width == GROWTH + 9
+    assert torch.equal(batch.cache.layer(0)[0][:, :, : keys_before.shape[2]], keys_before)
+
+
+def test_cache_compaction_and_row_selection_match_a_naive_copy():
+    generator = torch.Generator().manual_seed(0)
+    cache = KVCache(num_layers=2)
+    cache.reset(3)
+    full = [torch.randn(3, 2, 9, 4, generator=generator) for _ in range(2)]
+    for layer in range(2):
+        cache.append(layer, full[layer][:, :, :6], full[layer][:, :, :6] + 1)
+    cache.advance(6)
+    for layer in range(2):
+        cache.append(layer, full[layer][:, :, 6:], full[layer][:, :, 6:] + 1)
+    cache.advance(3)
+    index = torch.tensor([[4, 5, 8, 0], [6, 7, 8, 0], [2, 3, 7, 6]])  # rows gather different slots
+    cache.compact(2, index)
+    assert cache.width == 6
+    for layer in range(2):
+        keys, values = cache.layer(layer)
+        want = torch.cat([full[layer][:, :, :2], full[layer].gather(2, index[:, None, :, None].expand(-1, 2, -1, 4))], 2)
+        assert torch.equal(keys, want) and torch.equal(values, want + 1)
+    cache.keep_rows(torch.tensor([2, 0]), 5)
+    assert cache.rows == 2 and cache.width == 5
+    sub = cache.take_rows(torch.tensor([1]), 5)
+    keys_before = cache.layer(0)[0].clone()
+    for layer in range(2):
+        sub.append(layer, torch.full((1, 2, 2, 4), 7.0), torch.full((1, 2, 2, 4), 8.0))
+    sub.advance(2)
+    cache.put_rows(torch.tensor([1]), sub, since=5)
+    keys = cache.layer(0)[0]
+    assert cache.width == 7 and torch.equal(keys[1, :, 5:], torch.full((2, 2, 4), 7.0))
+    assert torch.equal(keys[:, :, :5], keys_before)  # the rows' committed slots, and the other row, untouched

@@ -1,0 +1,34 @@
+"""The GPU smoke's CPU fallback (benchmarks/gpu_smoke.py --cpu): the same checks on small shapes, in a process
+where Ray, datasets and gguf cannot be imported, as on the bare GPU machine the smoke is for."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BLOCKED = ("ray", "datasets", "gguf")  # absent on the borrowed GPU machine
+
+
+def test_gpu_smoke_cpu_fallback_runs_without_ray_and_is_lossless(tmp_path):
+    out = tmp_path / "gpu.md"
+    code = ("import runpy, sys\n"
+            + "".join(f"sys.modules[{name!r}] = None\n" for name in BLOCKED)  # `import ray` raises ImportError
+            + f"sys.argv = ['gpu_smoke.py', '--cpu', '--out', {str(out)!r}]\n"
+            + f"runpy.run_path({str(REPO / 'benchmarks' / 'gpu_smoke.py')!r}, run_name='__main__')\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    results = json.loads(out.with_suffix(".json").read_text())
+    assert results["environment"]["fallback"] and "CPU fallback" in out.read_text()
+    lossless = results["lossless_fp32"]
+    assert lossless["equal_plain"] and lossless["equal_hf"] and lossless["accepted"] > 0
+    assert [m["shape"] for m in results["bf16"]] == ["SmolLM2-135M (shrunk)", "Llama-3-8B-Instruct (shrunk)"]
+    assert all(0.0 <= m["match_rate"] <= 1.0 for m in results["bf16"])
+    rows = results["timing"]["rows"]
+    assert [r["batch"] for r in rows] == [1, 2] and all(r["spec"]["tokens"] == r["plain"]["tokens"] for r in rows)
+    assert results["timing"]["trees"] and all(t["verify_ms_per_step"] > 0 for t in results["timing"]["trees"])

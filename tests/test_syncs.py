@@ -1,0 +1,116 @@
+"""The decoding loop's host-sync budget (taps_ray/syncs.py), and the batched pieces that keep it: drafting S
+sequences in one pass gives each sequence's own tree, and greedy acceptance of a batch in one pass gives each
+tree's own verdict."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from taps_ray.config import TreeConfig
+from taps_ray.decoding.generate import run_loop
+from taps_ray.decoding.target_batch import TargetBatch
+from taps_ray.decoding.verify import SamplingParams, accept_greedy, accept_greedy_batch
+from taps_ray.drafting.proposers import SingleHead, StackedHeads
+from taps_ray.drafting.tree import DraftContext, HeadCache, build_tree, draft_eagle2_batch, draft_eagle2_trees
+from taps_ray.models.draft_head import new_head
+from taps_ray.syncs import SyncCounter
+
+from numerics import assert_same_tree, rounding_rtol, tree_rtol
+
+TREE = TreeConfig(total_token=8, depth=3, top_k=3)
+# The budget: syncs per step of the in-process loop, whatever the batch (measured: 5; reports/host_overhead.md).
+SYNC_BUDGET = 6
+
+
+def test_counter_counts_what_would_sync_on_a_gpu():
+    x, mask = torch.arange(6), torch.tensor([True, False] * 3)
+    with SyncCounter() as counter:
+        int(x[0]), float(x[1]), bool(x[2]), x.tolist(), x[1].item(), x.nonzero(), x[mask], x.cpu()
+        y = x * 2 + x.sum()  # device work only
+        torch.tensor([1, 2])
+    assert counter.syncs == 8 and counter.uploads == 1, counter.by_name
+    assert counter.by_name["bool index"] == 1 and y.shape == (6,)
+
+
+class _Steps:
+    """A `TargetBatch` that counts its steps and keeps the prefill's syncs out of the count."""
+
+    def __init__(self, batch: TargetBatch, counter: SyncCounter) -> None:
+        self.batch, self.counter, self.steps, self.start_syncs = batch, counter, 0, 0
+
+    def start(self, prompts, params, seeds):
+        before = self.counter.syncs
+        out = self.batch.start(prompts, params, seeds)
+        self.start_syncs = self.counter.syncs - before
+        return out
+
+    def step(self, trees):
+        self.steps += 1
+        return self.batch.step(trees)
+
+
+def _syncs_per_step(target, proposer, batch: int) -> float:
+    prompts = [[10 + b, 20 + 3 * b, 30, 40 + b, 50][: 3 + b % 3] for b in range(batch)]  # ragged lengths
+    counter = SyncCounter()
+    verifier = _Steps(TargetBatch(target.model), counter)
+    with counter:
+        run_loop(verifier, proposer, prompts, SamplingParams(), 6, stop_ids=[])
+    return (counter.syncs - verifier.start_syncs) / verifier.steps
+
+
+def test_syncs_per_step_do_not_grow_with_the_batch(tiny_target):
+    head = new_head(tiny_target.model.config, seed=0)
+    proposer = SingleHead("random", head, DraftContext(tiny_target.model.get_input_embeddings(),
+                                                       tiny_target.model.lm_head), TREE)
+    one, eight = _syncs_per_step(tiny_target, proposer, 1), _syncs_per_step(tiny_target, proposer, 8)
+    assert one <= SYNC_BUDGET and eight <= SYNC_BUDGET and eight <= one + 2, (one, eight)
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+@pytest.mark.parametrize("min_confidence", [0.0, 0.05])
+def test_batched_drafting_gives_each_sequence_its_own_trees(tiny_target, stacked, min_confidence):
+    """Sequences of different cache lengths and different numbers of new positions, drafted together over two
+    steps, get the trees each drafts alone (up to rounding: batched rows run other kernels)."""
+    config = tiny_target.model.config
+    heads = [new_head(config, seed=1), new_head(config, seed=2)]
+    ctx = DraftContext(tiny_target.model.get_input_embeddings(), tiny_target.model.lm_head)
+    head = StackedHeads([SingleHead(f"h{i}", h, ctx, TREE) for i, h in enumerate(heads)]).head if stacked else heads[0]
+    generator = torch.Generator().manual_seed(0)
+    counts = [[5, 2], [3, 4], [7, 1]]  # per sequence: new positions at the first and the second call
+    inputs = [[(torch.randn(m, config.hidden_size, generator=generator),
+                torch.randint(0, config.vocab_size, (m,), generator=generator)) for m in seq] for seq in counts]
+    settings = dict(total_token=TREE.total_token, depth=TREE.depth, top_k=TREE.top_k, min_confidence=min_confidence)
+    batch_caches, alone_caches = [HeadCache() for _ in counts], [HeadCache() for _ in counts]
+    for call in range(2):
+        feats = [seq[call][0] for seq in inputs]
+        tokens = [seq[call][1] for seq in inputs]
+        together, batch_caches = draft_eagle2_batch(head, ctx, batch_caches, feats, tokens, **settings)
+        for s in range(len(counts)):
+            alone, alone_caches[s] = draft_eagle2_trees(head, ctx, alone_caches[s], feats[s], tokens[s], **settings)
+            assert len(together[s]) == len(alone) == head.stacked
+            for got, want in zip(together[s], alone):
+                assert_same_tree(got, want, tree_rtol(config.hidden_size, TREE.depth))
+                assert got.is_chain == bool((want.parents == torch.arange(-1, want.size - 1)).all())
+            assert batch_caches[s].length == alone_caches[s].length
+            rtol = rounding_rtol(config.hidden_size, chained=2)  # fc, then the key projection
+            for got_kv, want_kv in zip(batch_caches[s].kv, alone_caches[s].kv):
+                torch.testing.assert_close(got_kv, want_kv, rtol=rtol, atol=rtol)
+
+
+def test_batched_greedy_acceptance_equals_per_tree_acceptance():
+    """Random trees (duplicate tokens, so equal-depth ties happen) and logits: the vectorised verdicts are the
+    per-tree rule's, nodes, tokens and bonus."""
+    generator = torch.Generator().manual_seed(0)
+    trees, logits = [], []
+    for _ in range(60):
+        size = int(torch.randint(1, 12, (), generator=generator))
+        parents = [-1] + [int(torch.randint(0, i, (), generator=generator)) for i in range(1, size)]
+        trees.append(build_tree(torch.randint(0, 3, (size,), generator=generator), torch.tensor(parents)))
+        logits.append(torch.randn(size, 3, generator=generator))
+    accepted = 0
+    for tree, row_logits, verdict in zip(trees, logits, accept_greedy_batch(trees, logits)):
+        want = accept_greedy(tree, row_logits)
+        assert (verdict.nodes, verdict.tokens, verdict.bonus) == (want.nodes, want.tokens, want.bonus)
+        accepted += want.accepted
+    assert accepted > 20  # the comparison covered accepted paths, not only root-only verdicts
