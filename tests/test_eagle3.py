@@ -230,3 +230,26 @@ def test_bf16_mixed_precision_runs_the_forward_in_bf16_and_keeps_fp32_gradients(
     fp32, mixed = results["fp32"].loss, results["bf16-mixed"].loss
     assert mixed != fp32 and mixed == pytest.approx(fp32, rel=0.05)
     assert torch.nn.functional.cosine_similarity(grads["fp32"], grads["bf16-mixed"], dim=0) > 0.95
+
+
+def test_the_training_time_test_runs_its_own_step_count(tiny_config):
+    """EAGLE-3's training-time test trains every level a tree drafts: tree.depth + 1 steps unless train.ttt_steps
+    says otherwise, independent of HASS's hca_passes; the fingerprint of a head whose step count equals
+    hca_passes (every head trained before ttt_steps existed) and of the other kinds is unchanged."""
+    from types import SimpleNamespace
+
+    from taps_ray.training.trainer import run_fingerprint
+
+    assert LossSettings.for_kind("eagle3", TrainConfig(hca_passes=3), tree_depth=4).passes == 5
+    assert LossSettings.for_kind("eagle3", TrainConfig(hca_passes=3, ttt_steps=7), tree_depth=4).passes == 7
+    assert LossSettings.for_kind("hass", TrainConfig(hca_passes=3, ttt_steps=7), tree_depth=4).passes == 3
+    features = SimpleNamespace(key="math-0")
+    old = tiny_config.model_copy(update={"train": tiny_config.train.model_copy(update={"hca_passes": 3}),
+                                         "tree": tiny_config.tree.model_copy(update={"depth": 4})})
+
+    def with_steps(steps):
+        return old.model_copy(update={"train": old.train.model_copy(update={"ttt_steps": steps})})
+
+    assert run_fingerprint(with_steps(3), "eagle3", features) != run_fingerprint(with_steps(None), "eagle3", features)
+    assert run_fingerprint(with_steps(None), "eagle3", features) == run_fingerprint(with_steps(5), "eagle3", features)
+    assert run_fingerprint(with_steps(7), "eagle2", features) == run_fingerprint(with_steps(None), "eagle2", features)

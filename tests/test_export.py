@@ -68,22 +68,43 @@ def _drafts_losslessly(target, head: DraftHead) -> None:
         assert generation.tokens == _hf_greedy(model, prompt, 16, target.stop_token_ids)
 
 
+def _sglang_ready(head: DraftHead) -> DraftHead:
+    """SGLang cannot capture hidden_states index 0, which the tiny target's EAGLE-3 layers (2, 1, 0) include."""
+    if not head.eagle3 or min(head.config.feature_layers) > 0:
+        return head
+    other = DraftHead(head.config.model_copy(update={"feature_layers": [2, 1, 1]}))
+    other.load_trainable(head.trainable_state())
+    return other.eval()
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
 @pytest.mark.parametrize("kind", ["eagle3", "eagle2", "hass"])
-def test_export_then_import_is_bit_identical_and_drafts_the_same_trees(tiny_target, tmp_path, kind):
+def test_export_then_import_is_bit_identical_and_drafts_the_same_trees(tiny_target, tmp_path, kind, engine):
     vocab = _vocab(tiny_target) if kind == "eagle3" else None
     head = _perturbed(new_head(tiny_target.model.config, seed=7, kind=kind, draft_vocab=vocab, trained_on="math"))
-    export_head(head, tmp_path / "out")
+    if engine == "sglang":
+        head = _sglang_ready(head)
+    export_head(head, tmp_path / "out", engine=engine)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    names = set(load_file(str(tmp_path / "out" / "model.safetensors")))
+    weights = load_file(str(tmp_path / "out" / "model.safetensors"))
+    names = set(weights)
     assert config["num_hidden_layers"] == 1 and config["hidden_size"] == head.config.hidden_size
+    assert "bias" not in config  # both engines' Llama layers read it as attention bias
+    assert config["taps"]["engine"] == engine and head.fc.bias is None  # heads train without an fc bias
     if kind == "eagle3":
         assert config["architectures"] == ["LlamaForCausalLMEagle3"] and names == EAGLE3_WEIGHTS
         assert config["draft_vocab_size"] == vocab.numel() and config["target_hidden_size"] == head.config.hidden_size
-        assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == head.config.feature_layers
+        ids = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+        shift = 0 if engine == "vllm" else 1  # SGLang captures the input of layer id + 1
+        assert ids == [i - shift for i in head.config.feature_layers]
     else:
-        assert config["architectures"] == ["LlamaForCausalLM"] and config["bias"] is True
-        assert {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight"} <= names
+        assert config["architectures"] == [{"vllm": "LlamaForCausalLM", "sglang": "LlamaForCausalLMEagle"}[engine]]
+        assert {"fc.weight", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight"} <= names
         assert not any(n.startswith("layer.") for n in names)
+        if engine == "vllm":  # vLLM's EAGLE fc has no bias
+            assert "fc.bias" not in names
+        else:  # SGLang's always has one: a zero bias computes the same
+            assert torch.equal(weights["fc.bias"], torch.zeros(head.config.hidden_size))
     again = load_published(tmp_path / "out")
     assert again.config == head.config
     mine, theirs = head.trainable_state(), again.trainable_state()
@@ -95,6 +116,24 @@ def test_export_then_import_is_bit_identical_and_drafts_the_same_trees(tiny_targ
     assert torch.equal(a.confidence, b.confidence)
     with pytest.raises(ValueError, match="layout"):
         export_head(head, tmp_path / "wrong", "eagle" if kind == "eagle3" else "eagle3")
+    with pytest.raises(ValueError, match="exported for"):
+        load_published(tmp_path / "out", engine="sglang" if engine == "vllm" else "vllm")
+
+
+def test_an_fc_bias_exports_only_where_the_engine_holds_one(tiny_target, tmp_path):
+    head = _perturbed(new_head(tiny_target.model.config, seed=4, kind="hass", fc_bias=True))
+    with pytest.raises(ValueError, match="fc bias.*retrain.*--engine sglang"):
+        export_head(head, tmp_path / "vllm")
+    assert not (tmp_path / "vllm").exists()
+    export_head(head, tmp_path / "sglang", engine="sglang")
+    again = load_published(tmp_path / "sglang")
+    assert again.config.fc_bias and torch.equal(again.fc.bias, head.fc.bias)
+    eagle3 = DraftHead(new_head(tiny_target.model.config, kind="eagle3").config.model_copy(update={"fc_bias": True}))
+    for engine in ("vllm", "sglang"):
+        with pytest.raises(ValueError, match="fc bias"):
+            export_head(eagle3, tmp_path / f"e3-{engine}", engine=engine)
+    with pytest.raises(ValueError, match="index 0"):  # the tiny target's EAGLE-3 layers 2, 1, 0
+        export_head(new_head(tiny_target.model.config, kind="eagle3"), tmp_path / "e3", engine="sglang")
 
 
 def test_a_synthetic_published_eagle3_checkpoint_loads_and_drafts(tiny_target, tmp_path):
@@ -138,11 +177,20 @@ def test_a_synthetic_published_eagle3_checkpoint_loads_and_drafts(tiny_target, t
     assert set(tree.tokens[1:].tolist()) <= set(ids.tolist())
     _drafts_losslessly(tiny_target, head)
 
+    # layer ids in each engine's numbering: SpecForge (SGLang) writes ours minus one, vLLM reads a top-level key first
+    (tmp_path / "config.json").write_text(json.dumps({**config, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 0, 1]}}))
+    assert load_published(tmp_path, engine="sglang").config.feature_layers == [2, 1, 2]
+    assert load_published(tmp_path).config.feature_layers == [1, 0, 1]
+    (tmp_path / "config.json").write_text(json.dumps({**config, "eagle_aux_hidden_state_layer_ids": [2, 1, 1],
+                                                      "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 0, 0]}}))
+    assert load_published(tmp_path, engine="vllm").config.feature_layers == [2, 1, 1]
+    assert load_published(tmp_path, engine="sglang").config.feature_layers == [1, 1, 1]
+
 
 def test_a_synthetic_published_eagle2_checkpoint_loads_and_drafts(tiny_target, tmp_path):
     """EAGLE-1/2 layout: layers.0.*, fc with bias, a copy of the target embedding that the head does not own."""
     c = tiny_target.model.config
-    reference = _perturbed(new_head(c, seed=9))
+    reference = _perturbed(new_head(c, seed=9, fc_bias=True))
     weights = {("layers.0." + k[len("layer."):] if k.startswith("layer.") else k): v.half()
                for k, v in reference.trainable_state().items()}
     weights["embed_tokens.weight"] = torch.zeros(c.vocab_size, c.hidden_size).half()
@@ -158,6 +206,16 @@ def test_a_synthetic_published_eagle2_checkpoint_loads_and_drafts(tiny_target, t
         assert torch.equal(head.trainable_state()[key], value.half().float()), key
     _drafts_losslessly(tiny_target, head)
 
+    # SGLang's class name and its always-present fc bias, here zero: a bias-free head that vLLM rejects by name
+    weights["fc.bias"] = torch.zeros(c.hidden_size).half()
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLMEagle"]}))
+    head = load_published(tmp_path)
+    assert not head.eagle3 and head.fc.bias is None and not head.config.fc_bias
+    _drafts_losslessly(tiny_target, head)
+    with pytest.raises(ValueError, match="SGLang's"):
+        load_published(tmp_path, engine="vllm")
+
 
 def test_cli_export_writes_the_trained_head(tiny_config, tiny_target, tmp_path, capsys):
     cfg = tiny_config.model_copy(update={"work_dir": str(tmp_path / "work")})
@@ -170,6 +228,8 @@ def test_cli_export_writes_the_trained_head(tiny_config, tiny_target, tmp_path, 
     again = load_published(tmp_path / "out")
     for key, value in head.trainable_state().items():
         assert torch.equal(again.trainable_state()[key], value), key
+    assert main([*args, "--out", str(tmp_path / "sglang"), "--engine", "sglang"]) == 2
+    assert "index 0" in capsys.readouterr().err  # the tiny target's layers 2, 1, 0: SGLang cannot capture 0
     assert main([*args, "--out", str(tmp_path / "x"), "--layout", "eagle"]) == 2
     assert main(["export", "--config", str(config_file), "--kind", "eagle2", "--mixture", "math", "--out",
                  str(tmp_path / "y")]) == 2

@@ -48,9 +48,9 @@ def test_blocks_equal_transformers_llama_blocks(dtype: torch.dtype) -> None:
 
 
 def test_head_checkpoint_names_are_the_llama_layout() -> None:
-    head = new_head(CONFIG)
+    head = new_head(CONFIG)  # no fc bias by default, as in the published EAGLE-LLaMA3 heads
     assert sorted(head.trainable_state()) == [
-        "fc.bias", "fc.weight",
+        "fc.weight",
         "layer.mlp.down_proj.weight", "layer.mlp.gate_proj.weight", "layer.mlp.up_proj.weight",
         "layer.post_attention_layernorm.weight",
         "layer.self_attn.k_proj.weight", "layer.self_attn.o_proj.weight", "layer.self_attn.q_proj.weight",

@@ -20,6 +20,7 @@ LAYERS = (
     ("decoding",),
     ("eval",),
     ("report", "serve"),
+    ("interop",),
     ("study", "bench"),
     ("cli",),
 )

@@ -37,8 +37,10 @@ class BenchSection:
 
 
 def proposer_rows(table: pd.DataFrame) -> pd.DataFrame:
-    """Rows of our drafting proposers: our loop (it has a tau), not plain, not a `name@tree` tuning variant."""
-    ours = table["tau"].notna() & (table["method"] != "plain") & ~table["method"].str.contains("@")
+    """Rows of our drafting proposers: our loop (it has a tau), not plain, not a `name@tree` tuning variant, not
+    a vLLM peer (`vllm-*`, which reports a tau from its own counters)."""
+    ours = (table["tau"].notna() & (table["method"] != "plain") & ~table["method"].str.contains("@")
+            & ~table["method"].str.startswith("vllm-"))
     return table[ours]
 
 

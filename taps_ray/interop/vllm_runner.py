@@ -1,0 +1,89 @@
+"""Runs in vLLM's side venv (`make vllm-venv`), never imported by the project: one vLLM `LLM` decodes given prompt
+ids greedily, one prompt at a time (batch 1, as our engine and `taps bench` decode), and writes the outputs,
+per-prompt seconds and vLLM's speculative-decoding counters to a JSON file.
+
+    <side venv>/bin/python vllm_runner.py request.json result.json
+
+request: {"target": folder, "dtype": "float32"|"bfloat16", "prompts": [[ids]], "max_new_tokens": n,
+"stop_token_ids": [ids], "speculative_config": {...} | null, "repetitions": r, "max_model_len": n,
+"enforce_eager": bool}. It imports nothing of taps_ray: the side venv has vLLM's transformers, not the project's.
+vLLM's engine runs in a process it spawns, hence the `__main__` guard. The CPU settings (VLLM_CPU_KVCACHE_SPACE,
+VLLM_CPU_OMP_THREADS_BIND, LD_PRELOAD) come from the environment the caller sets (taps_ray/interop/side.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens")
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def spec_metrics(metrics: list) -> dict:
+    """vLLM's spec-decode counters from `LLM.get_metrics()` (summed over label sets), and the accepted tokens per
+    draft position."""
+    out: dict = {name: 0 for name in SPEC_COUNTERS}
+    per_pos: list[int] = []
+    for metric in metrics:
+        if metric.name in SPEC_COUNTERS:
+            out[metric.name] += int(metric.value)
+        elif metric.name == PER_POSITION:
+            values = [int(v) for v in metric.values]
+            per_pos = [a + b for a, b in zip(per_pos, values)] if per_pos else values
+    out[PER_POSITION] = per_pos
+    return out
+
+
+def run(request: dict) -> dict:
+    from vllm import LLM, SamplingParams, __version__
+    from vllm.inputs import TokensPrompt
+
+    started = time.perf_counter()
+    llm = LLM(model=request["target"], tokenizer=request["target"], dtype=request["dtype"], seed=0,
+              max_model_len=request["max_model_len"], max_num_seqs=1, enforce_eager=request["enforce_eager"],
+              speculative_config=request["speculative_config"], disable_log_stats=False)
+    startup_s = time.perf_counter() - started
+    params = SamplingParams(temperature=0.0, max_tokens=request["max_new_tokens"],
+                            stop_token_ids=request["stop_token_ids"], ignore_eos=False)
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in request["prompts"]]
+    llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up, not counted in the timings or counters
+    tokens: list[list[int]] = []
+    counters: list[dict] = []  # per prompt, first repetition: the counters' increase over that prompt
+    seconds = [0.0] * len(prompts)
+    for repetition in range(request["repetitions"]):
+        for i, prompt in enumerate(prompts):
+            before = spec_metrics(llm.get_metrics()) if repetition == 0 else None
+            start = time.perf_counter()
+            out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+            seconds[i] += time.perf_counter() - start
+            if before is not None:
+                tokens.append(list(out.token_ids))
+                counters.append(_increase(before, spec_metrics(llm.get_metrics())))
+    return {"vllm_version": __version__, "startup_s": startup_s, "tokens": tokens, "seconds": seconds,
+            "counters": counters}
+
+
+def _increase(before: dict, after: dict) -> dict:
+    out = {k: after[k] - before[k] for k in SPEC_COUNTERS}
+    old = before[PER_POSITION] or [0] * len(after[PER_POSITION])
+    out[PER_POSITION] = [a - b for a, b in zip(after[PER_POSITION], old)]
+    return out
+
+
+def main(argv: list[str]) -> int:
+    request_file, result_file = (Path(a) for a in argv)
+    result = run(json.loads(request_file.read_text()))
+    with tempfile.NamedTemporaryFile("w", dir=result_file.parent, delete=False, suffix=".tmp") as handle:
+        json.dump(result, handle)
+    os.replace(handle.name, result_file)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
