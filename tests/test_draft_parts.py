@@ -1,5 +1,7 @@
-"""A CPU drafter's mapped embeddings and LM head (models/draft_parts.py) draft exactly as the matrices read whole:
-the same embeddings, LM-head rows and trees, in the file's dtype and cast to another, tied or not, sharded or not."""
+"""A CPU drafter's mapped embeddings and LM head (models/draft_parts.py) draft as the matrices read whole: the same
+embeddings and LM-head rows bit for bit, and the same trees up to rounding (a matmul over a file-mapped matrix may
+take another kernel path than over an allocated one: tests/numerics.py), in the file's dtype and cast to another,
+tied or not, sharded or not."""
 
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ from taps_ray.models.draft_parts import (
 )
 from taps_ray.models.target import SMOLLM2_ALIAS, Target, model_source
 
-FIELDS = ("tokens", "parents", "confidence", "entropy")
+from numerics import assert_same_tree, rounding_rtol, tree_rtol
+
 
 
 def _checkpoint(folder: Path, target: Target, tied: bool, sharded: bool) -> Path:
@@ -58,7 +61,9 @@ def _same_drafts(mapped: Target, read: Target, head_config, vocab: torch.Tensor)
     assert torch.equal(mapped.model.get_input_embeddings()(ids), read.model.get_input_embeddings()(ids))
     for drafted_over in (vocab, None):
         for ours, theirs in zip(_trees(mapped, head_config, drafted_over), _trees(read, head_config, drafted_over)):
-            assert all(torch.equal(getattr(ours, f), getattr(theirs, f)) for f in FIELDS)
+            rtol = tree_rtol(head_config.hidden_size, 4)  # _trees drafts 16/4/4
+            entropy_rtol = rounding_rtol(head_config.vocab_size, chained=5)  # an entropy sums over the vocabulary
+            assert not assert_same_tree(ours, theirs, rtol, entropy_rtol), "mapped and read rows part at a near-tie"
 
 
 @pytest.mark.parametrize("tied,sharded", [(True, False), (False, True)])

@@ -90,14 +90,14 @@ def tree_structure(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _retrieve_rows(parents: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """`DraftTree.retrieve` from a tree's parents and mask (read on the host: the row count is the leaf count)."""
     device, mask, parents = parents.device, mask.cpu(), parents.cpu()
-    size = mask.shape[0]
-    is_parent = torch.zeros(size, dtype=torch.bool)
+    host, size = mask.device, mask.shape[0]
+    is_parent = torch.zeros(size, dtype=torch.bool, device=host)
     is_parent[parents[1:]] = True
     leaves = (~is_parent).nonzero().flatten()
     width = int(mask.sum(-1).max())
     # each leaf's ancestors in index order (= root-to-leaf order); `size` pads, so it sorts after every node
-    rows = torch.where(mask[leaves], torch.arange(size), size).sort(dim=-1).values[:, :width]
-    order = torch.arange(len(leaves))
+    rows = torch.where(mask[leaves], torch.arange(size, device=host), size).sort(dim=-1).values[:, :width]
+    order = torch.arange(len(leaves), device=host)
     for column in reversed(range(width)):  # lexicographic: stable sorts from the last column to the first
         order = order[rows[order, column].sort(stable=True).indices]
     rows = rows[order]
