@@ -22,7 +22,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -31,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from taps_ray.bench.interleaved import time_interleaved  # noqa: E402
 from taps_ray.bench.run import BenchOptions, bench_prompts  # noqa: E402
 from taps_ray.config import load_config  # noqa: E402
 from taps_ray.decoding.generate import run_loop  # noqa: E402
@@ -67,23 +67,7 @@ def measure(config_path: str, dtype: str, per_benchmark: int, max_new_tokens: in
         return out[0, len(prompt):].tolist()
 
     methods = {"hf-greedy": hf_greedy, "plain": ours(None), "plain-hf": ours(hf_forward)}
-    names = list(methods)
-    seconds, tokens = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)
-    outputs: dict[str, list[list[int]]] = {name: [] for name in names}
-    with torch.no_grad():
-        for name in names:  # warm-up, not timed
-            methods[name](prompts[0])
-        for repetition in range(repetitions):
-            order = names[repetition % len(names):] + names[: repetition % len(names)]
-            for name in order:
-                for prompt in prompts:
-                    start = time.perf_counter()
-                    out = methods[name](prompt)
-                    seconds[name] += time.perf_counter() - start
-                    tokens[name] += len(out)
-                    if repetition == 0:
-                        outputs[name].append(out)
-    speed = {name: tokens[name] / seconds[name] for name in names}
+    speed, outputs = time_interleaved(methods, prompts, repetitions)
     return prompts, speed, outputs, stops
 
 

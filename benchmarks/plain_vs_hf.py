@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -22,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from taps_ray.bench.interleaved import time_interleaved  # noqa: E402
 from taps_ray.config import TargetConfig, TreeConfig  # noqa: E402
 from taps_ray.models.target import load_target  # noqa: E402
 from taps_ray.decoding.generate import run_loop  # noqa: E402
@@ -75,28 +75,13 @@ def main() -> None:
     peers = {"hf-greedy": hf(), "hf-prompt-lookup": hf(prompt_lookup_num_tokens=10)}
     methods = {m: peers[m] if m in peers else ours(m) for m in dict.fromkeys(["hf-greedy", *args.methods])}
     names = list(methods)
-    seconds = dict.fromkeys(names, 0.0)
-    tokens = dict.fromkeys(names, 0)
-    outputs: dict[str, list[list[int]]] = {n: [] for n in names}
-    with torch.no_grad():
-        for name in names:  # warm-up, not timed
-            methods[name](prompts[0])
-        for repetition in range(args.repetitions):
-            order = names[repetition % len(names):] + names[: repetition % len(names)]
-            for name in order:
-                for i, prompt in enumerate(prompts):
-                    start = time.perf_counter()
-                    out = methods[name](prompt)
-                    seconds[name] += time.perf_counter() - start
-                    tokens[name] += len(out)
-                    if repetition == 0:
-                        outputs[name].append(out)
-    base = tokens["hf-greedy"] / seconds["hf-greedy"]
+    speeds, outputs = time_interleaved(methods, prompts, args.repetitions)
+    base = speeds["hf-greedy"]
     print(f"{len(prompts)} prompts x {args.repetitions} repetitions, {args.max_new_tokens} new tokens, "
           f"{args.threads} threads, SmolLM2-135M fp32, batch 1, T=0")
     print(f"{'method':<18} {'tokens/s':>9} {'vs hf-greedy':>13} {'identical':>10}")
     for name in names:
-        speed = tokens[name] / seconds[name]
+        speed = speeds[name]
         same = sum(a == b for a, b in zip(outputs[name], outputs["hf-greedy"]))
         print(f"{name:<18} {speed:9.2f} {speed / base:12.3f}x {same:>6}/{len(prompts)}")
 
