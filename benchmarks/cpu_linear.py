@@ -70,7 +70,7 @@ def main() -> int:
                 for name, (out_features, in_features) in SHAPES.items():
                     linear = nn.Linear(in_features, out_features, bias=False).to(dtype).requires_grad_(False)
                     weight = linear.weight.detach().clone()
-                    projection = Projection([linear])
+                    projection = Projection.fused([linear])
                     x = torch.randn(rows, in_features, dtype=dtype)
                     work = rows * out_features * in_features
                     timed = interleaved({"linear": lambda: F.linear(x, weight), "taps": lambda: projection(x)},

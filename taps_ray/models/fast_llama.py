@@ -102,8 +102,7 @@ class FastLlama:
         self.rope_scaling = float(rotary.attention_scaling)
         self.layers = [self._layer(block) for block in inner.layers[: config.num_hidden_layers]]
         self._first_q = inner.layers[0].self_attn.q_proj.weight
-        tied = model.lm_head.weight.data_ptr() == self.embed.data_ptr()
-        self.lm_head = lm_head_projection(model.lm_head, tied)
+        self.lm_head = lm_head_projection(model.lm_head)
 
     def _check_shared(self) -> None:
         """The fused weights are the HF model's: a `model.to(...)` after building replaced the HF parameters'
@@ -116,9 +115,9 @@ class FastLlama:
     def _layer(block: nn.Module) -> _Layer:
         attn, mlp = block.self_attn, block.mlp
         return _Layer(
-            input_norm=block.input_layernorm.weight, qkv=Projection([attn.q_proj, attn.k_proj, attn.v_proj]),
-            o=Projection([attn.o_proj]), post_norm=block.post_attention_layernorm.weight,
-            gate_up=Projection([mlp.gate_proj, mlp.up_proj]), down=Projection([mlp.down_proj]),
+            input_norm=block.input_layernorm.weight, qkv=Projection.fused([attn.q_proj, attn.k_proj, attn.v_proj]),
+            o=Projection.fused([attn.o_proj]), post_norm=block.post_attention_layernorm.weight,
+            gate_up=Projection.fused([mlp.gate_proj, mlp.up_proj]), down=Projection.fused([mlp.down_proj]),
         )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
