@@ -370,15 +370,6 @@ def extend_batch(
     return hidden, [HeadCache(slots, length, s) for s, length in enumerate(new)], roots
 
 
-def extend_context(
-    head: DraftHead, ctx: DraftContext, cache: HeadCache, features: torch.Tensor, next_tokens: torch.Tensor,
-    reserve: int = 0,
-) -> tuple[torch.Tensor, HeadCache]:
-    """`extend_batch` of one sequence: the last output of every stacked head [N, d] and the new cache."""
-    hidden, (cache,), _ = extend_batch(head, ctx, [cache], [features], [next_tokens], reserve)
-    return hidden, cache
-
-
 class Candidates:
     """EAGLE-2's candidate nodes of R trees drafted side by side, one row per tree, flat in drafting order: the
     root's top_k children, then per level the top_k children of each of the top_k frontier nodes (the previous
