@@ -6,14 +6,15 @@
 
 Tree size is the lever of every speculative method: a tree of k nodes pays when its accepted tokens outweigh what
 its forward costs over a one-token forward. Three forwards verify the same trees against the same context, on
-one model (the fast forward's fused weights are views the HF modules compute with too):
+the same weights:
 * `old`: transformers' model over its `DynamicCache` (what `TargetBatch` ran before the fast forward: the cache
   concatenates itself every forward; cropped back after each verification);
 * `hf`: transformers' model over the batch's preallocated `KVCache` (`target.forward: hf`);
 * `fast`: taps' own Llama forward over the same cache (`target.forward: fast`, the default).
-Each includes the LM head over every node. The target prefills one prompt, then each (forward, size, shape) is
-verified with the cache cropped back after each forward, all interleaved and repeated; the median of each is
-reported. Chains of one token are plain decoding; the `tree` rows are binary trees on the 4-D mask path.
+`old` and `hf` run on a second copy of the model whose weights keep transformers' layout (the fast forward's are
+laid out for the CPU's kernels, models/cpu_linear.py). Each includes the LM head over every node. The target
+prefills one prompt, then each (forward, size, shape) is verified with the cache cropped back after each forward,
+all interleaved and repeated; the median of each is reported. Chains of one token are plain decoding; the `tree` rows are binary trees on the 4-D mask path.
 """
 
 from __future__ import annotations
@@ -95,10 +96,13 @@ def measure(config: str, dtype: str, sizes: list[int], context: int, repetitions
     model = target.model
     fast = model.taps_target_forward
     assert isinstance(fast, FastLlama), "the benchmark needs a target the fast forward covers"
+    # transformers' forwards run on a second copy whose weights keep transformers' layout: the fast forward's
+    # HF modules view its CPU-laid-out weights, which would speed them up too (models/cpu_linear.py)
+    plain = load_target(cfg.target.model_copy(update={"forward": "hf"}), dtype=dtype).model
     prompt = torch.randint(100, 10_000, (context,), generator=torch.Generator().manual_seed(0)).tolist()
     verifiers = {
-        "old": old_verifier(model, prompt),
-        "hf": batch_verifier(model, prompt, HFForward(model)),
+        "old": old_verifier(plain, prompt),
+        "hf": batch_verifier(plain, prompt, HFForward(plain)),
         "fast": batch_verifier(model, prompt, fast),
     }
     trees = {(size, kind): tree for size in sizes for kind, tree in shapes(size).items() if size > 1 or kind == "chain"}

@@ -9,6 +9,7 @@ Methods, interleaved (the order rotates every repetition) so a noisy machine slo
 * `plain`: our loop, no drafting, with `target.forward: fast` (taps' own Llama forward, the default);
 * `plain-hf`: the same loop with `target.forward: hf` (transformers' model over the same preallocated cache);
 * `hf-greedy`: transformers' `generate`, greedy, its own DynamicCache.
+The two transformers methods run on a second copy of the model, whose weights keep transformers' layout.
 Every output is checked against HF greedy's (fp32 must be identical). The vLLM rows decode the same ids with
 vLLM's offline `LLM` (greedy, the same stop ids) in a subprocess, after ours: a ratio across processes, not
 interleaved.
@@ -52,17 +53,20 @@ def measure(config_path: str, dtype: str, per_benchmark: int, max_new_tokens: in
     options = BenchOptions(benchmarks=["gsm8k", "mt_bench"], per_benchmark=per_benchmark, categories=[])
     prompts = [ids for _, ids in bench_prompts(cfg, target, options)]
     model, stops = target.model, target.stop_token_ids
-    hf_forward = HFForward(model)
+    # transformers' methods on a second copy whose weights keep transformers' layout (the fast forward lays its
+    # model's out for the CPU's kernels, models/cpu_linear.py, and the HF modules of that copy view them)
+    plain = load_target(cfg.target.model_copy(update={"forward": "hf"}), dtype=dtype).model
+    hf_forward = HFForward(plain)
 
     def ours(forward: object | None):
         def run(prompt: list[int]) -> list[int]:
-            batch = TargetBatch(model, forward=forward)
+            batch = TargetBatch(model if forward is None else plain, forward=forward)
             return run_loop(batch, PlainDecoding(), [prompt], SamplingParams(), max_new_tokens, stops)[0].tokens
         return run
 
     def hf_greedy(prompt: list[int]) -> list[int]:
         ids = torch.tensor([prompt])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+        out = plain.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              do_sample=False, eos_token_id=stops, pad_token_id=target.tokenizer.pad_token_id)
         return out[0, len(prompt):].tolist()
 

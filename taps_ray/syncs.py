@@ -52,12 +52,14 @@ def _bool_index(args: tuple) -> bool:
 
 class SyncCounter(TorchFunctionMode):
     """`with SyncCounter() as counter: ...` counts host syncs (`counter.syncs`, by name in `counter.by_name`) and
-    host-to-device uploads (`counter.uploads`) of the torch calls made inside."""
+    host-to-device uploads (`counter.uploads`) of the torch calls made inside, and all those calls (`counter.calls`:
+    the host's dispatch work, which per-row Python makes grow with the batch)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.by_name: Counter[str] = Counter()
         self.uploads = 0
+        self.calls = 0
 
     @property
     def syncs(self) -> int:
@@ -65,6 +67,7 @@ class SyncCounter(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        self.calls += 1
         name = getattr(func, "__name__", "")
         if name in _SYNCING:
             self.by_name[name] += 1

@@ -80,8 +80,8 @@ def test_mapped_parts_draft_as_the_matrices_read_whole(tmp_path, tiny_target, ti
     assert isinstance(head, MappedHead)
     ctx = DraftContext(mapped.model.get_input_embeddings(), head, vocab)
     assert head.matrix._whole is None  # a draft vocabulary reads its rows only ...
-    assert DraftContext(mapped.model.get_input_embeddings(), head, vocab.clone())._weight is ctx._weight  # ... once
-    assert torch.equal(ctx._weight, read.model.lm_head.weight[vocab])
+    assert DraftContext(mapped.model.get_input_embeddings(), head, vocab.clone())._projection is ctx._projection  # ... once
+    assert torch.equal(ctx._projection.row_weight(), read.model.lm_head.weight[vocab])
     _same_drafts(mapped, read, tiny_target.model.config, vocab)
     assert torch.equal(head.weight, read.model.lm_head.weight)  # the full vocabulary reads it all
 
@@ -92,6 +92,6 @@ def test_smollm2_mapped_parts_draft_as_the_matrices_read_whole():
     read = Target(read_parts(tensor_files(model_source(name), {EMBED}), True, torch.bfloat16, torch.device("cpu")),
                   mapped.tokenizer, name)
     vocab = torch.randperm(len(mapped.tokenizer), generator=torch.Generator().manual_seed(1))[:8192].sort().values
-    assert torch.equal(DraftContext(mapped.model.get_input_embeddings(), mapped.model.lm_head, vocab)._weight,
-                       read.model.lm_head.weight[vocab])
+    context = DraftContext(mapped.model.get_input_embeddings(), mapped.model.lm_head, vocab)
+    assert torch.equal(context._projection.row_weight(), read.model.lm_head.weight[vocab])
     _same_drafts(mapped, read, transformers.AutoConfig.from_pretrained(model_source(name)), vocab)

@@ -23,6 +23,8 @@ from taps_ray.models.hf_forward import HFForward
 from taps_ray.models.kv_cache import GROWTH, KVCache
 from taps_ray.models.target_forward import attach_forward, target_forward
 
+from numerics import rounding_rtol
+
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
 CONFIGS = {
@@ -105,21 +107,44 @@ def test_llama3_rope_frequencies_are_transformers_own():
     assert not torch.equal(default.inv_freq[: fast.inv_freq.numel()], fast.inv_freq)  # the scaling did something
 
 
-def test_fusing_shares_the_hf_weights_and_leaves_transformers_forward_bit_identical():
+def test_fusing_shares_the_hf_weights_and_transformers_forward_computes_the_same_function():
+    """The HF parameters become views of the fused (on a CPU in fp32: [in, out]-laid-out) weights, so no weight is
+    held twice; transformers' forward then runs other matmul kernels over them, equal up to fp32 rounding."""
     model = _llama(attention_bias=True)
     ids = torch.tensor([[3, 8, 13, 21, 34]])
     before = model(ids).logits
     parameters = sum(p.numel() for p in model.parameters())
     fast = FastLlama(model)
-    assert torch.equal(model(ids).logits, before)
+    after = model(ids).logits
+    torch.testing.assert_close(after, before, rtol=rounding_rtol(128, chained=3 * 4), atol=1e-5)
     assert sum(p.numel() for p in model.parameters()) == parameters
     for block, layer in zip(model.model.layers, fast.layers, strict=True):
         attn, mlp = block.self_attn, block.mlp
         for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
-            assert proj.weight.untyped_storage().data_ptr() == layer.qkv.untyped_storage().data_ptr()
-            assert proj.bias.untyped_storage().data_ptr() == layer.qkv_bias.untyped_storage().data_ptr()
+            assert proj.weight.untyped_storage().data_ptr() == layer.qkv.weight.untyped_storage().data_ptr()
+            assert proj.bias.untyped_storage().data_ptr() == layer.qkv.bias.untyped_storage().data_ptr()
         for proj in (mlp.gate_proj, mlp.up_proj):
-            assert proj.weight.untyped_storage().data_ptr() == layer.gate_up.untyped_storage().data_ptr()
+            assert proj.weight.untyped_storage().data_ptr() == layer.gate_up.weight.untyped_storage().data_ptr()
+    first_q = model.model.layers[0].self_attn.q_proj.weight
+    assert torch.equal(fast.layers[0].qkv.row_weight()[: first_q.shape[0]], first_q)
+
+
+def test_in_place_weight_changes_reach_the_fast_forward_and_its_packed_copies():
+    """oneDNN's reordered weights and a tied LM head's own layout are copies: an in-place change to the HF
+    parameters after building (as a test that sharpens the embeddings makes) must not leave them stale."""
+    def change(model: transformers.LlamaForCausalLM) -> None:
+        with torch.no_grad():
+            model.model.embed_tokens.weight.mul_(0.5)  # tied: the LM head's copy
+            model.model.layers[1].mlp.down_proj.weight.mul_(1.5)  # shared storage: the packed copy
+
+    model, rebuilt = _llama(), _llama()
+    attach_forward(model, "fast")
+    _verify(model)  # the copies are in use
+    change(model)
+    change(rebuilt)
+    attach_forward(rebuilt, "fast")
+    for got, want in zip(_verify(model), _verify(rebuilt), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_casting_the_model_after_building_is_refused_not_silently_diverging():

@@ -272,7 +272,7 @@ class TargetBatch:
         self.cache.reset(len(prompts))
         hidden, features = self._forward(ids, columns.expand(len(prompts), -1), mask[:, None])
         self.lengths = lengths
-        last = self.model.lm_head(hidden[torch.arange(len(prompts), device=self.device), lengths - 1])  # [B, V]
+        last = self.target_forward.logits(hidden[torch.arange(len(prompts), device=self.device), lengths - 1])  # [B, V]
         return [TreeOutput(last[b : b + 1], features[b, : len(p)]) for b, p in enumerate(prompts)]
 
     @torch.no_grad()
@@ -290,7 +290,7 @@ class TargetBatch:
                 torch.arange(past, past + width, device=self.device).expand(len(trees), -1),
                 None,
             )
-            logits = self.model.lm_head(hidden)
+            logits = self.target_forward.logits(hidden)
             return [TreeOutput(logits[b], features[b]) for b in range(len(trees))]
         batch = len(trees)
         ids = torch.zeros(batch, width, dtype=torch.long, device=self.device)
@@ -307,7 +307,7 @@ class TargetBatch:
             mask[b, :n, :past] = context[b]
             mask[b, :n, past : past + n] = tree.mask
         hidden, features = self._forward(ids, positions, mask[:, None])
-        logits = self.model.lm_head(hidden)
+        logits = self.target_forward.logits(hidden)
         return [
             None if tree is None else TreeOutput(logits[b, : tree.size], features[b, : tree.size])
             for b, tree in enumerate(trees)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 import torch.nn.functional as F
 
+from taps_ray.models.cpu_linear import Projection, lm_head_projection
 from taps_ray.models.draft_head import DraftHead, KVCache
 
 
@@ -221,18 +222,20 @@ class DraftContext:
     norm: torch.nn.Module | None = None
 
     def __post_init__(self) -> None:
+        # the LM head laid out for the device's fastest matmul (models/cpu_linear.py); the whole-vocabulary one is
+        # shared with the target's forward and every drafter of the same target
         if self.vocab is None or self.norm is not None:
-            self._weight = self.lm_head.weight
+            self._projection = lm_head_projection(self.lm_head)
         else:
-            self._weight = vocab_rows(self.lm_head, self.vocab)
+            self._projection = vocab_projection(self.lm_head, self.vocab)
         if self.vocab is not None:
-            self.vocab = self.vocab.to(self._weight.device)  # drafted indices map to ids on the drafting device
+            self.vocab = self.vocab.to(self._projection.weight.device)  # drafted indices map to ids on that device
 
     def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft log-probabilities over the draft vocabulary (fp32)."""
         if self.norm is not None:
             hidden = self.norm(hidden)
-        return F.log_softmax(F.linear(hidden.to(self._weight.dtype), self._weight).float(), dim=-1)
+        return F.log_softmax(self._projection(hidden).float(), dim=-1)
 
     def token_ids(self, index: torch.Tensor) -> torch.Tensor:
         """Map draft-vocabulary indices to target token ids."""
@@ -247,6 +250,19 @@ def vocab_rows(lm_head: torch.nn.Module, vocab: torch.Tensor) -> torch.Tensor:
         return rows(vocab)
     weight = lm_head.weight
     return weight[vocab.to(weight.device)].contiguous()
+
+
+_VOCAB_PROJECTION = "taps_vocab_projection"
+
+
+def vocab_projection(lm_head: torch.nn.Module, vocab: torch.Tensor) -> Projection:
+    """The projection onto the rows `vocab` of `lm_head`, kept on the module: every draft context over the same
+    draft vocabulary shares one laid-out copy (a drafter actor holds several contexts)."""
+    kept = getattr(lm_head, _VOCAB_PROJECTION, None)
+    if kept is None or kept[0].shape != vocab.shape or not torch.equal(kept[0], vocab.to(kept[0].device)):
+        kept = (vocab.clone(), Projection([vocab_rows(lm_head, vocab)]))
+        object.__setattr__(lm_head, _VOCAB_PROJECTION, kept)  # a plain attribute: not in the state dict
+    return kept[1]
 
 
 def head_context(head: DraftHead, ctx: DraftContext) -> DraftContext:

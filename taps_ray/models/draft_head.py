@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from taps_ray.models.cpu_linear import DecodingLinear
 from taps_ray.models.llama_blocks import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary_pos_emb
 
 if TYPE_CHECKING:  # a target's config is only read here: importing its class would load transformers' model code
@@ -98,10 +99,10 @@ class DraftAttention(nn.Module):
         super().__init__()
         d, h, kvh, hd = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, hd
-        self.q_proj = nn.Linear(input_size, h * hd, bias=False)
-        self.k_proj = nn.Linear(input_size, kvh * hd, bias=False)
-        self.v_proj = nn.Linear(input_size, kvh * hd, bias=False)
-        self.o_proj = nn.Linear(h * hd, d, bias=False)
+        self.q_proj = DecodingLinear(input_size, h * hd, bias=False)
+        self.k_proj = DecodingLinear(input_size, kvh * hd, bias=False)
+        self.v_proj = DecodingLinear(input_size, kvh * hd, bias=False)
+        self.o_proj = DecodingLinear(h * hd, d, bias=False)
 
 
 class DraftDecoderLayer(nn.Module):
@@ -131,15 +132,15 @@ class DraftHead(nn.Module):
         self.config = config
         d = config.hidden_size
         if self.eagle3:
-            self.fc = nn.Linear(len(config.feature_layers) * d, d, bias=config.fc_bias)
+            self.fc = DecodingLinear(len(config.feature_layers) * d, d, bias=config.fc_bias)
             self.layer = Eagle3DecoderLayer(config)
             self.norm = RMSNorm(d, eps=config.rms_norm_eps)
             rows = config.draft_vocab_size or config.vocab_size
-            self.lm_head = nn.Linear(d, rows, bias=False)
+            self.lm_head = DecodingLinear(d, rows, bias=False)
             self.register_buffer("d2t", torch.zeros(rows, dtype=torch.long))
             self.register_buffer("t2d", torch.arange(config.vocab_size) < rows)
         else:
-            self.fc = nn.Linear(2 * d, d, bias=config.fc_bias)
+            self.fc = DecodingLinear(2 * d, d, bias=config.fc_bias)
             self.layer = DraftDecoderLayer(config)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
 

@@ -1,13 +1,14 @@
 """taps' own Llama forward for decoding: the target's verification step without transformers' model code.
 
-Why: at batch 1 on a CPU a small target's forward is dominated by per-op overhead, not by its matmuls;
-transformers' eager Llama spends ~40 small ops a layer (three q/k/v matmuls, two gate/up matmuls, a mask built
-per forward, `repeat_kv`, the output recorder's hooks) over a `DynamicCache` that copies itself every step.
-This forward computes the same function op for op where it matters for rounding (RMSNorm in float32, RoPE's
-`q*cos + rotate_half(q)*sin`, softmax inside SDPA) with
-* q/k/v and gate/up each as one matmul: the HF model's own weights are concatenated once and the HF
-  parameters become views of the fused tensor, so no weight is held twice and transformers' forward (still
-  used by `generate`, training and the `hf` fallback) computes with the very same storage;
+Why: transformers' eager Llama spends ~40 small ops a layer (three q/k/v matmuls, two gate/up matmuls, a mask
+built per forward, `repeat_kv`, the output recorder's hooks) over a `DynamicCache` that copies itself every step,
+and its matmuls take the kernel torch picks for the weight as stored, which on a CPU is not the fastest one at
+decoding sizes (models/cpu_linear.py). This forward computes the same function op for op where it matters for
+rounding (RMSNorm in float32, RoPE's `q*cos + rotate_half(q)*sin`, softmax inside SDPA) with
+* q/k/v and gate/up each as one matmul (`cpu_linear.Projection`): the HF model's own weights are concatenated
+  once and the HF parameters become views of the fused tensor, so no weight is held twice (bar oneDNN's
+  reordered copy on a CPU) and transformers' forward (still used by `generate`, training and the `hf` fallback)
+  computes with the very same storage;
 * grouped-query attention without `repeat_kv`: the query heads sharing a key/value head are folded into the
   query length (as transformers does for one query token, here for trees too, the mask repeated to match);
 * keys and values written in place into the batch's preallocated `KVCache`.
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from taps_ray.models.cpu_linear import Projection, lm_head_projection
 from taps_ray.models.kv_cache import KVCache
 
 SUPPORTED_MODEL_TYPES = ("llama",)
@@ -48,34 +50,14 @@ def unsupported_reason(model: nn.Module) -> str | None:
     return None
 
 
-def _fuse(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One weight (and bias) for several projections of the same input; each projection's parameters become
-    views of it, so the HF modules keep computing with the same numbers and no memory is duplicated."""
-    weight = torch.cat([linear.weight.detach() for linear in linears])
-    has_bias = linears[0].bias is not None
-    bias = torch.cat([linear.bias.detach() for linear in linears]) if has_bias else None
-    start = 0
-    for linear in linears:
-        rows = linear.weight.shape[0]
-        linear.weight = nn.Parameter(weight[start : start + rows], requires_grad=False)
-        if bias is not None:
-            linear.bias = nn.Parameter(bias[start : start + rows], requires_grad=False)
-        start += rows
-    return weight, bias
-
-
 @dataclass
 class _Layer:
     input_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
-    o_bias: torch.Tensor | None
+    qkv: Projection
+    o: Projection
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
-    down_bias: torch.Tensor | None
+    gate_up: Projection
+    down: Projection
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -97,7 +79,8 @@ class FastLlama:
     Called as the batch's target forward: (input ids [B, T], positions [B, T], a boolean mask [B, 1, T, S]
     or None for plain causal attention after the cache, the batch's `KVCache`, the hidden-state indices to
     return) -> (post-norm last layer [B, T, d], the requested hidden states concatenated, or the last layer).
-    The LM head stays the HF model's (`model.lm_head`), applied by the batch where it needs logits.
+    `logits(hidden)` is the LM head (the HF model's weight, laid out as the projections are), applied by the
+    batch where it needs logits.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -119,24 +102,27 @@ class FastLlama:
         self.rope_scaling = float(rotary.attention_scaling)
         self.layers = [self._layer(block) for block in inner.layers[: config.num_hidden_layers]]
         self._first_q = inner.layers[0].self_attn.q_proj.weight
+        self.lm_head = lm_head_projection(model.lm_head)
 
     def _check_shared(self) -> None:
         """The fused weights are the HF model's: a `model.to(...)` after building replaced the HF parameters'
         storage (not the fused copies), and the two forwards would silently compute different models."""
-        if self._first_q.data_ptr() != self.layers[0].qkv.data_ptr():
+        if self._first_q.data_ptr() != self.layers[0].qkv.weight.data_ptr():
             raise RuntimeError("the target's weights were cast or moved after its fast forward was built; "
                                "call models.target_forward.attach_forward(model, 'fast') again")
 
     @staticmethod
     def _layer(block: nn.Module) -> _Layer:
         attn, mlp = block.self_attn, block.mlp
-        qkv, qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-        gate_up, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
         return _Layer(
-            input_norm=block.input_layernorm.weight, qkv=qkv, qkv_bias=qkv_bias,
-            o=attn.o_proj.weight, o_bias=attn.o_proj.bias, post_norm=block.post_attention_layernorm.weight,
-            gate_up=gate_up, gate_up_bias=gate_up_bias, down=mlp.down_proj.weight, down_bias=mlp.down_proj.bias,
+            input_norm=block.input_layernorm.weight, qkv=Projection.fused([attn.q_proj, attn.k_proj, attn.v_proj]),
+            o=Projection.fused([attn.o_proj]), post_norm=block.post_attention_layernorm.weight,
+            gate_up=Projection.fused([mlp.gate_proj, mlp.up_proj]), down=Projection.fused([mlp.down_proj]),
         )
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's logits of post-norm hidden states [..., d] -> [..., V]."""
+        return self.lm_head(hidden)
 
     @property
     def num_layers(self) -> int:
@@ -170,7 +156,7 @@ class FastLlama:
         q_width = self.heads * self.head_dim
         for index, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.input_norm, self.eps)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(batch, length, -1, self.head_dim).transpose(1, 2)
+            qkv = layer.qkv(h).view(batch, length, -1, self.head_dim).transpose(1, 2)
             qk, v = qkv[:, : self.heads + self.kv_heads], qkv[:, self.heads + self.kv_heads :]
             qk = qk * cos + _rotate_half(qk) * sin  # queries and keys rotated in one pass, element by element as HF
             q, k = qk[:, : self.heads], qk[:, self.heads :]
@@ -178,10 +164,10 @@ class FastLlama:
             folded = q.reshape(batch, self.kv_heads, group * length, self.head_dim)
             out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=self.scale)
             out = out.view(batch, self.heads, length, self.head_dim).transpose(1, 2).reshape(batch, length, q_width)
-            x = x + F.linear(out, layer.o, layer.o_bias)
+            x = x + layer.o(out)
             h = _rms_norm(x, layer.post_norm, self.eps)
-            gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
             if index + 1 in wanted and index + 1 < self.num_layers:
                 recorded[index + 1] = x
         last = _rms_norm(x, self.norm, self.eps)

@@ -61,6 +61,10 @@ class HFForward:
         self.model = model
         self.num_layers = model.config.num_hidden_layers
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's logits of post-norm hidden states: transformers' own LM head."""
+        return self.model.lm_head(hidden)
+
     @torch.no_grad()
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache: KVCache,

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from taps_ray.models.cpu_linear import DecodingLinear
+
 ACTIVATIONS: dict[str, type[nn.Module]] = {"silu": nn.SiLU, "swish": nn.SiLU, "relu": nn.ReLU}
 
 
@@ -68,9 +70,9 @@ class GatedMLP(nn.Module):
         super().__init__()
         if hidden_act not in ACTIVATIONS:
             raise ValueError(f"draft heads support the activations {sorted(ACTIVATIONS)}, not {hidden_act!r}")
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = DecodingLinear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = DecodingLinear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = DecodingLinear(intermediate_size, hidden_size, bias=False)
         self.act_fn = ACTIVATIONS[hidden_act]()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,143 @@
+"""Linear layers laid out for a CPU's fastest matmul kernels, for the fast target forward.
+
+Why: at decoding sizes a CPU forward is the weights' matmuls (a 135M target at batch 1 spends ~80% of a token in
+`aten::mm`), and which kernel torch picks depends on the weight's layout, not only on the shapes:
+* one row (plain decoding, M = 1): `x @ W^T` with W stored as [in, out] (W^T contiguous) runs ~1.3-1.8x faster
+  than `F.linear(x, W)` over W stored [out, in], on the wide projections and the LM head most;
+* several rows (tree verification, prefill) and every bf16/fp16 matmul: oneDNN's linear over a weight reordered
+  once into its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's CPU freezing pass
+  uses) runs ~1.2-2.5x faster than `F.linear`, in bf16 even at one row (on CPUs without AMX, torch's plain bf16
+  matmul is slower than its fp32 one).
+Measured with `benchmarks/cpu_linear.py`; reports/plain_decode.md has the effect on decoding. The reordered
+weight is a second copy (oneDNN's layout is opaque); the [in, out] layout is not: the HF model's fp32 parameters
+become views of it, so transformers' forward computes with the same storage (and gets the faster one-row path
+too). On a GPU, or where torch lacks oneDNN, a projection is `F.linear` over the weight as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _onednn_available() -> bool:
+    return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class Projection:
+    """y = x Wᵀ + b over weights [out_i, in] of the same input, side by side (fused q/k/v, gate/up, an LM head).
+
+    `fused(linears)` shares storage with HF modules: their parameters become views of the weight this projection
+    reads, so nothing is held twice except oneDNN's reordered copy (CPU only). Built from bare tensors (an LM
+    head, a draft vocabulary's rows) it lays out a copy. Copies follow their sources: an in-place change to them
+    (a test scaling the embeddings, say) bumps their version counters and the copy is made again before use."""
+
+    def __init__(self, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None] = ()) -> None:
+        self._sources = list(weights)
+        self._source_biases = list(biases) or [None] * len(self._sources)
+        first = self._sources[0]
+        self.cpu = first.device.type == "cpu"
+        self.in_features = first.shape[1]
+        self.out_features = sum(weight.shape[0] for weight in self._sources)
+        # fp32 on a CPU: store [in, out] (the fast one-row layout); otherwise [out, in] as transformers does
+        self.columns = self.cpu and first.dtype == torch.float32
+        self.shared = False
+        self._lay_out()
+
+    @classmethod
+    def fused(cls, linears: Sequence[nn.Linear]) -> Projection:
+        """One projection for `linears`, whose parameters then view its storage."""
+        projection = cls([linear.weight for linear in linears], [linear.bias for linear in linears])
+        start = 0
+        for linear in linears:
+            rows = linear.weight.shape[0]
+            weight = projection.weight
+            view = weight[:, start : start + rows].t() if projection.columns else weight[start : start + rows]
+            linear.weight = nn.Parameter(view, requires_grad=False)
+            if projection.bias is not None:
+                linear.bias = nn.Parameter(projection.bias[start : start + rows], requires_grad=False)
+            start += rows
+        projection._sources = [linear.weight for linear in linears]
+        projection._source_biases = [linear.bias for linear in linears]
+        projection.shared = True
+        projection._versions = projection._source_versions()
+        return projection
+
+    def _lay_out(self) -> None:
+        """This projection's weight and bias, copied from the sources in its layout, then packed."""
+        single = len(self._sources) == 1  # read as it is where no layout is wanted (a GPU's LM head: no copy)
+        weight = self._sources[0].detach() if single else torch.cat([w.detach() for w in self._sources])  # [out, in]
+        has_bias = self._source_biases[0] is not None
+        if not has_bias:
+            self.bias = None
+        else:
+            self.bias = self._source_biases[0].detach() if single else torch.cat([b.detach() for b in self._source_biases])
+        self.weight = weight.t().contiguous() if self.columns else weight
+        self._pack()
+
+    def _pack(self) -> None:
+        """oneDNN's reordered copy of the weight (CPU only), as of the sources' current versions."""
+        self.packed = (torch.ops.mkldnn._reorder_linear_weight(self.row_weight().contiguous(), 1)
+                       if self.cpu and _onednn_available() else None)
+        self._versions = self._source_versions()
+
+    def __getstate__(self) -> dict:
+        """Pickled (to a Ray actor) or deep-copied without oneDNN's opaque copy, which cannot be; it is made again
+        on first use."""
+        state = dict(self.__dict__)
+        state["packed"], state["_versions"] = None, None
+        return state
+
+    def _source_versions(self) -> tuple[int, ...]:
+        return tuple(t._version for t in (*self._sources, *self._source_biases) if t is not None)
+
+    def row_weight(self) -> torch.Tensor:
+        """The weight as [out, in] (a view in the fp32 CPU layout): what `F.linear` and the checks read."""
+        return self.weight.t() if self.columns else self.weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._source_versions() != self._versions:  # the sources changed in place since the copies were made
+            self._pack() if self.shared else self._lay_out()  # shared storage already holds the change
+        if x.dtype != self.weight.dtype:
+            x = x.to(self.weight.dtype)
+        rows = x.numel() // self.in_features
+        if self.packed is not None and (rows > 1 or not self.columns):
+            flat = x.reshape(rows, self.in_features)
+            out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+            return out.view(*x.shape[:-1], self.out_features)
+        if self.columns:
+            out = torch.matmul(x, self.weight)
+            return out if self.bias is None else out + self.bias
+        return F.linear(x, self.weight, self.bias)
+
+
+_CACHED = "taps_projection"
+
+
+def lm_head_projection(lm_head: nn.Module) -> Projection:
+    """The projection of an LM head module, made once and kept on the module, so the target's forward and every
+    drafter that drafts with the same LM head share one laid-out copy. A copy, not views: a head tied to the token
+    embeddings must keep its [vocab, d] rows for lookups."""
+    projection = getattr(lm_head, _CACHED, None)
+    if projection is None or projection._sources[0] is not lm_head.weight:  # new, or the module was cast or moved
+        projection = Projection([lm_head.weight], [getattr(lm_head, "bias", None)])
+        object.__setattr__(lm_head, _CACHED, projection)  # a plain attribute: not a submodule, not in the state dict
+    return projection
+
+
+class DecodingLinear(nn.Linear):
+    """`nn.Linear` that, outside autograd, multiplies through a `Projection` of its weight (made on first use,
+    re-made when the weight changes): a draft head trains as any module and drafts with the fast kernels. Its
+    parameters and state dict are nn.Linear's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() or x.device.type != "cpu":
+            return super().forward(x)
+        projection = self.__dict__.get(_CACHED)
+        if projection is None or projection._sources[0] is not self.weight:
+            projection = Projection([self.weight], [self.bias])
+            self.__dict__[_CACHED] = projection
+        return projection(x)
