@@ -16,6 +16,7 @@ rounding, which depends on the CPU family).
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import shlex
 import subprocess
@@ -71,10 +72,20 @@ def baseline_drafter(head_mod, tree_mod, heads: list, context, tree_cfg):
         param = next(head.parameters())
         rebuilt.append(old.to(device=param.device, dtype=param.dtype).eval())
     ctx = tree_mod.DraftContext(context.embed, context.lm_head, context.vocab)
+    # since the one drafting entry: draft_eagle2(head, ctx, caches, features, next_tokens, tree) over sequences;
+    # before it: one sequence's tree from int settings
+    batched = "caches" in inspect.signature(tree_mod.draft_eagle2).parameters
+    settings = tree_cfg.model_copy(update={"min_confidence": 0.0})  # the baseline drafts every level
+
+    def one(h, s, features, next_tokens):
+        if batched:
+            ((tree,),), (cache,) = tree_mod.draft_eagle2(h, ctx, [s], [features], [next_tokens], settings)
+            return tree, cache
+        return tree_mod.draft_eagle2(h, ctx, s, features, next_tokens, tree_cfg.total_token, tree_cfg.depth,
+                                     tree_cfg.top_k)
 
     def draft(states, features, next_tokens):
-        out = [tree_mod.draft_eagle2(h, ctx, s, features, next_tokens, tree_cfg.total_token, tree_cfg.depth,
-                                     tree_cfg.top_k) for h, s in zip(rebuilt, states)]
+        out = [one(h, s, features, next_tokens) for h, s in zip(rebuilt, states)]
         return [t for t, _ in out], [s for _, s in out]
 
     return draft, lambda: [tree_mod.HeadCache() for _ in rebuilt]

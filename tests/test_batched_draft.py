@@ -13,9 +13,9 @@ from taps_ray.decoding.generate import generate
 from taps_ray.decoding.verify import SamplingParams
 from taps_ray.drafting.combine import ConfidenceRouted, Merged, merge_trees
 from taps_ray.drafting.ngram import NgramProposer
-from taps_ray.drafting.proposers import Recording, SingleHead, StackedHeads
+from taps_ray.drafting.proposers import Recording, SingleHead
 from taps_ray.drafting.registry import build_proposer
-from taps_ray.drafting.tree import DraftContext, DraftTree, HeadCache
+from taps_ray.drafting.tree import DraftContext, DraftTree, HeadCache, draft_eagle2
 from taps_ray.models.draft_head import new_head
 from taps_ray.models.stacked_head import StackedHead, stack_mismatch
 
@@ -91,7 +91,7 @@ def test_batched_trees_equal_per_head_trees_along_a_decode(tiny_target, fitted, 
         generation = generate(tiny_target.model, recorder, [prompt], GREEDY, MAX_NEW, tiny_target.stop_token_ids)[0]
         assert len(recorder.calls) >= 3 and any(s.accepted for s in generation.steps)
         alone = [(part, HeadCache()) for part in proposer.parts]
-        batched = proposer.side_by_side.init_state()
+        batched = proposer.init_state()
         near_ties = 0
         for features, next_tokens, tree, state in recorder.calls:
             singles = []
@@ -99,7 +99,7 @@ def test_batched_trees_equal_per_head_trees_along_a_decode(tiny_target, fitted, 
                 single, cache = part.propose(cache, features, next_tokens)
                 alone[i] = (part, cache)
                 singles.append(single)
-            side_by_side, batched = proposer.side_by_side.propose_all(batched, features, next_tokens)
+            side_by_side, batched = proposer.draft_all(batched, features, next_tokens)
             tied = [_assert_same_tree(got, want, d) for got, want in zip(side_by_side, singles)]
             near_ties += any(tied)
             assert state.stacked.length == alone[0][1].length and state.parts == ()
@@ -157,11 +157,11 @@ def test_heads_stop_expanding_on_their_own_confidence(tiny_target, fitted, promp
     tree = TreeConfig(total_token=16, depth=4, top_k=4, min_confidence=0.05)
     parts = [SingleHead("math", fitted["math"], context, tree),
              SingleHead("random", new_head(model.config, seed=7, fc_bias=True), context, tree)]
-    stacked = StackedHeads(parts)
+    stacked = StackedHead([p.head for p in parts])
     sequence = prompts[0] + expected[0]
     features = model.model(torch.tensor([sequence])).last_hidden_state[0].detach()
     next_tokens = torch.tensor(sequence[1:])
-    trees, cache = stacked.propose_all(stacked.init_state(), features[:-1], next_tokens)
+    (trees,), (cache,) = draft_eagle2(stacked, parts[0].context, [HeadCache()], [features[:-1]], [next_tokens], tree)
     alone = [part.propose(HeadCache(), features[:-1], next_tokens)[0] for part in parts]
     for got, want in zip(trees, alone):
         assert_same_tree(got, want, tree_rtol(model.config.hidden_size, tree.depth))

@@ -23,8 +23,8 @@ from taps_ray.drafting.combine import (
 )
 from taps_ray.decoding.generate import StepRecord, generate
 from taps_ray.drafting.proposers import NOT_DRAFTED, SingleHead
-from taps_ray.drafting.registry import UnknownProposer, averaged_weight, build_proposer, combination_names
-from taps_ray.drafting.names import entropy_candidates
+from taps_ray.drafting.registry import UnknownProposer, build_proposer, combination_names
+from taps_ray.drafting.names import averaged_weight, entropy_candidates
 from taps_ray.decoding.target_batch import TargetBatch
 from taps_ray.drafting.tree import DraftContext, HeadCache, build_tree, prune_tree
 from taps_ray.decoding.verify import SamplingParams, accept_stochastic, processed_probs

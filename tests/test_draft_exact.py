@@ -8,6 +8,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from taps_ray.config import TreeConfig
 from taps_ray.drafting.tree import DraftContext, DraftTree, HeadCache, _entropy, draft_eagle2, select_tree
 from taps_ray.models.draft_head import DraftHead, new_head
 
@@ -53,6 +54,13 @@ def reference_draft(head, ctx, kv, length, features, next_tokens, total_token, d
     return tree, kv, length
 
 
+def _draft(head, ctx, cache, features, tokens, total, depth, k, min_confidence=0.0) -> tuple[DraftTree, HeadCache]:
+    """`draft_eagle2` of one sequence and one head: its tree and cache."""
+    tree = TreeConfig(total_token=total, depth=depth, top_k=k, min_confidence=min_confidence)
+    ((drafted,),), (cache,) = draft_eagle2(head, ctx, [cache], [features], [tokens], tree)
+    return drafted, cache
+
+
 def _same(a: DraftTree, b: DraftTree) -> bool:
     return all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("tokens", "parents", "confidence", "entropy"))
 
@@ -66,7 +74,7 @@ def test_drafts_equal_the_reference_bit_for_bit_over_a_sequence(tiny_target):
         cache, kv, length = HeadCache(), None, 0
         for m in (7, 1, 3, 2, 300, 1):  # 300: the slots outgrow their first capacity
             features, tokens = torch.randn(m, d), torch.randint(0, 1000, (m,))
-            tree, cache = draft_eagle2(head, ctx, cache, features, tokens, total, depth, k)
+            tree, cache = _draft(head, ctx, cache, features, tokens, total, depth, k)
             expected, kv, length = reference_draft(head, ctx, kv, length, features, tokens, total, depth, k)
             assert _same(tree, expected), (total, depth, k, m)
             assert torch.equal(cache.kv[0], kv[0]) and torch.equal(cache.kv[1], kv[1]) and cache.length == length
@@ -79,26 +87,26 @@ def test_a_state_drafted_from_twice_keeps_its_own_cache(tiny_target):
     d = head.config.hidden_size
     prompt, step, nxt = (torch.randn(6, d), torch.arange(6)), (torch.randn(2, d), torch.tensor([7, 8])), \
         (torch.randn(1, d), torch.tensor([9]))
-    _, base = draft_eagle2(head, ctx, HeadCache(), *prompt, 8, 3, 2)
-    _, state_a = draft_eagle2(head, ctx, base, *step, 8, 3, 2)
-    _, state_b = draft_eagle2(head, ctx, base, torch.randn(3, d), torch.tensor([1, 2, 3]), 8, 3, 2)
+    _, base = _draft(head, ctx, HeadCache(), *prompt, 8, 3, 2)
+    _, state_a = _draft(head, ctx, base, *step, 8, 3, 2)
+    _, state_b = _draft(head, ctx, base, torch.randn(3, d), torch.tensor([1, 2, 3]), 8, 3, 2)
     assert state_b.slots is not state_a.slots and state_a.slots is base.slots
-    _, unbranched = draft_eagle2(head, ctx, draft_eagle2(head, ctx, HeadCache(), *prompt, 8, 3, 2)[1], *step, 8, 3, 2)
+    _, unbranched = _draft(head, ctx, _draft(head, ctx, HeadCache(), *prompt, 8, 3, 2)[1], *step, 8, 3, 2)
     assert torch.equal(state_a.kv[0], unbranched.kv[0]) and torch.equal(state_a.kv[1], unbranched.kv[1])
-    assert _same(draft_eagle2(head, ctx, state_a, *nxt, 8, 3, 2)[0], draft_eagle2(head, ctx, unbranched, *nxt, 8, 3, 2)[0])
+    assert _same(_draft(head, ctx, state_a, *nxt, 8, 3, 2)[0], _draft(head, ctx, unbranched, *nxt, 8, 3, 2)[0])
 
 
 def test_confidence_stop_drafts_no_level_below_the_threshold(tiny_target):
     head = new_head(tiny_target.model.config, seed=5)
     ctx = DraftContext(tiny_target.model.get_input_embeddings(), tiny_target.model.lm_head)
     features, tokens = torch.randn(5, head.config.hidden_size), torch.arange(5)
-    full, _ = draft_eagle2(head, ctx, HeadCache(), features, tokens, 16, 4, 4)
-    assert _same(draft_eagle2(head, ctx, HeadCache(), features, tokens, 16, 4, 4, min_confidence=0.0)[0], full)
+    full, _ = _draft(head, ctx, HeadCache(), features, tokens, 16, 4, 4)
+    assert _same(_draft(head, ctx, HeadCache(), features, tokens, 16, 4, 4, min_confidence=0.0)[0], full)
     # Above every root child's confidence: no pass runs, the tree is the root's top 4 children.
-    top, _ = draft_eagle2(head, ctx, HeadCache(), features, tokens, 16, 4, 4, min_confidence=0.99)
+    top, _ = _draft(head, ctx, HeadCache(), features, tokens, 16, 4, 4, min_confidence=0.99)
     assert top.size == 5 and int(top.depth.max()) == 1
     # Between: the levels drafted are those whose best parent clears the threshold.
     level_best = [float(full.confidence[full.depth[1:] == d].max()) for d in range(1, int(full.depth.max()) + 1)]
     cut = (level_best[0] + level_best[1]) / 2
-    tree, _ = draft_eagle2(head, ctx, HeadCache(), features, tokens, 16, 4, 4, min_confidence=cut)
+    tree, _ = _draft(head, ctx, HeadCache(), features, tokens, 16, 4, 4, min_confidence=cut)
     assert int(tree.depth.max()) == 2 and tree.size == 16

@@ -13,7 +13,7 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from taps_ray.config import TargetConfig
+from taps_ray.config import TargetConfig, TreeConfig
 from taps_ray.drafting.tree import DraftContext, DraftTree, HeadCache, draft_eagle2
 from taps_ray.models.draft_head import new_head
 from taps_ray.models.draft_parts import (
@@ -23,6 +23,7 @@ from taps_ray.models.target import SMOLLM2_ALIAS, Target, model_source
 
 from numerics import assert_same_tree, rounding_rtol, tree_rtol
 
+TREE = TreeConfig(total_token=16, depth=4, top_k=4)
 
 
 def _checkpoint(folder: Path, target: Target, tied: bool, sharded: bool) -> Path:
@@ -51,7 +52,7 @@ def _trees(target: Target, head_config, vocab: torch.Tensor | None) -> list[Draf
     for m in (7, 1, 3):
         features = torch.randn(m, head.config.hidden_size, generator=generator).to(target.dtype)
         tokens = torch.randint(0, 1000, (m,), generator=generator)
-        tree, cache = draft_eagle2(head, ctx, cache, features, tokens, 16, 4, 4)
+        ((tree,),), (cache,) = draft_eagle2(head, ctx, [cache], [features], [tokens], TREE)
         trees.append(tree)
     return trees
 

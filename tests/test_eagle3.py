@@ -13,7 +13,7 @@ from taps_ray.models.draft_head import DraftHead, eagle3_layers, new_head
 from taps_ray.drafting.combine import average_heads
 from taps_ray.decoding.generate import generate
 from taps_ray.drafting.proposers import SingleHead, feature_layers
-from taps_ray.drafting.tree import DraftContext, HeadCache, extend_context, head_context
+from taps_ray.drafting.tree import DraftContext, HeadCache, extend_batch, head_context
 from taps_ray.decoding.verify import SamplingParams
 from taps_ray.training.losses import Batch, FrozenTarget, LossSettings, run_passes, shift_batch, ttt_steps
 
@@ -155,7 +155,7 @@ def test_training_time_test_step_equals_drafting_one_level_deeper(tiny_target):
     ctx = head_context(head, DraftContext(model.get_input_embeddings(), model.lm_head))
     t = 5
     with torch.no_grad():
-        (out,), cache = extend_context(head, ctx, HeadCache(), batch.aux[0, : t + 1], ids[1 : t + 2])
+        (out,), (cache,), _ = extend_batch(head, ctx, [HeadCache()], [batch.aux[0, : t + 1]], [ids[1 : t + 2]])
         torch.testing.assert_close(out, steps[0][0, t], rtol=1e-5, atol=1e-5)
         kv, hidden = cache.kv, out
         for j in (1, 2):  # one draft level deeper: previous output, the next true token, position t+j

@@ -14,7 +14,7 @@ from taps_ray.decoding.generate import generate, run_loop, step_tokens
 from taps_ray.drafting.proposers import NOT_DRAFTED
 from taps_ray.drafting.proposers import PlainDecoding, SingleHead
 from taps_ray.decoding.target_batch import TargetBatch
-from taps_ray.drafting.tree import DraftContext, HeadCache, build_tree, draft_eagle2, extend_context
+from taps_ray.drafting.tree import DraftContext, HeadCache, build_tree, draft_eagle2, extend_batch
 from taps_ray.decoding.verify import SamplingParams, accept_greedy, accept_stochastic, processed_probs
 
 from oracles import FixedTree, GreedyOracle, Recording, fit_head
@@ -115,9 +115,10 @@ def test_draft_stable_cache_equals_fresh_prefill(tiny_target):
     context = DraftContext(tiny_target.model.get_input_embeddings(), tiny_target.model.lm_head)
     features = torch.randn(9, head.config.hidden_size)
     tokens = torch.randint(0, 1000, (9,))
-    _, cache = draft_eagle2(head, context, HeadCache(), features[:5], tokens[:5], total_token=6, depth=2, top_k=2)
-    _, cache = draft_eagle2(head, context, cache, features[5:], tokens[5:], total_token=6, depth=2, top_k=2)
-    _, fresh = extend_context(head, context, HeadCache(), features, tokens)
+    tree = TreeConfig(total_token=6, depth=2, top_k=2)
+    _, (cache,) = draft_eagle2(head, context, [HeadCache()], [features[:5]], [tokens[:5]], tree)
+    _, (cache,) = draft_eagle2(head, context, [cache], [features[5:]], [tokens[5:]], tree)
+    _, (fresh,), _ = extend_batch(head, context, [HeadCache()], [features], [tokens])
     torch.testing.assert_close(cache.kv[0], fresh.kv[0])
     torch.testing.assert_close(cache.kv[1], fresh.kv[1])
     assert cache.length == fresh.length == 9

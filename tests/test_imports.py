@@ -25,6 +25,12 @@ LAYERS = (
     ("cli",),
 )
 RANK = {part: row for row, parts in enumerate(LAYERS) for part in parts}
+# The directions the layout promises (issue #27), spelled out so that a reordered LAYERS cannot loosen them
+# unnoticed: importer -> the packages it must never import.
+FORBIDDEN = {p: {"bench"} for p in RANK if p not in ("bench", "cli")}  # only cli (and benchmarks/) run the bench
+FORBIDDEN["models"] |= {"study", "serve"}
+FORBIDDEN["config"] |= {"study", "serve"}
+FORBIDDEN["drafting"] |= {"decoding", "eval", "study", "serve"}
 # Function-level imports of the package's own modules: only where a heavy dependency (torch, transformers, Ray,
 # matplotlib) must stay out of a light import path, each with a `# late: <why>` comment on its line.
 MAX_LATE_IMPORTS = 25
@@ -142,6 +148,23 @@ def test_imports_point_down_the_layers():
     graph = import_graph()
     assert any(RANK[part(t)] < RANK[part(n)] for n, ts in graph.items() for t in ts), "no cross-layer import seen"
     assert wrong_way(graph) == []
+
+
+def forbidden(graph: dict[str, set[str]]) -> list[str]:
+    """Every import that `FORBIDDEN` rules out."""
+    return sorted(f"{name} imports {target}" for name, targets in graph.items() for target in targets
+                  if part(target) in FORBIDDEN.get(part(name), set()))
+
+
+def test_the_promised_directions_hold_and_the_layers_imply_them():
+    assert forbidden(import_graph()) == []
+    loose = sorted(f"{a} -> {b}" for a, targets in FORBIDDEN.items() for b in targets if RANK[b] < RANK[a])
+    assert loose == [], f"LAYERS lets these import what FORBIDDEN rules out: {loose}"
+    graph = {"taps_ray.models.target": {"taps_ray.serve.app"}, "taps_ray.drafting.tree": {"taps_ray.eval.cell"},
+             "taps_ray.report.build": {"taps_ray.bench.run"}, "taps_ray.cli": {"taps_ray.bench.run"}}
+    assert forbidden(graph) == ["taps_ray.drafting.tree imports taps_ray.eval.cell",
+                                "taps_ray.models.target imports taps_ray.serve.app",
+                                "taps_ray.report.build imports taps_ray.bench.run"]
 
 
 def test_a_wrong_way_import_is_reported():

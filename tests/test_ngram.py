@@ -10,6 +10,7 @@ from taps_ray.models.draft_head import new_head
 from taps_ray.drafting.combine import rank_merge
 from taps_ray.decoding.continuous import ContinuousBatcher, Request
 from taps_ray.decoding.generate import generate
+from taps_ray.drafting.names import ProposerSpec, parse_proposer
 from taps_ray.drafting.ngram import NgramProposer, NgramState, lookup, matched_prefix
 from taps_ray.drafting.registry import UnknownProposer, build_proposer, heads_used, proposer_names
 from taps_ray.drafting.tree import build_tree
@@ -124,6 +125,20 @@ def test_names_and_heads_used(tiny_config, tiny_target, heads):
     for bad in ("plain+ngram", "ngram+ngram", "nothing+ngram"):
         with pytest.raises(UnknownProposer, match="unknown proposer"):
             build_proposer(bad, tiny_target, heads, TREE)
+
+
+def test_a_name_parses_into_one_spec():
+    """`[auto-]<base>[+ngram]`, parsed once: the registry, the set-up and Serve read the same fields."""
+    assert parse_proposer("auto-merged+ngram") == ProposerSpec("merged", ngram=True, auto=True)
+    assert parse_proposer("averaged-w0.3+ngram") == ProposerSpec("averaged-w0.3", weight=0.3, ngram=True)
+    assert parse_proposer("averaged") == ProposerSpec("averaged", weight=0.5)
+    assert parse_proposer("auto-ngram") == ProposerSpec("ngram", auto=True)
+    assert parse_proposer("plain+ngram") == ProposerSpec("plain+ngram")  # nothing to merge with: an unknown base
+    for name in ("auto-merged+ngram", "math", "auto-plain", "averaged-w0.3+ngram", "plain+ngram"):
+        assert parse_proposer(name).name == name
+    assert parse_proposer("math+ngram").drafts_with_heads and not parse_proposer("auto-ngram").drafts_with_heads
+    with pytest.raises(UnknownProposer, match="averaged-w"):
+        parse_proposer("auto-averaged-w2")
 
 
 def test_continuous_batching_keeps_each_sequence_its_ngram_state(tiny_target, heads, repetitive):

@@ -11,9 +11,10 @@ from taps_ray.config import TreeConfig
 from taps_ray.decoding.generate import run_loop
 from taps_ray.decoding.target_batch import TargetBatch
 from taps_ray.decoding.verify import SamplingParams, accept_greedy, accept_greedy_batch
-from taps_ray.drafting.proposers import SingleHead, StackedHeads
-from taps_ray.drafting.tree import DraftContext, HeadCache, build_tree, draft_eagle2_batch, draft_eagle2_trees
+from taps_ray.drafting.proposers import SingleHead
+from taps_ray.drafting.tree import DraftContext, HeadCache, build_tree, draft_eagle2
 from taps_ray.models.draft_head import new_head
+from taps_ray.models.stacked_head import StackedHead
 from taps_ray.syncs import SyncCounter
 
 from numerics import assert_same_tree, rounding_rtol, tree_rtol
@@ -75,19 +76,19 @@ def test_batched_drafting_gives_each_sequence_its_own_trees(tiny_target, stacked
     config = tiny_target.model.config
     heads = [new_head(config, seed=1), new_head(config, seed=2)]
     ctx = DraftContext(tiny_target.model.get_input_embeddings(), tiny_target.model.lm_head)
-    head = StackedHeads([SingleHead(f"h{i}", h, ctx, TREE) for i, h in enumerate(heads)]).head if stacked else heads[0]
+    head = StackedHead(heads) if stacked else heads[0]
     generator = torch.Generator().manual_seed(0)
     counts = [[5, 2], [3, 4], [7, 1]]  # per sequence: new positions at the first and the second call
     inputs = [[(torch.randn(m, config.hidden_size, generator=generator),
                 torch.randint(0, config.vocab_size, (m,), generator=generator)) for m in seq] for seq in counts]
-    settings = dict(total_token=TREE.total_token, depth=TREE.depth, top_k=TREE.top_k, min_confidence=min_confidence)
+    tree = TREE.model_copy(update={"min_confidence": min_confidence})
     batch_caches, alone_caches = [HeadCache() for _ in counts], [HeadCache() for _ in counts]
     for call in range(2):
         feats = [seq[call][0] for seq in inputs]
         tokens = [seq[call][1] for seq in inputs]
-        together, batch_caches = draft_eagle2_batch(head, ctx, batch_caches, feats, tokens, **settings)
+        together, batch_caches = draft_eagle2(head, ctx, batch_caches, feats, tokens, tree)
         for s in range(len(counts)):
-            alone, alone_caches[s] = draft_eagle2_trees(head, ctx, alone_caches[s], feats[s], tokens[s], **settings)
+            (alone,), (alone_caches[s],) = draft_eagle2(head, ctx, [alone_caches[s]], [feats[s]], [tokens[s]], tree)
             assert len(together[s]) == len(alone) == head.stacked
             for got, want in zip(together[s], alone):
                 assert_same_tree(got, want, tree_rtol(config.hidden_size, TREE.depth))

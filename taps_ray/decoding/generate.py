@@ -87,8 +87,8 @@ def node_values(trees: list[DraftTree]) -> list[tuple[list[float], list[float], 
     if not trees:
         return []
     device = trees[0].tokens.device
-    flat = torch.cat([torch.stack([t.confidence.double(), t.entropy.double(), t.source.double()]).to(device)
-                      for t in trees], dim=1).tolist()
+    flat = torch.stack([torch.cat([getattr(t, name).to(device) for t in trees]).double()
+                        for name in ("confidence", "entropy", "source")]).tolist()
     out, at = [], 0
     for tree in trees:
         n = tree.size - 1

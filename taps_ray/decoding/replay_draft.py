@@ -28,7 +28,9 @@ from taps_ray.config import TreeConfig
 from taps_ray.drafting.combine import OverParts
 from taps_ray.drafting.cost import CostAware
 from taps_ray.drafting.proposers import Proposer, SingleHead
-from taps_ray.drafting.tree import Candidates, ConfidenceStop, DraftContext, DraftTree, build_tree, select_nodes
+from taps_ray.drafting.tree import (
+    Candidates, ConfidenceStop, DraftContext, DraftTree, build_tree, expand_levels, select_nodes,
+)
 from taps_ray.models.draft_head import DraftHead
 
 CONTEXT_BUDGET = 1 << 22  # traces per causal head forward: batch x length^2 (the attention scores) at most this
@@ -154,7 +156,7 @@ def draft_along(
     features: Sequence[torch.Tensor],
     roots: Sequence[range],
 ) -> list[TraceTrees]:
-    """The EAGLE-2 tree `draft_eagle2(head, ctx, ...)` would draft at every root position of every trace."""
+    """The EAGLE-2 tree `draft_eagle2(head, ctx, ..., tree)` would draft at every root position of every trace."""
     traces = list(zip(sequences, features, roots))
     out: list[TraceTrees] = []
     for group in _groups([r.stop for r in roots], [len(r) for r in roots], tree.top_k):
@@ -206,19 +208,14 @@ def _draft_group(
     hidden = context[trace_of, root_at - 1]  # [R, d]
 
     candidates = Candidates(ctx, hidden, k)
-    eye = torch.eye(k, dtype=torch.bool, device=device)
-    ancestors = eye.expand(rows, k, k)
     blocks = _Blocks(trace_of, root_at, kv, k, width)
-    passes = tree.depth  # as live drafting and EAGLE's topK_genrate: every pass, whatever the tree's size
+
+    def forward(tokens: torch.Tensor, frontier: torch.Tensor, ancestors: torch.Tensor, level: int) -> torch.Tensor:
+        return blocks.forward(head, ctx, tokens, frontier, ancestors, level, dtype)  # [R, k, d]
+
     stop = ConfidenceStop(tree.min_confidence, rows, device)  # as live drafting stops
-    for level in range(passes):
-        if stop.all_stopped(candidates):
-            break
-        out = blocks.forward(head, ctx, candidates.frontier_tokens, candidates.frontier_hidden, ancestors, level,
-                             dtype)  # [R, k, d]
-        parent_row = candidates.expand(ctx, out)
-        kept = ancestors.gather(1, parent_row[:, :, None].expand(-1, -1, ancestors.shape[-1]))
-        ancestors = torch.cat([kept, eye.expand(rows, k, k)], dim=2)
+    # as live drafting and EAGLE's topK_genrate: every pass, whatever the tree's size
+    expand_levels(ctx, candidates, tree.depth, stop, forward)
 
     tokens, scores, parents, entropy = candidates.flat()
     drafted = select_nodes(tokens, stop.scores(scores), parents, entropy, n_draft)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from taps_ray.decoding.verify import SamplingParams, Verdict, accept_batch, sample_root
 from taps_ray.drafting.tree import DraftTree
@@ -292,26 +293,34 @@ class TargetBatch:
             )
             logits = self.target_forward.logits(hidden)
             return [TreeOutput(logits[b], features[b]) for b in range(len(trees))]
-        batch = len(trees)
-        ids = torch.zeros(batch, width, dtype=torch.long, device=self.device)
-        positions = torch.zeros(batch, width, dtype=torch.long, device=self.device)
-        mask = torch.zeros(batch, width, past + width, dtype=torch.bool, device=self.device)
-        context = torch.arange(past, device=self.device)[None, :] < self.lengths[:, None]
-        for b, tree in enumerate(trees):
-            mask[b, :, past:] = torch.eye(width, dtype=torch.bool, device=self.device)  # padding rows see only themselves
-            if tree is None:
-                continue
-            n = tree.size
-            ids[b, :n] = tree.tokens
-            positions[b, :n] = self.lengths[b] + tree.depth
-            mask[b, :n, :past] = context[b]
-            mask[b, :n, past : past + n] = tree.mask
+        ids, positions, mask = self._tree_inputs(trees, width, past)
         hidden, features = self._forward(ids, positions, mask[:, None])
         logits = self.target_forward.logits(hidden)
         return [
             None if tree is None else TreeOutput(logits[b, : tree.size], features[b, : tree.size])
             for b, tree in enumerate(trees)
         ]
+
+    def _tree_inputs(self, trees: list[DraftTree | None], width: int, past: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Right-padded ids and positions [B, width] and the boolean mask [B, width, past + width] of a batch of
+        trees (None: a sequence sitting the step out), in a few batched ops: a tree's node sees its sequence's
+        committed slots and its ancestors; padding nodes see only themselves (no all-masked row, no NaN)."""
+        pad = torch.nn.utils.rnn.pad_sequence
+        empty = torch.zeros(0, dtype=torch.long, device=self.device)
+        ids = pad([empty if t is None else t.tokens for t in trees], batch_first=True)
+        depth = pad([empty if t is None else t.depth for t in trees], batch_first=True)
+        tree_masks = torch.stack([
+            torch.zeros(width, width, dtype=torch.bool, device=self.device) if t is None
+            else F.pad(t.mask, (0, width - t.size, 0, width - t.size)) for t in trees])
+        sizes = torch.tensor([0 if t is None else t.size for t in trees], device=self.device)
+        nodes = torch.arange(width, device=self.device)
+        real = nodes[None, :] < sizes[:, None]  # [B, width]
+        context = torch.arange(past, device=self.device)[None, :] < self.lengths[:, None]  # [B, past]
+        tree_masks |= torch.eye(width, dtype=torch.bool, device=self.device) & ~real[:, :, None]
+        mask = torch.cat([real[:, :, None] & context[:, None, :], tree_masks], dim=-1)
+        positions = torch.where(real, self.lengths[:, None] + depth, 0)
+        return ids, positions, mask
 
     def _causal(self, trees: list[DraftTree | None], past: int) -> bool:
         """True when the model's own causal mask is exact: every sequence fills the cache (no context padding)
@@ -333,11 +342,12 @@ class TargetBatch:
             self.cache.crop(high)
             self.lengths = new_lengths
             return
-        index = torch.arange(low, high, device=self.device).repeat(self.batch_size, 1)  # identity for slots already committed
-        for b, nodes in enumerate(accepted_nodes):
-            first = lengths[b] - low
-            if nodes:
-                index[b, first : first + len(nodes)] = start + torch.tensor(nodes, device=self.device)
-            index[b, first + len(nodes) :] = 0  # beyond the sequence: any slot, masked out later
+        rows = []  # built on the host from what it already holds, then one upload for the batch
+        for length, nodes in zip(lengths, accepted_nodes):
+            first = length - low
+            kept = first + len(nodes)
+            # identity for slots already committed, then the accepted slots; beyond: any slot, masked out later
+            rows.append([*range(low, length), *(start + n for n in nodes), *[0] * (high - low - kept)])
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
         self.cache.compact(low, index)  # in place: only slots low..high-1 move, the prefix is not copied
         self.lengths = new_lengths

@@ -21,7 +21,7 @@ cache in an explicit state and the heads can never clobber each other (docs/algo
 proposers accept any `Proposer` parts, which lets tests combine oracle drafters with real heads. When every
 part drafts every step (confidence routing, merged trees) and the parts are `SingleHead`s whose heads stack
 (same shape, context and tree settings: `stackable`), the heads draft side by side, one batched forward per
-tree level in one stacked cache (`StackedHeads`), giving the trees they would draft one by one; other parts
+tree level in one stacked cache (one `StackedHead` through `draft_eagle2`), giving the trees they would draft one by one; other parts
 draft one after the other.
 
 A routed state exposes `last_head` (the index of the part whose tree was verified; -1 for a merged tree),
@@ -39,9 +39,12 @@ import torch
 
 from taps_ray.config import TreeConfig
 from taps_ray.models.draft_head import DraftHead
+from taps_ray.models.stacked_head import StackedHead
 from taps_ray.drafting.ngram import NgramProposer
-from taps_ray.drafting.proposers import Proposer, SingleHead, StackedHeads, feature_layers, stackable
-from taps_ray.drafting.tree import DraftContext, DraftTree, HeadCache, build_tree, path_scores, ranked_nodes, subtree
+from taps_ray.drafting.proposers import Proposer, SingleHead, feature_layers, stackable
+from taps_ray.drafting.tree import (
+    DraftContext, DraftTree, HeadCache, build_tree, draft_eagle2, path_scores, ranked_nodes, subtree,
+)
 
 # --- checkpoint averaging (docs/algorithms.md#weight-averaging) ---------------------------------------------
 
@@ -128,15 +131,15 @@ class OverParts:
 @dataclass
 class AllPartsDrafting(OverParts):
     """A proposer whose parts all draft every step, from the same inputs: side by side in one batched forward
-    per tree level when they stack (`StackedHeads`), else one after the other."""
+    per tree level when they stack (one `StackedHead`), else one after the other."""
 
     def __post_init__(self) -> None:
-        self.side_by_side = StackedHeads(self.parts) if stackable(self.parts) else None
+        self.side_by_side = StackedHead([p.head for p in self.parts]) if stackable(self.parts) else None
 
     def init_state(self) -> RouterState:
         if self.side_by_side is None:
             return super().init_state()
-        return RouterState(parts=(), stacked=self.side_by_side.init_state(), last_head=self.initial_head)
+        return RouterState(parts=(), stacked=HeadCache(), last_head=self.initial_head)
 
     def draft_all(
         self, state: RouterState, features: torch.Tensor, next_tokens: torch.Tensor
@@ -145,7 +148,9 @@ class AllPartsDrafting(OverParts):
         if self.side_by_side is None:
             trees, states = _draft_all(self.parts, state.parts, features, next_tokens)
             return trees, RouterState(parts=states)
-        trees, cache = self.side_by_side.propose_all(state.stacked, features, next_tokens)
+        first = self.parts[0]  # stackable parts share one context and one tree setting
+        (trees,), (cache,) = draft_eagle2(self.side_by_side, first.context, [state.stacked], [features],
+                                          [next_tokens], first.tree)
         return trees, RouterState(parts=(), stacked=cache)
 
     def propose(

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from taps_ray.drafting.names import AUTO_PREFIX
 from taps_ray.drafting.proposers import NOT_DRAFTED, Proposer
 from taps_ray.drafting.tree import DraftTree, path_scores, ranked_nodes, root_only, subtree
 
@@ -122,7 +123,7 @@ class CostAware:
     margin: float = MARGIN
 
     def __post_init__(self) -> None:
-        self.name = self.name or f"auto-{self.inner.name}"
+        self.name = self.name or f"{AUTO_PREFIX}{self.inner.name}"
 
     @property
     def head_names(self) -> list[str]:

@@ -15,13 +15,8 @@ import torch
 
 from taps_ray.config import TreeConfig
 from taps_ray.models.draft_head import DraftHead
-from taps_ray.models.stacked_head import StackedHead, stack_mismatch
-from taps_ray.drafting.tree import (
-    DraftContext, DraftTree, HeadCache, draft_eagle2_batch, draft_eagle2_trees, head_context, root_only,
-)
-
-
-NOT_DRAFTED = -2  # StepRecord.head of a step that verified only the root (drafting paused by `draft_below`)
+from taps_ray.models.stacked_head import stack_mismatch
+from taps_ray.drafting.tree import DraftContext, DraftTree, HeadCache, draft_eagle2, head_context, root_only
 
 NOT_DRAFTED = -2  # StepRecord.head of a step that verified only the root (drafting paused by `draft_below`)
 
@@ -115,55 +110,23 @@ class SingleHead:
         return HeadCache()
 
     def propose(self, state: HeadCache, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[DraftTree, HeadCache]:
-        (tree,), cache = draft_trees(self.head, self.context, self.tree, state, features, next_tokens)
+        ((tree,),), (cache,) = draft_eagle2(self.head, self.context, [state], [features], [next_tokens], self.tree)
         return tree, cache
 
     def propose_batch(
         self, states: list[HeadCache], features: list[torch.Tensor], next_tokens: list[torch.Tensor]
     ) -> tuple[list[DraftTree], list[HeadCache]]:
-        """Every sequence's tree in one forward per tree level (`draft_eagle2_batch`)."""
-        tree = self.tree
-        trees, caches = draft_eagle2_batch(self.head, self.context, states, features, next_tokens,
-                                           total_token=tree.total_token, depth=tree.depth, top_k=tree.top_k,
-                                           min_confidence=tree.min_confidence)
+        """Every sequence's tree in one forward per tree level (`draft_eagle2`)."""
+        trees, caches = draft_eagle2(self.head, self.context, states, features, next_tokens, self.tree)
         return [t for (t,) in trees], caches
 
 
-def draft_trees(
-    head: DraftHead, context: DraftContext, tree: TreeConfig, state: HeadCache, features: torch.Tensor,
-    next_tokens: torch.Tensor,
-) -> tuple[list[DraftTree], HeadCache]:
-    """`draft_eagle2_trees` with a config's tree settings: one tree per (stacked) head."""
-    return draft_eagle2_trees(head, context, state, features, next_tokens, total_token=tree.total_token,
-                              depth=tree.depth, top_k=tree.top_k, min_confidence=tree.min_confidence)
-
-
 def stackable(parts: Sequence[Proposer]) -> bool:
-    """Whether `parts` can draft as `StackedHeads`: `SingleHead`s with one context and one tree setting whose
-    heads stack (`stack_mismatch`)."""
+    """Whether `parts` can draft side by side as one `StackedHead` (models/stacked_head.py): `SingleHead`s with
+    one context and one tree setting whose heads stack (`stack_mismatch`)."""
     if not parts or not all(isinstance(p, SingleHead) for p in parts):
         return False
     first = parts[0]
     same_drafting = all(p.context is first.context and p.tree == first.tree for p in parts)
     return same_drafting and stack_mismatch([p.head for p in parts]) is None
 
-
-@dataclass
-class StackedHeads:
-    """`SingleHead`s (`stackable`) drafting side by side: one forward per tree level for all their heads
-    (models/stacked_head.py), each head's tree as it would draft alone. The state is one stacked `HeadCache`."""
-
-    parts: list[SingleHead]
-
-    def __post_init__(self) -> None:
-        self.head = StackedHead([p.head for p in self.parts])
-
-    def init_state(self) -> HeadCache:
-        return HeadCache()
-
-    def propose_all(
-        self, state: HeadCache, features: torch.Tensor, next_tokens: torch.Tensor
-    ) -> tuple[list[DraftTree], HeadCache]:
-        """Every part's tree (in part order) from the same committed inputs (see `Proposer.propose`)."""
-        first = self.parts[0]
-        return draft_trees(self.head, first.context, first.tree, state, features, next_tokens)

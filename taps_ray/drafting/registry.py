@@ -28,14 +28,23 @@ from taps_ray.drafting.combine import (
     with_ngram,
 )
 from taps_ray.drafting.cost import CostAware
-from taps_ray.drafting.names import AVERAGED_SWEEP, UnknownProposer, averaged_name, averaged_weight
+from taps_ray.drafting.names import (
+    AVERAGED_SWEEP,
+    NGRAM,
+    NGRAM_SUFFIX,
+    PLAIN,
+    ProposerSpec,
+    UnknownProposer,
+    averaged_name,
+    parse_proposer,
+)
 from taps_ray.drafting.ngram import NUM_TOKENS, NgramProposer
 from taps_ray.drafting.proposers import PlainDecoding, Proposer, SingleHead
 from taps_ray.drafting.tree import DraftContext
 
 Builder = Callable[[dict[str, DraftHead], DraftContext, TreeConfig], Proposer]
 
-# name -> builder(heads in config order, context, tree); the averaged family is parsed, see `averaged_weight`
+# name -> builder(heads in config order, context, tree); the averaged family is parsed, see `names.parse_proposer`
 COMBINATIONS: dict[str, Builder] = {
     "confidence-routed": build_confidence_routed,
     "entropy-routed": build_entropy_routed,
@@ -43,16 +52,11 @@ COMBINATIONS: dict[str, Builder] = {
     "merged-dedup": build_merged_dedup,
     "merged-budget": build_merged_budget,
 }
-NGRAM = "ngram"
-NGRAM_SUFFIX = "+ngram"
-AUTO_PREFIX = "auto-"  # `auto-<name>`: <name> under the per-sequence cost model (drafting/cost.py)
-
-
 
 
 def combination(name: str) -> Builder | None:
     """The builder of a combination name, or None when `name` is not one."""
-    w = averaged_weight(name)
+    w = parse_proposer(name).weight
     if w is not None:
         return functools.partial(build_averaged, w=w, name=name)
     return COMBINATIONS.get(name)
@@ -64,7 +68,7 @@ def combination_names() -> list[str]:
 
 def single_names(heads: Sequence[str]) -> list[str]:
     """The proposers that need at most one of `heads`: plain, each head, n-gram lookup, each head + n-gram."""
-    return ["plain", *heads, NGRAM, *(f"{h}{NGRAM_SUFFIX}" for h in heads)]
+    return [PLAIN, *heads, NGRAM, *(f"{h}{NGRAM_SUFFIX}" for h in heads)]
 
 
 def draft_reach(tree: TreeConfig) -> int:
@@ -82,13 +86,10 @@ def proposer_names(config: StudyConfig) -> list[str]:
 def heads_used(name: str, mixtures: Sequence[str], alone: Sequence[str] = ()) -> list[str]:
     """The mixtures whose heads proposer `name` drafts with (in `mixtures` order; a combination uses all of
     `mixtures`). `alone`: heads that draft only by themselves (`train.compare`), never in a combination."""
-    if name in ("plain", NGRAM):
+    spec = parse_proposer(name)
+    if not spec.drafts_with_heads:
         return []
-    if name.startswith(AUTO_PREFIX):
-        return heads_used(name.removeprefix(AUTO_PREFIX), mixtures, alone)
-    if name.endswith(NGRAM_SUFFIX):
-        return heads_used(name.removesuffix(NGRAM_SUFFIX), mixtures, alone)
-    return [name] if name in mixtures or name in alone else list(mixtures)
+    return [spec.base] if spec.base in mixtures or spec.base in alone else list(mixtures)
 
 
 def build_proposer(
@@ -98,15 +99,20 @@ def build_proposer(
     stand-alone heads (compare twins, `searched`) are left out by the caller (`drafting.setup.load_proposers`).
     `vocab`: the reduced draft vocabulary (taps_ray/data/draft_vocab.py), or None for the full vocabulary.
     Only a proposer that drafts with a head makes a `DraftContext`: a CPU drafter reads its LM head then."""
-    if name == "plain":
+    return _build(parse_proposer(name), target, heads, tree, vocab)
+
+
+def _build(spec: ProposerSpec, target: Target, heads: dict[str, DraftHead], tree: TreeConfig,
+           vocab: torch.Tensor | None) -> Proposer:
+    name = spec.name
+    if spec.auto:
+        return CostAware(_build(spec.without_auto(), target, heads, tree, vocab), name=name)
+    if spec.ngram:
+        return with_ngram(_build(spec.without_ngram(), target, heads, tree, vocab), tree, name)
+    if name == PLAIN:
         return PlainDecoding()
     if name == NGRAM:
         return NgramProposer()
-    if name.startswith(AUTO_PREFIX):
-        return CostAware(build_proposer(name.removeprefix(AUTO_PREFIX), target, heads, tree, vocab), name=name)
-    base = name.removesuffix(NGRAM_SUFFIX)
-    if base != name and base not in ("plain", NGRAM):
-        return with_ngram(build_proposer(base, target, heads, tree, vocab), tree, name)
     context = DraftContext(target.model.get_input_embeddings(), target.model.lm_head, vocab)
     if name in heads:
         return SingleHead(name, heads[name], context, tree)

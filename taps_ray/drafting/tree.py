@@ -8,11 +8,13 @@ on the device of the head that drafted it (of its tokens); the verifier moves it
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 
 import torch
 import torch.nn.functional as F
 
+from taps_ray.config import TreeConfig
 from taps_ray.models.cpu_linear import Projection, lm_head_projection
 from taps_ray.models.draft_head import DraftHead, KVCache
 
@@ -384,19 +386,10 @@ def extend_batch(
     return hidden, [HeadCache(slots, length, s) for s, length in enumerate(new)], roots
 
 
-def extend_context(
-    head: DraftHead, ctx: DraftContext, cache: HeadCache, features: torch.Tensor, next_tokens: torch.Tensor,
-    reserve: int = 0,
-) -> tuple[torch.Tensor, HeadCache]:
-    """`extend_batch` of one sequence: the last output of every stacked head [N, d] and the new cache."""
-    hidden, (cache,), _ = extend_batch(head, ctx, [cache], [features], [next_tokens], reserve)
-    return hidden, cache
-
-
 class Candidates:
     """EAGLE-2's candidate nodes of R trees drafted side by side, one row per tree, flat in drafting order: the
     root's top_k children, then per level the top_k children of each of the top_k frontier nodes (the previous
-    level's best cumulative scores). Live drafting (`draft_eagle2_trees`) and replay (decoding/replay_draft.py)
+    level's best cumulative scores). Live drafting (`draft_eagle2`) and replay (decoding/replay_draft.py)
     both expand through it, so they rank, break ties and select alike."""
 
     def __init__(self, ctx: DraftContext, hidden: torch.Tensor, k: int) -> None:
@@ -520,36 +513,56 @@ class ConfidenceStop:
         return self.widths(width).clamp(max=drafted) + 1
 
 
+# The head over R rows' frontiers at one level: tokens [R, k], hidden [R, k, d], ancestors [R, k, k*(level+1)]
+# (whether tree node j, the frontiers of levels 0..level level-major, is frontier node i's ancestor or itself),
+# level -> the head's outputs [R, k, d].
+LevelForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+def expand_levels(
+    ctx: DraftContext, candidates: Candidates, passes: int, stop: ConfidenceStop, forward: LevelForward
+) -> None:
+    """EAGLE-2's level step, `passes` times or until `stop` stops every row: the head reads every row's frontier
+    (`forward`) and each row keeps its k best children. Live drafting (`draft_eagle2`) and replay
+    (decoding/replay_draft.py) differ only in `forward`: which cache the frontier attends to."""
+    rows, k = candidates.frontier_tokens.shape
+    eye = torch.eye(k, dtype=torch.bool, device=candidates.frontier_tokens.device).expand(rows, k, k)
+    ancestors = eye
+    for level in range(passes):
+        if stop.all_stopped(candidates):
+            break
+        out = forward(candidates.frontier_tokens, candidates.frontier_hidden, ancestors, level)
+        parent_row = candidates.expand(ctx, out)
+        kept = ancestors.gather(1, parent_row[:, :, None].expand(-1, -1, ancestors.shape[-1]))
+        ancestors = torch.cat([kept, eye], dim=2)
+
+
 @torch.no_grad()
-def draft_eagle2_batch(
+def draft_eagle2(
     head: DraftHead,
     ctx: DraftContext,
     caches: list[HeadCache],
     features: list[torch.Tensor],
     next_tokens: list[torch.Tensor],
-    total_token: int,
-    depth: int,
-    top_k: int,
-    min_confidence: float = 0.0,
+    tree: TreeConfig,
 ) -> tuple[list[list[DraftTree]], list[HeadCache]]:
-    """EAGLE-2 dynamic trees of S sequences at once: expand the top_k best nodes per level, keep the
-    total_token-1 best candidates. Returns, per sequence, one tree per stacked head (`head.stacked`; one for a
-    plain head), and the sequences' new caches.
+    """EAGLE-2 dynamic trees, the one drafting entry: for each of S sequences and each stacked head
+    (`head.stacked`; one for a plain head) expand the top_k best nodes per level and keep the total_token-1 best
+    candidates (`tree`'s settings). Returns, per sequence, one tree per stacked head, and the sequences' new caches.
 
     One forward per tree level drafts every head of every sequence (rows n*S + s); selection, masks, positions
     and the trees' structure are built on the device, so without `min_confidence` the host reads one small
     tensor per call (which trees are chains). `features[s]` [m, d] are sequence s's target features of the
     newly committed positions ([m, k*d] fused layers for an EAGLE-3 head, whose deeper levels read its own
     outputs) and `next_tokens[s]` [m] the tokens that follow each of them; the last of these is the root.
-    `ctx` is the head's (`head_context`). `min_confidence` > 0 stops expanding a tree once its best frontier
+    `ctx` is the head's (`head_context`). `tree.min_confidence` > 0 stops expanding a tree once its best frontier
     node's cumulative probability falls below it: deeper nodes would be less likely still to be accepted
     (docs/algorithms.md#draft-confidence-stop); deciding to stop reads the frontier once per level.
     """
-    n_draft = total_token - 1
-    k = top_k
+    n_draft, k = tree.total_token - 1, tree.top_k
     # Every pass, even for a tree no wider than one level (n_draft <= k): a deep node can outscore a root child,
     # and EAGLE's topK_genrate keeps the n_draft best of all k + depth*k^2 candidates.
-    passes = depth
+    passes = tree.depth
     hidden, caches, roots = extend_batch(head, ctx, caches, features, next_tokens, reserve=passes * k)
     sequences, n = len(caches), head.stacked
     rows, dtype, device = n * sequences, hidden.dtype, hidden.device
@@ -560,25 +573,22 @@ def draft_eagle2_batch(
     lengths = torch.tensor([c.length for c in caches], device=device)
     mask = torch.zeros(rows, k, start + passes * k, dtype=torch.bool, device=device)
     mask[:, :, :start] = (torch.arange(start, device=device) < lengths[:, None]).repeat(n, 1)[:, None]
-    eye = torch.eye(k, dtype=torch.bool, device=device)
-    stop = ConfidenceStop(min_confidence, rows, device)
-    for level in range(passes):
-        if stop.all_stopped(candidates):
-            break
+
+    def forward(tokens: torch.Tensor, frontier: torch.Tensor, ancestors: torch.Tensor, level: int) -> torch.Tensor:
         end = start + (level + 1) * k
-        mask[:, :, end - k : end] = eye
-        out = head.step(
-            ctx.embed(candidates.frontier_tokens).to(dtype).reshape(n, sequences * k, -1),
-            candidates.frontier_hidden.reshape(n, sequences * k, -1),
+        mask[:, :, start:end] = ancestors
+        return head.step(
+            ctx.embed(tokens).to(dtype).reshape(n, sequences * k, -1),
+            frontier.reshape(n, sequences * k, -1),
             (lengths[:, None] + level).expand(-1, k).reshape(1, -1),  # broadcast over heads
             mask[:, None, :, :end],
             caches[0].slots.kv,
             end - k,
             sequences=sequences,
         ).reshape(rows, k, -1)
-        parent_row = candidates.expand(ctx, out)
-        mask[:, :, start:end] = mask[:, :, start:end].gather(1, parent_row[:, :, None].expand(-1, -1, end - start))
 
+    stop = ConfidenceStop(tree.min_confidence, rows, device)
+    expand_levels(ctx, candidates, passes, stop, forward)
     tokens, scores, parents, entropy = candidates.flat()
     nodes, node_parents, confidence, node_entropy = select_nodes(tokens, stop.scores(scores), parents, entropy,
                                                                  n_draft)
@@ -594,37 +604,3 @@ def draft_eagle2_batch(
     chains = [bool(c) for c in chains]
     trees = trees_from_rows(tokens, parents, confidence, node_entropy, sizes=sizes, chains=chains)
     return [trees[s::sequences] for s in range(sequences)], caches
-
-
-def draft_eagle2_trees(
-    head: DraftHead,
-    ctx: DraftContext,
-    cache: HeadCache,
-    features: torch.Tensor,
-    next_tokens: torch.Tensor,
-    total_token: int,
-    depth: int,
-    top_k: int,
-    min_confidence: float = 0.0,
-) -> tuple[list[DraftTree], HeadCache]:
-    """`draft_eagle2_batch` of one sequence: one tree per stacked head, and its cache."""
-    (trees,), (cache,) = draft_eagle2_batch(head, ctx, [cache], [features], [next_tokens], total_token, depth,
-                                            top_k, min_confidence)
-    return trees, cache
-
-
-def draft_eagle2(
-    head: DraftHead,
-    ctx: DraftContext,
-    cache: HeadCache,
-    features: torch.Tensor,
-    next_tokens: torch.Tensor,
-    total_token: int,
-    depth: int,
-    top_k: int,
-    min_confidence: float = 0.0,
-) -> tuple[DraftTree, HeadCache]:
-    """`draft_eagle2_trees` of one (unstacked) head: its tree and cache."""
-    (tree,), cache = draft_eagle2_trees(head, ctx, cache, features, next_tokens, total_token, depth, top_k,
-                                        min_confidence)
-    return tree, cache

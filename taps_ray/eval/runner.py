@@ -22,7 +22,8 @@ from taps_ray.models.target import Target
 from taps_ray.drafting.setup import load_proposers
 from taps_ray.decoding.generate import Generation, Verifier, run_loop
 from taps_ray.drafting.proposers import feature_layers
-from taps_ray.drafting.registry import AUTO_PREFIX, draft_reach
+from taps_ray.drafting.names import parse_proposer
+from taps_ray.drafting.registry import draft_reach
 from taps_ray.decoding.replay import GreedyTrace, record_traces, replay
 from taps_ray.decoding.target_batch import TargetBatch
 from taps_ray.decoding.verify import SamplingParams
@@ -38,7 +39,7 @@ def is_replayed(config: StudyConfig, cell: Cell) -> bool:
     speed baseline, and so do `auto-*` cells: the cost model decides from measured draft and verify times,
     which a replay does not have (drafting/cost.py)."""
     return (config.eval.replay and cell.temperature == 0 and cell.proposer != PLAIN
-            and not cell.proposer.startswith(AUTO_PREFIX))
+            and not parse_proposer(cell.proposer).auto)
 
 
 def cell_questions(config: StudyConfig, cell: Cell) -> int:

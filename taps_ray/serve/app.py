@@ -55,7 +55,8 @@ from taps_ray.decoding.continuous import ContinuousBatcher, Result, TokenLogprob
 from taps_ray.decoding.continuous import Request as BatchRequest
 from taps_ray.decoding.verify import MIN_TEMPERATURE, SamplingParams
 from taps_ray.drafting.proposers import feature_layers
-from taps_ray.drafting.registry import combination_names, single_names
+from taps_ray.drafting.names import UnknownProposer, parse_proposer
+from taps_ray.drafting.registry import combination, combination_names, single_names
 from taps_ray.drafting.setup import load_heads, load_proposers
 from taps_ray.models.target import load_target
 from taps_ray.ray_runtime import bind_replica_grpc_to_node, start_ray, start_serve
@@ -207,7 +208,14 @@ class TapsService:
         if name in self.proposers:
             return name
         known = ", ".join(self.model_names())
-        if name in self.cfg.train.mixtures or name in ("confidence-routed", "merged") or model in ALIASES:
+        unknown = f"unknown model {model!r}; choose one of: {known} (GET /v1/models)"
+        try:
+            spec = parse_proposer(name)
+        except UnknownProposer as error:  # e.g. averaged-w2: a weight outside [0, 1]
+            raise ApiError(404, f"{unknown}: {error}", "model", "model_not_found") from error
+        # a head or a combination of them that is not loaded: its heads are missing
+        drafts = spec.drafts_with_heads and (spec.base in self.cfg.train.mixtures or combination(spec.base) is not None)
+        if drafts or model in ALIASES:
             raise ApiError(
                 404,
                 f"model {model!r} is not loaded: this service found no trained {self.kind} heads for "
@@ -216,7 +224,7 @@ class TapsService:
                 "model",
                 "model_not_found",
             )
-        raise ApiError(404, f"unknown model {model!r}; choose one of: {known} (GET /v1/models)", "model", "model_not_found")
+        raise ApiError(404, unknown, "model", "model_not_found")
 
     # -- validation shared by both endpoints -----------------------------------------------------------------
 

@@ -311,8 +311,44 @@ def train_head(cfg: StudyConfig, kind: str, mixture_name: str, report: Report | 
         return _train_head(cfg, kind, mixture_name, report, target, progress, stop_after_epochs)
 
 
-def _train_head(cfg: StudyConfig, kind: str, mixture_name: str, report: Report | None, target: Target | None,
-                progress: bool, stop_after_epochs: int | None) -> Path:
+@dataclass
+class _Run:
+    """What one head's training works with, set up once (`_set_up`): its data, the frozen target, the head, its
+    optimizer and schedule, and the run state that every checkpoint saves (`state.json`)."""
+
+    cfg: StudyConfig
+    kind: str
+    mixture: str
+    folder: Path
+    features: FeatureSet
+    device: torch.device
+    train_ex: list[Entry]
+    held_ex: list[Entry]
+    frozen: FrozenTarget
+    settings: LossSettings
+    eval_passes: int
+    plan: Plan
+    fingerprint: str
+    head: DraftHead
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    state: dict
+
+
+@dataclass
+class _EpochTotals:
+    """One epoch's training sums: loss terms weighted by their masked tokens, tokens trained, wall and CPU time."""
+
+    sums: dict[str, float]
+    weight: float
+    tokens: int
+    seconds: float
+    cpu_seconds: float
+
+
+def _set_up(cfg: StudyConfig, kind: str, mixture_name: str, target: Target | None, progress: bool) -> _Run:
+    """Threads, features, the split, the draft vocabulary, the frozen target, a fresh head, its optimizer and
+    schedule, and the state of a run that has trained nothing yet."""
     threads = configure_threads()
     pin_mmap_threshold()  # freed feature windows go back to the OS: the peak stays flat in corpus size
     t = cfg.train
@@ -327,7 +363,6 @@ def _train_head(cfg: StudyConfig, kind: str, mixture_name: str, report: Report |
     vocab = draft_vocabulary(cfg, target.tokenizer, target.stop_token_ids)
     frozen = FrozenTarget.from_model(target.model, torch.float32, vocab)
     settings = LossSettings.for_kind(kind, t, cfg.tree.depth)
-    eval_passes = max(1, t.hca_passes)
     plan = plan_budget(train_ex, cfg)
     folder = head_dir(cfg, kind, mixture_name)
     folder.mkdir(parents=True, exist_ok=True)
@@ -349,89 +384,121 @@ def _train_head(cfg: StudyConfig, kind: str, mixture_name: str, report: Report |
         "feature_stats": {k: v for k, v in features.stats.items() if k != "reused"}, "history": [],
         "threads": threads, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
     }
-    resumed = latest_checkpoint(folder, fingerprint)
-    if resumed is not None:
-        path, saved = resumed
-        head.load_trainable(DraftHead.load(path).trainable_state())
-        opt = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=False)  # loading moves it to the head
-        optimizer.load_state_dict(opt["optimizer"])
-        scheduler.load_state_dict(opt["scheduler"])
-        state = saved
-        log.info("%s: resuming after epoch %d", folder.name, state["epoch"])
-    if state["epoch"] >= plan.epochs:
-        final = folder / FINAL
-        if not (final / "model.safetensors").is_file() or json.loads((final / METRICS_FILE).read_text()).get(
-                "fingerprint") != fingerprint:
-            final = write_final(folder, epoch_checkpoint(folder, state['epoch']), state)
-        return final
+    return _Run(cfg, kind, mixture_name, folder, features, target.device, train_ex, held_ex, frozen, settings,
+                max(1, t.hca_passes), plan, fingerprint, head, optimizer, scheduler, state)
 
-    head.train()
-    bar = tqdm(total=plan.steps, initial=state["step"], desc=f"train {kind}-{mixture_name}", unit="step",
+
+def _resume(run: _Run) -> None:
+    """Continue from the newest complete epoch of a run with the same fingerprint, if there is one: its head
+    weights, optimizer and schedule, and its state."""
+    resumed = latest_checkpoint(run.folder, run.fingerprint)
+    if resumed is None:
+        return
+    path, saved = resumed
+    run.head.load_trainable(DraftHead.load(path).trainable_state())
+    opt = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=False)  # loading moves it to the head
+    run.optimizer.load_state_dict(opt["optimizer"])
+    run.scheduler.load_state_dict(opt["scheduler"])
+    run.state = saved
+    log.info("%s: resuming after epoch %d", run.folder.name, run.state["epoch"])
+
+
+def _finished(run: _Run) -> Path:
+    """The `final` checkpoint of a run that has trained every planned epoch, written when missing or stale."""
+    final = run.folder / FINAL
+    if not (final / "model.safetensors").is_file() or json.loads((final / METRICS_FILE).read_text()).get(
+            "fingerprint") != run.fingerprint:
+        final = write_final(run.folder, epoch_checkpoint(run.folder, run.state['epoch']), run.state)
+    return final
+
+
+def _train_epoch(run: _Run, epoch: int, bar: tqdm) -> _EpochTotals:
+    """One epoch of optimizer steps over the epoch's seeded batch order (so a resumed run replays it)."""
+    t = run.cfg.train
+    generator = torch.Generator(device=run.device).manual_seed(t.seed * 100003 + epoch)
+    windows = epoch_batches(run.train_ex, t.batch_size, t.seed, epoch, t.shuffle_shards)
+    sums: dict[str, float] = {}
+    weight, epoch_tokens, start, cpu_start = 0.0, 0, time.perf_counter(), time.process_time()
+    for batch in stream_batches(run.features, windows, run.plan.steps_per_epoch[epoch - 1]):
+        run.optimizer.zero_grad(set_to_none=True)
+        result = run_passes(run.head, batch, run.frozen, run.settings, backward=True, generator=generator)
+        torch.nn.utils.clip_grad_value_(run.head.parameters(), t.grad_clip_value)
+        run.optimizer.step()
+        run.scheduler.step()
+        for name, value in result.terms.items():
+            sums[name] = sums.get(name, 0.0) + value * result.mask_tokens
+        weight += result.mask_tokens
+        epoch_tokens += batch.tokens
+        run.state["step"] += 1
+        elapsed = time.perf_counter() - start
+        bar.update(1)
+        bar.set_postfix(loss=f"{result.terms['loss0']:.3f}", acc=f"{result.terms['acc']:.3f}",
+                        tok_s=f"{epoch_tokens / max(elapsed, 1e-9):.0f}")
+    return _EpochTotals(sums, weight, epoch_tokens, time.perf_counter() - start, time.process_time() - cpu_start)
+
+
+def _epoch_metrics(run: _Run, epoch: int, totals: _EpochTotals) -> dict:
+    """Count the epoch into the run state, evaluate on the held-out split and return the epoch's metrics row."""
+    t, state = run.cfg.train, run.state
+    seconds, cpu_seconds, epoch_tokens, weight = totals.seconds, totals.cpu_seconds, totals.tokens, totals.weight
+    state["tokens"] += epoch_tokens
+    state["train_seconds"] += seconds
+    state["train_cpu_seconds"] = state.get("train_cpu_seconds", 0.0) + cpu_seconds
+    eval_start = time.perf_counter()
+    held_batches = stream_batches(run.features, heldout_batches(run.held_ex, t.eval_batch_size, t.shuffle_shards))
+    held = evaluate(run.head, held_batches, run.frozen, run.settings, passes=run.eval_passes) if run.held_ex else {}
+    return {
+        "epoch": epoch,
+        "step": state["step"],
+        "tokens": state["tokens"],
+        "epoch_tokens": epoch_tokens,
+        "epoch_seconds": round(seconds, 3),
+        "tokens_per_s": round(epoch_tokens / max(seconds, 1e-9), 1),
+        "epoch_cpu_seconds": round(cpu_seconds, 3),
+        "tokens_per_cpu_s": round(epoch_tokens / max(cpu_seconds, 1e-9), 1),
+        "lr": run.scheduler.get_last_lr()[0],
+        "train_loss": totals.sums.get("loss0", 0.0) / max(weight, 1e-9),
+        "train_acc": totals.sums.get("acc", 0.0) / max(weight, 1e-9),
+        # the EAGLE loss (regression + soft CE), comparable across head kinds; HASS adds its top-K term
+        "heldout_loss": (t.reg_weight * held.get("reg", 0.0) + t.cls_weight * held["cls"]) if held else None,
+        "heldout_topk": held.get("topk"),
+        "heldout_acc": held.get("acc"),
+        **{f"heldout_acc_{j}": held.get(f"acc_{j}") for j in range(run.eval_passes)},
+        "heldout_tokens": held.get("scored_tokens"),
+        "eval_seconds": round(time.perf_counter() - eval_start, 3),
+        "load_average": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
+    }
+
+
+def _train_head(cfg: StudyConfig, kind: str, mixture_name: str, report: Report | None, target: Target | None,
+                progress: bool, stop_after_epochs: int | None) -> Path:
+    """Set up, resume, train the remaining epochs (a checkpoint and a metrics row each), then write `final`."""
+    run = _set_up(cfg, kind, mixture_name, target, progress)
+    _resume(run)
+    if run.state["epoch"] >= run.plan.epochs:
+        return _finished(run)
+
+    run.head.train()
+    bar = tqdm(total=run.plan.steps, initial=run.state["step"], desc=f"train {kind}-{mixture_name}", unit="step",
                disable=not progress)
     epochs_this_call = 0
     last_dir = None
     try:
-        for epoch in range(state["epoch"] + 1, plan.epochs + 1):
-            generator = torch.Generator(device=target.device).manual_seed(t.seed * 100003 + epoch)
-            windows = epoch_batches(train_ex, t.batch_size, t.seed, epoch, t.shuffle_shards)
-            sums: dict[str, float] = {}
-            weight, epoch_tokens, start, cpu_start = 0.0, 0, time.perf_counter(), time.process_time()
-            for batch in stream_batches(features, windows, plan.steps_per_epoch[epoch - 1]):
-                optimizer.zero_grad(set_to_none=True)
-                result = run_passes(head, batch, frozen, settings, backward=True, generator=generator)
-                torch.nn.utils.clip_grad_value_(head.parameters(), t.grad_clip_value)
-                optimizer.step()
-                scheduler.step()
-                for name, value in result.terms.items():
-                    sums[name] = sums.get(name, 0.0) + value * result.mask_tokens
-                weight += result.mask_tokens
-                epoch_tokens += batch.tokens
-                state["step"] += 1
-                elapsed = time.perf_counter() - start
-                bar.update(1)
-                bar.set_postfix(loss=f"{result.terms['loss0']:.3f}", acc=f"{result.terms['acc']:.3f}",
-                                tok_s=f"{epoch_tokens / max(elapsed, 1e-9):.0f}")
-            seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
-            state["tokens"] += epoch_tokens
-            state["train_seconds"] += seconds
-            state["train_cpu_seconds"] = state.get("train_cpu_seconds", 0.0) + cpu_seconds
-            eval_start = time.perf_counter()
-            held_batches = stream_batches(features, heldout_batches(held_ex, t.eval_batch_size, t.shuffle_shards))
-            held = evaluate(head, held_batches, frozen, settings, passes=eval_passes) if held_ex else {}
-            metrics = {
-                "epoch": epoch,
-                "step": state["step"],
-                "tokens": state["tokens"],
-                "epoch_tokens": epoch_tokens,
-                "epoch_seconds": round(seconds, 3),
-                "tokens_per_s": round(epoch_tokens / max(seconds, 1e-9), 1),
-                "epoch_cpu_seconds": round(cpu_seconds, 3),
-                "tokens_per_cpu_s": round(epoch_tokens / max(cpu_seconds, 1e-9), 1),
-                "lr": scheduler.get_last_lr()[0],
-                "train_loss": sums.get("loss0", 0.0) / max(weight, 1e-9),
-                "train_acc": sums.get("acc", 0.0) / max(weight, 1e-9),
-                # the EAGLE loss (regression + soft CE), comparable across head kinds; HASS adds its top-K term
-                "heldout_loss": (t.reg_weight * held.get("reg", 0.0) + t.cls_weight * held["cls"]) if held else None,
-                "heldout_topk": held.get("topk"),
-                "heldout_acc": held.get("acc"),
-                **{f"heldout_acc_{j}": held.get(f"acc_{j}") for j in range(eval_passes)},
-                "heldout_tokens": held.get("scored_tokens"),
-                "eval_seconds": round(time.perf_counter() - eval_start, 3),
-                "load_average": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
-            }
-            state["epoch"] = epoch
-            state["history"].append(metrics)
-            last_dir = save_epoch(folder, epoch, head, optimizer, scheduler, state)
-            log.info("%s epoch %d: %s", folder.name, epoch, json.dumps(metrics))
+        for epoch in range(run.state["epoch"] + 1, run.plan.epochs + 1):
+            metrics = _epoch_metrics(run, epoch, _train_epoch(run, epoch, bar))
+            run.state["epoch"] = epoch
+            run.state["history"].append(metrics)
+            last_dir = save_epoch(run.folder, epoch, run.head, run.optimizer, run.scheduler, run.state)
+            log.info("%s epoch %d: %s", run.folder.name, epoch, json.dumps(metrics))
             if report is not None:
                 report({**metrics, "kind": kind, "mixture": mixture_name, "checkpoint": str(last_dir)})
             epochs_this_call += 1
-            if stop_after_epochs is not None and epochs_this_call >= stop_after_epochs and epoch < plan.epochs:
+            if stop_after_epochs is not None and epochs_this_call >= stop_after_epochs and epoch < run.plan.epochs:
                 return last_dir
     finally:
         bar.close()
     assert last_dir is not None
-    return write_final(folder, last_dir, state)
+    return write_final(run.folder, last_dir, run.state)
 
 
 def load_final_metrics(head_path: str | Path) -> dict:
