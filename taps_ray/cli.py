@@ -139,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "plain, n-gram and our exported head of --vllm-head-kind (docs/export.md)")
     bench.add_argument("--vllm-head-kind", choices=HEAD_KINDS, help="the head vLLM drafts with (default eagle3)")
     bench.add_argument("--vllm-preload", nargs="+", choices=("on", "off"),
-                       help="vLLM with tcmalloc + libiomp preloaded (on), without (off), or both (default: on)")
+                       help="vLLM with tcmalloc + libiomp5 preloaded (on), without (off), or both, the first "
+                       "mode's rows unsuffixed (default: off; reports/vllm_preload.md)")
     bench.add_argument("--vllm-eager", action="store_true", help="vLLM without torch.compile (faster start)")
 
     interop = commands.add_parser("interop", help="serve our exported heads in vLLM's CPU build and check outputs and "
@@ -151,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     interop.add_argument("--max-new-tokens", type=int, default=64)
     interop.add_argument("--k", type=int, default=3, help="num_speculative_tokens (our chain: k+1 nodes, depth k)")
     interop.add_argument("--vllm-venv", default=None, help="vLLM's side venv (default $TAPS_VLLM_VENV or .venv-vllm)")
+    interop.add_argument("--vllm-preload", action="store_true",
+                         help="preload tcmalloc + libiomp5 into vLLM, as its CPU notes suggest (default off)")
     interop.add_argument("--name", default="interop", help="writes <reports_dir>/<name>.md")
     return parser
 
@@ -296,7 +299,8 @@ def _interop(args: argparse.Namespace) -> int:
     turns = [text for _, text in first_turns([options.benchmark], options.prompts, [], 0, config.resolved_data_dir())]
     command = "taps " + " ".join(sys.argv[1:]) if sys.argv[1:] else "taps interop --config configs/interop.yaml"
     # eager: the check compares outputs and acceptance, and each of its vLLM processes then starts in a minute
-    return cmd_interop(config, options, side_vllm(args.vllm_venv, enforce_eager=True), command, turns)
+    side = side_vllm(args.vllm_venv, preload=args.vllm_preload, enforce_eager=True)
+    return cmd_interop(config, options, side, command, turns)
 
 
 HANDLERS: dict[str, Handler] = {

@@ -146,6 +146,10 @@ class TrainConfig(_Strict):
     ttt_steps: int | None = Field(None, ge=1, description="EAGLE-3 training-time-test steps (the head unrolled on "
                                   "its own outputs); None: tree.depth + 1, so every level a tree drafts is trained "
                                   "on the head's own outputs (the reference runs 7)")
+    ttt_outside_vocab: Literal["keep", "mask"] = Field(
+        "keep", description="EAGLE-3 positions whose target argmax (the stored top-1) lies outside the draft "
+        "vocabulary: keep trains them on the target's distribution renormalised on the draft vocabulary; mask drops "
+        "them from the loss, as SafeAILab's EAGLE-3 does (docs/algorithms.md#eagle-3-heads)")
     heldout_fraction: float = Field(0.05, gt=0, lt=0.5)
     seed: int = 0
     mask_alignment: Literal["predicted", "ref"] = Field(

@@ -253,3 +253,48 @@ def test_the_training_time_test_runs_its_own_step_count(tiny_config):
     assert run_fingerprint(with_steps(3), "eagle3", features) != run_fingerprint(with_steps(None), "eagle3", features)
     assert run_fingerprint(with_steps(None), "eagle3", features) == run_fingerprint(with_steps(5), "eagle3", features)
     assert run_fingerprint(with_steps(7), "eagle2", features) == run_fingerprint(with_steps(None), "eagle2", features)
+
+
+def test_ttt_outside_vocab_mask_drops_positions_whose_target_top1_cannot_be_drafted(tiny_target, tiny_config):
+    """train.ttt_outside_vocab: mask (the reference's choice) scores a training-time-test step only where the
+    target's stored top-1 lies in the draft vocabulary: with one step it equals `keep` on a batch whose loss mask
+    drops exactly those positions; without a draft vocabulary it changes nothing; only masked heads change key."""
+    from types import SimpleNamespace
+
+    from taps_ray.training.trainer import run_fingerprint
+
+    vocab = _vocab(tiny_target)
+    head = _eagle3(tiny_target, seed=8, vocab=vocab)
+    batch = _batch(tiny_target, ["Let us add 3 and 4 to get 7.", "Hello! How can I help you today?"],
+                   head.config.feature_layers)
+    with torch.no_grad():  # the target's top-K of the next token, as stored features hold them
+        top = torch.topk(torch.softmax(tiny_target.model.lm_head(batch.hidden), -1), 4)
+    batch.topk_probs, batch.topk_ids = top.values, top.indices
+    outside = ~torch.isin(batch.topk_ids[..., 0], vocab)
+    # shifted position t predicts x_{t+2} from the top-K stored at t+1; its (predicted-aligned) mask is m[t+2]
+    masked_by_hand = batch.loss_mask.clone()
+    masked_by_hand[:, 1:] *= (~outside[:, :-1]).float()
+    assert 0 < int((masked_by_hand != batch.loss_mask).sum()) < int(batch.loss_mask.sum()) - 4
+    frozen = FrozenTarget.from_model(tiny_target.model, vocab=vocab)
+    keep, mask = (LossSettings.for_kind("eagle3", TrainConfig(ttt_steps=3, ttt_outside_vocab=choice), tree_depth=4)
+                  for choice in ("keep", "mask"))
+    assert mask.mask_outside_vocab and not keep.mask_outside_vocab
+    by_hand = Batch(batch.input_ids, masked_by_hand, batch.hidden, batch.lengths, batch.topk_probs, batch.topk_ids,
+                    batch.aux)
+    with torch.no_grad():
+        one = run_passes(head, batch, frozen, mask, backward=False, passes=1).loss
+        assert one == pytest.approx(run_passes(head, by_hand, frozen, keep, backward=False, passes=1).loss, rel=1e-5)
+        assert run_passes(head, batch, frozen, mask, backward=False).loss != pytest.approx(
+            run_passes(head, batch, frozen, keep, backward=False).loss, rel=1e-4)
+        full, whole = FrozenTarget.from_model(tiny_target.model), _eagle3(tiny_target, seed=8)
+        assert run_passes(whole, batch, full, mask, backward=False).loss == run_passes(
+            whole, batch, full, keep, backward=False).loss
+    features = SimpleNamespace(key="math-0")
+
+    def with_choice(choice):
+        return tiny_config.model_copy(update={"train": tiny_config.train.model_copy(
+            update={"ttt_outside_vocab": choice})})
+
+    assert run_fingerprint(with_choice("keep"), "eagle3", features) == run_fingerprint(tiny_config, "eagle3", features)
+    assert run_fingerprint(with_choice("mask"), "eagle3", features) != run_fingerprint(tiny_config, "eagle3", features)
+    assert run_fingerprint(with_choice("mask"), "eagle2", features) == run_fingerprint(tiny_config, "eagle2", features)

@@ -56,6 +56,19 @@ def test_a_missing_side_venv_names_the_make_target(tmp_path):
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["OMP_NUM_THREADS"] == "2" and "PYTHONPATH" not in env
 
 
+def test_preload_puts_the_present_libraries_in_ld_preload_and_off_clears_the_callers(tmp_path, monkeypatch):
+    """vLLM's CPU notes ask for tcmalloc and libiomp5 in LD_PRELOAD: with `preload` the side venv's libiomp5
+    (and tcmalloc, where installed) are preloaded; without it no LD_PRELOAD reaches vLLM, not even the caller's."""
+    monkeypatch.setenv("LD_PRELOAD", "/elsewhere/libfoo.so")
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
+    on, off = SideVllm(venv=tmp_path, preload=True), SideVllm(venv=tmp_path, preload=False)
+    assert tmp_path / "lib" / "libiomp5.so" in on.preloaded()
+    assert on.environment()["LD_PRELOAD"].split(":") == [str(p) for p in on.preloaded()]
+    assert off.preloaded() == [] and "LD_PRELOAD" not in off.environment()
+    assert "libiomp5.so" in on.describe() and "LD_PRELOAD nothing" in off.describe()
+
+
 @pytest.mark.slow
 def test_vllm_serves_our_exported_eagle_head_with_our_output_and_acceptance(tiny_config, tmp_path):
     """vLLM-CPU (the side venv) with an EAGLE head fitted to the target's own answers and exported for vLLM: the

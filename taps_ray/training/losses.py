@@ -201,6 +201,7 @@ class LossSettings:
     noise_std: float = 0.2
     mask_alignment: MaskAlignment = "predicted"
     autocast: torch.dtype | None = None  # forward passes under autocast to this dtype (train.precision)
+    mask_outside_vocab: bool = False  # EAGLE-3: drop positions whose target top-1 cannot be drafted (train.ttt_outside_vocab)
 
     def precision(self, device: torch.device) -> torch.autocast:
         """The autocast context of the forward passes; gradients flow back into the fp32 weights."""
@@ -217,7 +218,8 @@ class LossSettings:
         if kind == "eagle3":
             steps = getattr(train, "ttt_steps", None) or (tree_depth + 1 if tree_depth else train.hca_passes)
             return cls(reg_weight=0.0, cls_weight=1.0, topk_weight=0.0, passes=steps, noise_std=0.0,
-                       mask_alignment=alignment, autocast=autocast)
+                       mask_alignment=alignment, autocast=autocast,
+                       mask_outside_vocab=getattr(train, "ttt_outside_vocab", "keep") == "mask")
         return cls(
             reg_weight=train.reg_weight,
             cls_weight=train.cls_weight,
@@ -374,6 +376,15 @@ def ttt_steps(head: DraftHead, frozen: FrozenTarget, shifted: Shifted, aux: torc
         yield j, step, hidden
 
 
+def draftable_top1(shifted: Shifted, frozen: FrozenTarget, j: int) -> torch.Tensor:
+    """[B,T] 1 where the target's top-1 for the token training-time-test step j predicts (x_{t+2+j}; the stored
+    top-1, at the features' precision) lies in the draft vocabulary, else 0: the reference's mask (SafeAILab/EAGLE
+    traineagle3), which trains a head only where drafting could propose the target's choice."""
+    if shifted.topk_ids is None:
+        raise ValueError("train.ttt_outside_vocab: mask needs the stored target top-K ids in the batch")
+    return (frozen.draft_index(_ahead(shifted.topk_ids[..., 0], j)) >= 0).to(shifted.mask.dtype)
+
+
 def run_ttt(head: DraftHead, batch: Batch, frozen: FrozenTarget, settings: LossSettings, *, backward: bool,
             passes: int | None = None) -> StepResult:
     """EAGLE-3 training on one batch: Σ_j 0.8^j · soft CE of `ttt_steps` step j through the head's own LM head
@@ -387,6 +398,8 @@ def run_ttt(head: DraftHead, batch: Batch, frozen: FrozenTarget, settings: LossS
     out: dict[str, float] = {}
     with settings.precision(weight.device):
         for j, step, hidden in ttt_steps(head, frozen, shifted, batch.aux.to(dtype), passes or settings.passes):
+            if settings.mask_outside_vocab:
+                step = replace(step, mask=step.mask * draftable_top1(shifted, frozen, j))
             dist = TargetDistribution.build(step, frozen)
             log_q = torch.log_softmax(head.token_logits(hidden[dist.index]).float(), dim=-1)
             terms = token_terms(log_q, dist)

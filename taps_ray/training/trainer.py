@@ -240,12 +240,14 @@ def evaluate(head: DraftHead, batches: Iterable[Batch], frozen: FrozenTarget, se
 # --- checkpoints -----------------------------------------------------------------------------------------------
 
 def run_fingerprint(cfg: StudyConfig, kind: str, features: FeatureSet) -> str:
-    train = cfg.train.model_dump(exclude={"kinds", "mixtures", "ttt_steps"})
+    train = cfg.train.model_dump(exclude={"kinds", "mixtures", "ttt_steps", "ttt_outside_vocab"})
     steps = LossSettings.for_kind(kind, cfg.train, cfg.tree.depth).passes
     if kind == "eagle3" and steps != cfg.train.hca_passes:
         # Only EAGLE-3 heads unroll a training-time test; one of hca_passes steps is what heads trained before
         # ttt_steps existed ran, so they keep their fingerprints (and the other kinds always do).
         train["ttt_steps"] = steps
+    if kind == "eagle3" and cfg.train.ttt_outside_vocab != "keep":  # likewise: heads that keep them keep their key
+        train["ttt_outside_vocab"] = cfg.train.ttt_outside_vocab
     data = {"kind": kind, "features": features.key, "train": train, "draft_vocab_size": cfg.tree.draft_vocab_size}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
