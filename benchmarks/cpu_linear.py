@@ -58,8 +58,9 @@ def main() -> int:
     lines = ["# Matmul kernels at decoding sizes", "",
              f"`python benchmarks/cpu_linear.py{' --out ' + args.out if args.out else ''}`. {cpu_line()}; "
              f"torch {torch.__version__}, {args.threads} threads. `F.linear`: the weight as transformers stores it "
-             "([out, in]); `taps`: `models.cpu_linear.Projection` (fp32: one row over an [in, out] copy, several "
-             "rows through oneDNN's reordered weight; bf16: oneDNN's at every size). Median µs per call of "
+             "([out, in]); `taps`: `models.cpu_linear.Projection` (fp32: one row over an [in, out] layout for a "
+             "widening projection, transformers' for a narrowing one, several rows through oneDNN's reordered "
+             "weight; bf16: oneDNN's at every size). Median µs per call of "
              "alternating rounds; `diff`: max abs difference from `F.linear`'s output.", "",
              "| dtype | rows | projection [out×in] | F.linear µs | taps µs | speedup | diff |",
              "|---|---:|---|---:|---:|---:|---:|"]

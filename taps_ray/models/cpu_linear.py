@@ -2,13 +2,15 @@
 
 Why: at decoding sizes a CPU forward is the weights' matmuls (a 135M target at batch 1 spends ~80% of a token in
 `aten::mm`), and which kernel torch picks depends on the weight's layout, not only on the shapes:
-* one row (plain decoding, M = 1): `x @ W^T` with W stored as [in, out] (W^T contiguous) runs ~1.3-1.8x faster
-  than `F.linear(x, W)` over W stored [out, in], on the wide projections and the LM head most;
+* fp32, one row (plain decoding): `x @ W^T` with W stored as [in, out] (W^T contiguous) runs faster than
+  `F.linear(x, W)` over W stored [out, in] for a widening projection (gate/up ~1.2x, the LM head ~1.75x on an AMD
+  EPYC), not for a narrowing one (down ~0.9x), which keeps transformers' layout;
 * several rows (tree verification, prefill) and every bf16/fp16 matmul: oneDNN's linear over a weight reordered
   once into its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's CPU freezing pass
-  uses) runs ~1.2-2.5x faster than `F.linear`, in bf16 even at one row (on CPUs without AMX, torch's plain bf16
-  matmul is slower than its fp32 one).
-Measured with `benchmarks/cpu_linear.py`; reports/plain_decode.md has the effect on decoding. The reordered
+  uses) runs up to ~2.7x faster than `F.linear` (fp32 LM head at 4 rows; bf16 ~1.2-2x at 1-16 rows: without AMX
+  torch's plain bf16 matmul is slower than its fp32 one).
+Measured with `benchmarks/cpu_linear.py` (reports/cpu_linear.md); reports/plain_decode.md and
+reports/forward_width.md have the effect on decoding. The reordered
 weight is a second copy (oneDNN's layout is opaque); the [in, out] layout is not: the HF model's fp32 parameters
 become views of it, so transformers' forward computes with the same storage (and gets the faster one-row path
 too). On a GPU, or where torch lacks oneDNN, a projection is `F.linear` over the weight as it is.
@@ -42,8 +44,11 @@ class Projection:
         self.cpu = first.device.type == "cpu"
         self.in_features = first.shape[1]
         self.out_features = sum(weight.shape[0] for weight in self._sources)
-        # fp32 on a CPU: store [in, out] (the fast one-row layout); otherwise [out, in] as transformers does
-        self.columns = self.cpu and first.dtype == torch.float32
+        # fp32 on a CPU, a widening projection (q/k/v, gate/up, an LM head): store [in, out], the fast one-row
+        # layout; otherwise [out, in] as transformers does (a narrowing one, o and down, is no faster as [in, out])
+        fp32 = first.dtype == torch.float32
+        self.columns = self.cpu and fp32 and self.out_features > self.in_features
+        self._pack_one_row = not fp32  # fp32 one row: oneDNN is slower than either plain layout
         self.shared = False
         self._lay_out()
 
@@ -104,7 +109,7 @@ class Projection:
         if x.dtype != self.weight.dtype:
             x = x.to(self.weight.dtype)
         rows = x.numel() // self.in_features
-        if self.packed is not None and (rows > 1 or not self.columns):
+        if self.packed is not None and (rows > 1 or self._pack_one_row):
             flat = x.reshape(rows, self.in_features)
             out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
             return out.view(*x.shape[:-1], self.out_features)
