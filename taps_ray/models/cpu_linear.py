@@ -29,6 +29,14 @@ def _onednn_available() -> bool:
     return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def _version(tensor: torch.Tensor) -> int:
+    """The tensor's in-place version counter; inference-mode tensors keep none (-1: treated as never changed)."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return -1
+
+
 class Projection:
     """y = x Wᵀ + b over weights [out_i, in] of the same input, side by side (fused q/k/v, gate/up, an LM head).
 
@@ -97,7 +105,7 @@ class Projection:
         return state
 
     def _source_versions(self) -> tuple[int, ...]:
-        return tuple(t._version for t in (*self._sources, *self._source_biases) if t is not None)
+        return tuple(_version(t) for t in (*self._sources, *self._source_biases) if t is not None)
 
     def row_weight(self) -> torch.Tensor:
         """The weight as [out, in] (a view in the fp32 CPU layout): what `F.linear` and the checks read."""
