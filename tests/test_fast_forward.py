@@ -13,11 +13,13 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 
 from taps_ray.decoding.target_batch import TargetBatch
 from taps_ray.decoding.verify import SamplingParams
 from taps_ray.drafting.tree import build_tree
+from taps_ray.models.cpu_linear import DecodingLinear
 from taps_ray.models.fast_llama import FastLlama
 from taps_ray.models.hf_forward import HFForward
 from taps_ray.models.kv_cache import GROWTH, KVCache
@@ -145,6 +147,19 @@ def test_in_place_weight_changes_reach_the_fast_forward_and_its_packed_copies():
     attach_forward(rebuilt, "fast")
     for got, want in zip(_verify(model), _verify(rebuilt), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_decoding_linear_follows_its_module_when_cast_after_first_use():
+    """`module.to(dtype)` swaps a parameter's data under the same object without bumping its version: the laid-out
+    copy a `DecodingLinear` made on first use must follow (a head drafts in fp32, is cast to bf16, drafts again)."""
+    linear = DecodingLinear(16, 32, bias=True)
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(linear(x), F.linear(x, linear.weight, linear.bias))
+        linear.to(torch.bfloat16)
+        out = linear(x.bfloat16())
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out, F.linear(x.bfloat16(), linear.weight, linear.bias), rtol=1e-2, atol=1e-2)
 
 
 def test_casting_the_model_after_building_is_refused_not_silently_diverging():

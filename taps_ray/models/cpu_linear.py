@@ -104,16 +104,21 @@ class Projection:
         state["packed"], state["_versions"] = None, None
         return state
 
-    def _source_versions(self) -> tuple[int, ...]:
-        return tuple(_version(t) for t in (*self._sources, *self._source_biases) if t is not None)
+    def _source_versions(self) -> tuple[tuple[int, int], ...]:
+        """Each source's in-place version and storage: `module.to(...)` swaps a parameter's data under the same
+        object without bumping its version, which the storage pointer sees."""
+        return tuple((_version(t), t.data_ptr()) for t in (*self._sources, *self._source_biases) if t is not None)
 
     def row_weight(self) -> torch.Tensor:
         """The weight as [out, in] (a view in the fp32 CPU layout): what `F.linear` and the checks read."""
         return self.weight.t() if self.columns else self.weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._source_versions() != self._versions:  # the sources changed in place since the copies were made
-            self._pack() if self.shared else self._lay_out()  # shared storage already holds the change
+        if self._source_versions() != self._versions:  # the sources changed since the copies were made
+            if self.shared and self._versions is not None and self._source_versions()[0][1] != self.weight.data_ptr():
+                raise RuntimeError("the weights were cast or moved after their projection was built; build it "
+                                   "again (models.target_forward.attach_forward for a target)")
+            self._pack() if self.shared else self._lay_out()  # shared storage already holds an in-place change
         if x.dtype != self.weight.dtype:
             x = x.to(self.weight.dtype)
         rows = x.numel() // self.in_features
