@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from taps_ray.config import TreeConfig
-from taps_ray.models.cpu_linear import Projection, lm_head_projection
+from taps_ray.models.cpu_linear import Projection, module_projection
 from taps_ray.models.draft_head import DraftHead, KVCache
 
 
@@ -227,7 +227,7 @@ class DraftContext:
         # the LM head laid out for the device's fastest matmul (models/cpu_linear.py); the whole-vocabulary one is
         # shared with the target's forward and every drafter of the same target
         if self.vocab is None or self.norm is not None:
-            self._projection = lm_head_projection(self.lm_head)
+            self._projection = module_projection(self.lm_head)
         else:
             self._projection = vocab_projection(self.lm_head, self.vocab)
         if self.vocab is not None:

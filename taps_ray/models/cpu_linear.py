@@ -115,6 +115,8 @@ class Projection:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._source_versions() != self._versions:  # the sources changed since the copies were made
+            # shared storage that a `model.to(...)` replaced: the HF modules and this projection would silently
+            # compute different models
             if self.shared and self._versions is not None and self._source_versions()[0][1] != self.weight.data_ptr():
                 raise RuntimeError("the weights were cast or moved after their projection was built; build it "
                                    "again (models.target_forward.attach_forward for a target)")
@@ -135,27 +137,23 @@ class Projection:
 _CACHED = "taps_projection"
 
 
-def lm_head_projection(lm_head: nn.Module) -> Projection:
-    """The projection of an LM head module, made once and kept on the module, so the target's forward and every
-    drafter that drafts with the same LM head share one laid-out copy. A copy, not views: a head tied to the token
-    embeddings must keep its [vocab, d] rows for lookups."""
-    projection = getattr(lm_head, _CACHED, None)
-    if projection is None or projection._sources[0] is not lm_head.weight:  # new, or the module was cast or moved
-        projection = Projection([lm_head.weight], [getattr(lm_head, "bias", None)])
-        object.__setattr__(lm_head, _CACHED, projection)  # a plain attribute: not a submodule, not in the state dict
+def module_projection(linear: nn.Module) -> Projection:
+    """The projection of a linear module's weight (an LM head, a draft head's layer), made once and kept on the
+    module, so the target's forward and every drafter that drafts with the same LM head share one laid-out copy.
+    A copy, not views: a head tied to the token embeddings must keep its [vocab, d] rows for lookups."""
+    projection = linear.__dict__.get(_CACHED)
+    if projection is None or projection._sources[0] is not linear.weight:  # new, or the parameter was replaced
+        projection = Projection([linear.weight], [getattr(linear, "bias", None)])
+        object.__setattr__(linear, _CACHED, projection)  # a plain attribute: not a submodule, not in the state dict
     return projection
 
 
 class DecodingLinear(nn.Linear):
-    """`nn.Linear` that, outside autograd, multiplies through a `Projection` of its weight (made on first use,
-    re-made when the weight changes): a draft head trains as any module and drafts with the fast kernels. Its
-    parameters and state dict are nn.Linear's."""
+    """`nn.Linear` that, outside autograd, multiplies through its `module_projection` (made on first use, re-made
+    when the weight changes): a draft head trains as any module and drafts with the fast kernels. Its parameters
+    and state dict are nn.Linear's."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() or x.device.type != "cpu":
             return super().forward(x)
-        projection = self.__dict__.get(_CACHED)
-        if projection is None or projection._sources[0] is not self.weight:
-            projection = Projection([self.weight], [self.bias])
-            self.__dict__[_CACHED] = projection
-        return projection(x)
+        return module_projection(self)(x)

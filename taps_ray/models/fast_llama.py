@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from taps_ray.models.cpu_linear import Projection, lm_head_projection
+from taps_ray.models.cpu_linear import Projection, module_projection
 from taps_ray.models.kv_cache import KVCache
 
 SUPPORTED_MODEL_TYPES = ("llama",)
@@ -101,15 +101,7 @@ class FastLlama:
         self.inv_freq = rotary.inv_freq.detach().float()
         self.rope_scaling = float(rotary.attention_scaling)
         self.layers = [self._layer(block) for block in inner.layers[: config.num_hidden_layers]]
-        self._first_q = inner.layers[0].self_attn.q_proj.weight
-        self.lm_head = lm_head_projection(model.lm_head)
-
-    def _check_shared(self) -> None:
-        """The fused weights are the HF model's: a `model.to(...)` after building replaced the HF parameters'
-        storage (not the fused copies), and the two forwards would silently compute different models."""
-        if self._first_q.data_ptr() != self.layers[0].qkv.weight.data_ptr():
-            raise RuntimeError("the target's weights were cast or moved after its fast forward was built; "
-                               "call models.target_forward.attach_forward(model, 'fast') again")
+        self.lm_head = module_projection(model.lm_head)
 
     @staticmethod
     def _layer(block: nn.Module) -> _Layer:
@@ -140,7 +132,6 @@ class FastLlama:
         self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache: KVCache,
         hidden_layers: Sequence[int] = (),
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        self._check_shared()
         batch, length = input_ids.shape
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rope(positions, x.dtype)
