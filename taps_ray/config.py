@@ -62,6 +62,12 @@ class TargetConfig(_Strict):
         "fast", description="the verification forward: fast, taps' own Llama forward over the preallocated cache "
         "(fused projections, no per-step cache copy; transformers' is used where it does not cover the "
         "architecture); hf, transformers' model. Both compute the same tokens (fp32 greedy)")
+    compile: Literal["none", "inductor"] = Field(
+        "none", description="none: the fast forward runs eager; inductor: its per-layer computation (norms, "
+        "projections, RoPE, MLP) runs through torch.compile with dynamic shapes (the cache write and attention stay "
+        "eager). Compiles on first use of each shape family (seconds to a minute); needs a C++ compiler on a CPU, "
+        "Triton on a GPU, else it runs eager with a log line saying what to install. Same fp32 tokens as eager. "
+        "CUDA graphs are not offered (docs/algorithms.md, compiled path)")
     device: Device = Field(
         "auto", description="auto: CUDA when the process was given a GPU (in Ray: its num_gpus), else the CPU; "
         "cuda where none exists is an error. Heads, drafting, verification and training follow the target")

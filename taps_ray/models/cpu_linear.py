@@ -14,6 +14,9 @@ reports/forward_width.md have the effect on decoding. The reordered
 weight is a second copy (oneDNN's layout is opaque); the [in, out] layout is not: the HF model's fp32 parameters
 become views of it, so transformers' forward computes with the same storage (and gets the faster one-row path
 too). On a GPU, or where torch lacks oneDNN, a projection is `F.linear` over the weight as it is.
+Traced by `torch.compile` (the fast forward's compiled path) a projection is the plain matmul over the same
+layout: oneDNN's reordered copy is an opaque tensor inductor cannot trace, so a projection built for that path
+makes none (`pack=False`), and its caller checks the sources before the compiled call (`check_sources`).
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ class Projection:
     head, a draft vocabulary's rows) it lays out a copy. Copies follow their sources: an in-place change to them
     (a test scaling the embeddings, say) bumps their version counters and the copy is made again before use."""
 
-    def __init__(self, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None] = ()) -> None:
+    def __init__(self, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None] = (),
+                 pack: bool = True) -> None:
         self._sources = list(weights)
         self._source_biases = list(biases) or [None] * len(self._sources)
         first = self._sources[0]
@@ -57,13 +61,14 @@ class Projection:
         fp32 = first.dtype == torch.float32
         self.columns = self.cpu and fp32 and self.out_features > self.in_features
         self._pack_one_row = not fp32  # fp32 one row: oneDNN is slower than either plain layout
+        self.pack = pack  # False: no oneDNN copy (a projection traced by torch.compile never reads one)
         self.shared = False
         self._lay_out()
 
     @classmethod
-    def fused(cls, linears: Sequence[nn.Linear]) -> Projection:
+    def fused(cls, linears: Sequence[nn.Linear], pack: bool = True) -> Projection:
         """One projection for `linears`, whose parameters then view its storage."""
-        projection = cls([linear.weight for linear in linears], [linear.bias for linear in linears])
+        projection = cls([linear.weight for linear in linears], [linear.bias for linear in linears], pack)
         start = 0
         for linear in linears:
             rows = linear.weight.shape[0]
@@ -94,7 +99,7 @@ class Projection:
     def _pack(self) -> None:
         """oneDNN's reordered copy of the weight (CPU only), as of the sources' current versions."""
         self.packed = (torch.ops.mkldnn._reorder_linear_weight(self.row_weight().contiguous(), 1)
-                       if self.cpu and _onednn_available() else None)
+                       if self.pack and self.cpu and _onednn_available() else None)
         self._versions = self._source_versions()
 
     def __getstate__(self) -> dict:
@@ -113,7 +118,9 @@ class Projection:
         """The weight as [out, in] (a view in the fp32 CPU layout): what `F.linear` and the checks read."""
         return self.weight.t() if self.columns else self.weight
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def check_sources(self) -> None:
+        """Make the copies again if the sources changed in place since they were made; refuse a cast or move of
+        shared storage."""
         if self._source_versions() != self._versions:  # the sources changed since the copies were made
             # shared storage that a `model.to(...)` replaced: the HF modules and this projection would silently
             # compute different models
@@ -121,6 +128,10 @@ class Projection:
                 raise RuntimeError("the weights were cast or moved after their projection was built; build it "
                                    "again (models.target_forward.attach_forward for a target)")
             self._pack() if self.shared else self._lay_out()  # shared storage already holds an in-place change
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling():  # a traced call reads the weights as graph inputs, checked before
+            self.check_sources()
         if x.dtype != self.weight.dtype:
             x = x.to(self.weight.dtype)
         rows = x.numel() // self.in_features

@@ -17,6 +17,16 @@ scaling, or linear scaling, is exactly HF's); rope types that change the frequen
 (dynamic, longrope) are not covered and fall back to transformers (`supported`).
 The hidden-state indices follow transformers': 0 the embeddings, i the output of layer i-1, the last the
 post-norm output.
+
+The compiled path (`compiled=True`, `target.compile: inductor`) runs the same two per-layer methods through
+`torch.compile` with dynamic shapes (the batch, the tree width and the cache length vary from step to step):
+`attention_inputs` (norm, q/k/v, RoPE) and `layer_output` (o, residual, norm, gated MLP). The cache write and
+attention stay eager between them: the write is a Python-side slot bookkeeping the graph would guard on (one
+recompile per cache width), and on a CPU inductor leaves SDPA to the same aten kernel anyway. CUDA graphs
+(`mode="reduce-overhead"`) are not offered: a graph is replayed for one set of shapes while the cache length
+grows every step, and CUDA graph trees start a new iteration at every call of a compiled function, reusing the
+memory of the previous call's outputs, which the per-layer calls here (and the recorded hidden states) still
+hold; making that correct would need the whole step in one graph over a fixed-capacity cache, tested on a GPU.
 """
 
 from __future__ import annotations
@@ -83,7 +93,7 @@ class FastLlama:
     batch where it needs logits.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, compiled: bool = False) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"taps' fast forward does not cover this target: {reason}; use target.forward: hf")
@@ -100,17 +110,38 @@ class FastLlama:
         rotary = inner.rotary_emb
         self.inv_freq = rotary.inv_freq.detach().float()
         self.rope_scaling = float(rotary.attention_scaling)
-        self.layers = [self._layer(block) for block in inner.layers[: config.num_hidden_layers]]
+        self.compiled = compiled
+        self.layers = [self._layer(block, pack=not compiled) for block in inner.layers[: config.num_hidden_layers]]
         self.lm_head = module_projection(model.lm_head)
+        self._steps()
 
     @staticmethod
-    def _layer(block: nn.Module) -> _Layer:
+    def _layer(block: nn.Module, pack: bool) -> _Layer:
         attn, mlp = block.self_attn, block.mlp
+        qkv = Projection.fused([attn.q_proj, attn.k_proj, attn.v_proj], pack)
         return _Layer(
-            input_norm=block.input_layernorm.weight, qkv=Projection.fused([attn.q_proj, attn.k_proj, attn.v_proj]),
-            o=Projection.fused([attn.o_proj]), post_norm=block.post_attention_layernorm.weight,
-            gate_up=Projection.fused([mlp.gate_proj, mlp.up_proj]), down=Projection.fused([mlp.down_proj]),
+            input_norm=block.input_layernorm.weight, qkv=qkv, o=Projection.fused([attn.o_proj], pack),
+            post_norm=block.post_attention_layernorm.weight,
+            gate_up=Projection.fused([mlp.gate_proj, mlp.up_proj], pack), down=Projection.fused([mlp.down_proj], pack),
         )
+
+    def _steps(self) -> None:
+        """The per-layer computations a forward runs: the methods themselves, or their `torch.compile`d graphs."""
+        self._inputs_step, self._output_step = self.attention_inputs, self.layer_output
+        if self.compiled:
+            self._inputs_step = torch.compile(self.attention_inputs, dynamic=True)
+            self._output_step = torch.compile(self.layer_output, dynamic=True)
+
+    def __getstate__(self) -> dict:
+        """Pickled (to a Ray actor) or deep-copied without the compiled graphs, which are bound to this object;
+        the copy compiles its own (`__setstate__`)."""
+        state = dict(self.__dict__)
+        del state["_inputs_step"], state["_output_step"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._steps()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's logits of post-norm hidden states [..., d] -> [..., V]."""
@@ -126,6 +157,27 @@ class FastLlama:
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos() * self.rope_scaling, emb.sin() * self.rope_scaling
         return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
+
+    def attention_inputs(self, x: torch.Tensor, layer: _Layer, cos: torch.Tensor, sin: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A layer's queries [B, kv_heads, group*T, head_dim] (the query heads sharing a key/value head folded into
+        the query length, head-major), keys and values [B, kv_heads, T, head_dim] of its input x [B, T, d]."""
+        batch, length, _ = x.shape
+        h = _rms_norm(x, layer.input_norm, self.eps)
+        qkv = layer.qkv(h).view(batch, length, -1, self.head_dim).transpose(1, 2)
+        qk, v = qkv[:, : self.heads + self.kv_heads], qkv[:, self.heads + self.kv_heads :]
+        qk = qk * cos + _rotate_half(qk) * sin  # queries and keys rotated in one pass, element by element as HF
+        q, k = qk[:, : self.heads], qk[:, self.heads :]
+        return q.reshape(batch, self.kv_heads, (self.heads // self.kv_heads) * length, self.head_dim), k, v
+
+    def layer_output(self, x: torch.Tensor, attended: torch.Tensor, layer: _Layer) -> torch.Tensor:
+        """The layer's output [B, T, d] from its input x and its attention output (folded as the queries were)."""
+        batch, length, _ = x.shape
+        out = attended.view(batch, self.heads, length, self.head_dim).transpose(1, 2)
+        x = x + layer.o(out.reshape(batch, length, self.heads * self.head_dim))
+        h = _rms_norm(x, layer.post_norm, self.eps)
+        gate, up = layer.gate_up(h).chunk(2, dim=-1)
+        return x + layer.down(F.silu(gate) * up)
 
     @torch.no_grad()
     def __call__(
@@ -144,21 +196,15 @@ class FastLlama:
             mask = mask.repeat(1, 1, group, 1)
         wanted = {i % (self.num_layers + 1) for i in hidden_layers}
         recorded: dict[int, torch.Tensor] = {0: x} if 0 in wanted else {}
-        q_width = self.heads * self.head_dim
+        if self.compiled:  # the graphs read the weights as inputs: check them here, as an eager call does
+            for layer in self.layers:
+                for projection in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                    projection.check_sources()
         for index, layer in enumerate(self.layers):
-            h = _rms_norm(x, layer.input_norm, self.eps)
-            qkv = layer.qkv(h).view(batch, length, -1, self.head_dim).transpose(1, 2)
-            qk, v = qkv[:, : self.heads + self.kv_heads], qkv[:, self.heads + self.kv_heads :]
-            qk = qk * cos + _rotate_half(qk) * sin  # queries and keys rotated in one pass, element by element as HF
-            q, k = qk[:, : self.heads], qk[:, self.heads :]
+            queries, k, v = self._inputs_step(x, layer, cos, sin)
             keys, values = cache.append(index, k, v)
-            folded = q.reshape(batch, self.kv_heads, group * length, self.head_dim)
-            out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=self.scale)
-            out = out.view(batch, self.heads, length, self.head_dim).transpose(1, 2).reshape(batch, length, q_width)
-            x = x + layer.o(out)
-            h = _rms_norm(x, layer.post_norm, self.eps)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=self.scale)
+            x = self._output_step(x, attended, layer)
             if index + 1 in wanted and index + 1 < self.num_layers:
                 recorded[index + 1] = x
         last = _rms_norm(x, self.norm, self.eps)

@@ -217,5 +217,5 @@ def load_target(config: TargetConfig, dtype: str | None = None) -> Target:
     model.to(device)
     model.eval()
     model.requires_grad_(False)
-    attach_forward(model, config.forward)  # last: it fuses projections in place, on the final device and dtype
+    attach_forward(model, config.forward, config.compile)  # last: it fuses projections in place, on the final device and dtype
     return Target(model=model, tokenizer=with_pad_token(tokenizer), name=config.name)

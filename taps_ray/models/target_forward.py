@@ -4,6 +4,9 @@ it covers the architecture, transformers' model otherwise.
 The choice travels with the model object (`attach_forward` at load time), so every `TargetBatch` built on it,
 in-process, in Serve or in a Ray verification actor, runs the same forward without threading a setting through
 each caller; a model that was not loaded through `load_target` gets transformers' forward.
+`target.compile: inductor` builds the fast forward's compiled path (models/fast_llama.py); where it cannot run
+(transformers' forward, no C++ compiler for inductor's CPU code, no Triton on a GPU) the forward runs eager and
+a log line says why and what to install.
 """
 
 from __future__ import annotations
@@ -11,25 +14,51 @@ from __future__ import annotations
 import logging
 from typing import Literal
 
+import torch
 from torch import nn
 
 from taps_ray.models.fast_llama import FastLlama, unsupported_reason
 from taps_ray.models.hf_forward import HFForward
 
 ForwardKind = Literal["fast", "hf"]
+CompileMode = Literal["none", "inductor"]
 TargetForward = FastLlama | HFForward
 _ATTRIBUTE = "taps_target_forward"
 
 log = logging.getLogger(__name__)
 
 
-def attach_forward(model: nn.Module, kind: ForwardKind) -> TargetForward:
+def compile_unavailable_reason(device: torch.device) -> str | None:
+    """Why inductor cannot generate code for `device` here, naming the fix (None: it can). Its modules are imported
+    here, not with this module: they cost ~1 s and a drafter, which imports the target's module, never compiles."""
+    from torch._inductor import cpp_builder
+    from torch.utils._triton import has_triton
+
+    if device.type == "cpu":
+        try:
+            cpp_builder.get_cpp_compiler()  # what inductor itself calls before writing its C++ kernels
+        except Exception as error:  # noqa: BLE001 - inductor raises several kinds for a missing or broken compiler
+            return (f"inductor's CPU code needs a C++ compiler ({error}); install one (Debian: apt-get install g++, "
+                    "or set CXX) or set target.compile: none")
+    elif device.type == "cuda" and not has_triton():
+        return "inductor's GPU code needs Triton; install the triton package matching torch or set target.compile: none"
+    return None
+
+
+def attach_forward(model: nn.Module, kind: ForwardKind, compile_mode: CompileMode = "none") -> TargetForward:
     """Build the forward `kind` for `model` (fast falls back to hf, with a log line, where it does not cover the
-    architecture) and attach it to the model for `target_forward`."""
+    architecture), compiled if asked and possible, and attach it to the model for `target_forward`."""
     reason = unsupported_reason(model) if kind == "fast" else None
     if reason is not None:
         log.info("target.forward fast does not cover this target (%s): using transformers' forward", reason)
-    forward: TargetForward = FastLlama(model) if kind == "fast" and reason is None else HFForward(model)
+    fast = kind == "fast" and reason is None
+    compiled = compile_mode == "inductor"
+    if compiled and not fast:
+        log.warning("target.compile inductor compiles taps' fast forward only: transformers' forward runs eager")
+    elif compiled and (missing := compile_unavailable_reason(model.device)) is not None:
+        log.warning("target.compile inductor cannot run: %s; the forward runs eager", missing)
+        compiled = False
+    forward: TargetForward = FastLlama(model, compiled=compiled) if fast else HFForward(model)
     object.__setattr__(model, _ATTRIBUTE, forward)  # a plain attribute: not a submodule, not in the state dict
     return forward
 
