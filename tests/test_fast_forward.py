@@ -23,7 +23,7 @@ from taps_ray.models.cpu_linear import DecodingLinear
 from taps_ray.models.fast_llama import FastLlama
 from taps_ray.models.hf_forward import HFForward
 from taps_ray.models.kv_cache import GROWTH, KVCache
-from taps_ray.models.target_forward import attach_forward, target_forward
+from taps_ray.models.target_forward import attach_forward, compile_unavailable_reason, target_forward
 
 from numerics import rounding_rtol
 
@@ -34,6 +34,10 @@ CONFIGS = {
     "llama3-rope-biases-head-dim": {"rope_parameters": LLAMA3_ROPE, "attention_bias": True, "mlp_bias": True,
                                     "head_dim": 24},
 }
+NO_INDUCTOR = compile_unavailable_reason(torch.device("cpu"))
+# the compiled path (target.compile: inductor) is held to the same float64 bound as the eager fast forward
+COMPILE_MODES = ["none", pytest.param("inductor", marks=pytest.mark.skipif(NO_INDUCTOR is not None,
+                                                                         reason=str(NO_INDUCTOR)))]
 TREE = build_tree(torch.tensor([11, 12, 13, 14, 15, 16, 17]), torch.tensor([-1, 0, 0, 1, 1, 2, 5]))
 CHAIN = build_tree(torch.tensor([21, 22, 23, 24]), torch.tensor([-1, 0, 1, 2]))
 
@@ -60,19 +64,21 @@ def _verify(model: torch.nn.Module, feature_layers: tuple[int, ...] = ()) -> lis
     return [o.logits.double() for o in outs] + [t.logits.double() for t in trees] + [t.hidden.double() for t in trees]
 
 
-def _three_ways(dtype: torch.dtype, **overrides: object) -> tuple[list, list, list]:
+def _three_ways(dtype: torch.dtype, compile_mode: str = "none", **overrides: object) -> tuple[list, list, list]:
     fast = _llama(dtype, **overrides)
     hf, exact = copy.deepcopy(fast), copy.deepcopy(fast).double()
-    attach_forward(fast, "fast")
+    attach_forward(fast, "fast", compile_mode)
+    assert target_forward(fast).compiled == (compile_mode == "inductor")
     attach_forward(hf, "hf")
     attach_forward(exact, "hf")
     assert isinstance(target_forward(fast), FastLlama) and isinstance(target_forward(hf), HFForward)
     return _verify(fast, (0, 2, -1)), _verify(hf, (0, 2, -1)), _verify(exact, (0, 2, -1))
 
 
+@pytest.mark.parametrize("compile_mode", COMPILE_MODES)
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_fast_forward_is_as_close_to_float64_as_transformers_fp32(name):
-    fast, hf, exact = _three_ways(torch.float32, **CONFIGS[name])
+def test_fast_forward_is_as_close_to_float64_as_transformers_fp32(name, compile_mode):
+    fast, hf, exact = _three_ways(torch.float32, compile_mode, **CONFIGS[name])
     eps = torch.finfo(torch.float32).eps
     checked = 0
     for got, reference, truth in zip(fast, hf, exact, strict=True):

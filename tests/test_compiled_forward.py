@@ -1,0 +1,117 @@
+"""The fast forward's compiled path (`target.compile: inductor`) decodes exactly as the eager forward does.
+
+The compiled graphs fuse the norms, RoPE and the MLP's glue, so their fp32 logits round differently from eager's
+(tests/test_fast_forward.py holds both to the same float64 bound); tokens are what must not change: greedy
+decoding gives the target's greedy chain token for token, and sampling with the same seeds the same tokens
+(a sampled token could only differ where a uniform draw falls within an fp32 rounding of a boundary between two
+tokens' cumulative probabilities, about 1e-6 per token here). The tiny target compiles in seconds.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import pickle
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from torch._inductor import config as inductor_config
+
+from taps_ray.decoding.generate import run_loop
+from taps_ray.decoding.target_batch import TargetBatch
+from taps_ray.decoding.verify import SamplingParams
+from taps_ray.models.fast_llama import FastLlama
+from taps_ray.models.hf_forward import HFForward
+from taps_ray.models.target import Target, load_target
+from taps_ray.models.target_forward import attach_forward, compile_unavailable_reason, target_forward
+
+from oracles import GreedyOracle
+
+CPU = torch.device("cpu")
+pytestmark = pytest.mark.skipif(compile_unavailable_reason(CPU) is not None,
+                                reason=str(compile_unavailable_reason(CPU)))
+
+
+@pytest.fixture(scope="module")
+def compiled_target(tiny_config) -> Target:
+    target = load_target(tiny_config.target.model_copy(update={"compile": "inductor"}))
+    assert target_forward(target.model).compiled
+    return target
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_target) -> list[list[int]]:
+    tok = tiny_target.tokenizer
+    bos = tok.encode("<|im_start|>")[0]
+    return [[bos] + tok.encode(text) for text in ("hi there", "a longer prompt about numbers 1 2 3 4 5")]
+
+
+def _decode(target: Target, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list:
+    oracle = GreedyOracle(target.model, first_token=prompts[0][0], depth=4)
+    return run_loop(TargetBatch(target.model), oracle, prompts, params, [24, 32], [], seeds=seeds)
+
+
+def _hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=[], pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
+def test_compiled_greedy_decoding_is_eager_and_transformers_greedy(tiny_target, compiled_target, prompts):
+    assert not target_forward(tiny_target.model).compiled
+    compiled = _decode(compiled_target, prompts, SamplingParams(), [0, 1])
+    eager = _decode(tiny_target, prompts, SamplingParams(), [0, 1])
+    for prompt, got, want, n in zip(prompts, compiled, eager, (24, 32), strict=True):
+        assert got.tokens == want.tokens == _hf_greedy(tiny_target.model, prompt, n)
+        assert max(step.accepted for step in got.steps) == 4  # the oracle's drafts were accepted, whole chains too
+    # dynamic shapes: other prompt lengths, a growing cache and one row leaving the batch compile nothing new
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0
+    longer = [prompts[1] + prompts[0][1:], prompts[0] + prompts[0][1:]]
+    assert [g.tokens for g in _decode(compiled_target, longer, SamplingParams(), [0, 1])] == \
+        [g.tokens for g in _decode(tiny_target, longer, SamplingParams(), [0, 1])]
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_compiled_sampling_follows_the_seeds_as_eager_does(tiny_target, compiled_target, prompts):
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    compiled = _decode(compiled_target, prompts, params, [3, 7])
+    eager = _decode(tiny_target, prompts, params, [3, 7])
+    assert [g.tokens for g in compiled] == [g.tokens for g in eager]
+    assert sum(step.accepted for g in compiled for step in g.steps) > 0
+    other_seeds = _decode(compiled_target, prompts, params, [4, 8])
+    assert [g.tokens for g in other_seeds] != [g.tokens for g in compiled]  # the seeds do choose the tokens
+
+
+def test_a_copy_of_a_compiled_forward_computes_with_its_own_weights(tiny_config, prompts):
+    """The compiled graphs are bound to their forward: a deep copy or unpickled copy of the model compiles its
+    own, so a change to the original's weights does not reach the copies (were the original's bound graphs
+    copied along, the copies would compute with the original's layers)."""
+    model = load_target(tiny_config.target.model_copy(update={"compile": "inductor"})).model
+
+    def logits(of: torch.nn.Module) -> torch.Tensor:
+        return TargetBatch(of).prefill(prompts[:1])[0].logits
+
+    before = logits(model)
+    copies = [copy.deepcopy(model), pickle.loads(pickle.dumps(model))]
+    for copied in copies:
+        assert target_forward(copied).compiled and target_forward(copied) is not target_forward(model)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(3.0)
+    assert not torch.allclose(logits(model), before, rtol=1e-2, atol=1e-2)
+    for copied in copies:
+        torch.testing.assert_close(logits(copied), before, rtol=0, atol=0)
+
+
+def test_compile_falls_back_to_eager_with_a_line_naming_the_fix(tiny_config, monkeypatch, caplog):
+    caplog.set_level(logging.WARNING, logger="taps_ray.models.target_forward")
+    hf = load_target(tiny_config.target.model_copy(update={"compile": "inductor", "forward": "hf"}))
+    assert isinstance(target_forward(hf.model), HFForward)
+    assert "compiles taps' fast forward only" in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(inductor_config.cpp, "cxx", ("taps-no-such-compiler",))
+    assert "apt-get install g++" in compile_unavailable_reason(CPU)
+    eager = load_target(tiny_config.target.model_copy(update={"compile": "inductor"}))
+    forward = target_forward(eager.model)
+    assert isinstance(forward, FastLlama) and not forward.compiled
+    assert "cannot run" in caplog.text and "apt-get install g++" in caplog.text
