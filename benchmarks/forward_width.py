@@ -53,6 +53,27 @@ def shapes(size: int) -> dict[str, DraftTree]:
     return {"chain": build_tree(tokens, torch.arange(-1, size - 1)), "tree": build_tree(tokens, torch.tensor(binary))}
 
 
+def trees_of(sizes: list[int]) -> dict[tuple[int, str], DraftTree]:
+    """The chain and binary tree of each size, keyed (size, shape); one node is a chain only."""
+    return {(size, kind): tree for size in sizes for kind, tree in shapes(size).items() if size > 1 or kind == "chain"}
+
+
+def interleaved_medians(verifiers: dict[str, Callable[[DraftTree], None]], trees: dict[tuple[int, str], DraftTree],
+                        repetitions: int) -> dict[tuple[str, int, str], float]:
+    """Median ms of each (verifier, size, shape), every verifier timed on every tree in turn, `repetitions` rounds
+    after one warm-up round: interleaving spreads a shared machine's load over all of them alike."""
+    seconds: dict[tuple[str, int, str], list[float]] = {(name, *key): [] for name in verifiers for key in trees}
+    for repetition in range(repetitions + 1):
+        for key, tree in trees.items():
+            for name, verify in verifiers.items():
+                start = time.perf_counter()
+                verify(tree)
+                elapsed = time.perf_counter() - start
+                if repetition:
+                    seconds[(name, *key)].append(elapsed)
+    return {key: 1000 * statistics.median(values) for key, values in seconds.items()}
+
+
 def old_verifier(model: torch.nn.Module, prompt: list[int]) -> Callable[[DraftTree], None]:
     """transformers' model over a `DynamicCache` holding the prompt: verify a tree as the batch did, crop back."""
     cache = DynamicCache()
@@ -105,17 +126,8 @@ def measure(config: str, dtype: str, sizes: list[int], context: int, repetitions
         "hf": batch_verifier(plain, prompt, HFForward(plain)),
         "fast": batch_verifier(model, prompt, fast),
     }
-    trees = {(size, kind): tree for size in sizes for kind, tree in shapes(size).items() if size > 1 or kind == "chain"}
-    seconds: dict[tuple[str, int, str], list[float]] = {(f, *key): [] for f in FORWARDS for key in trees}
-    for repetition in range(repetitions + 1):  # the first round warms up
-        for key, tree in trees.items():
-            for name in FORWARDS:
-                start = time.perf_counter()
-                verifiers[name](tree)
-                elapsed = time.perf_counter() - start
-                if repetition:
-                    seconds[(name, *key)].append(elapsed)
-    median = {key: 1000 * statistics.median(values) for key, values in seconds.items()}
+    trees = trees_of(sizes)
+    median = interleaved_medians(verifiers, trees, repetitions)
     lines = [
         f"## {target.dtype}",
         "",

@@ -18,6 +18,8 @@ target's own greedy output, so its drafts are accepted. Then:
 3. timing on the 8B shape with the paper's tree (60/5/10): plain and speculative decoding at batch 1, 4 and 16
    (time per token, tau, speedup as a ratio within this run), with the draft pass, the verification forward and
    the host time per step; and the verification cost by tree size;
+4. the fast forward compiled (`target.compile: inductor`) against it eager, fp32 (SmolLM2 shape): the same
+   tokens with drafts accepted, and the verification forward per step as a ratio within this run;
 
 and writes the report (`--out`). Budget: under 8 minutes on one H200. Without CUDA (or with `--cpu`) it runs the
 same checks on small shapes in seconds: the CPU fallback `tests/test_gpu_smoke.py` runs in `make test`; its
@@ -74,6 +76,7 @@ from taps_ray.drafting.tree import DraftContext  # noqa: E402
 from taps_ray.decoding.verify import SamplingParams  # noqa: E402
 from taps_ray.fsio import atomic_write_json, atomic_write_text  # noqa: E402
 from taps_ray.models.draft_head import new_head  # noqa: E402
+from taps_ray.models.target_forward import attach_forward, compile_unavailable_reason  # noqa: E402
 from taps_ray.training.losses import Batch, FrozenTarget, LossSettings, run_passes  # noqa: E402
 
 PAPER_TREE = TreeConfig(total_token=60, depth=5, top_k=10)
@@ -239,6 +242,32 @@ def timing(device: torch.device, small: bool, fit_steps: int, batches: tuple[int
     return {"fit": fit, "rows": rows, "trees": by_tree, "bf16_match": match}
 
 
+def compiled_vs_eager(device: torch.device, small: bool, head, batches: tuple[int, ...], new_tokens: int) -> dict:
+    """taps' fast forward compiled against it eager on a fresh copy of the fp32 SmolLM2-shape target (the one the
+    head was fitted to): the same greedy tokens (and HF generate's), and the verification forward per step."""
+    reason = compile_unavailable_reason(device)
+    if reason is not None:
+        return {"skipped": reason}
+    model = random_target(model_config("smollm2-135m-instruct.json", small), torch.float32, device)
+    starts = prompts(model.config.vocab_size, 4, 12, 7)
+    runs = {}
+    for mode in ("none", "inductor"):
+        attach_forward(model, "fast", mode)
+        spec = proposer(model, head, PAPER_TREE)
+        start = time.perf_counter()
+        out = generate(model, spec, starts, GREEDY, 24, [])
+        for batch in batches:  # warm-up; compiled: every shape family compiles on first use
+            timed(model, spec, batch, 4)
+        runs[mode] = {"tokens": [g.tokens for g in out], "accepted": accepted(out), "first_s": time.perf_counter() - start,
+                      "verify_ms": [timed(model, spec, batch, new_tokens)["verify_ms_per_step"] for batch in batches]}
+    eager, compiled = runs["none"], runs["inductor"]
+    return {"equal_eager": compiled["tokens"] == eager["tokens"],
+            "equal_hf": compiled["tokens"] == [hf_greedy(model, p, 24) for p in starts],
+            "accepted": compiled["accepted"], "compile_s": compiled["first_s"] - eager["first_s"],
+            "rows": [{"batch": b, "eager_verify_ms": e, "compiled_verify_ms": c, "ratio": e / c}
+                     for b, e, c in zip(batches, eager["verify_ms"], compiled["verify_ms"])]}
+
+
 def report(results: dict) -> str:
     env = results["environment"]
     lines = ["# GPU smoke", "",
@@ -280,6 +309,18 @@ def report(results: dict) -> str:
     for row in t["trees"]:
         ratio = row["verify_ms_per_step"] / plain_verify[row["batch"]] if plain_verify.get(row["batch"]) else float("nan")
         lines.append(f"| {row['tree']} | {row['batch']} | {row['verify_ms_per_step']:.1f} | {ratio:.2f}x | {row['tau']:.2f} |")
+    c = results["compiled"]
+    lines += ["", "## Compiled fast forward (target.compile: inductor) vs eager, fp32, SmolLM2 shape", ""]
+    if "skipped" in c:
+        lines.append(f"Not run: {c['skipped']}.")
+    else:
+        lines += [f"Compiled == eager: **{c['equal_eager']}**, compiled == HF generate: **{c['equal_hf']}**; "
+                  f"{c['accepted']} drafted tokens accepted; compiling took about {c['compile_s']:.0f} s. "
+                  f"Verification forward per step (tree {PAPER_TREE.total_token}/{PAPER_TREE.depth}/"
+                  f"{PAPER_TREE.top_k}), ratio > 1: compiled faster.", "",
+                  "| batch | eager verify ms/step | compiled verify ms/step | eager / compiled |", "|---:|---:|---:|---:|"]
+        lines += [f"| {r['batch']} | {r['eager_verify_ms']:.1f} | {r['compiled_verify_ms']:.1f} | {r['ratio']:.2f}x |"
+                  for r in c["rows"]]
     lines += ["", f"Total {results['seconds']:.0f} s.", ""]
     return "\n".join(lines)
 
@@ -305,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
         "bf16": [bf16_match(lossless["shape"], small_model.to(torch.bfloat16), small_head)],
     }
     del small_model
+    results["compiled"] = compiled_vs_eager(device, fallback, small_head, (1, 2) if fallback else (1, 4, 16),
+                                            8 if fallback else 64)
     results["timing"] = timing(device, fallback, steps, (1, 2) if fallback else (1, 4, 16), 8 if fallback else 64,
                                [PAPER_TREE] if fallback else TREES)
     results["bf16"].append(results["timing"]["bf16_match"])
@@ -315,7 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write_json(out.with_suffix(".json"), results, indent=1, default=str)
     print(out.read_text())
     ok = results["lossless_fp32"]["equal_plain"] and results["lossless_fp32"]["equal_hf"]
-    return 0 if ok and results["lossless_fp32"]["accepted"] > 0 else 1
+    compiled = results["compiled"]
+    compiled_ok = "skipped" in compiled or (compiled["equal_eager"] and compiled["equal_hf"] and compiled["accepted"])
+    return 0 if ok and compiled_ok and results["lossless_fp32"]["accepted"] > 0 else 1
 
 
 if __name__ == "__main__":

@@ -32,3 +32,6 @@ def test_gpu_smoke_cpu_fallback_runs_without_ray_and_is_lossless(tmp_path):
     rows = results["timing"]["rows"]
     assert [r["batch"] for r in rows] == [1, 2] and all(r["spec"]["tokens"] == r["plain"]["tokens"] for r in rows)
     assert results["timing"]["trees"] and all(t["verify_ms_per_step"] > 0 for t in results["timing"]["trees"])
+    compiled = results["compiled"]  # the compiled fast forward: skipped only where inductor cannot run here
+    assert "skipped" in compiled or (compiled["equal_eager"] and compiled["equal_hf"] and compiled["accepted"] > 0)
+    assert "skipped" in compiled or [r["batch"] for r in compiled["rows"]] == [1, 2]

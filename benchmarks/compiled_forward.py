@@ -1,0 +1,93 @@
+#!/usr/bin/env python
+"""The fast forward compiled (`target.compile: inductor`) against the same forward eager, in the same run. Not a test.
+
+    nice python benchmarks/compiled_forward.py --configs configs/tiny.yaml configs/speed.yaml \\
+        --out reports/compiled_forward.md
+
+Two copies of the target (same weights) verify the same chains and binary trees of 1, 4 and 16 nodes against the
+same context, interleaved and repeated, with the cache cropped back after each (benchmarks/forward_width.py's
+verifier); the median of each is reported, with the seconds the compiled copy's first verifications took to
+compile. The LM head (eager in both) is included. fp32, as the equality tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from forward_width import batch_verifier, interleaved_medians, trees_of  # noqa: E402
+from taps_ray.config import load_config  # noqa: E402
+from taps_ray.fsio import report_lines  # noqa: E402
+from taps_ray.machine import cpu_line  # noqa: E402
+from taps_ray.models.target import load_target  # noqa: E402
+from taps_ray.models.target_forward import target_forward  # noqa: E402
+
+MODES = ("none", "inductor")
+
+
+def measure(config: str, sizes: list[int], context: int, repetitions: int) -> list[str]:
+    cfg = load_config(config)
+    verifiers = {}
+    prompt = torch.randint(100, 10_000, (context,), generator=torch.Generator().manual_seed(0)).tolist()
+    trees = trees_of(sizes)
+    for mode in MODES:
+        target = load_target(cfg.target.model_copy(update={"forward": "fast", "compile": mode}), dtype="float32")
+        forward = target_forward(target.model)
+        if forward.compiled != (mode == "inductor"):
+            raise SystemExit(f"target.compile {mode} did not build that forward here (see the log line above)")
+        verifiers[mode] = batch_verifier(target.model, prompt, forward)
+    start = time.perf_counter()
+    for tree in trees.values():  # every shape family compiles on its first verification
+        verifiers["inductor"](tree)
+    compile_s = time.perf_counter() - start
+    median = interleaved_medians(verifiers, trees, repetitions)
+    lines = [
+        f"## {cfg.target.name} (fp32); first verifications of every shape compiled in {compile_s:.0f} s",
+        "",
+        "| nodes | shape | eager ms | compiled ms | eager / compiled |",
+        "|---|---|---|---|---|",
+    ]
+    for size, kind in trees:
+        eager, compiled = median[("none", size, kind)], median[("inductor", size, kind)]
+        lines.append(f"| {size} | {kind} | {eager:.2f} | {compiled:.2f} | {eager / compiled:.2f}x |")
+    return [*lines, ""]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", nargs="+", default=["configs/tiny.yaml", "configs/speed.yaml"])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--context", type=int, default=160, help="prompt tokens already in the cache")
+    parser.add_argument("--repetitions", type=int, default=30)
+    parser.add_argument("--note", default="", help="a sentence on the machine's load, printed in the report")
+    parser.add_argument("--out", default=None, help="write the markdown here (else print it)")
+    args = parser.parse_args()
+
+    sections = [line for config in args.configs for line in measure(config, args.sizes, args.context, args.repetitions)]
+    lines = [
+        "# The fast forward compiled (target.compile: inductor) against eager",
+        "",
+        f"Regenerate: `nice python benchmarks/compiled_forward.py --configs {' '.join(args.configs)} --out "
+        f"reports/compiled_forward.md`. {cpu_line()}; torch threads {torch.get_num_threads()}, torch "
+        f"{torch.__version__}. Context {args.context} tokens, median of {args.repetitions} interleaved verifications "
+        "per forward and tree, LM head included (eager in both). `chain`: a chain (one node is plain decoding); "
+        "`tree`: a binary tree. Ratios > 1 mean the compiled forward is faster. Read the ratios, which come from "
+        f"interleaved runs, rather than the absolute times. {args.note}",
+        "",
+        *sections,
+    ]
+    report_lines(lines, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
