@@ -64,10 +64,11 @@ class TargetConfig(_Strict):
         "architecture); hf, transformers' model. Both compute the same tokens (fp32 greedy)")
     compile: Literal["none", "inductor"] = Field(
         "none", description="none: the fast forward runs eager; inductor: its per-layer computation (norms, "
-        "projections, RoPE, MLP) runs through torch.compile with dynamic shapes (the cache write and attention stay "
-        "eager). Compiles on first use of each shape family (seconds to a minute); needs a C++ compiler on a CPU, "
-        "Triton on a GPU, else it runs eager with a log line saying what to install. Same fp32 tokens as eager. "
-        "CUDA graphs are not offered (docs/algorithms.md, compiled path)")
+        "projections, RoPE, MLP) runs through torch.compile (the cache write and attention stay eager), compiled "
+        "on first use (seconds to a minute; a batch or tree width change recompiles once); needs a C++ compiler on "
+        "a CPU, Triton on a GPU, else it runs eager with a log line saying what to install. Same fp32 tokens as "
+        "eager; on a CPU not faster (reports/compiled_forward.md). CUDA graphs are not offered (docs/algorithms.md, "
+        "The cache and the forward)")
     device: Device = Field(
         "auto", description="auto: CUDA when the process was given a GPU (in Ray: its num_gpus), else the CPU; "
         "cuda where none exists is an error. Heads, drafting, verification and training follow the target")

@@ -24,7 +24,7 @@ from taps_ray.decoding.verify import SamplingParams
 from taps_ray.models.fast_llama import FastLlama
 from taps_ray.models.hf_forward import HFForward
 from taps_ray.models.target import Target, load_target
-from taps_ray.models.target_forward import attach_forward, compile_unavailable_reason, target_forward
+from taps_ray.models.target_forward import compile_unavailable_reason, target_forward
 
 from oracles import GreedyOracle
 
