@@ -122,13 +122,20 @@ def position_uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Ten
     return _shift_right(z, 11).double() * 2.0**-53
 
 
+SAMPLE_ROWS = 64  # float64 cumulative sums of this many rows at a time: 64 MB at a 128k vocabulary
+
+
 def _sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF draws: the first token whose cumulative probability exceeds u * total ([..., V], [...])."""
-    cdf = probs.double().cumsum(-1)
-    flat = cdf.reshape(-1, cdf.shape[-1])
-    target = (uniforms.reshape(-1) * flat[:, -1])[:, None]
-    drawn = torch.searchsorted(flat, target, right=True)[:, 0]
-    return drawn.clamp(max=cdf.shape[-1] - 1).reshape(uniforms.shape)
+    """Inverse-CDF draws: the first token whose cumulative probability exceeds u * total ([..., V], [...]).
+    The sums run in float64 (no fp32 rounding bias over a large vocabulary), `SAMPLE_ROWS` rows at a time so a
+    batch of wide trees does not hold [B, T, V] of them at once."""
+    flat, u = probs.reshape(-1, probs.shape[-1]), uniforms.reshape(-1)
+    drawn = torch.empty(u.shape, dtype=torch.long, device=probs.device)
+    for start in range(0, u.numel(), SAMPLE_ROWS):
+        rows = slice(start, start + SAMPLE_ROWS)
+        cdf = flat[rows].double().cumsum(-1)
+        drawn[rows] = torch.searchsorted(cdf, (u[rows] * cdf[:, -1])[:, None], right=True)[:, 0]
+    return drawn.clamp(max=probs.shape[-1] - 1).reshape(uniforms.shape)
 
 
 def target_choices(logits: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor | None) -> torch.Tensor:

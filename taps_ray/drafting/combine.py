@@ -22,7 +22,9 @@ proposers accept any `Proposer` parts, which lets tests combine oracle drafters 
 part drafts every step (confidence routing, merged trees) and the parts are `SingleHead`s whose heads stack
 (same shape, context and tree settings: `stackable`), the heads draft side by side, one batched forward per
 tree level in one stacked cache (one `StackedHead` through `draft_eagle2`), giving the trees they would draft one by one; other parts
-draft one after the other.
+draft one after the other. Every combination drafts a batch of sequences at once (`propose_batch`): side by side
+one forward per tree level for all sequences and heads, else each part over all the sequences, and the trees'
+means (what routers choose by) read once for the batch.
 
 A routed state exposes `last_head` (the index of the part whose tree was verified; -1 for a merged tree),
 which the decoding loop copies into `StepRecord.head`.
