@@ -152,11 +152,17 @@ class TargetBatch:
 
     @torch.no_grad()
     def step_rows(self, rows: list[int], trees: list[DraftTree | None]) -> list[Committed | None]:
-        """`step` for the cache rows `rows` only (trees in the same order; None sits out); the other rows are not
-        computed at all: the rows are copied out, stepped as a batch of their own and written back, so a row
-        that sits out costs no padded row in the forward and keeps its cache and length."""
-        if rows == list(range(self.batch_size)):
-            return self._step(trees)
+        """`step` for the cache rows `rows` only (trees in the same order; None sits out); the other rows keep their
+        cache and length. Two ways, whichever moves less: when at least half the rows step, one forward over the
+        whole batch in place, the rows sitting out with no tree (a padding node each that attends only itself and
+        is dropped at commit: no cache is copied); when fewer do, their caches are copied out, stepped as a batch
+        of their own and written back (a copy of a few rows instead of padded rows for all the others)."""
+        if len(rows) * 2 >= self.batch_size:
+            by_row: list[DraftTree | None] = [None] * self.batch_size
+            for row, tree in zip(rows, trees, strict=True):
+                by_row[row] = tree
+            results = self._step(by_row)
+            return [results[row] for row in rows]
         sub = self._take_rows(rows)
         out = sub._step(trees)
         self._put_rows(rows, sub)
