@@ -20,8 +20,9 @@ from taps_ray.syncs import SyncCounter
 from numerics import assert_same_tree, rounding_rtol, tree_rtol
 
 TREE = TreeConfig(total_token=8, depth=3, top_k=3)
-# The budget: syncs per step of the in-process loop, whatever the batch (measured: 5; reports/host_overhead.md).
-SYNC_BUDGET = 6
+# The budget: syncs per step of the in-process loop, whatever the batch and temperature (measured: 3 — acceptance,
+# the trees' node values, drafting; reports/host_overhead.md).
+SYNC_BUDGET = 4
 
 
 def test_counter_counts_what_would_sync_on_a_gpu():

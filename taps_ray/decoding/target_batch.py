@@ -103,6 +103,7 @@ class TargetBatch:
         self.target_forward = forward if forward is not None else target_forward(model)
         self.cache = KVCache(self.target_forward.num_layers)
         self.lengths = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.host_lengths: list[int] = []  # the same on the host: the step's bookkeeping reads these, no sync
         self.params = SamplingParams()
         self.row_params: list[SamplingParams] = []
         self.seeds = torch.zeros(0, dtype=torch.long, device=self.device)
@@ -181,7 +182,7 @@ class TargetBatch:
             self.cache = other.cache
         else:
             self.cache.merge(other.cache)
-        self.lengths = torch.cat([self.lengths, other.lengths])
+        self._set_lengths([*self.host_lengths, *other.host_lengths])
         self.seeds = torch.cat([self.seeds, other.seeds])
         self.row_params = [*self.row_params, *other.row_params]
         self.live = [*self.live, *(self.joined + b for b in other.live)]
@@ -192,9 +193,9 @@ class TargetBatch:
         if not keep:
             raise ValueError("keep at least one row (drop the whole batch instead)")
         index = torch.tensor(keep, dtype=torch.long, device=self.device)
-        lengths = self.lengths[index]
-        self.cache.keep_rows(index, int(lengths.max()))  # in place: the buffers are kept
-        self.lengths = lengths
+        lengths = [self.host_lengths[i] for i in keep]
+        self.cache.keep_rows(index, max(lengths))  # in place: the buffers are kept
+        self._set_lengths(lengths)
         self.seeds = self.seeds[index]
         self.row_params = [self.row_params[i] for i in keep]
         self.live = [self.live[i] for i in keep]
@@ -202,13 +203,13 @@ class TargetBatch:
     def _take_rows(self, rows: list[int]) -> TargetBatch:
         """A new batch holding copies of the caches of `rows`."""
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
-        lengths = self.lengths[index]
-        width = int(lengths.max())
+        lengths = [self.host_lengths[i] for i in rows]
+        width = max(lengths)
         sub = TargetBatch(self.model, self.keep_logits, self.feature_layers, self.target_forward)
         sub.params = self.params
         sub.row_params = [self.row_params[i] for i in rows]
         sub.cache = self.cache.take_rows(index, width)
-        sub.lengths = lengths.clone()
+        sub._set_lengths(lengths)
         sub.seeds = self.seeds[index]
         return sub
 
@@ -217,11 +218,12 @@ class TargetBatch:
         Only slots from the rows' shortest old length on can have changed (a commit moves nothing below a
         sequence's length), so only those are written back."""
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
-        lengths = self.lengths.clone()
-        since = int(lengths[index].min())
-        lengths[index] = sub.lengths
+        lengths = list(self.host_lengths)
+        since = min(lengths[row] for row in rows)
+        for row, length in zip(rows, sub.host_lengths, strict=True):
+            lengths[row] = length
         self.cache.put_rows(index, sub.cache, since)
-        self.lengths = lengths
+        self._set_lengths(lengths)
 
     def _step(self, trees: list[DraftTree | None]) -> list[Committed | None]:
         trees = [None if tree is None else tree.to(self.device) for tree in trees]
@@ -279,7 +281,7 @@ class TargetBatch:
         if any(not p for p in prompts):
             raise ValueError("every prompt needs at least one token")
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
-        width = int(lengths.max())
+        width = max(len(p) for p in prompts)
         ids = torch.zeros(len(prompts), width, dtype=torch.long, device=self.device)
         for b, prompt in enumerate(prompts):
             ids[b, : len(prompt)] = torch.tensor(prompt, device=self.device)
@@ -290,7 +292,7 @@ class TargetBatch:
         mask |= torch.eye(width, dtype=torch.bool, device=self.device)[None]  # padded rows attend to themselves: no NaN rows
         self.cache.reset(len(prompts))
         hidden, features = self._forward(ids, columns.expand(len(prompts), -1), mask[:, None])
-        self.lengths = lengths
+        self.lengths, self.host_lengths = lengths, [len(p) for p in prompts]
         last = self.target_forward.logits(hidden[torch.arange(len(prompts), device=self.device), lengths - 1])  # [B, V]
         return [TreeOutput(last[b : b + 1], features[b, : len(p)]) for b, p in enumerate(prompts)]
 
@@ -348,19 +350,19 @@ class TargetBatch:
         a 4-D mask, which the attention kernels also run slower with."""
         if any(t is None for t in trees) or len({t.size for t in trees}) > 1:
             return False
-        return bool((self.lengths == past).all()) and all(t.is_chain for t in trees)
+        return all(length == past for length in self.host_lengths) and all(t.is_chain for t in trees)
 
     def commit(self, accepted_nodes: list[list[int]]) -> None:
         """Keep each sequence's accepted tree slots (root first) right after its committed prefix."""
-        lengths = self.lengths.tolist()  # one read for the batch
+        lengths = self.host_lengths
         start = max(lengths)  # invariant: the committed region is as wide as the longest sequence
-        new_lengths = self.lengths + torch.tensor([len(n) for n in accepted_nodes], device=self.device)
+        new_lengths = [length + len(n) for length, n in zip(lengths, accepted_nodes, strict=True)]
         low = min(lengths)
         high = max(length + len(n) for length, n in zip(lengths, accepted_nodes))
         in_place = low == start and all(nodes == list(range(len(nodes))) for nodes in accepted_nodes)
         if in_place:  # every sequence kept a prefix of its slots (a chain's): nothing moves, only crop
             self.cache.crop(high)
-            self.lengths = new_lengths
+            self._set_lengths(new_lengths)
             return
         rows = []  # built on the host from what it already holds, then one upload for the batch
         for length, nodes in zip(lengths, accepted_nodes):
@@ -370,4 +372,10 @@ class TargetBatch:
             rows.append([*range(low, length), *(start + n for n in nodes), *[0] * (high - low - kept)])
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         self.cache.compact(low, index)  # in place: only slots low..high-1 move, the prefix is not copied
-        self.lengths = new_lengths
+        self._set_lengths(new_lengths)
+
+    def _set_lengths(self, lengths: list[int]) -> None:
+        """The committed lengths, on the host (what the bookkeeping reads) and on the device (what the masks,
+        positions and draws read): one upload, never a read back."""
+        self.host_lengths = list(lengths)
+        self.lengths = torch.tensor(self.host_lengths, dtype=torch.long, device=self.device)
