@@ -15,7 +15,7 @@ from taps_ray.drafting.proposers import SingleHead
 from taps_ray.drafting.tree import DraftContext, HeadCache, build_tree, draft_eagle2
 from taps_ray.models.draft_head import new_head
 from taps_ray.models.stacked_head import StackedHead
-from taps_ray.syncs import SyncCounter
+from taps_ray.syncs import SyncCounter, to_device
 
 from numerics import assert_same_tree, rounding_rtol, tree_rtol
 
@@ -30,9 +30,12 @@ def test_counter_counts_what_would_sync_on_a_gpu():
     with SyncCounter() as counter:
         int(x[0]), float(x[1]), bool(x[2]), x.tolist(), x[1].item(), x.nonzero(), x[mask], x.cpu()
         y = x * 2 + x.sum()  # device work only
-        torch.tensor([1, 2])
-    assert counter.syncs == 8 and counter.uploads == 1, counter.by_name
-    assert counter.by_name["bool index"] == 1 and y.shape == (6,)
+        torch.tensor([1, 2], device=x.device)  # a blocking copy on a GPU
+        torch.tensor([1, 2])  # a host tensor
+        z = to_device([3, 4], x.device)  # pinned and non-blocking on a GPU
+    assert counter.syncs == 9 and counter.uploads == 2, counter.by_name
+    assert counter.by_name["bool index"] == 1 and counter.by_name["upload"] == 1 and y.shape == (6,)
+    assert z.tolist() == [3, 4] and z.device == x.device
 
 
 class _Steps:
