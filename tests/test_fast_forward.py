@@ -168,9 +168,10 @@ def test_a_decoding_linear_follows_its_module_when_cast_after_first_use():
         torch.testing.assert_close(out, F.linear(x.bfloat16(), linear.weight, linear.bias), rtol=1e-2, atol=1e-2)
 
 
-def test_casting_the_model_after_building_is_refused_not_silently_diverging():
+@pytest.mark.parametrize("compile_mode", COMPILE_MODES)
+def test_casting_the_model_after_building_is_refused_not_silently_diverging(compile_mode):
     model = _llama()
-    attach_forward(model, "fast")
+    attach_forward(model, "fast", compile_mode)
     model.to(torch.float64)
     with pytest.raises(RuntimeError, match="attach_forward"):
         TargetBatch(model).prefill([[3, 4, 5]])

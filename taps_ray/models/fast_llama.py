@@ -25,11 +25,12 @@ become symbolic at their first change (one recompile, then none; sizes 1 keep gr
 weights' sizes stay static, which keeps the guards checked at every call cheap (`dynamic=True` made every size
 symbolic and cost ~0.3 ms of guards and input unpacking per call, 60 calls per SmolLM2 forward). The cache
 write and attention stay eager between the two graphs: the write is Python-side slot bookkeeping the graph
-would guard on (a recompile per cache width), and on a CPU inductor leaves SDPA to the same aten kernel anyway. CUDA graphs
-(`mode="reduce-overhead"`) are not offered: a graph is replayed for one set of shapes while the cache length
-grows every step, and CUDA graph trees start a new iteration at every call of a compiled function, reusing the
-memory of the previous call's outputs, which the per-layer calls here (and the recorded hidden states) still
-hold; making that correct would need the whole step in one graph over a fixed-capacity cache, tested on a GPU.
+would guard on (a recompile per cache width), and on a CPU inductor leaves SDPA to the same aten kernel anyway.
+CUDA graphs (`mode="reduce-overhead"`) are not offered: a graph is replayed for one set of shapes while the
+cache length grows every step, and CUDA graph trees start a new iteration at every call of a compiled function,
+reusing the memory of the previous call's outputs, which the per-layer calls here (and the recorded hidden
+states) still hold; making that correct would need the whole step in one graph over a fixed-capacity cache,
+tested on a GPU.
 """
 
 from __future__ import annotations

@@ -217,5 +217,6 @@ def load_target(config: TargetConfig, dtype: str | None = None) -> Target:
     model.to(device)
     model.eval()
     model.requires_grad_(False)
-    attach_forward(model, config.forward, config.compile)  # last: it fuses projections in place, on the final device and dtype
+    # last: it fuses projections in place, on the final device and dtype
+    attach_forward(model, config.forward, config.compile)
     return Target(model=model, tokenizer=with_pad_token(tokenizer), name=config.name)
