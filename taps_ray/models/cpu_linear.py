@@ -14,13 +14,16 @@ reports/forward_width.md have the effect on decoding. The reordered
 weight is a second copy (oneDNN's layout is opaque); the [in, out] layout is not: the HF model's fp32 parameters
 become views of it, so transformers' forward computes with the same storage (and gets the faster one-row path
 too). On a GPU, or where torch lacks oneDNN, a projection is `F.linear` over the weight as it is.
-Traced by `torch.compile` (the fast forward's compiled path) a projection is the plain matmul over the same
-layout: oneDNN's reordered copy is an opaque tensor inductor cannot trace, so a projection built for that path
-makes none (`pack=False`), and its caller checks the sources before the compiled call (`check_sources`).
+Traced by `torch.compile` (the fast forward's compiled path) a CPU projection is one opaque op, `taps::project`,
+that runs the eager kernels above: oneDNN's reordered copy is an opaque tensor inductor cannot trace, and its
+plain matmuls are slower at several rows; the graph passes the projection's weight and the op finds the
+projection by it. The caller checks the sources before the compiled call (`check_sources`). On a GPU the graph
+traces `F.linear` itself.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -48,8 +51,7 @@ class Projection:
     head, a draft vocabulary's rows) it lays out a copy. Copies follow their sources: an in-place change to them
     (a test scaling the embeddings, say) bumps their version counters and the copy is made again before use."""
 
-    def __init__(self, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None] = (),
-                 pack: bool = True) -> None:
+    def __init__(self, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None] = ()) -> None:
         self._sources = list(weights)
         self._source_biases = list(biases) or [None] * len(self._sources)
         first = self._sources[0]
@@ -61,14 +63,13 @@ class Projection:
         fp32 = first.dtype == torch.float32
         self.columns = self.cpu and fp32 and self.out_features > self.in_features
         self._pack_one_row = not fp32  # fp32 one row: oneDNN is slower than either plain layout
-        self.pack = pack  # False: no oneDNN copy (a projection traced by torch.compile never reads one)
         self.shared = False
         self._lay_out()
 
     @classmethod
-    def fused(cls, linears: Sequence[nn.Linear], pack: bool = True) -> Projection:
+    def fused(cls, linears: Sequence[nn.Linear]) -> Projection:
         """One projection for `linears`, whose parameters then view its storage."""
-        projection = cls([linear.weight for linear in linears], [linear.bias for linear in linears], pack)
+        projection = cls([linear.weight for linear in linears], [linear.bias for linear in linears])
         start = 0
         for linear in linears:
             rows = linear.weight.shape[0]
@@ -94,12 +95,13 @@ class Projection:
         else:
             self.bias = self._source_biases[0].detach() if single else torch.cat([b.detach() for b in self._source_biases])
         self.weight = weight.t().contiguous() if self.columns else weight
+        _BY_WEIGHT[self.weight.data_ptr()] = self
         self._pack()
 
     def _pack(self) -> None:
         """oneDNN's reordered copy of the weight (CPU only), as of the sources' current versions."""
         self.packed = (torch.ops.mkldnn._reorder_linear_weight(self.row_weight().contiguous(), 1)
-                       if self.pack and self.cpu and _onednn_available() else None)
+                       if self.cpu and _onednn_available() else None)
         self._versions = self._source_versions()
 
     def __getstate__(self) -> dict:
@@ -108,6 +110,10 @@ class Projection:
         state = dict(self.__dict__)
         state["packed"], state["_versions"] = None, None
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        _BY_WEIGHT[self.weight.data_ptr()] = self
 
     def _source_versions(self) -> tuple[tuple[int, int], ...]:
         """Each source's in-place version and storage: `module.to(...)` swaps a parameter's data under the same
@@ -130,8 +136,12 @@ class Projection:
             self._pack() if self.shared else self._lay_out()  # shared storage already holds an in-place change
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if not torch.compiler.is_compiling():  # a traced call reads the weights as graph inputs, checked before
-            self.check_sources()
+        if torch.compiler.is_compiling():  # the sources were checked before the compiled call
+            return _project(x, self.weight, self.columns) if self.cpu else self._multiply(x)
+        self.check_sources()
+        return self._multiply(x)
+
+    def _multiply(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.weight.dtype:
             x = x.to(self.weight.dtype)
         rows = x.numel() // self.in_features
@@ -143,6 +153,21 @@ class Projection:
             out = torch.matmul(x, self.weight)
             return out if self.bias is None else out + self.bias
         return F.linear(x, self.weight, self.bias)
+
+
+_BY_WEIGHT: weakref.WeakValueDictionary[int, Projection] = weakref.WeakValueDictionary()  # weight storage -> projection
+
+
+@torch.library.custom_op("taps::project", mutates_args=())
+def _project(x: torch.Tensor, weight: torch.Tensor, columns: bool) -> torch.Tensor:
+    """The projection whose weight this is ([in, out] if `columns`), applied to x with the eager kernels (a
+    compiled graph's call)."""
+    return _BY_WEIGHT[weight.data_ptr()]._multiply(x)
+
+
+@_project.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, columns: bool) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[1] if columns else weight.shape[0]), dtype=weight.dtype)
 
 
 _CACHED = "taps_projection"

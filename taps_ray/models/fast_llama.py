@@ -115,18 +115,17 @@ class FastLlama:
         self.inv_freq = rotary.inv_freq.detach().float()
         self.rope_scaling = float(rotary.attention_scaling)
         self.compiled = compiled
-        self.layers = [self._layer(block, pack=not compiled) for block in inner.layers[: config.num_hidden_layers]]
+        self.layers = [self._layer(block) for block in inner.layers[: config.num_hidden_layers]]
         self.lm_head = module_projection(model.lm_head)
         self._steps()
 
     @staticmethod
-    def _layer(block: nn.Module, pack: bool) -> _Layer:
+    def _layer(block: nn.Module) -> _Layer:
         attn, mlp = block.self_attn, block.mlp
-        qkv = Projection.fused([attn.q_proj, attn.k_proj, attn.v_proj], pack)
         return _Layer(
-            input_norm=block.input_layernorm.weight, qkv=qkv, o=Projection.fused([attn.o_proj], pack),
-            post_norm=block.post_attention_layernorm.weight,
-            gate_up=Projection.fused([mlp.gate_proj, mlp.up_proj], pack), down=Projection.fused([mlp.down_proj], pack),
+            input_norm=block.input_layernorm.weight, qkv=Projection.fused([attn.q_proj, attn.k_proj, attn.v_proj]),
+            o=Projection.fused([attn.o_proj]), post_norm=block.post_attention_layernorm.weight,
+            gate_up=Projection.fused([mlp.gate_proj, mlp.up_proj]), down=Projection.fused([mlp.down_proj]),
         )
 
     def _steps(self) -> None:
