@@ -10,7 +10,8 @@ from scipy import stats
 
 from taps_ray.config import TreeConfig
 from taps_ray.models.draft_head import new_head
-from taps_ray.decoding.generate import generate, run_loop, step_tokens
+from taps_ray.decoding.generate import generate, run_loop
+from taps_ray.decoding.step import step_tokens
 from taps_ray.drafting.proposers import NOT_DRAFTED
 from taps_ray.drafting.proposers import PlainDecoding, SingleHead
 from taps_ray.decoding.target_batch import TargetBatch
