@@ -1,14 +1,16 @@
 """Continuous batching: requests join the running batch between verification steps and leave when finished.
 
 `ContinuousBatcher.step` is one scheduling iteration: admit waiting requests (prefill them together, then
-merge their cache rows into the running `TargetBatch`), draft a tree per live sequence with that sequence's own
-proposer and state, verify every tree in ONE target forward, commit, and drop the finished rows. Requests for
-different proposers and with different sampling parameters share the forward (parameters are per row).
+merge their cache rows into the running `TargetBatch`), run the loop's own step over the live sequences
+(`step.decode_step`: a tree per sequence with that sequence's own proposer and state, every tree verified in ONE
+target forward, commit, record), and drop the finished rows. Requests for different proposers and with different
+sampling parameters share the forward (parameters are per row).
 
-Exact like `run_loop`: a sequence's tokens depend only on its prompt, parameters and seed (at T=0 they equal
-plain greedy decoding) whoever shares its batch. `draft_below` decides per step from the live batch size; a
-paused proposer is handed the positions it missed when drafting resumes. Text-level stop conditions (stop
-strings) come in as `Request.stop`, so decoding ends at the step that completes one.
+Exact like `run_loop`, whose step it is: a sequence's tokens depend only on its prompt, parameters and seed (at
+T=0 they equal plain greedy decoding) whoever shares its batch, and `draft_below` pauses drafting by the same rule
+(decided per step from the live batch size). What Serve adds is its sequences' commit (`_Sequence.commit`):
+text-level stop conditions (stop strings) come in as `Request.stop`, so decoding ends at the step that completes
+one; log-probabilities; streaming each step's tokens.
 
 Plain PyTorch, no Ray and no asyncio: the caller runs `step` in one worker thread and hears back through the
 request's callbacks (called from that thread).
