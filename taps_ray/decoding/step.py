@@ -71,13 +71,13 @@ class Generation:
 
 
 def record_step(tree: DraftTree, verdict: Verdict, new_tokens: int, draft_s: float, verify_s: float, head: int,
-                nodes: tuple[list[float], list[float], list[int]] | None = None) -> StepRecord:
+                nodes: tuple[list[float], list[float], list[int]]) -> StepRecord:
     """One step's record; `nodes`: the tree's per-node (confidence, entropy, source) already read to the host
-    (`node_values`, one read for a batch), else read here."""
+    (`node_values`: one read for the whole batch, not one per tree)."""
     accepted = [False] * tree.size
     for node in verdict.nodes:
         accepted[node] = True
-    confidence, entropy, source = nodes if nodes is not None else node_values([tree])[0]
+    confidence, entropy, source = nodes
     return StepRecord(
         accepted=verdict.accepted,
         new_tokens=new_tokens,
