@@ -57,7 +57,7 @@ def run_loop(
         raise ValueError(f"max_new_tokens must be at least 1, one for all prompts or one per prompt: {max_new_tokens}")
     proposers = list(proposer) if isinstance(proposer, list) else [proposer] * len(prompts)
     if len(proposers) != len(prompts):
-        raise ValueError(f"got {len(proposers)} proposers for {len(prompts)} prompts: pass one for all or one per prompt")
+        raise ValueError(f"got {len(proposers)} proposers for {len(prompts)} prompts: pass one for all or one each")
     check_draft_below(draft_below)
     seeds = seeds if seeds is not None else list(range(len(prompts)))
     stops = set(stop_ids)
