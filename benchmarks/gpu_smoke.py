@@ -72,7 +72,7 @@ from taps_ray.decoding.generate import generate  # noqa: E402
 from taps_ray.decoding.step import Generation  # noqa: E402
 from taps_ray.drafting.proposers import PlainDecoding, SingleHead  # noqa: E402
 from taps_ray.drafting.tree import DraftContext  # noqa: E402
-from taps_ray.decoding.verify import SamplingParams  # noqa: E402
+from taps_ray.decoding.verify import SamplingParams, position_uniforms  # noqa: E402
 from taps_ray.fsio import atomic_write_json, atomic_write_text  # noqa: E402
 from taps_ray.models.draft_head import new_head  # noqa: E402
 from taps_ray.training.losses import Batch, FrozenTarget, LossSettings, run_passes  # noqa: E402
@@ -187,7 +187,21 @@ def lossless_fp32(device: torch.device, small: bool, fit_steps: int) -> tuple[di
               "equal_plain": [g.tokens for g in spec] == [g.tokens for g in plain],
               "equal_hf": [g.tokens for g in spec] == hf, "accepted": accepted(spec),
               "tau": statistics.mean(g.tau for g in spec), "tokens": sum(len(g.tokens) for g in spec)}
-    return result, model, head
+    return {**result, **sampled_fp32(model, head, starts, new)}, model, head
+
+
+def sampled_fp32(model, head, starts: list[list[int]], new: int) -> dict:
+    """T > 0: the draws are counter-based per (seed, position), so speculative and plain sampling with the same
+    seeds commit the same tokens (up to rounding at a cumulative-probability boundary); the device's uniforms
+    must equal the CPU's (int64 arithmetic wrapping alike)."""
+    sampled = SamplingParams(temperature=0.8, top_p=0.95)
+    seeds = list(range(len(starts)))
+    spec = generate(model, proposer(model, head, PAPER_TREE), starts, sampled, new, [], seeds=seeds)
+    plain = generate(model, PlainDecoding(), starts, sampled, new, [], seeds=seeds)
+    seed_ids, positions = torch.arange(-3, 61), torch.arange(0, 4096, 7)
+    on_device = position_uniforms(seed_ids.to(model.device), positions.to(model.device).expand(64, -1)).cpu()
+    return {"sampled_match": match_rate(spec, plain), "sampled_accepted": accepted(spec),
+            "uniforms_equal_cpu": bool(torch.equal(on_device, position_uniforms(seed_ids, positions.expand(64, -1))))}
 
 
 def bf16_match(name: str, model, head) -> dict:
@@ -255,6 +269,9 @@ def report(results: dict) -> str:
               f"({fp['fit']['fit_s']:.1f} s, training agreement {fp['fit']['agreement']:.2f}): speculative == plain: "
               f"**{fp['equal_plain']}**, speculative == HF generate: **{fp['equal_hf']}**; {fp['accepted']} drafted "
               f"tokens accepted over {fp['tokens']} generated (tau {fp['tau']:.2f}).", "",
+              f"T = 0.8, top-p 0.95, same seeds: speculative vs plain sampling agree on "
+              f"**{fp['sampled_match']:.3f}** of positions ({fp['sampled_accepted']} drafted tokens accepted); the "
+              f"device's per-position uniforms equal the CPU's: **{fp['uniforms_equal_cpu']}**.", "",
               "## bf16 match rate (speculative vs plain, T = 0)", "", "| shape | match rate | accepted | tau |",
               "|---|---:|---:|---:|"]
     for m in results["bf16"]:

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Host syncs and host milliseconds per decoding step at batch 1, 4 and 16, on the tiny target. Not a test.
 
-    python benchmarks/host_overhead.py --vocabs 49152 512 --json reports/results/host_overhead.json \
-        --before reports/results/host_overhead_before.json --out reports/host_overhead.md
+    python benchmarks/host_overhead.py --vocabs 49152 512 --temperatures 0 0.8 \
+        --json reports/results/host_overhead.json --before reports/results/host_overhead_before.json --out reports/host_overhead.md
 
 The tiny target (configs/tiny.yaml: random weights, 2 layers of width 64) decodes random prompts greedily through
 the in-process loop (`decoding.generate.run_loop` over a `TargetBatch`) with a random EAGLE-2 head drafting real
@@ -70,16 +70,16 @@ class CountedTarget:
         return self.batch.step(trees)
 
 
-def decode(target, proposer, prompts, max_new: int, count: bool) -> dict:
-    """One greedy decode of `prompts`; syncs per step (when `count`) or milliseconds per step."""
+def decode(target, proposer, prompts, params: SamplingParams, max_new: int, count: bool) -> dict:
+    """One decode of `prompts`; syncs per step (when `count`) or milliseconds per step."""
     counter = SyncCounter() if count else None
     verifier = CountedTarget(TargetBatch(target.model), counter)
     t0 = time.perf_counter()
     if counter is not None:
         with counter:
-            generations = run_loop(verifier, proposer, prompts, SamplingParams(), max_new, stop_ids=[])
+            generations = run_loop(verifier, proposer, prompts, params, max_new, stop_ids=[])
     else:
-        generations = run_loop(verifier, proposer, prompts, SamplingParams(), max_new, stop_ids=[])
+        generations = run_loop(verifier, proposer, prompts, params, max_new, stop_ids=[])
     wall = time.perf_counter() - t0 - verifier.start_s
     steps = verifier.steps
     accepted = sum(s.accepted for g in generations for s in g.steps)
@@ -94,9 +94,10 @@ def decode(target, proposer, prompts, max_new: int, count: bool) -> dict:
     return out
 
 
-def measure(config, tree: TreeConfig, vocab_size: int | None, args: argparse.Namespace) -> dict[str, dict]:
+def measure(config, tree: TreeConfig, vocab_size: int | None, temperature: float, args: argparse.Namespace
+            ) -> dict[str, dict]:
     """Syncs and milliseconds per step at each batch size, for the tiny target with `vocab_size` tokens (None:
-    the config's, the tokenizer's 49k)."""
+    the config's, the tokenizer's 49k), greedy (temperature 0) or sampled."""
     target_config = config.target.model_copy(update={"device": "cpu"})
     if vocab_size is not None:
         target_config = target_config.model_copy(update={"tiny": target_config.tiny.model_copy(
@@ -106,24 +107,26 @@ def measure(config, tree: TreeConfig, vocab_size: int | None, args: argparse.Nam
     proposer = SingleHead("eagle2", head, DraftContext(target.model.get_input_embeddings(), target.model.lm_head),
                           tree)
     vocab = target.model.config.vocab_size
+    params = SamplingParams(temperature=temperature)
     generator = torch.Generator().manual_seed(0)
     results = {}
     for batch in args.batches:
         prompts = torch.randint(10, vocab, (batch, args.prompt_len), generator=generator).tolist()
-        counted = decode(target, proposer, prompts, args.max_new, count=True)
-        decode(target, proposer, prompts, args.max_new, count=False)  # warm-up
-        timed = [decode(target, proposer, prompts, args.max_new, count=False) for _ in range(args.repeats)]
+        counted = decode(target, proposer, prompts, params, args.max_new, count=True)
+        decode(target, proposer, prompts, params, args.max_new, count=False)  # warm-up
+        timed = [decode(target, proposer, prompts, params, args.max_new, count=False) for _ in range(args.repeats)]
         results[str(batch)] = {**counted, "host_ms": statistics.median(t["host_ms"] for t in timed),
                                "forward_ms": statistics.median(t["forward_ms"] for t in timed)}
-    return {"vocab": vocab, "batches": results}
+    return {"vocab": vocab, "temperature": temperature, "batches": results}
 
 
-def _runs(record: dict) -> list[tuple[str, dict]]:
-    """(vocabulary, results by batch) of a record; records written before `--vocabs` ran the tokenizer's."""
+def _runs(record: dict) -> list[tuple[str, float, dict]]:
+    """(vocabulary, temperature, results by batch) of a record; records written before `--vocabs` ran the
+    tokenizer's, before `--temperatures` greedy only."""
     results = record["results"]
     if all("batches" in r for r in results.values()):
-        return [(str(r["vocab"]), r["batches"]) for r in results.values()]
-    return [("49152", results)]
+        return [(str(r["vocab"]), r.get("temperature", 0.0), r["batches"]) for r in results.values()]
+    return [("49152", 0.0, results)]
 
 
 def main() -> int:
@@ -135,6 +138,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--vocabs", type=int, nargs="+", default=None,
                         help="tiny-target vocabulary sizes to run (default: the config's, the tokenizer's 49k)")
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0],
+                        help="sampling temperatures to run (0: greedy; the summary line is greedy's)")
     parser.add_argument("--json", default=None, help="also write the numbers here (a later run's --before)")
     parser.add_argument("--before", default=None, help="an earlier run's --json, shown as the baseline")
     parser.add_argument("--out", default=None, help="write the markdown here (else print it)")
@@ -144,9 +149,10 @@ def main() -> int:
     config = load_config(ROOT / args.config)
     tree = TreeConfig(**config.tree.model_dump())
     results = {}
-    for vocab_size in args.vocabs or [None]:
-        run = measure(config, tree, vocab_size, args)
-        results[str(run["vocab"])] = run
+    for temperature in args.temperatures:
+        for vocab_size in args.vocabs or [None]:
+            run = measure(config, tree, vocab_size, temperature, args)
+            results[f"{run['vocab']}@{temperature:g}"] = run
     git = os.popen(f"git -C {ROOT} rev-parse --short HEAD").read().strip()
     if os.popen(f"git -C {ROOT} status --porcelain --untracked-files=no").read().strip():
         git += "+changes"  # the working tree differs from the commit
@@ -156,15 +162,19 @@ def main() -> int:
     before = json.loads(Path(args.before).read_text()) if args.before else None
 
     command = "python benchmarks/host_overhead.py" + "".join(
-        f" --{k} {v}" for k, v in (("vocabs", " ".join(map(str, args.vocabs or []))), ("json", args.json),
+        f" --{k} {v}" for k, v in (("vocabs", " ".join(map(str, args.vocabs or []))),
+                                   ("temperatures", " ".join(f"{t:g}" for t in args.temperatures)
+                                    if args.temperatures != [0.0] else ""),
+                                   ("json", args.json),
                                    ("before", args.before), ("out", args.out)) if v)
     lines = [
         "# Host overhead per decoding step (tiny target)",
         "",
         f"Regenerate with `{command}`. {cpu_line()}; torch threads {torch.get_num_threads()}. The tiny target "
-        f"(`{args.config}`, random weights) greedy-decodes {args.max_new} tokens of random {args.prompt_len}-token "
+        f"(`{args.config}`, random weights) decodes {args.max_new} tokens of random {args.prompt_len}-token "
         f"prompts through `run_loop` with a random EAGLE-2 head drafting trees of total_token {tree.total_token}, "
-        f"depth {tree.depth}, top_k {tree.top_k}. syncs/step: calls that would block the host on a GPU "
+        f"depth {tree.depth}, top_k {tree.top_k}, greedy (T 0) or sampled (T > 0: one vectorised acceptance pass "
+        "with per-position draws, as greedy). syncs/step: calls that would block the host on a GPU "
         "(`taps_ray/syncs.py`), prefill excluded; host ms/step: median wall ms per step of "
         f"{args.repeats} runs (forward ms: the part inside the target's forward).",
         "",
@@ -174,26 +184,27 @@ def main() -> int:
         "dispatch of every op. torch calls/step counts that dispatch (every call the counting mode sees), "
         "machine independent like the syncs.",
         "",
-        "| run | commit | vocab | batch | steps | accepted/step | syncs/step | torch calls/step | host ms/step | "
+        "| run | commit | vocab | T | batch | steps | accepted/step | syncs/step | torch calls/step | host ms/step | "
         "forward ms/step |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for label, rec in (("before", before), ("after", record)):
         if rec is None:
             continue
-        for vocab, batches in _runs(rec):
+        for vocab, temperature, batches in _runs(rec):
             for batch, r in batches.items():
                 calls = f"{r['calls_per_step']:.0f}" if "calls_per_step" in r else "–"
-                lines.append(f"| {label} | {rec['commit']} | {vocab} | {batch} | {r['steps']} | "
+                lines.append(f"| {label} | {rec['commit']} | {vocab} | {temperature:g} | {batch} | {r['steps']} | "
                              f"{r['accepted_per_step']:.2f} | {r['syncs_per_step']:.1f} | {calls} | "
                              f"{r['host_ms']:.1f} | {r['forward_ms']:.1f} |")
     if before is not None:
         lines += ["", f"The before run: {before['cpu']}."]
-    vocab, batches = _runs(record)[-1]  # the last vocabulary asked for: the summary line's
+    greedy = 0.0 if 0.0 in args.temperatures else args.temperatures[0]
+    vocab, _, batches = [run for run in _runs(record) if run[1] == greedy][-1]  # the summary line's run
     lines += ["", f"Syncs at the largest batch (vocabulary {vocab}), by call: " + ", ".join(
         f"{name} {n}" for name, n in batches[str(max(args.batches))]["by_name"].items()) + "."]
     small, large = batches[str(min(args.batches))], batches[str(max(args.batches))]
-    lines += ["", f"The summary line is the vocabulary-{vocab} run's.", "",
+    lines += ["", f"The summary line is the vocabulary-{vocab}, T {greedy:g} run's.", "",
               f"syncs/step b{min(args.batches)}={small['syncs_per_step']:.1f} "
               f"b{max(args.batches)}={large['syncs_per_step']:.1f}; host_ms/step "
               f"b{min(args.batches)}={small['host_ms']:.1f} b{max(args.batches)}={large['host_ms']:.1f}"]

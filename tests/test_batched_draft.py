@@ -99,7 +99,7 @@ def test_batched_trees_equal_per_head_trees_along_a_decode(tiny_target, fitted, 
                 single, cache = part.propose(cache, features, next_tokens)
                 alone[i] = (part, cache)
                 singles.append(single)
-            side_by_side, batched = proposer.draft_all(batched, features, next_tokens)
+            (side_by_side,), (batched,) = proposer.draft_all([batched], [features], [next_tokens])
             tied = [_assert_same_tree(got, want, d) for got, want in zip(side_by_side, singles)]
             near_ties += any(tied)
             assert state.stacked.length == alone[0][1].length and state.parts == ()
@@ -167,3 +167,33 @@ def test_heads_stop_expanding_on_their_own_confidence(tiny_target, fitted, promp
         assert_same_tree(got, want, tree_rtol(model.config.hidden_size, tree.depth))
     assert int(alone[0].depth.max()) > int(alone[1].depth.max())  # they stopped at different levels
     assert cache.length == len(next_tokens)
+
+
+@pytest.mark.parametrize("name", ["confidence-routed", "entropy-routed", "merged", "math+ngram"])
+def test_routers_draft_a_batch_of_sequences_as_each_alone(tiny_target, fitted, prompts, name):
+    """`propose_batch` over the sequences of a decode, step by step from the inputs each got alone (drafts
+    accepted, so steps hand over several positions): every sequence gets the tree and choice it gets alone (up to
+    rounding and rare near-ties: batched rows run other kernels)."""
+    proposer = build_proposer(name, tiny_target, fitted, TREE)
+    d = tiny_target.model.config.hidden_size
+    calls, accepted = [], 0
+    for prompt in prompts:
+        recorder = Recording(proposer)
+        generation = generate(tiny_target.model, recorder, [prompt], GREEDY, MAX_NEW, tiny_target.stop_token_ids)[0]
+        accepted += sum(s.accepted for s in generation.steps)
+        calls.append(recorder.calls)
+    assert accepted > 0
+    states = [proposer.init_state() for _ in prompts]
+    compared = near_ties = 0
+    for step in range(min(len(c) for c in calls)):
+        features = [c[step][0] for c in calls]
+        next_tokens = [c[step][1] for c in calls]
+        trees, states = proposer.propose_batch(states, features, next_tokens)
+        for s, (tree, state) in enumerate(zip(trees, states)):
+            _, _, want_tree, want_state = calls[s][step]
+            if _assert_same_tree(tree, want_tree, d):
+                near_ties += 1
+                continue
+            assert getattr(state, "last_head", 0) == getattr(want_state, "last_head", 0)
+            compared += 1
+    assert compared >= 4 and near_ties <= compared // 4

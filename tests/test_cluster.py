@@ -201,25 +201,33 @@ def test_worker_gathers_sessions_into_one_forward(tiny_target, cfg, wait_ms):
         assert stats["batch_histogram"].get(4, 0) > 0
 
 
-def test_stepping_some_rows_leaves_the_others_untouched(tiny_target, cfg):
+@pytest.mark.parametrize("stepped", [[1], [2, 1]], ids=["copied-out", "in-place"])
+def test_stepping_some_rows_leaves_the_others_untouched(tiny_target, cfg, stepped):
+    """One of three rows steps on a copy of its cache; two of three step in place beside a padded row: either
+    way each stepped row commits what it commits alone and the others keep their cache and length."""
     heads = load_heads(cfg, "eagle2", torch.float32)
     proposer = build_proposer("math", tiny_target, heads, cfg.tree)
     params = SamplingParams(temperature=1.0)
     prompts = [[1, 5, 9, 14, 3], [1, 7, 2], [1, 22, 8, 8]]
-    shared, alone = TargetBatch(tiny_target.model), TargetBatch(tiny_target.model)
+    shared = TargetBatch(tiny_target.model)
     started = shared.start(prompts, params, [0, 1, 2])
-    alone.start(prompts[1:2], params, [1])
-    tree, _ = proposer.propose(proposer.init_state(), started[1].features, started[1].next_tokens)
+    trees = [proposer.propose(proposer.init_state(), started[r].features, started[r].next_tokens)[0] for r in stepped]
+    still = [r for r in range(3) if r not in stepped]
     layers = range(shared.cache.num_layers)
-    before = [shared.cache.layer(i)[0][[0, 2]].clone() for i in layers]
-    got = shared.step_rows([1], [tree])[0]
-    want = alone.step([tree])[0]
-    assert got.tokens == want.tokens
-    torch.testing.assert_close(got.features, want.features)
-    assert shared.lengths.tolist() == [5, int(alone.lengths[0]), 4]
+    before = [shared.cache.layer(i)[0][still].clone() for i in layers]
+    got = shared.step_rows(stepped, trees)
+    lengths = [len(p) for p in prompts]
+    for row, tree, result in zip(stepped, trees, got):
+        alone = TargetBatch(tiny_target.model)
+        alone.start([prompts[row]], params, [row])
+        want = alone.step([tree])[0]
+        assert result.tokens == want.tokens
+        torch.testing.assert_close(result.features, want.features)
+        lengths[row] = int(alone.lengths[0])
+    assert shared.lengths.tolist() == lengths
     for i, old in zip(layers, before):
         keys = shared.cache.layer(i)[0]
-        torch.testing.assert_close(keys[[0, 2], :, : old.shape[2]], old)
+        torch.testing.assert_close(keys[still, :, : old.shape[2]], old)
         assert keys.shape[2] == int(shared.lengths.max())
     assert shared.batch_size == 3 and shared.live == [0, 1, 2]  # rows sitting out stay in the cache
 

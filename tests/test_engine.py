@@ -16,7 +16,9 @@ from taps_ray.drafting.proposers import NOT_DRAFTED
 from taps_ray.drafting.proposers import PlainDecoding, SingleHead
 from taps_ray.decoding.target_batch import TargetBatch
 from taps_ray.drafting.tree import DraftContext, HeadCache, build_tree, draft_eagle2, extend_batch
-from taps_ray.decoding.verify import SamplingParams, accept_greedy, accept_stochastic, processed_probs
+from taps_ray.decoding.verify import (
+    SamplingParams, accept_batch, greedy_path, greedy_tokens, position_uniforms, processed_probs,
+)
 
 from oracles import FixedTree, GreedyOracle, Recording, fit_head
 
@@ -242,6 +244,22 @@ def test_finished_sequences_leave_the_batch_and_sampling_follows_each_seed(devic
         assert generation.tokens == alone.tokens  # each row kept its own generator as others left
 
 
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9)])
+def test_sampled_speculative_decoding_commits_the_tokens_plain_sampling_does(small_vocab_target, params):
+    """Every committed token is a draw from the target's distribution at its position with that position's
+    uniform, whatever the tree: with the same seeds, speculative and plain sampling commit the same tokens (up
+    to fp32 rounding landing a uniform across a cumulative-probability boundary, ~1e-7 per token). Sequence by
+    sequence, this is the T > 0 lossless check a distribution test cannot give; drafts were accepted."""
+    model = small_vocab_target.model
+    prompts = [[1, 2, 3], [4, 0], [2, 2, 1, 3]] * 4
+    seeds = list(range(100, 100 + len(prompts)))
+    drafted = run_loop(TargetBatch(model), DUPLICATE_TREE, prompts, params, 12, [], seeds=seeds)
+    plain = run_loop(TargetBatch(model), PlainDecoding(), prompts, params, 12, [], seeds=seeds)
+    assert [g.tokens for g in drafted] == [g.tokens for g in plain]
+    assert sum(s.accepted for g in drafted for s in g.steps) > 10
+    assert len({tuple(g.tokens) for g in plain}) > 3  # the seeds drew different continuations
+
+
 def test_results_own_their_storage_so_one_sequence_pickles_to_a_quarter_of_the_batch(tiny_target):
     """A drafter is shipped its own sequence's rows, never the batch's hidden states or logits behind a view."""
     prompts = [list(range(100 + 48 * b, 148 + 48 * b)) for b in range(4)]  # equal lengths: equal shares
@@ -321,31 +339,34 @@ def test_sampling_is_lossless_chi_square(small_vocab_target, params):
 
 
 def test_chi_square_detects_a_broken_acceptance_rule(small_vocab_target, monkeypatch):
-    """The distribution test has power: always accepting the first candidate must fail it."""
+    """The distribution test has power: the target's choice after each node read from its parent's logits (an
+    off-by-one) must fail it."""
     import taps_ray.decoding.verify as verify
 
     model = small_vocab_target.model
     prompt = [1, 2, 3]
     params = SamplingParams(temperature=1.0)
-    monkeypatch.setattr(verify, "_remove", lambda probs, token: probs)  # no residual renormalisation
-    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor(0.0))  # accept whatever is drafted
+    original = verify.target_choices
+    monkeypatch.setattr(verify, "target_choices", lambda logits, rows, uniforms: original(
+        torch.cat([logits[:, :1], logits[:, :-1]], dim=1), rows, uniforms))
     counts = _sampled_pairs(model, DUPLICATE_TREE, prompt, params, runs=300)
     monkeypatch.undo()
     assert _chi_square_pvalue(counts, _exact_pair_distribution(model, prompt, params)) < 1e-6
 
 
 def test_stochastic_acceptance_single_step_matches_target():
-    """One tree, fixed logits: the committed first token is distributed exactly as the target says."""
+    """One tree, fixed logits, 4000 seeds verified as one batch: the committed first token is distributed exactly
+    as the target says."""
     logits = torch.tensor([[1.0, 0.5, -0.5, 0.0], [0.2, 0.1, 0.0, 2.0], [0.0, 0.0, 0.0, 0.0], [3.0, 0, 0, 0]])
     tree = build_tree(torch.tensor([0, 3, 0, 3]), torch.tensor([-1, 0, 0, 0]))  # duplicate sibling 3
     params = SamplingParams(temperature=1.0)
-    generator = torch.Generator().manual_seed(0)
+    runs = 4000
+    uniforms = position_uniforms(torch.arange(runs), torch.arange(1, 5).expand(runs, -1))
     counts = torch.zeros(4)
-    for _ in range(4000):
-        verdict = accept_stochastic(tree, logits, params, generator)
+    for verdict in accept_batch([tree] * runs, logits.expand(runs, -1, -1), [params] * runs, uniforms):
         first = verdict.tokens[1] if verdict.accepted else verdict.bonus
         counts[first] += 1
-    expected = processed_probs(logits[0], params) * 4000
+    expected = processed_probs(logits[0], params) * runs
     assert stats.chisquare(counts, expected).pvalue > 1e-3
 
 
@@ -357,7 +378,7 @@ def test_greedy_acceptance_picks_longest_path_first_row_on_ties():
     logits[1, 2] = 5  # 1 -> 2
     logits[2, 4] = 5  # bonus after 2
     logits[4, 5] = 5
-    verdict = accept_greedy(tree, logits)
+    verdict = greedy_path(tree, greedy_tokens(logits))
     assert verdict.nodes == [0, 1, 2] and verdict.bonus == 4
 
 

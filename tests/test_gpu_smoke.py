@@ -27,6 +27,7 @@ def test_gpu_smoke_cpu_fallback_runs_without_ray_and_is_lossless(tmp_path):
     assert results["environment"]["fallback"] and "CPU fallback" in out.read_text()
     lossless = results["lossless_fp32"]
     assert lossless["equal_plain"] and lossless["equal_hf"] and lossless["accepted"] > 0
+    assert lossless["sampled_match"] == 1.0 and lossless["sampled_accepted"] > 0 and lossless["uniforms_equal_cpu"]
     assert [m["shape"] for m in results["bf16"]] == ["SmolLM2-135M (shrunk)", "Llama-3-8B-Instruct (shrunk)"]
     assert all(0.0 <= m["match_rate"] <= 1.0 for m in results["bf16"])
     rows = results["timing"]["rows"]

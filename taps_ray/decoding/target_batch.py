@@ -14,7 +14,7 @@ The cache is preallocated (`models/kv_cache.py`): forwards write into it in plac
 slots down in place and crops by moving a number, evicted rows are dropped by index. The forward is the
 model's attached one (`models/target_forward.py`): taps' own Llama forward or transformers'.
 
-Every tensor and generator lives on the model's device; trees drafted elsewhere are moved here. What a step
+Every tensor lives on the model's device; trees drafted elsewhere are moved here. What a step
 hands back (`Committed`) owns its storage, never a view into the batch's tensors, so shipping one sequence's
 result (pickling it to a Ray drafter) ships that sequence's rows only.
 The features handed to proposers are the target's post-norm last layer (EAGLE-2, HASS) or, with
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from taps_ray.decoding.verify import SamplingParams, Verdict, accept_batch, sample_root
+from taps_ray.decoding.verify import SamplingParams, accept_batch, position_uniforms, target_choices
 from taps_ray.drafting.tree import DraftTree
 from taps_ray.models.kv_cache import KVCache
 from taps_ray.models.target_forward import TargetForward, target_forward
@@ -79,7 +79,10 @@ class TargetBatch:
     * `step(trees)`, the engine loop's: trees indexed by sequence; a None tree means the sequence is done for
       good and its row leaves the cache (`live` says which sequence each row holds).
     * `step_rows(rows, trees)`, the Ray pool's: trees for some cache rows only; the other rows, and rows whose
-      tree is None, sit this step out and keep their cache, length and generator. `keep_rows` evicts.
+      tree is None, sit this step out and keep their cache and length. `keep_rows` evicts.
+
+    Sequence b draws its tokens at T > 0 with the uniforms of its seed and each position (`position_uniforms`),
+    so a row's tokens depend on its prompt, parameters and seed only, whoever shares the forward.
 
     Sampling parameters are per row (`row_params`), so requests with different parameters share one forward;
     `params` is what `start` was given for the whole batch (the pool groups batches by it). `keep_logits`: every
@@ -100,9 +103,10 @@ class TargetBatch:
         self.target_forward = forward if forward is not None else target_forward(model)
         self.cache = KVCache(self.target_forward.num_layers)
         self.lengths = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.host_lengths: list[int] = []  # the same on the host: the step's bookkeeping reads these, no sync
         self.params = SamplingParams()
         self.row_params: list[SamplingParams] = []
-        self.generators: list[torch.Generator] = []
+        self.seeds = torch.zeros(0, dtype=torch.long, device=self.device)
         self.live: list[int] = []  # the sequence (numbered as it joined) in each cache row
         self.joined = 0  # sequences numbered so far
         self.timings = {"forward": 0.0, "accept": 0.0, "commit": 0.0}  # seconds, summed over steps (profiling)
@@ -111,20 +115,24 @@ class TargetBatch:
     def start(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], seeds: list[int]
     ) -> list[Committed]:
-        """Prefill and pick each sequence's first token; sequence b samples with its own seeded generator and
-        its own parameters (one `SamplingParams` for all, or one per prompt)."""
+        """Prefill and pick each sequence's first token; sequence b samples with its own seed and its own
+        parameters (one `SamplingParams` for all, or one per prompt)."""
         row_params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(row_params) != len(prompts):
             raise ValueError(f"got {len(row_params)} sampling parameters for {len(prompts)} prompts")
         self.params = row_params[0] if isinstance(params, list) and row_params else params
         self.row_params = row_params
-        self.generators = [torch.Generator(device=self.device).manual_seed(seed) for seed in seeds]
+        if len(seeds) != len(prompts):
+            raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts")
+        self.seeds = torch.tensor(seeds, dtype=torch.long, device=self.device)
         outputs = self.prefill(prompts)
         self.live = list(range(len(prompts)))
         self.joined = len(prompts)
+        last = torch.cat([out.logits for out in outputs])[:, None]  # [B, 1, V]
+        uniforms = position_uniforms(self.seeds, self.lengths[:, None])  # the token at position len(prompt)
+        roots = target_choices(last, row_params, uniforms)[:, 0].tolist()  # one read for the batch
         started = []
-        for prompt, out, row, generator in zip(prompts, outputs, row_params, self.generators, strict=True):
-            root = sample_root(out.logits[-1], row, generator)
+        for prompt, out, root in zip(prompts, outputs, roots, strict=True):
             logits = out.logits.clone() if self.keep_logits else None
             next_tokens = torch.tensor(prompt[1:] + [root], device=self.device)
             started.append(Committed([root], out.hidden.clone(), next_tokens, logits=logits))  # clones: own storage
@@ -145,11 +153,17 @@ class TargetBatch:
 
     @torch.no_grad()
     def step_rows(self, rows: list[int], trees: list[DraftTree | None]) -> list[Committed | None]:
-        """`step` for the cache rows `rows` only (trees in the same order; None sits out); the other rows are not
-        computed at all: the rows are copied out, stepped as a batch of their own and written back, so a row
-        that sits out costs no padded row in the forward and keeps its cache, length and generator."""
-        if rows == list(range(self.batch_size)):
-            return self._step(trees)
+        """`step` for the cache rows `rows` only (trees in the same order; None sits out); the other rows keep their
+        cache and length. Two ways, whichever moves less: when at least half the rows step, one forward over the
+        whole batch in place, the rows sitting out with no tree (a padding node each that attends only itself and
+        is dropped at commit: no cache is copied); when fewer do, their caches are copied out, stepped as a batch
+        of their own and written back (a copy of a few rows instead of padded rows for all the others)."""
+        if len(rows) * 2 >= self.batch_size:
+            by_row: list[DraftTree | None] = [None] * self.batch_size
+            for row, tree in zip(rows, trees, strict=True):
+                by_row[row] = tree
+            results = self._step(by_row)
+            return [results[row] for row in rows]
         sub = self._take_rows(rows)
         out = sub._step(trees)
         self._put_rows(rows, sub)
@@ -157,7 +171,7 @@ class TargetBatch:
 
     def merge(self, other: TargetBatch) -> None:
         """Append `other`'s sequences after these (a request joins a running batch between steps); rows keep
-        their own sampling parameters and generators.
+        their own sampling parameters and seeds.
 
         Slots beyond a sequence's length are never attended (the context is masked by `lengths`), so
         zero-padding the narrower cache keeps the invariant "cache width = longest sequence" and every value.
@@ -168,8 +182,8 @@ class TargetBatch:
             self.cache = other.cache
         else:
             self.cache.merge(other.cache)
-        self.lengths = torch.cat([self.lengths, other.lengths])
-        self.generators = [*self.generators, *other.generators]
+        self._set_lengths([*self.host_lengths, *other.host_lengths])
+        self.seeds = torch.cat([self.seeds, other.seeds])
         self.row_params = [*self.row_params, *other.row_params]
         self.live = [*self.live, *(self.joined + b for b in other.live)]
         self.joined += other.joined
@@ -179,24 +193,24 @@ class TargetBatch:
         if not keep:
             raise ValueError("keep at least one row (drop the whole batch instead)")
         index = torch.tensor(keep, dtype=torch.long, device=self.device)
-        lengths = self.lengths[index]
-        self.cache.keep_rows(index, int(lengths.max()))  # in place: the buffers are kept
-        self.lengths = lengths
-        self.generators = [self.generators[i] for i in keep]
+        lengths = [self.host_lengths[i] for i in keep]
+        self.cache.keep_rows(index, max(lengths))  # in place: the buffers are kept
+        self._set_lengths(lengths)
+        self.seeds = self.seeds[index]
         self.row_params = [self.row_params[i] for i in keep]
         self.live = [self.live[i] for i in keep]
 
     def _take_rows(self, rows: list[int]) -> TargetBatch:
-        """A new batch holding copies of the caches of `rows` (their generators are shared, not copied)."""
+        """A new batch holding copies of the caches of `rows`."""
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
-        lengths = self.lengths[index]
-        width = int(lengths.max())
+        lengths = [self.host_lengths[i] for i in rows]
+        width = max(lengths)
         sub = TargetBatch(self.model, self.keep_logits, self.feature_layers, self.target_forward)
         sub.params = self.params
         sub.row_params = [self.row_params[i] for i in rows]
         sub.cache = self.cache.take_rows(index, width)
-        sub.lengths = lengths.clone()
-        sub.generators = [self.generators[i] for i in rows]
+        sub._set_lengths(lengths)
+        sub.seeds = self.seeds[index]
         return sub
 
     def _put_rows(self, rows: list[int], sub: TargetBatch) -> None:
@@ -204,19 +218,25 @@ class TargetBatch:
         Only slots from the rows' shortest old length on can have changed (a commit moves nothing below a
         sequence's length), so only those are written back."""
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
-        lengths = self.lengths.clone()
-        since = int(lengths[index].min())
-        lengths[index] = sub.lengths
+        lengths = list(self.host_lengths)
+        since = min(lengths[row] for row in rows)
+        for row, length in zip(rows, sub.host_lengths, strict=True):
+            lengths[row] = length
         self.cache.put_rows(index, sub.cache, since)
-        self.lengths = lengths
+        self._set_lengths(lengths)
 
     def _step(self, trees: list[DraftTree | None]) -> list[Committed | None]:
         trees = [None if tree is None else tree.to(self.device) for tree in trees]
+        if all(tree is None for tree in trees):
+            return [None] * len(trees)
         t0 = time.perf_counter()
-        outputs = self.verify(trees)
+        logits, features = self._verify_padded(trees)
         t1 = time.perf_counter()
-        verdicts = accept_batch(trees, [None if out is None else out.logits for out in outputs], self.row_params,
-                                self.generators)
+        uniforms = None
+        if not all(row.greedy for row in self.row_params):  # the draws for positions length + 1 .. length + W
+            after_root = torch.arange(1, logits.shape[1] + 1, device=self.device)
+            uniforms = position_uniforms(self.seeds, self.lengths[:, None] + after_root)
+        verdicts = accept_batch(trees, logits, self.row_params, uniforms)
         t2 = time.perf_counter()
         self.commit([v.nodes if v is not None else [] for v in verdicts])
         t3 = time.perf_counter()
@@ -227,17 +247,17 @@ class TargetBatch:
             if verdict is None
             else Committed(
                 tokens=verdict.tokens[1:] + [verdict.bonus],
-                features=out.hidden[verdict.nodes],  # indexing by a list copies: the result owns its rows
+                features=features[b, verdict.nodes],  # indexing by a list copies: the result owns its rows
                 next_tokens=torch.tensor(verdict.tokens[1:] + [verdict.bonus], device=self.device),
                 verdict=verdict,
-                logits=out.logits[verdict.nodes] if self.keep_logits else None,
+                logits=logits[b, verdict.nodes] if self.keep_logits else None,
             )
-            for verdict, out in zip(verdicts, outputs)
+            for b, verdict in enumerate(verdicts)
         ]
 
     @property
     def device(self) -> torch.device:
-        """Every tensor and generator of the batch lives on the model's device."""
+        """Every tensor of the batch lives on the model's device."""
         return self.model.device
 
     @property
@@ -261,7 +281,7 @@ class TargetBatch:
         if any(not p for p in prompts):
             raise ValueError("every prompt needs at least one token")
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
-        width = int(lengths.max())
+        width = max(len(p) for p in prompts)
         ids = torch.zeros(len(prompts), width, dtype=torch.long, device=self.device)
         for b, prompt in enumerate(prompts):
             ids[b, : len(prompt)] = torch.tensor(prompt, device=self.device)
@@ -272,34 +292,36 @@ class TargetBatch:
         mask |= torch.eye(width, dtype=torch.bool, device=self.device)[None]  # padded rows attend to themselves: no NaN rows
         self.cache.reset(len(prompts))
         hidden, features = self._forward(ids, columns.expand(len(prompts), -1), mask[:, None])
-        self.lengths = lengths
+        self.lengths, self.host_lengths = lengths, [len(p) for p in prompts]
         last = self.target_forward.logits(hidden[torch.arange(len(prompts), device=self.device), lengths - 1])  # [B, V]
         return [TreeOutput(last[b : b + 1], features[b, : len(p)]) for b, p in enumerate(prompts)]
 
     @torch.no_grad()
     def verify(self, trees: list[DraftTree | None]) -> list[TreeOutput | None]:
         """One forward over every sequence's tree (None: the sequence sits this step out)."""
+        if all(tree is None for tree in trees):
+            return [None] * len(trees)
+        logits, features = self._verify_padded(trees)
+        return [None if tree is None else TreeOutput(logits[b, : tree.size], features[b, : tree.size])
+                for b, tree in enumerate(trees)]
+
+    def _verify_padded(self, trees: list[DraftTree | None]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward of `verify`, as the batch's right-padded logits [B, W, V] and features [B, W, d] (W: the
+        widest tree), which acceptance reads in one pass."""
         if len(trees) != self.batch_size:
             raise ValueError(f"got {len(trees)} trees for a batch of {self.batch_size} sequences")
         width = max((t.size for t in trees if t is not None), default=0)
         if width == 0:
-            return [None] * len(trees)
+            raise ValueError("a verification step needs at least one tree")
         past = self.cache.width
         if self._causal(trees, past):
-            hidden, features = self._forward(
-                torch.stack([t.tokens for t in trees]).to(self.device),
-                torch.arange(past, past + width, device=self.device).expand(len(trees), -1),
-                None,
-            )
-            logits = self.target_forward.logits(hidden)
-            return [TreeOutput(logits[b], features[b]) for b in range(len(trees))]
-        ids, positions, mask = self._tree_inputs(trees, width, past)
-        hidden, features = self._forward(ids, positions, mask[:, None])
-        logits = self.target_forward.logits(hidden)
-        return [
-            None if tree is None else TreeOutput(logits[b, : tree.size], features[b, : tree.size])
-            for b, tree in enumerate(trees)
-        ]
+            ids = torch.stack([t.tokens for t in trees]).to(self.device)
+            positions = torch.arange(past, past + width, device=self.device).expand(len(trees), -1)
+            hidden, features = self._forward(ids, positions, None)
+        else:
+            ids, positions, mask = self._tree_inputs(trees, width, past)
+            hidden, features = self._forward(ids, positions, mask[:, None])
+        return self.target_forward.logits(hidden), features
 
     def _tree_inputs(self, trees: list[DraftTree | None], width: int, past: int
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -328,19 +350,19 @@ class TargetBatch:
         a 4-D mask, which the attention kernels also run slower with."""
         if any(t is None for t in trees) or len({t.size for t in trees}) > 1:
             return False
-        return bool((self.lengths == past).all()) and all(t.is_chain for t in trees)
+        return all(length == past for length in self.host_lengths) and all(t.is_chain for t in trees)
 
     def commit(self, accepted_nodes: list[list[int]]) -> None:
         """Keep each sequence's accepted tree slots (root first) right after its committed prefix."""
-        lengths = self.lengths.tolist()  # one read for the batch
+        lengths = self.host_lengths
         start = max(lengths)  # invariant: the committed region is as wide as the longest sequence
-        new_lengths = self.lengths + torch.tensor([len(n) for n in accepted_nodes], device=self.device)
+        new_lengths = [length + len(n) for length, n in zip(lengths, accepted_nodes, strict=True)]
         low = min(lengths)
         high = max(length + len(n) for length, n in zip(lengths, accepted_nodes))
         in_place = low == start and all(nodes == list(range(len(nodes))) for nodes in accepted_nodes)
         if in_place:  # every sequence kept a prefix of its slots (a chain's): nothing moves, only crop
             self.cache.crop(high)
-            self.lengths = new_lengths
+            self._set_lengths(new_lengths)
             return
         rows = []  # built on the host from what it already holds, then one upload for the batch
         for length, nodes in zip(lengths, accepted_nodes):
@@ -350,4 +372,10 @@ class TargetBatch:
             rows.append([*range(low, length), *(start + n for n in nodes), *[0] * (high - low - kept)])
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         self.cache.compact(low, index)  # in place: only slots low..high-1 move, the prefix is not copied
-        self.lengths = new_lengths
+        self._set_lengths(new_lengths)
+
+    def _set_lengths(self, lengths: list[int]) -> None:
+        """The committed lengths, on the host (what the bookkeeping reads) and on the device (what the masks,
+        positions and draws read): one upload, never a read back."""
+        self.host_lengths = list(lengths)
+        self.lengths = torch.tensor(self.host_lengths, dtype=torch.long, device=self.device)

@@ -10,8 +10,8 @@ scheduler runs ONE `TargetBatch.step_rows` over a group as soon as
   * the submitted sequences reach `max_batch`, or
   * the oldest queued request of the group has waited `max_wait_ms`;
 
-sessions that did not submit in time sit that step out (only the submitted rows are stepped, so a late
-session costs no padded rows in the forward and keeps its cache, length and generator). A new session is
+sessions that did not submit in time sit that step out and keep their cache and length (`TargetBatch.step_rows`:
+in place beside padded rows when most rows step, on a copy of the few rows' caches otherwise). A new session is
 prefilled alone, then merged into a group with room (`TargetBatch.merge`); a closed or idle session is
 evicted (`TargetBatch.keep_rows`). The pool only schedules: every cache edit is a `TargetBatch` method. One
 forward runs at a time per worker, in a worker thread, so requests keep arriving while the target computes.

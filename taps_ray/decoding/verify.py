@@ -1,8 +1,10 @@
-"""Acceptance rules: which drafted path the target keeps, and the bonus token it adds.
+"""Acceptance rules: which drafted path the target keeps, and the token it adds after it.
 
-Greedy keeps the longest path that matches the target's argmax. Sampling uses multi-candidate recursive
-rejection with the draft as a point mass (q = 1): each committed token is an exact sample from the
-processed target distribution whatever the tree was (docs/algorithms.md#acceptance).
+The target picks its token after every drafted node (the argmax at T = 0, else a draw from its processed
+distribution with a uniform fixed by the sequence's seed and the position), and the longest drafted path that
+matches those picks is kept. At T > 0 that is the multi-candidate recursive rejection rule with the draft as a
+point mass (q = 1), in one vectorised pass: each committed token is an exact sample from the processed target
+distribution whatever the tree was (docs/algorithms.md#acceptance).
 """
 
 from __future__ import annotations
@@ -71,14 +73,10 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(-1).indices
 
 
-def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
-    """Longest root-to-leaf prefix whose tokens equal the target's argmax; ties go to the first row."""
-    return greedy_path(tree, greedy_tokens(logits))
-
-
 def greedy_path(tree: DraftTree, target_next: torch.Tensor) -> Verdict:
-    """Greedy acceptance given the target's next token after each node ([T] long). Only the entries of nodes on
-    the accepted path are read, which lets replay (spec/replay.py) pass the recorded greedy continuation."""
+    """Greedy acceptance of one tree given the target's next token after each node ([T] long). Only the entries
+    of nodes on the accepted path are read, which lets replay (decoding/replay.py) pass the recorded greedy
+    continuation."""
     candidates = _candidates(tree)
     predicted = target_next[tree.retrieve.clamp(min=0)]
     match = (candidates[:, 1:] == predicted[:, :-1]) & (tree.retrieve[:, 1:] >= 0)
@@ -88,121 +86,134 @@ def greedy_path(tree: DraftTree, target_next: torch.Tensor) -> Verdict:
     return Verdict(nodes=nodes, tokens=tree.tokens[nodes].tolist(), bonus=int(target_next[nodes[-1]]))
 
 
-def accept_greedy_batch(trees: list[DraftTree], logits: list[torch.Tensor]) -> list[Verdict]:
-    """`accept_greedy` of a batch of trees in vectorised passes on the device; the host reads one small tensor
-    for the whole batch. A node is accepted when every drafted node on its path equals the target's argmax
-    after its parent; the verdict is the deepest accepted node, and on equal depths the one whose path comes
-    first in lexicographic order (= DFS preorder with children in index order), the first retrieve row's, as
-    `greedy_path` picks."""
-    pad = torch.nn.utils.rnn.pad_sequence
-    width = max(t.size for t in trees)
-    device = trees[0].tokens.device
+# --- the sampler: one uniform per (sequence seed, position), counter-based ------------------------------------
+
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX = (0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+
+
+def _signed(value: int) -> int:
+    """A 64-bit constant as the int64 torch stores (two's complement)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's `>>` is arithmetic on signed integers)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _splitmix64(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser over int64 (multiplications wrap modulo 2**64, as the unsigned original)."""
+    z = z + _signed(_GOLDEN)
+    z = (z ^ _shift_right(z, 30)) * _signed(_MIX[0])
+    z = (z ^ _shift_right(z, 27)) * _signed(_MIX[1])
+    return z ^ _shift_right(z, 31)
+
+
+def position_uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """U[0, 1) in float64 for each (sequence seed, absolute position): `seeds` [B], `positions` [B, ...].
+
+    Why counter-based: the token at position p of sequence b is drawn with U(seed_b, p) whoever shares the batch,
+    however many steps the sequence took to get there and wherever it is verified (in-process, Serve, a Ray
+    worker), so the whole batch draws in one vectorised pass with no generator objects, and speculative and plain
+    decoding with one seed commit the same tokens (`target_choices`)."""
+    key = _splitmix64(seeds.long())
+    z = _splitmix64(key.view(-1, *[1] * (positions.dim() - 1)) + positions.long() * _signed(_GOLDEN))
+    return _shift_right(z, 11).double() * 2.0**-53
+
+
+SAMPLE_ROWS = 64  # float64 cumulative sums of this many rows at a time: 64 MB at a 128k vocabulary
+
+
+def _sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draws: the first token whose cumulative probability exceeds u * total ([..., V], [...]).
+    The sums run in float64 (no fp32 rounding bias over a large vocabulary), `SAMPLE_ROWS` rows at a time so a
+    batch of wide trees does not hold [B, T, V] of them at once."""
+    flat, u = probs.reshape(-1, probs.shape[-1]), uniforms.reshape(-1)
+    drawn = torch.empty(u.shape, dtype=torch.long, device=probs.device)
+    for start in range(0, u.numel(), SAMPLE_ROWS):
+        rows = slice(start, start + SAMPLE_ROWS)
+        cdf = flat[rows].double().cumsum(-1)
+        drawn[rows] = torch.searchsorted(cdf, (u[rows] * cdf[:, -1])[:, None], right=True)[:, 0]
+    return drawn.clamp(max=probs.shape[-1] - 1).reshape(uniforms.shape)
+
+
+def target_choices(logits: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor | None) -> torch.Tensor:
+    """The target's token after each node: argmax for greedy rows, else a draw from `processed_probs` with that
+    node's uniform. `logits` [B, T, V], one `SamplingParams` per row, `uniforms` [B, T] (None: every row greedy).
+    Rows sharing parameters are processed together."""
+    choices = greedy_tokens(logits)
+    groups: dict[SamplingParams, list[int]] = {}
+    for b, row in enumerate(params):
+        if not row.greedy:
+            groups.setdefault(row, []).append(b)
+    if groups and uniforms is None:
+        raise ValueError("sampling (temperature > 0) needs per-position uniforms (position_uniforms)")
+    for row, members in groups.items():
+        index = torch.tensor(members, device=logits.device)
+        choices[index] = _sample(processed_probs(logits[index], row), uniforms[index])
+    return choices
+
+
+# --- acceptance ------------------------------------------------------------------------------------------------
+
+
+def accept_batch(
+    trees: list[DraftTree | None], logits: torch.Tensor, params: list[SamplingParams],
+    uniforms: torch.Tensor | None = None,
+) -> list[Verdict | None]:
+    """Verdicts for a batch of trees in vectorised passes on the device; the host reads one small tensor.
+
+    `logits` [B, W, V]: row b's first `trees[b].size` entries are its nodes' (W >= every tree's size; a None tree
+    sits out and gets None). `uniforms` [B, W]: row b's uniform for the token at depth d + 1 is `uniforms[b, d]`
+    (`position_uniforms` of the positions after the root); needed when a row samples.
+
+    One rule for greedy and sampled rows: the target picks its token after every node (`target_choices`: the
+    argmax, or a draw from its processed distribution), a node is accepted when every drafted node on its path
+    equals the target's choice after its parent, and the step commits the path to the deepest accepted node and
+    the target's choice there. At T > 0 this is the point-mass (q = 1) multi-candidate rejection rule: trying the
+    siblings one by one with acceptance p(x) and renormalised residuals accepts sibling x with probability p(x)
+    and otherwise draws the bonus from p restricted to the other tokens, exactly what one draw x ~ p followed by
+    a match against the siblings does (docs/algorithms.md#acceptance). So every committed token is a draw from the
+    target's distribution at its position, with the uniform of that position: the output does not depend on the
+    tree. On equal depths (duplicate siblings) the path that comes first in DFS preorder wins, the first retrieve
+    row's, as `greedy_path` picks."""
+    batch, width = logits.shape[0], logits.shape[1]
+    if len(trees) != batch or any(t is not None and t.size > width for t in trees):
+        raise ValueError(f"need one tree (or None) per logits row, each at most {width} nodes; got {len(trees)} trees")
+    device = logits.device
     nodes = torch.arange(width, device=device)
-    tokens = pad([t.tokens for t in trees], batch_first=True, padding_value=-1)  # [B, T]
-    parents = pad([t.parents for t in trees], batch_first=True)
-    depth = pad([t.depth for t in trees], batch_first=True)
-    target_next = pad([greedy_tokens(x) for x in logits], batch_first=True)
-    mask = torch.stack([torch.nn.functional.pad(t.mask, (0, width - t.size, 0, width - t.size)) for t in trees])
-    valid = nodes < torch.tensor([t.size for t in trees], device=device)[:, None]
+    empty = torch.zeros(0, dtype=torch.long, device=device)
+
+    def padded(field: str, value: int) -> torch.Tensor:
+        rows = [empty if t is None else getattr(t, field) for t in trees]
+        out = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=value)
+        return torch.nn.functional.pad(out, (0, width - out.shape[1]), value=value)
+
+    tokens, parents, depth = padded("tokens", -1), padded("parents", 0), padded("depth", 0)
+    mask = torch.stack([torch.zeros(width, width, dtype=torch.bool, device=device) if t is None
+                        else torch.nn.functional.pad(t.mask, (0, width - t.size, 0, width - t.size)) for t in trees])
+    sizes = torch.tensor([0 if t is None else t.size for t in trees], device=device)
+    valid = nodes < sizes[:, None]
+    node_uniforms = None if uniforms is None else uniforms.gather(1, depth)
+    target_next = target_choices(logits, params, node_uniforms)  # [B, W]
     ok = (tokens == target_next.gather(1, parents.clamp(min=0))) | (nodes == 0)
     accepted = ~(mask & ~ok[:, None, :]).any(-1) & valid  # every node on the path matches
     # preorder rank: 1 + the subtree sizes of earlier siblings, summed over the path below the root
-    subtree = mask.sum(1)  # [B, T]: descendants and self
+    subtree = mask.sum(1)  # [B, W]: descendants and self
     sibling = (parents[:, :, None] == parents[:, None, :]) & (nodes[None, :] < nodes[:, None])[None]
-    before = (sibling & valid[:, None, :]).float() @ subtree.float()[:, :, None]  # [B, T, 1]
+    before = (sibling & valid[:, None, :]).float() @ subtree.float()[:, :, None]  # [B, W, 1]
     step = (1.0 + before[..., 0]).masked_fill(nodes == 0, 0.0)
     preorder = (mask.float() @ step[:, :, None])[..., 0].long()
     key = torch.where(accepted, depth * (width + 1) + (width - preorder), -1)
     best = key.argmax(-1)  # [B]
-    rows = torch.arange(len(trees), device=device)
+    rows = torch.arange(batch, device=device)
     path = torch.where(mask[rows, best], nodes, width).sort(-1).values  # root-to-node order, `width` pads
     path_tokens = tokens.gather(1, path.clamp(max=width - 1))
     packed = torch.cat([depth[rows, best, None] + 1, path, path_tokens, target_next[rows, best, None]], dim=1)
-    verdicts = []
-    for row in packed.tolist():
+    verdicts: list[Verdict | None] = []
+    for tree, row in zip(trees, packed.tolist()):
         n = row[0]
-        verdicts.append(Verdict(nodes=row[1 : 1 + n], tokens=row[1 + width : 1 + width + n], bonus=row[-1]))
+        verdicts.append(None if tree is None else
+                        Verdict(nodes=row[1 : 1 + n], tokens=row[1 + width : 1 + width + n], bonus=row[-1]))
     return verdicts
-
-
-def _remove(probs: torch.Tensor, token: int) -> torch.Tensor:
-    probs = probs.clone()
-    probs[token] = 0.0
-    total = probs.sum()
-    if total <= 1e-12:  # only reachable through rounding: the rejected token held all the mass
-        raise FloatingPointError("residual distribution vanished after a rejection")
-    return probs / total
-
-
-def _coin(p: float, generator: torch.Generator) -> bool:
-    """True with probability p: one uniform draw from the sequence's generator (U < p)."""
-    return float(torch.rand((), generator=generator, device=generator.device)) < p
-
-
-def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One token from `probs` (multinomial normalises them)."""
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
-def accept_stochastic(
-    tree: DraftTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
-) -> Verdict:
-    """Recursive rejection over sibling candidates; duplicates (same token value) are tried once."""
-    candidates = _candidates(tree).tolist()
-    retrieve = tree.retrieve.tolist()
-    alive = list(range(len(retrieve)))
-    nodes = [0]
-    residual = None
-    for column in range(1, len(retrieve[0])):
-        probs = processed_probs(logits[nodes[-1]], params)
-        tried: set[int] = set()
-        taken = None
-        for row in alive:
-            token = candidates[row][column]
-            if token < 0 or token in tried:
-                continue
-            tried.add(token)
-            if _coin(float(probs[token]), generator):
-                taken = (row, token)
-                break
-            probs = _remove(probs, token)
-        if taken is None:
-            residual = probs
-            break
-        row, token = taken
-        nodes.append(retrieve[row][column])
-        alive = [r for r in alive if candidates[r][column] == token]
-    if residual is None:
-        residual = processed_probs(logits[nodes[-1]], params)
-    return Verdict(nodes=nodes, tokens=tree.tokens[nodes].tolist(), bonus=_draw(residual, generator))
-
-
-def accept(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> Verdict:
-    if params.greedy:
-        return accept_greedy(tree, logits)
-    if generator is None:
-        raise ValueError("sampling (temperature > 0) needs a seeded torch.Generator")
-    return accept_stochastic(tree, logits, params, generator)
-
-
-def accept_batch(
-    trees: list[DraftTree | None], logits: list[torch.Tensor | None], params: list[SamplingParams],
-    generators: list[torch.Generator | None],
-) -> list[Verdict | None]:
-    """`accept` of each tree (None: none), the greedy ones in one vectorised pass (`accept_greedy_batch`)."""
-    verdicts: list[Verdict | None] = [None] * len(trees)
-    greedy = [b for b, tree in enumerate(trees) if tree is not None and params[b].greedy]
-    if greedy:
-        for b, verdict in zip(greedy, accept_greedy_batch([trees[b] for b in greedy], [logits[b] for b in greedy])):
-            verdicts[b] = verdict
-    for b, tree in enumerate(trees):
-        if tree is not None and not params[b].greedy:
-            verdicts[b] = accept(tree, logits[b], params[b], generators[b])
-    return verdicts
-
-
-def sample_root(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """The first generated token, from the prefill's last logits."""
-    if params.greedy:
-        return int(greedy_tokens(logits))
-    return int(torch.multinomial(processed_probs(logits, params), 1, generator=generator))

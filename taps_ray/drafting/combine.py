@@ -22,7 +22,9 @@ proposers accept any `Proposer` parts, which lets tests combine oracle drafters 
 part drafts every step (confidence routing, merged trees) and the parts are `SingleHead`s whose heads stack
 (same shape, context and tree settings: `stackable`), the heads draft side by side, one batched forward per
 tree level in one stacked cache (one `StackedHead` through `draft_eagle2`), giving the trees they would draft one by one; other parts
-draft one after the other.
+draft one after the other. Every combination drafts a batch of sequences at once (`propose_batch`): side by side
+one forward per tree level for all sequences and heads, else each part over all the sequences, and the trees'
+means (what routers choose by) read once for the batch.
 
 A routed state exposes `last_head` (the index of the part whose tree was verified; -1 for a merged tree),
 which the decoding loop copies into `StepRecord.head`.
@@ -41,9 +43,9 @@ from taps_ray.config import TreeConfig
 from taps_ray.models.draft_head import DraftHead
 from taps_ray.models.stacked_head import StackedHead
 from taps_ray.drafting.ngram import NgramProposer
-from taps_ray.drafting.proposers import Proposer, SingleHead, feature_layers, stackable
+from taps_ray.drafting.proposers import Proposer, SingleHead, feature_layers, propose_batch, stackable
 from taps_ray.drafting.tree import (
-    DraftContext, DraftTree, HeadCache, build_tree, draft_eagle2, path_scores, ranked_nodes, subtree,
+    DraftContext, DraftTree, HeadCache, build_tree, draft_eagle2, path_scores, ranked_nodes, subtree, tree_means,
 )
 
 # --- checkpoint averaging (docs/algorithms.md#weight-averaging) ---------------------------------------------
@@ -95,13 +97,17 @@ class RouterState:
     shares: tuple[int, ...] = ()  # merged-budget: nodes allotted to each part; rank merge: nodes each part added
 
 
-def _draft_all(parts: Sequence[Proposer], states: Sequence[Any], features: torch.Tensor, next_tokens: torch.Tensor):
-    trees, new_states = [], []
-    for part, state in zip(parts, states):
-        tree, new_state = part.propose(state, features, next_tokens)
-        trees.append(tree)
-        new_states.append(new_state)
-    return trees, tuple(new_states)
+def _draft_parts(
+    parts: Sequence[Proposer], states: Sequence[tuple[Any, ...]], features: list[torch.Tensor],
+    next_tokens: list[torch.Tensor],
+) -> tuple[list[list[DraftTree]], list[tuple[Any, ...]]]:
+    """Every part's tree for every sequence, each part drafting all the sequences in one call (`propose_batch`);
+    `states[s]` holds sequence s's part states. Returns per sequence the parts' trees and new states."""
+    drafted = [propose_batch(part, [state[i] for state in states], features, next_tokens)
+               for i, part in enumerate(parts)]
+    trees = [[drafted[i][0][s] for i in range(len(parts))] for s in range(len(states))]
+    new_states = [tuple(drafted[i][1][s] for i in range(len(parts))) for s in range(len(states))]
+    return trees, new_states
 
 
 @dataclass
@@ -142,24 +148,39 @@ class AllPartsDrafting(OverParts):
         return RouterState(parts=(), stacked=HeadCache(), last_head=self.initial_head)
 
     def draft_all(
-        self, state: RouterState, features: torch.Tensor, next_tokens: torch.Tensor
-    ) -> tuple[list[DraftTree], RouterState]:
-        """Every part's tree, and a state that holds only the parts' new caches."""
+        self, states: list[RouterState], features: list[torch.Tensor], next_tokens: list[torch.Tensor]
+    ) -> tuple[list[list[DraftTree]], list[RouterState]]:
+        """Every sequence's parts' trees, and states that hold only the parts' new caches: side by side, one
+        forward per tree level for every sequence and head (`draft_eagle2` over the `StackedHead`); else each
+        part drafts all the sequences at once."""
         if self.side_by_side is None:
-            trees, states = _draft_all(self.parts, state.parts, features, next_tokens)
-            return trees, RouterState(parts=states)
+            trees, parts = _draft_parts(self.parts, [s.parts for s in states], features, next_tokens)
+            return trees, [RouterState(parts=p) for p in parts]
         first = self.parts[0]  # stackable parts share one context and one tree setting
-        (trees,), (cache,) = draft_eagle2(self.side_by_side, first.context, [state.stacked], [features],
-                                          [next_tokens], first.tree)
-        return trees, RouterState(parts=(), stacked=cache)
+        trees, caches = draft_eagle2(self.side_by_side, first.context, [s.stacked for s in states], features,
+                                     next_tokens, first.tree)
+        return [list(t) for t in trees], [RouterState(parts=(), stacked=cache) for cache in caches]
 
     def propose(
         self, state: RouterState, features: torch.Tensor, next_tokens: torch.Tensor
     ) -> tuple[DraftTree, RouterState]:
-        return self.combine(*self.draft_all(state, features, next_tokens))
+        (tree,), (new_state,) = self.propose_batch([state], [features], [next_tokens])
+        return tree, new_state
 
-    def combine(self, trees: list[DraftTree], caches: RouterState) -> tuple[DraftTree, RouterState]:
-        """The tree to verify from every part's tree, and the state: `caches` with what was chosen."""
+    def propose_batch(
+        self, states: list[RouterState], features: list[torch.Tensor], next_tokens: list[torch.Tensor]
+    ) -> tuple[list[DraftTree], list[RouterState]]:
+        """Every sequence's tree: its parts' trees drafted for the whole batch, their means read once, then each
+        sequence's choice (`combine`)."""
+        drafted, caches = self.draft_all(states, features, next_tokens)
+        means = iter(tree_means([t for trees in drafted for t in trees]))
+        out = [self.combine(trees, cache, [next(means) for _ in trees]) for trees, cache in zip(drafted, caches)]
+        return [tree for tree, _ in out], [state for _, state in out]
+
+    def combine(self, trees: list[DraftTree], caches: RouterState, means: list[tuple[float, float]] | None = None
+                ) -> tuple[DraftTree, RouterState]:
+        """The tree to verify from every part's tree, and the state: `caches` with what was chosen. `means`: the
+        trees' (mean confidence, mean entropy) already read (`tree_means`), else read here."""
         raise NotImplementedError
 
 
@@ -173,15 +194,11 @@ class ConfidenceRouted(AllPartsDrafting):
 
     name: str = "confidence-routed"
 
-    def combine(self, trees: list[DraftTree], caches: RouterState) -> tuple[DraftTree, RouterState]:
-        confidences = tuple(t.mean_confidence for t in trees)
+    def combine(self, trees: list[DraftTree], caches: RouterState, means: list[tuple[float, float]] | None = None
+                ) -> tuple[DraftTree, RouterState]:
+        confidences, entropies = zip(*(means if means is not None else tree_means(trees)))
         best = max(range(len(trees)), key=lambda i: (confidences[i], -i))  # ties -> lowest index
-        return trees[best], replace(
-            caches,
-            last_head=best,
-            confidences=confidences,
-            entropies=tuple(t.mean_entropy for t in trees),
-        )
+        return trees[best], replace(caches, last_head=best, confidences=confidences, entropies=entropies)
 
 
 @dataclass
@@ -197,29 +214,46 @@ class EntropyRouted(OverParts):
     def propose(
         self, state: RouterState, features: torch.Tensor, next_tokens: torch.Tensor
     ) -> tuple[DraftTree, RouterState]:
-        if state.chosen is None:
-            trees, states = _draft_all(self.parts, state.parts, features, next_tokens)
-            entropies = tuple(t.mean_entropy for t in trees)
-            chosen = min(range(len(trees)), key=lambda i: (entropies[i], i))
-            kept = tuple(s if i == chosen else None for i, s in enumerate(states))  # drop the others' caches
-            return trees[chosen], RouterState(
-                parts=kept,
-                last_head=chosen,
-                chosen=chosen,
-                confidences=tuple(t.mean_confidence for t in trees),
-                entropies=entropies,
-            )
-        chosen = state.chosen
-        tree, part_state = self.parts[chosen].propose(state.parts[chosen], features, next_tokens)
-        parts = tuple(part_state if i == chosen else None for i in range(len(self.parts)))
+        (tree,), (new_state,) = self.propose_batch([state], [features], [next_tokens])
+        return tree, new_state
+
+    def propose_batch(
+        self, states: list[RouterState], features: list[torch.Tensor], next_tokens: list[torch.Tensor]
+    ) -> tuple[list[DraftTree], list[RouterState]]:
+        """Sequences yet to choose probe with every part, the others draft with their chosen part; each part
+        drafts all of its sequences in one call, and the trees' means are read once per group."""
+        trees: list[DraftTree | None] = [None] * len(states)
+        out: list[RouterState | None] = [None] * len(states)
+        probing = [s for s, state in enumerate(states) if state.chosen is None]
+        if probing:
+            drafted, parts = _draft_parts(self.parts, [states[s].parts for s in probing],
+                                          [features[s] for s in probing], [next_tokens[s] for s in probing])
+            means = iter(tree_means([t for probe in drafted for t in probe]))
+            for s, probe, part_states in zip(probing, drafted, parts):
+                confidences, entropies = zip(*(next(means) for _ in probe))
+                chosen = min(range(len(probe)), key=lambda i: (entropies[i], i))
+                kept = tuple(p if i == chosen else None for i, p in enumerate(part_states))  # drop the others' caches
+                trees[s] = probe[chosen]
+                out[s] = RouterState(parts=kept, last_head=chosen, chosen=chosen, confidences=confidences,
+                                     entropies=entropies)
         nan = float("nan")
-        return tree, RouterState(
-            parts=parts,
-            last_head=chosen,
-            chosen=chosen,
-            confidences=tuple(tree.mean_confidence if i == chosen else nan for i in range(len(self.parts))),
-            entropies=tuple(tree.mean_entropy if i == chosen else nan for i in range(len(self.parts))),
-        )
+        for chosen, part in enumerate(self.parts):
+            group = [s for s, state in enumerate(states) if state.chosen == chosen]
+            if not group:
+                continue
+            drafted, part_states = propose_batch(part, [states[s].parts[chosen] for s in group],
+                                                 [features[s] for s in group], [next_tokens[s] for s in group])
+            for s, tree, part_state, (confidence, entropy) in zip(group, drafted, part_states, tree_means(drafted)):
+                only = range(len(self.parts))
+                trees[s] = tree
+                out[s] = RouterState(
+                    parts=tuple(part_state if i == chosen else None for i in only),
+                    last_head=chosen,
+                    chosen=chosen,
+                    confidences=tuple(confidence if i == chosen else nan for i in only),
+                    entropies=tuple(entropy if i == chosen else nan for i in only),
+                )
+        return trees, out
 
 
 # --- merged trees (docs/algorithms.md#merged-tree-verification) ---------------------------------------------
@@ -390,8 +424,9 @@ class Merged(AllPartsDrafting):
 
     initial_head: ClassVar[int] = -1
 
-    def combine(self, trees: list[DraftTree], caches: RouterState) -> tuple[DraftTree, RouterState]:
-        confidences = tuple(t.mean_confidence for t in trees)
+    def combine(self, trees: list[DraftTree], caches: RouterState, means: list[tuple[float, float]] | None = None
+                ) -> tuple[DraftTree, RouterState]:
+        confidences, entropies = zip(*(means if means is not None else tree_means(trees)))
         shares: tuple[int, ...] = ()
         if self.mode == "budget":
             shares = tuple(split_budget(self.budget, confidences))
@@ -404,7 +439,7 @@ class Merged(AllPartsDrafting):
             caches,
             last_head=-1,
             confidences=confidences,
-            entropies=tuple(t.mean_entropy for t in trees),
+            entropies=entropies,
             shares=shares,
         )
 

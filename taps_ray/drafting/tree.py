@@ -8,7 +8,7 @@ on the device of the head that drafted it (of its tokens); the verifier moves it
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 
 import torch
@@ -74,6 +74,17 @@ class DraftTree:
     @property
     def mean_entropy(self) -> float:
         return float(self.entropy.mean()) if self.entropy.numel() else 0.0
+
+
+def tree_means(trees: Sequence[DraftTree]) -> list[tuple[float, float]]:
+    """Each tree's (mean node confidence, mean node entropy), 0 for a root-only tree as `mean_confidence` says,
+    in one device-to-host read for all of them (a router choosing for a batch of sequences)."""
+    if not trees:
+        return []
+    device = trees[0].tokens.device
+    sums = torch.stack([torch.stack([t.confidence.sum(), t.entropy.sum()]).to(device).double() for t in trees])
+    counts = torch.tensor([max(t.size - 1, 1) for t in trees], dtype=torch.float64, device=device)
+    return [(c, e) for c, e in (sums / counts[:, None]).tolist()]
 
 
 def tree_structure(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

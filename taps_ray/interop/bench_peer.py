@@ -53,14 +53,19 @@ def speculative_configs(cfg: StudyConfig, head_kind: str, mixture: str, k: int) 
     }
 
 
+def peer_request(target: Target, prompts: list[list[int]], dtype: str, max_new_tokens: int,
+                 speculative_config: dict | None, repetitions: int = 1) -> dict:
+    """The side runner's request (interop/vllm_runner.py) for `prompts`, greedy, in `dtype`."""
+    longest = max(len(p) for p in prompts) + max_new_tokens + NUM_TOKENS + 8
+    return {"target": str(model_source(target.name)), "dtype": dtype, "prompts": prompts,
+            "max_new_tokens": max_new_tokens, "stop_token_ids": target.stop_token_ids,
+            "speculative_config": speculative_config, "repetitions": repetitions, "max_model_len": max(512, longest)}
+
+
 def run_peer(side: SideVllm, target: Target, prompts: list[list[int]], dtype: str, max_new_tokens: int,
              speculative_config: dict | None, repetitions: int = 1) -> PeerRun:
     """vLLM with `speculative_config` (None: plain) over `prompts`, greedy, batch 1, in a process of its own."""
-    longest = max(len(p) for p in prompts) + max_new_tokens + NUM_TOKENS + 8
-    result = side.run({"target": str(model_source(target.name)), "dtype": dtype, "prompts": prompts,
-                       "max_new_tokens": max_new_tokens, "stop_token_ids": target.stop_token_ids,
-                       "speculative_config": speculative_config, "repetitions": repetitions,
-                       "max_model_len": max(512, longest)})
+    result = side.run(peer_request(target, prompts, dtype, max_new_tokens, speculative_config, repetitions))
     steps = [c["vllm:spec_decode_num_drafts"] for c in result["counters"]]
     accepted = [c["vllm:spec_decode_num_accepted_tokens"] for c in result["counters"]]
     return PeerRun(result["tokens"], result["seconds"], steps, [s + a for s, a in zip(steps, accepted)],

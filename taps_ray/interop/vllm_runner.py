@@ -1,12 +1,13 @@
 """Runs in vLLM's side venv (`make vllm-venv`), never imported by the project: one vLLM `LLM` decodes given prompt
-ids greedily, one prompt at a time (batch 1, as our engine and `taps bench` decode), and writes the outputs,
-per-prompt seconds and vLLM's speculative-decoding counters to a JSON file.
+ids greedily, one prompt at a time (batch 1, as `taps bench` decodes) or in groups submitted together (`batches`,
+benchmarks/batch_throughput.py), and writes the outputs, seconds and vLLM's speculative-decoding counters per group
+to a JSON file.
 
     <side venv>/bin/python vllm_runner.py request.json result.json
 
 request: {"target": folder, "dtype": "float32"|"bfloat16", "prompts": [[ids]], "max_new_tokens": n,
 "stop_token_ids": [ids], "speculative_config": {...} | null, "repetitions": r, "max_model_len": n,
-"enforce_eager": bool}. It imports nothing of taps_ray: the side venv has vLLM's transformers, not the project's.
+"enforce_eager": bool, "batches": [b, ...] (optional, default [1])}. It imports nothing of taps_ray: the side venv has vLLM's transformers, not the project's.
 vLLM's engine runs in a process it spawns, hence the `__main__` guard. The CPU settings (VLLM_CPU_KVCACHE_SPACE,
 VLLM_CPU_OMP_THREADS_BIND, LD_PRELOAD) come from the environment the caller sets (taps_ray/interop/side.py).
 """
@@ -41,32 +42,44 @@ def spec_metrics(metrics: list) -> dict:
 
 
 def run(request: dict) -> dict:
+    """`request["batches"]` (default [1]): the concurrencies to decode at, each over all the prompts in groups of
+    that many submitted together (max_num_seqs = the largest); the top-level results are the first's."""
     from vllm import LLM, SamplingParams, __version__
     from vllm.inputs import TokensPrompt
 
+    batches = request.get("batches", [1])
     started = time.perf_counter()
     llm = LLM(model=request["target"], tokenizer=request["target"], dtype=request["dtype"], seed=0,
-              max_model_len=request["max_model_len"], max_num_seqs=1, enforce_eager=request["enforce_eager"],
-              speculative_config=request["speculative_config"], disable_log_stats=False)
+              max_model_len=request["max_model_len"], max_num_seqs=max(batches),
+              enforce_eager=request["enforce_eager"], speculative_config=request["speculative_config"],
+              disable_log_stats=False)
     startup_s = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=request["max_new_tokens"],
                             stop_token_ids=request["stop_token_ids"], ignore_eos=False)
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in request["prompts"]]
     llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up, not counted in the timings or counters
+    by_batch = {batch: _decode(llm, prompts, params, batch, request["repetitions"]) for batch in batches}
+    return {"vllm_version": __version__, "startup_s": startup_s, **by_batch[batches[0]],
+            "by_batch": {str(batch): result for batch, result in by_batch.items()}}
+
+
+def _decode(llm, prompts: list, params, batch: int, repetitions: int) -> dict:
+    """The prompts in groups of `batch` submitted together: per prompt the outputs (first repetition), per group
+    the seconds (summed over repetitions) and the counters' increase (first repetition)."""
+    groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
     tokens: list[list[int]] = []
-    counters: list[dict] = []  # per prompt, first repetition: the counters' increase over that prompt
-    seconds = [0.0] * len(prompts)
-    for repetition in range(request["repetitions"]):
-        for i, prompt in enumerate(prompts):
+    counters: list[dict] = []
+    seconds = [0.0] * len(groups)
+    for repetition in range(repetitions):
+        for i, group in enumerate(groups):
             before = spec_metrics(llm.get_metrics()) if repetition == 0 else None
             start = time.perf_counter()
-            out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+            outs = llm.generate(group, params, use_tqdm=False)
             seconds[i] += time.perf_counter() - start
             if before is not None:
-                tokens.append(list(out.token_ids))
+                tokens.extend(list(out.outputs[0].token_ids) for out in outs)
                 counters.append(_increase(before, spec_metrics(llm.get_metrics())))
-    return {"vllm_version": __version__, "startup_s": startup_s, "tokens": tokens, "seconds": seconds,
-            "counters": counters}
+    return {"tokens": tokens, "seconds": seconds, "counters": counters}
 
 
 def _increase(before: dict, after: dict) -> dict:
