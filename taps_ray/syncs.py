@@ -5,8 +5,12 @@ output shape depends on values (`nonzero`, boolean-mask indexing, `unique`, `tor
 host (`.cpu()`, `.numpy()`, `.to("cpu")` of a device tensor) blocks the host until the device has finished all the
 work queued before it: the host stops queueing, the device idles, and a step pays the launch latency again. On a
 CPU nothing waits, so `SyncCounter` counts the calls that WOULD wait on a GPU; tests hold the loop to a budget
-(tests/test_syncs.py) and benchmarks/host_overhead.py reports the count per step. Host-to-device uploads
-(`torch.tensor(python data)`) do not wait for the queue, but cost a copy each; they are counted apart.
+(tests/test_syncs.py) and benchmarks/host_overhead.py reports the count per step.
+
+Uploads wait too: `torch.tensor(data, device=cuda)` copies from pageable memory with a blocking copy, which
+synchronises the stream (`memcpy_and_sync`), so it is counted as a sync ("upload"). `to_device` is the upload that
+does not wait: pinned memory and a non-blocking copy on a GPU, a plain host tensor on the CPU. A host tensor
+(`torch.tensor(data)` with no device) is not counted.
 
 Nested calls inside a counted one are not counted again (a `TorchFunctionMode` is off while it handles a call).
 """
@@ -25,6 +29,16 @@ _SYNCING = {
     "nonzero", "argwhere", "unique", "unique_consecutive", "masked_select", "equal", "allclose", "is_nonzero",
 }
 _UPLOADS = {"tensor", "as_tensor"}
+
+
+def to_device(data: Any, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Host data (a list, a number) as a tensor on `device` without making the host wait for the device's queue:
+    on a GPU through pinned memory and a non-blocking copy (the caching host allocator keeps the pinned block
+    until the copy has run), on the CPU the host tensor itself."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return torch.tensor(data, dtype=dtype)
+    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def _is_host(device: Any) -> bool:
@@ -51,9 +65,9 @@ def _bool_index(args: tuple) -> bool:
 
 
 class SyncCounter(TorchFunctionMode):
-    """`with SyncCounter() as counter: ...` counts host syncs (`counter.syncs`, by name in `counter.by_name`) and
-    host-to-device uploads (`counter.uploads`) of the torch calls made inside, and all those calls (`counter.calls`:
-    the host's dispatch work, which per-row Python makes grow with the batch)."""
+    """`with SyncCounter() as counter: ...` counts host syncs (`counter.syncs`, by name in `counter.by_name`; blocking
+    uploads included) and host tensors made from Python data (`counter.uploads`) of the torch calls made inside, and
+    all those calls (`counter.calls`: the host's dispatch work, which per-row Python makes grow with the batch)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -79,5 +93,8 @@ class SyncCounter(TorchFunctionMode):
                                                          torch.Tensor) and kwargs.get("output_size") is None:
             self.by_name["repeat_interleave"] += 1
         elif name in _UPLOADS:
-            self.uploads += 1
+            if kwargs.get("device") is not None:  # straight onto a device: a blocking copy on a GPU
+                self.by_name["upload"] += 1
+            else:
+                self.uploads += 1  # a host tensor (`to_device`'s, or host-side bookkeeping)
         return func(*args, **kwargs)

@@ -32,6 +32,7 @@ from taps_ray.drafting.tree import (
     Candidates, ConfidenceStop, DraftContext, DraftTree, build_tree, expand_levels, select_nodes,
 )
 from taps_ray.models.draft_head import DraftHead
+from taps_ray.syncs import to_device
 
 CONTEXT_BUDGET = 1 << 22  # traces per causal head forward: batch x length^2 (the attention scores) at most this
 NODE_BUDGET = 1024  # tree nodes per level forward (rows x top_k): bounds the [nodes, vocab] log-probabilities
@@ -64,8 +65,8 @@ class TraceTrees:
         device = self.tokens.device
         n = self.tokens.shape[1] if self.sizes is None else self.sizes[row]
         return build_tree(
-            torch.cat([torch.tensor([self.roots[row]], device=device), self.tokens[row, :n]]),
-            torch.cat([torch.tensor([-1], device=device), self.parents[row, :n]]),
+            torch.cat([to_device([self.roots[row]], device), self.tokens[row, :n]]),
+            torch.cat([to_device([-1], device), self.parents[row, :n]]),
             confidence=self.confidence[row, :n],
             entropy=self.entropy[row, :n],
         )
@@ -191,7 +192,7 @@ def _draft_group(
     # (1) teacher-forced head forward: head position i reads (feature i, token i + 1); a root at c reads output c-1
     width = max(max(r.stop - 1, 1) for r in roots)
     padded = [sequence[1 : r.stop] + [0] * (width - (r.stop - 1)) for sequence, r in zip(sequences, roots)]
-    tokens = torch.tensor(padded, dtype=torch.long, device=device)  # one transfer for the whole group
+    tokens = to_device(padded, device, torch.long)  # one transfer for the whole group
     inputs = torch.zeros(len(roots), width, features[0].shape[-1], dtype=dtype, device=device)
     for b, r in enumerate(roots):
         inputs[b, : r.stop - 1] = features[b][: r.stop - 1].to(device=device, dtype=dtype)
@@ -200,8 +201,8 @@ def _draft_group(
     context, kv = head(ctx.embed(tokens).to(dtype), inputs, positions, causal[None, None], None)
 
     # one row per (trace, root position), trace-major
-    trace_of = torch.tensor([b for b, r in enumerate(roots) for _ in r], dtype=torch.long, device=device)
-    root_at = torch.tensor([c for r in roots for c in r], dtype=torch.long, device=device)
+    trace_of = to_device([b for b, r in enumerate(roots) for _ in r], device, torch.long)
+    root_at = to_device([c for r in roots for c in r], device, torch.long)
     rows = int(root_at.numel())
     if rows == 0:
         return [_trace_trees(r, sequences[b], None, b, trace_of) for b, r in enumerate(roots)]

@@ -32,10 +32,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from taps_ray.decoding.verify import SamplingParams, accept_batch, position_uniforms, target_choices
-from taps_ray.drafting.tree import DraftTree
+from taps_ray.decoding.verify import SamplingParams, Verdict, accept_batch, position_uniforms, target_choices
+from taps_ray.drafting.tree import DraftTree, trees_to
 from taps_ray.models.kv_cache import KVCache
 from taps_ray.models.target_forward import TargetForward, target_forward
+from taps_ray.syncs import to_device
 
 if TYPE_CHECKING:  # an annotation only: importing the class loads transformers' model code (a drafter imports this)
     from transformers import PreTrainedModel
@@ -62,6 +63,23 @@ class Committed:
         """This result on `device` (a target worker hands CPU copies to drafters that may have no GPU)."""
         logits = None if self.logits is None else self.logits.to(device)
         return Committed(self.tokens, self.features.to(device), self.next_tokens.to(device), self.verdict, logits)
+
+
+def results_to(results: list[Committed | None], device: torch.device | str) -> list[Committed | None]:
+    """`Committed.to` for a step's results (None kept) in one copy per tensor field for all of them, not one per
+    field and sequence: a GPU target worker shipping a session's results to its drafter syncs two or three times."""
+    device = torch.device(device)
+    moving = [c for c in results if c is not None and c.features.device != device]
+    if not moving:
+        return list(results)
+    counts = [c.next_tokens.numel() for c in moving]
+    features = torch.cat([c.features for c in moving]).to(device).split(counts)
+    next_tokens = torch.cat([c.next_tokens for c in moving]).to(device).split(counts)
+    logits = (torch.cat([c.logits for c in moving]).to(device).split(counts) if moving[0].logits is not None
+              else [None] * len(moving))
+    moved = {id(c): Committed(c.tokens, f, t, c.verdict, x)
+             for c, f, t, x in zip(moving, features, next_tokens, logits)}
+    return [None if c is None else moved.get(id(c), c) for c in results]
 
 
 @dataclass
@@ -124,7 +142,7 @@ class TargetBatch:
         self.row_params = row_params
         if len(seeds) != len(prompts):
             raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts")
-        self.seeds = torch.tensor(seeds, dtype=torch.long, device=self.device)
+        self.seeds = to_device(seeds, self.device, torch.long)
         outputs = self.prefill(prompts)
         self.live = list(range(len(prompts)))
         self.joined = len(prompts)
@@ -134,7 +152,7 @@ class TargetBatch:
         started = []
         for prompt, out, root in zip(prompts, outputs, roots, strict=True):
             logits = out.logits.clone() if self.keep_logits else None
-            next_tokens = torch.tensor(prompt[1:] + [root], device=self.device)
+            next_tokens = to_device(prompt[1:] + [root], self.device)
             started.append(Committed([root], out.hidden.clone(), next_tokens, logits=logits))  # clones: own storage
         return started
 
@@ -192,7 +210,7 @@ class TargetBatch:
         """Keep only the cache rows `keep` (in that order), cropped to the longest sequence left."""
         if not keep:
             raise ValueError("keep at least one row (drop the whole batch instead)")
-        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        index = to_device(keep, self.device, torch.long)
         lengths = [self.host_lengths[i] for i in keep]
         self.cache.keep_rows(index, max(lengths))  # in place: the buffers are kept
         self._set_lengths(lengths)
@@ -202,7 +220,7 @@ class TargetBatch:
 
     def _take_rows(self, rows: list[int]) -> TargetBatch:
         """A new batch holding copies of the caches of `rows`."""
-        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        index = to_device(rows, self.device, torch.long)
         lengths = [self.host_lengths[i] for i in rows]
         width = max(lengths)
         sub = TargetBatch(self.model, self.keep_logits, self.feature_layers, self.target_forward)
@@ -217,7 +235,7 @@ class TargetBatch:
         """Write a stepped sub-batch (from `_take_rows`) back into its rows; the other rows keep their caches.
         Only slots from the rows' shortest old length on can have changed (a commit moves nothing below a
         sequence's length), so only those are written back."""
-        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        index = to_device(rows, self.device, torch.long)
         lengths = list(self.host_lengths)
         since = min(lengths[row] for row in rows)
         for row, length in zip(rows, sub.host_lengths, strict=True):
@@ -226,7 +244,7 @@ class TargetBatch:
         self._set_lengths(lengths)
 
     def _step(self, trees: list[DraftTree | None]) -> list[Committed | None]:
-        trees = [None if tree is None else tree.to(self.device) for tree in trees]
+        trees = trees_to(trees, self.device)
         if all(tree is None for tree in trees):
             return [None] * len(trees)
         t0 = time.perf_counter()
@@ -248,7 +266,7 @@ class TargetBatch:
             else Committed(
                 tokens=verdict.tokens[1:] + [verdict.bonus],
                 features=features[b, verdict.nodes],  # indexing by a list copies: the result owns its rows
-                next_tokens=torch.tensor(verdict.tokens[1:] + [verdict.bonus], device=self.device),
+                next_tokens=to_device(verdict.tokens[1:] + [verdict.bonus], self.device),
                 verdict=verdict,
                 logits=logits[b, verdict.nodes] if self.keep_logits else None,
             )
@@ -280,11 +298,11 @@ class TargetBatch:
         its last token only (the LM head over a whole prompt would cost more than the rest of the prefill)."""
         if any(not p for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        lengths = to_device([len(p) for p in prompts], self.device)
         width = max(len(p) for p in prompts)
         ids = torch.zeros(len(prompts), width, dtype=torch.long, device=self.device)
         for b, prompt in enumerate(prompts):
-            ids[b, : len(prompt)] = torch.tensor(prompt, device=self.device)
+            ids[b, : len(prompt)] = to_device(prompt, self.device)
         columns = torch.arange(width, device=self.device)
         causal = columns[None, :] <= columns[:, None]
         valid = columns[None, :] < lengths[:, None]  # [B, width]
@@ -335,7 +353,7 @@ class TargetBatch:
         tree_masks = torch.stack([
             torch.zeros(width, width, dtype=torch.bool, device=self.device) if t is None
             else F.pad(t.mask, (0, width - t.size, 0, width - t.size)) for t in trees])
-        sizes = torch.tensor([0 if t is None else t.size for t in trees], device=self.device)
+        sizes = to_device([0 if t is None else t.size for t in trees], self.device)
         nodes = torch.arange(width, device=self.device)
         real = nodes[None, :] < sizes[:, None]  # [B, width]
         context = torch.arange(past, device=self.device)[None, :] < self.lengths[:, None]  # [B, past]
@@ -370,7 +388,7 @@ class TargetBatch:
             kept = first + len(nodes)
             # identity for slots already committed, then the accepted slots; beyond: any slot, masked out later
             rows.append([*range(low, length), *(start + n for n in nodes), *[0] * (high - low - kept)])
-        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        index = to_device(rows, self.device, torch.long)
         self.cache.compact(low, index)  # in place: only slots low..high-1 move, the prefix is not copied
         self._set_lengths(new_lengths)
 
@@ -378,4 +396,4 @@ class TargetBatch:
         """The committed lengths, on the host (what the bookkeeping reads) and on the device (what the masks,
         positions and draws read): one upload, never a read back."""
         self.host_lengths = list(lengths)
-        self.lengths = torch.tensor(self.host_lengths, dtype=torch.long, device=self.device)
+        self.lengths = to_device(self.host_lengths, self.device, torch.long)

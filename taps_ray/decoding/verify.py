@@ -15,6 +15,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from taps_ray.drafting.tree import DraftTree
+from taps_ray.syncs import to_device
 
 
 MIN_TEMPERATURE = 1e-5
@@ -63,7 +64,7 @@ class Verdict:
 
 
 def _candidates(tree: DraftTree) -> torch.Tensor:
-    padded = torch.cat([tree.tokens, torch.tensor([-1], device=tree.tokens.device)])
+    padded = torch.cat([tree.tokens, to_device([-1], tree.tokens.device)])
     return padded[tree.retrieve]  # -1 index picks the pad slot
 
 
@@ -150,7 +151,7 @@ def target_choices(logits: torch.Tensor, params: list[SamplingParams], uniforms:
     if groups and uniforms is None:
         raise ValueError("sampling (temperature > 0) needs per-position uniforms (position_uniforms)")
     for row, members in groups.items():
-        index = torch.tensor(members, device=logits.device)
+        index = to_device(members, logits.device)
         choices[index] = _sample(processed_probs(logits[index], row), uniforms[index])
     return choices
 
@@ -193,7 +194,7 @@ def accept_batch(
     tokens, parents, depth = padded("tokens", -1), padded("parents", 0), padded("depth", 0)
     mask = torch.stack([torch.zeros(width, width, dtype=torch.bool, device=device) if t is None
                         else torch.nn.functional.pad(t.mask, (0, width - t.size, 0, width - t.size)) for t in trees])
-    sizes = torch.tensor([0 if t is None else t.size for t in trees], device=device)
+    sizes = to_device([0 if t is None else t.size for t in trees], device)
     valid = nodes < sizes[:, None]
     node_uniforms = None if uniforms is None else uniforms.gather(1, depth)
     target_next = target_choices(logits, params, node_uniforms)  # [B, W]

@@ -47,6 +47,7 @@ from taps_ray.drafting.proposers import Proposer, SingleHead, feature_layers, pr
 from taps_ray.drafting.tree import (
     DraftContext, DraftTree, HeadCache, build_tree, draft_eagle2, path_scores, ranked_nodes, subtree, tree_means,
 )
+from taps_ray.syncs import to_device
 
 # --- checkpoint averaging (docs/algorithms.md#weight-averaging) ---------------------------------------------
 
@@ -296,11 +297,11 @@ def merge_trees(trees: Sequence[DraftTree], dedup: bool = False) -> DraftTree:
             source.append(index)
     device = trees[0].tokens.device
     return build_tree(
-        torch.tensor(tokens, device=device),
-        torch.tensor(parents, device=device),
-        confidence=torch.tensor(confidence, dtype=torch.float32, device=device),
-        entropy=torch.tensor(entropy, dtype=torch.float32, device=device),
-        source=torch.tensor(source, dtype=torch.long, device=device),
+        to_device(tokens, device),
+        to_device(parents, device),
+        confidence=to_device(confidence, device, torch.float32),
+        entropy=to_device(entropy, device, torch.float32),
+        source=to_device(source, device, torch.long),
     )
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from taps_ray.drafting.tree import DraftTree, build_tree
+from taps_ray.syncs import to_device
 
 MAX_NGRAM = 3
 NUM_TOKENS = 10  # the chain length HF prompt lookup is benchmarked with here (`prompt_lookup_num_tokens`)
@@ -90,7 +91,7 @@ class NgramProposer:
         device = next_tokens.device
         depth = torch.arange(1, len(chain) + 1, dtype=torch.float32, device=device)
         tree = build_tree(
-            torch.tensor([new[-1], *chain], device=device),
+            to_device([new[-1], *chain], device),
             torch.arange(-1, len(chain), device=device),
             confidence=state.rate**depth,
             entropy=torch.zeros(len(chain), device=device),

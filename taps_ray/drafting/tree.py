@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from taps_ray.config import TreeConfig
 from taps_ray.models.cpu_linear import Projection, module_projection
 from taps_ray.models.draft_head import DraftHead, KVCache
+from taps_ray.syncs import to_device
 
 
 @dataclass
@@ -76,6 +77,29 @@ class DraftTree:
         return float(self.entropy.mean()) if self.entropy.numel() else 0.0
 
 
+def trees_to(trees: Sequence[DraftTree | None], device: torch.device | str) -> list[DraftTree | None]:
+    """`DraftTree.to` for a batch of trees (None kept) in three copies — the integer fields, the float fields and
+    the masks of every tree, each flattened into one tensor — instead of one per field and tree: a GPU drafter
+    that ships its trees to a target worker, and the worker that takes them in, sync three times per step."""
+    device = torch.device(device)
+    moving = [t for t in trees if t is not None and t.tokens.device != device]
+    if not moving:
+        return list(trees)
+    ints = torch.cat([torch.cat([t.tokens, t.parents, t.depth, t.source]) for t in moving]).to(device)
+    floats = torch.cat([torch.cat([t.confidence, t.entropy]) for t in moving]).to(device)
+    masks = torch.cat([t.mask.flatten() for t in moving]).to(device)
+    sizes = [t.size for t in moving]
+    int_parts = ints.split([4 * n - 1 for n in sizes])
+    float_parts = floats.split([2 * (n - 1) for n in sizes])
+    mask_parts = masks.split([n * n for n in sizes])
+    moved = {}
+    for t, n, i, f, m in zip(moving, sizes, int_parts, float_parts, mask_parts):
+        tokens, parents, depth, source = i.split([n, n, n, n - 1])
+        confidence, entropy = f.split([n - 1, n - 1])
+        moved[id(t)] = DraftTree(tokens, parents, depth, m.view(n, n), confidence, entropy, source, t.chain)
+    return [None if t is None else moved.get(id(t), t) for t in trees]
+
+
 def tree_means(trees: Sequence[DraftTree]) -> list[tuple[float, float]]:
     """Each tree's (mean node confidence, mean node entropy), 0 for a root-only tree as `mean_confidence` says,
     in one device-to-host read for all of them (a router choosing for a batch of sequences)."""
@@ -83,7 +107,7 @@ def tree_means(trees: Sequence[DraftTree]) -> list[tuple[float, float]]:
         return []
     device = trees[0].tokens.device
     sums = torch.stack([torch.stack([t.confidence.sum(), t.entropy.sum()]).to(device).double() for t in trees])
-    counts = torch.tensor([max(t.size - 1, 1) for t in trees], dtype=torch.float64, device=device)
+    counts = to_device([max(t.size - 1, 1) for t in trees], device, torch.float64)
     return [(c, e) for c, e in (sums / counts[:, None]).tolist()]
 
 
@@ -193,10 +217,10 @@ def subtree(tree: DraftTree, keep: list[int]) -> DraftTree:
     new_index = {old: new for new, old in enumerate(nodes)}
     parents = tree.parents.tolist()
     device = tree.tokens.device
-    drafted = torch.tensor(nodes[1:], dtype=torch.long, device=device) - 1
+    drafted = to_device(nodes[1:], device, torch.long) - 1
     return build_tree(
         tree.tokens[nodes],
-        torch.tensor([-1] + [new_index[parents[j]] for j in nodes[1:]], device=device),
+        to_device([-1] + [new_index[parents[j]] for j in nodes[1:]], device),
         confidence=tree.confidence[drafted],
         entropy=tree.entropy[drafted],
         source=tree.source[drafted],
@@ -206,7 +230,7 @@ def subtree(tree: DraftTree, keep: list[int]) -> DraftTree:
 def root_only(root: int | torch.Tensor, device: torch.device | str) -> DraftTree:
     """The degenerate tree of plain autoregressive decoding: verify the root, accept nothing drafted. `root` may
     be a one-element tensor (no host read)."""
-    tokens = root.reshape(1).long().to(device) if isinstance(root, torch.Tensor) else torch.tensor([root], device=device)
+    tokens = root.reshape(1).long().to(device) if isinstance(root, torch.Tensor) else to_device([root], device)
     empty = torch.zeros(0, dtype=torch.float32, device=device)
     return DraftTree(tokens=tokens, parents=torch.full((1,), -1, dtype=torch.long, device=device),
                      depth=torch.zeros(1, dtype=torch.long, device=device),
@@ -373,7 +397,7 @@ def extend_batch(
     feats = torch.nn.utils.rnn.pad_sequence([f.to(device=device, dtype=dtype) for f in features], batch_first=True)
     offsets = torch.arange(most, device=device)
     uniform = len(set(lengths)) == 1
-    start_of = torch.tensor(lengths, device=device)[:, None]  # [S, 1]
+    start_of = to_device(lengths, device)[:, None]  # [S, 1]
     slot = start_of + offsets  # [S, M]: where each new position's K/V goes
     columns = torch.arange(widest + most, device=device)
     seen = columns <= slot[:, :, None]  # [S, M, widest + M]: a row's committed slots and its new ones up to itself
@@ -388,7 +412,7 @@ def extend_batch(
         sequences=sequences,
         write_index=None if uniform else slot[None].expand(n, -1, -1).reshape(n * sequences, most),
     )
-    last = torch.tensor([c - 1 for c in counts], device=device)
+    last = to_device([c - 1 for c in counts], device)
     rows = torch.arange(sequences, device=device)
     hidden = out.view(n, sequences, most, -1)[:, rows, last].reshape(n * sequences, -1)
     roots = tokens[rows, last]
@@ -478,8 +502,8 @@ def select_tree(
     nodes, node_parents, confidence, node_entropy = (
         t[0] for t in select_nodes(tokens[None], scores[None], parents[None], entropy[None], n_draft))
     return build_tree(
-        torch.cat([torch.tensor([root], device=device), nodes]),
-        torch.cat([torch.tensor([-1], device=device), node_parents]),
+        torch.cat([to_device([root], device), nodes]),
+        torch.cat([to_device([-1], device), node_parents]),
         confidence=confidence,
         entropy=node_entropy,
     )
@@ -581,7 +605,7 @@ def draft_eagle2(
     # Tree K/V go after the longest sequence's cache; each row sees its own committed slots, then its tree
     # columns = each frontier node's ancestors + self.
     start = max(c.length for c in caches)
-    lengths = torch.tensor([c.length for c in caches], device=device)
+    lengths = to_device([c.length for c in caches], device)
     mask = torch.zeros(rows, k, start + passes * k, dtype=torch.bool, device=device)
     mask[:, :, :start] = (torch.arange(start, device=device) < lengths[:, None]).repeat(n, 1)[:, None]
 
