@@ -70,7 +70,8 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from taps_ray.config import TreeConfig  # noqa: E402
-from taps_ray.decoding.generate import Generation, generate  # noqa: E402
+from taps_ray.decoding.generate import generate  # noqa: E402
+from taps_ray.decoding.step import Generation  # noqa: E402
 from taps_ray.drafting.proposers import PlainDecoding, SingleHead  # noqa: E402
 from taps_ray.drafting.tree import DraftContext  # noqa: E402
 from taps_ray.decoding.verify import SamplingParams, position_uniforms  # noqa: E402

@@ -21,7 +21,8 @@ from taps_ray.drafting.combine import (
     merge_trees,
     split_budget,
 )
-from taps_ray.decoding.generate import StepRecord, generate
+from taps_ray.decoding.generate import generate
+from taps_ray.decoding.step import StepRecord
 from taps_ray.drafting.proposers import NOT_DRAFTED, SingleHead
 from taps_ray.drafting.registry import UnknownProposer, build_proposer, combination_names
 from taps_ray.drafting.names import averaged_weight, entropy_candidates

@@ -86,6 +86,7 @@ def test_draft_below_decides_per_step_from_the_live_batch(setup):
     results: dict = {}
     batcher.submit(_request(results, "short", prompts[0], oracle, 5))
     batcher.submit(_request(results, "long", prompts[1], oracle, 30))
+    torch.manual_seed(0)  # the oracle's confidences
     _drain(batcher)
     long = results["long"].generation
     assert long.tokens == _hf_greedy(model, prompts[1], 30)
@@ -93,6 +94,17 @@ def test_draft_below_decides_per_step_from_the_live_batch(setup):
     paused = len(results["short"].generation.steps)
     assert heads[:paused] == [NOT_DRAFTED] * paused  # two live sequences: plain steps
     assert set(heads[paused:]) == {0} and max(s.accepted for s in long.steps[paused:]) == 4  # alone: drafting
+    # the paused-drafting rule is the loop's own (one decode step): run_loop pauses and resumes at the same steps,
+    # drafts the same trees and records the same steps (Serve counts a step's tokens cut at the budget)
+    torch.manual_seed(0)
+    loop = run_loop(TargetBatch(model), oracle, prompts[:2], GREEDY, [5, 30], [], draft_below=2)
+    for key, generation in zip(("short", "long"), loop):
+        served = results[key].generation
+        assert served.tokens == generation.tokens and len(served.steps) == len(generation.steps)
+        for a, b in zip(served.steps, generation.steps):
+            assert (a.accepted, a.tree_size, a.head, a.node_accepted, a.node_confidence) == (
+                b.accepted, b.tree_size, b.head, b.node_accepted, b.node_confidence)
+            assert a.new_tokens <= b.new_tokens
 
 
 def test_sampling_parameters_are_per_sequence_and_follow_each_seed(setup):

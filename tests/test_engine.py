@@ -10,7 +10,8 @@ from scipy import stats
 
 from taps_ray.config import TreeConfig
 from taps_ray.models.draft_head import new_head
-from taps_ray.decoding.generate import generate, run_loop, step_tokens
+from taps_ray.decoding.generate import generate, run_loop
+from taps_ray.decoding.step import step_tokens
 from taps_ray.drafting.proposers import NOT_DRAFTED
 from taps_ray.drafting.proposers import PlainDecoding, SingleHead
 from taps_ray.decoding.target_batch import TargetBatch
@@ -227,6 +228,8 @@ def test_draft_below_pauses_drafting_while_the_batch_is_large_and_resumes_with_w
         run_loop(TargetBatch(model), oracle, prompts[:1], GREEDY, 4, [], draft_below=0)
     with pytest.raises(ValueError, match="one per prompt"):
         run_loop(TargetBatch(model), oracle, prompts, GREEDY, [4, 4], [])
+    with pytest.raises(ValueError, match="2 proposers for 3 prompts"):
+        run_loop(TargetBatch(model), [oracle, oracle], prompts, GREEDY, 4, [])
 
 
 def test_finished_sequences_leave_the_batch_and_sampling_follows_each_seed(device_target):

@@ -15,6 +15,7 @@ from taps_ray.eval.runner import TraceCache, is_replayed, run_cell
 from taps_ray.eval.cell import Cell
 from taps_ray.report.build import evaluation_md
 from taps_ray.report.data import ReportData
+from taps_ray.decoding.continuous import ContinuousBatcher, Request
 from taps_ray.decoding.generate import generate, run_loop
 from taps_ray.drafting.cost import CostAware
 from taps_ray.drafting.proposers import PlainDecoding, SingleHead
@@ -167,15 +168,46 @@ def test_batched_drafts_equal_draft_eagle2_at_every_root(tiny_target, tiny_promp
     assert near_ties <= compared // 20, f"{near_ties} near-ties in {compared} trees"
 
 
+def _untimed(generation) -> list[dict]:
+    """A generation's step records without their clocks (replay's are NaN)."""
+    return [{k: v for k, v in vars(s).items() if k not in ("draft_s", "verify_s")} for s in generation.steps]
+
+
+def _served(model, proposer, prompts: list[list[int]], budget: int, stops: list[int]) -> list:
+    """The prompts decoded together by Serve's continuous batcher (all admitted at the first step)."""
+    batcher, results = ContinuousBatcher(model, stops, max_batch_size=len(prompts)), {}
+    for i, prompt in enumerate(prompts):
+        batcher.submit(Request(prompt, proposer, GREEDY, budget, seed=i,
+                               on_done=lambda result, i=i: results.__setitem__(i, result)))
+    while batcher.busy:
+        batcher.step()
+    return [results[i].generation for i in range(len(prompts))]
+
+
 def test_replay_of_deep_oracle_trees_and_a_too_short_record(tiny_target, tiny_prompts):
+    """The live loop, replay and Serve's batcher run one step (`step.decode_step`): for the same proposer they
+    draft in the same order (the oracle's random confidences, drawn from one seeded generator, come out the same)
+    and record the same steps; only replay's clocks are NaN and Serve counts a step's tokens cut at the budget."""
     model = tiny_target.model
     bos = tiny_target.tokenizer.encode("<|im_start|>")[0]
     prompts = [[bos] + p for p in tiny_prompts]
     oracle = GreedyOracle(model, first_token=bos, depth=4)  # trees of depth 4: full chains every fifth step
+    traces = record_traces(_verifier(model), prompts, MAX_NEW, [], lookahead=4)
+    torch.manual_seed(0)
     live = run_loop(TargetBatch(model), oracle, prompts, GREEDY, MAX_NEW, [])
-    replayed = replay(oracle, record_traces(_verifier(model), prompts, MAX_NEW, [], lookahead=4), MAX_NEW, [])
+    torch.manual_seed(0)
+    replayed = replay(oracle, traces, MAX_NEW, [])
+    torch.manual_seed(0)
+    served = _served(model, oracle, prompts, MAX_NEW, [])
     assert compare(live, replayed) == (0, len(prompts))
     assert max(s.accepted for g in replayed for s in g.steps) == 4
+    for a, b, c in zip(live, replayed, served):
+        assert a.tokens == b.tokens == c.tokens and a.finished_by == b.finished_by == c.finished_by == "length"
+        assert _untimed(b) == _untimed(a) and all(math.isnan(s.draft_s) and math.isnan(s.verify_s) for s in b.steps)
+        assert math.isnan(b.wall_s) and a.wall_s > 0 and all(s.verify_s > 0 for s in a.steps)
+        budget_cut = [{**s, "new_tokens": None} for s in _untimed(a)]
+        assert [{**s, "new_tokens": None} for s in _untimed(c)] == budget_cut
+        assert sum(s.new_tokens for s in c.steps) + 1 == len(c.tokens) <= sum(s.new_tokens for s in a.steps) + 1
     short = record_traces(_verifier(model), prompts, 5, [], lookahead=0)  # the 5th step drafts 4 correct tokens
     with pytest.raises(ValueError, match="larger lookahead"):
         replay(oracle, short, 5, [])

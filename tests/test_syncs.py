@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from taps_ray.config import TreeConfig
 from taps_ray.decoding.generate import run_loop
-from taps_ray.decoding.target_batch import TargetBatch
+from taps_ray.decoding.target_batch import TargetBatch, results_to
 from taps_ray.decoding.verify import SamplingParams, accept_batch, greedy_path, greedy_tokens
 from taps_ray.drafting.proposers import SingleHead
-from taps_ray.drafting.tree import DraftContext, HeadCache, build_tree, draft_eagle2
+from taps_ray.drafting.tree import DraftContext, HeadCache, build_tree, draft_eagle2, trees_to
 from taps_ray.models.draft_head import new_head
 from taps_ray.models.stacked_head import StackedHead
 from taps_ray.syncs import SyncCounter, to_device
@@ -122,3 +123,48 @@ def test_batched_greedy_acceptance_equals_per_tree_acceptance():
         assert (verdict.nodes, verdict.tokens, verdict.bonus) == (want.nodes, want.tokens, want.bonus)
         accepted += want.accepted
     assert accepted > 20  # the comparison covered accepted paths, not only root-only verdicts
+
+
+class _Copies(TorchFunctionMode):
+    """Counts `Tensor.to` calls (device copies)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += getattr(func, "__name__", "") == "to"
+        return func(*args, **(kwargs or {}))
+
+
+def test_trees_and_results_cross_devices_a_batch_at_a_time(tiny_target):
+    """`trees_to` / `results_to` move a step's trees and results in one copy per field kind, not one per field and
+    sequence, and give back every field as it was (None kept). `cpu:0` is another device name for the CPU, so the
+    moving path runs here on real values; on a GPU the smoke test moves them for real."""
+    head = new_head(tiny_target.model.config, seed=0)
+    proposer = SingleHead("random", head, DraftContext(tiny_target.model.get_input_embeddings(),
+                                                       tiny_target.model.lm_head), TREE)
+    batch = TargetBatch(tiny_target.model, keep_logits=True)
+    started = batch.start([[10, 20, 30], [40, 50], [60, 70, 80, 90]], SamplingParams(), [0, 1, 2])
+    trees, _ = proposer.propose_batch([proposer.init_state() for _ in started], [c.features for c in started],
+                                      [c.next_tokens for c in started])
+    trees = [trees[0], None, trees[2]]
+    with _Copies() as copies:
+        moved = trees_to(trees, "cpu:0")
+    assert moved[1] is None and copies.count == 3  # integer fields, float fields, masks
+    for got, want in zip(moved, trees):
+        if want is not None:
+            for name in ("tokens", "parents", "depth", "mask", "confidence", "entropy", "source"):
+                assert torch.equal(getattr(got, name), getattr(want, name)), name
+            assert got.chain == want.chain and got.retrieve.tolist() == want.retrieve.tolist()
+    stepped = batch.step([trees[0], trees[1] or trees[0], trees[2]])
+    results = [stepped[0], None, stepped[2]]
+    with _Copies() as copies:
+        back = results_to(results, "cpu:0")
+    assert back[1] is None and copies.count == 3  # features, next tokens, logits
+    for got, want in zip(back, results):
+        if want is not None:
+            assert got.tokens == want.tokens and got.verdict == want.verdict
+            for name in ("features", "next_tokens", "logits"):
+                assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert trees_to(trees, "cpu")[0] is trees[0] and results_to(results, "cpu")[0] is results[0]  # already there

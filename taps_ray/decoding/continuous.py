@@ -1,14 +1,16 @@
 """Continuous batching: requests join the running batch between verification steps and leave when finished.
 
 `ContinuousBatcher.step` is one scheduling iteration: admit waiting requests (prefill them together, then
-merge their cache rows into the running `TargetBatch`), draft a tree per live sequence with that sequence's own
-proposer and state, verify every tree in ONE target forward, commit, and drop the finished rows. Requests for
-different proposers and with different sampling parameters share the forward (parameters are per row).
+merge their cache rows into the running `TargetBatch`), run the loop's own step over the live sequences
+(`step.decode_step`: a tree per sequence with that sequence's own proposer and state, every tree verified in ONE
+target forward, commit, record), and drop the finished rows. Requests for different proposers and with different
+sampling parameters share the forward (parameters are per row).
 
-Exact like `run_loop`: a sequence's tokens depend only on its prompt, parameters and seed (at T=0 they equal
-plain greedy decoding) whoever shares its batch. `draft_below` decides per step from the live batch size; a
-paused proposer is handed the positions it missed when drafting resumes. Text-level stop conditions (stop
-strings) come in as `Request.stop`, so decoding ends at the step that completes one.
+Exact like `run_loop`, whose step it is: a sequence's tokens depend only on its prompt, parameters and seed (at
+T=0 they equal plain greedy decoding) whoever shares its batch, and `draft_below` pauses drafting by the same rule
+(decided per step from the live batch size). What Serve adds is its sequences' commit (`_Sequence.commit`):
+text-level stop conditions (stop strings) come in as `Request.stop`, so decoding ends at the step that completes
+one; log-probabilities; streaming each step's tokens.
 
 Plain PyTorch, no Ray and no asyncio: the caller runs `step` in one worker thread and hears back through the
 request's callbacks (called from that thread).
@@ -24,8 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from taps_ray.decoding.draft_step import Drafting, draft
-from taps_ray.decoding.generate import Generation, extend_tokens, node_values, record_step
+from taps_ray.decoding.step import Decoding, Drafting, Generation, check_draft_below, decode_step
 from taps_ray.decoding.target_batch import Committed, TargetBatch
 from taps_ray.decoding.verify import SamplingParams
 from taps_ray.drafting.proposers import Proposer
@@ -72,13 +73,35 @@ class Request:
 
 
 @dataclass
-class _Sequence:
-    request: Request
-    generation: Generation
-    drafting: Drafting | None = None  # its proposer, state, committed positions it has not seen, next tree
+class _Sequence(Decoding):
+    """A request's sequence: the loop's `Decoding` plus what Serve adds to each commit."""
+
+    request: Request = field(kw_only=True)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     max_batch: int = 0
     admitted: float = 0.0
+
+    def commit(self, committed: Committed) -> int:
+        """The loop's commit, then a completed stop string cuts the output (`Request.stop`), the kept tokens'
+        log-probabilities are read and the client hears of them. Returns the tokens kept, which Serve's step
+        records count (the client's tokens per step: cut at the budget and at a stop string too)."""
+        request, generation = self.request, self.generation
+        before = len(generation.tokens)
+        kept = self.extend(committed)
+        if request.stop is not None and kept:
+            cut = request.stop(generation.tokens, kept)
+            if cut is not None:
+                del generation.tokens[max(cut, before) :]
+                kept, generation.finished_by = len(generation.tokens) - before, "stop"
+        new = generation.tokens[before:]
+        logprobs = _logprobs(committed, new, request.top_logprobs) if request.top_logprobs is not None else []
+        self.logprobs.extend(logprobs)
+        if new and request.on_tokens is not None:
+            try:
+                request.on_tokens(new, logprobs)
+            except Exception:  # a vanished client must not stop the batch
+                logger.debug("on_tokens failed", exc_info=True)
+        return kept
 
 
 def _logprobs(committed: Committed, tokens: list[int], top: int) -> list[TokenLogprob]:
@@ -101,8 +124,7 @@ class ContinuousBatcher:
         """`feature_layers`: the target layers the replica's proposers draft from (`proposers.feature_layers`)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
-        if draft_below is not None and draft_below < 1:
-            raise ValueError(f"draft_below must be at least 1 (or None to always draft), got {draft_below}")
+        check_draft_below(draft_below)
         self.model, self.stop_ids = model, set(stop_ids)
         self.max_batch_size, self.draft_below = max_batch_size, draft_below
         self.feature_layers = feature_layers
@@ -129,7 +151,9 @@ class ContinuousBatcher:
         if request.top_logprobs is not None and not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}")
         with self._lock:
-            self._waiting.append(_Sequence(request, Generation(prompt=list(request.prompt))))
+            drafting = Drafting(request.proposer, request.proposer.init_state())
+            self._waiting.append(_Sequence(Generation(prompt=list(request.prompt)), drafting, request.max_tokens,
+                                           self.stop_ids, request=request))
 
     def step(self) -> None:
         """Admit what fits, then one verification step over every live sequence."""
@@ -182,8 +206,7 @@ class ContinuousBatcher:
             return
         for seq, committed in zip(fresh, started, strict=True):
             seq.generation.prefill_s, seq.admitted = prefill_s, t0
-            seq.drafting = Drafting(seq.request.proposer, seq.request.proposer.init_state())
-            self._commit(seq, committed)
+            seq.commit(committed)
         if self._batch is None:
             self._batch = batch
         else:
@@ -191,39 +214,11 @@ class ContinuousBatcher:
         self._running.extend(fresh)
 
     def _verify(self) -> None:
-        drafting = self.draft_below is None or len(self._running) < self.draft_below
-        draft([s.drafting for s in self._running], drafting)
-        trees = [s.drafting.tree for s in self._running]
-        t0 = time.perf_counter()
-        results = self._batch.step_rows(list(range(len(self._running))), trees)
-        verify_s = time.perf_counter() - t0
-        for seq, committed, tree, nodes in zip(self._running, results, trees, node_values(trees), strict=True):
-            seq.max_batch = max(seq.max_batch, len(self._running))
-            seq.drafting.tree = None
-            kept = self._commit(seq, committed)
-            seq.generation.steps.append(record_step(tree, committed.verdict, kept, seq.drafting.draft_s, verify_s,
-                                                    seq.drafting.head, nodes))
-
-    def _commit(self, seq: _Sequence, committed: Committed) -> int:
-        """Extend the output (cut at a stop token, max_tokens or a completed stop string); returns tokens kept."""
-        request, generation = seq.request, seq.generation
-        before = len(generation.tokens)
-        kept = extend_tokens(generation, committed.tokens, self.stop_ids, request.max_tokens)
-        if request.stop is not None and kept:
-            cut = request.stop(generation.tokens, kept)
-            if cut is not None:
-                del generation.tokens[max(cut, before) :]
-                kept, generation.finished_by = len(generation.tokens) - before, "stop"
-        new = generation.tokens[before:]
-        logprobs = _logprobs(committed, new, request.top_logprobs) if request.top_logprobs is not None else []
-        seq.logprobs.extend(logprobs)
-        seq.drafting.pending.append((committed.features, committed.next_tokens))
-        if new and request.on_tokens is not None:
-            try:
-                request.on_tokens(new, logprobs)
-            except Exception:  # a vanished client must not stop the batch
-                logger.debug("on_tokens failed", exc_info=True)
-        return kept
+        """One `decode_step` over the running batch (its rows, in order; none is finished here)."""
+        rows = list(range(len(self._running)))
+        decode_step(self._running, lambda trees: self._batch.step_rows(rows, trees), self.draft_below)
+        for seq in self._running:
+            seq.max_batch = max(seq.max_batch, len(rows))
 
     def _drop_finished(self) -> None:
         done = [s for s in self._running if s.generation.finished_by]

@@ -5,9 +5,10 @@ walks the tree along the tokens the target would emit. So the target decodes eac
 one forward over prompt + continuation gives the features the live loop would hand a proposer, and every
 proposer is then replayed against that record without running the target again: `record_traces` once per
 prompt, `replay` once per proposer. The heads draft every tree the replay can reach in a few batched forwards
-(decoding/replay_draft.py) instead of one draft pass per step. The step records are the live loop's (`run_loop`),
-except that neither a per-step draft pass nor verification ran: `draft_s`, `verify_s` and `wall_s` are NaN
-(speed is measured by live cells only).
+(decoding/replay_draft.py) instead of one draft pass per step. Replay then runs the live loop itself (`run_loop`,
+so `step.decode_step`) over a `TraceVerifier` that answers each step from the record: the step records are the
+live loop's by construction, except that neither a per-step draft pass nor verification ran: `draft_s`, `verify_s`
+and `wall_s` are NaN (speed is measured by live cells only).
 
 Exactness: in exact arithmetic replay equals the live loop. In floating point the features of one long forward
 and of the live loop's tree forwards (and a head's batched draft and its per-step one) differ in the last bits, so
@@ -24,12 +25,13 @@ from weakref import WeakKeyDictionary
 
 import torch
 
-from taps_ray.decoding.draft_step import chosen_head
-from taps_ray.decoding.generate import Generation, Verifier, extend_tokens, record_step, step_tokens
+from taps_ray.decoding.generate import Verifier, run_loop
 from taps_ray.decoding.replay_draft import TreeMemo, replay_drafters
-from taps_ray.decoding.verify import SamplingParams, greedy_path
+from taps_ray.decoding.step import Generation
+from taps_ray.decoding.target_batch import Committed
+from taps_ray.decoding.verify import SamplingParams, Verdict, greedy_path
 from taps_ray.drafting.proposers import Proposer
-from taps_ray.drafting.tree import root_only
+from taps_ray.drafting.tree import DraftTree, root_only
 
 GREEDY = SamplingParams()
 NO_TOKEN = -1  # past the recorded continuation: matches no drafted token
@@ -111,16 +113,23 @@ def _traced(make_verifier: Callable[[], Verifier], prompts: list[list[int]], tok
 @torch.no_grad()
 def replay(proposer: Proposer, traces: list[GreedyTrace], max_new_tokens: int, stop_ids: list[int]) -> list[Generation]:
     """The generations `run_loop(verifier, proposer, prompts, greedy, max_new_tokens, stop_ids)` would produce,
-    computed from the traces: the proposer's heads draft the trees of every root position the replay can reach
-    in batches (`replay_drafters`), the proposer is stepped as in the live loop, and each tree is accepted by
-    walking it along the recorded continuation."""
+    computed from the traces by that same loop: the proposer's heads draft the trees of every root position the
+    replay can reach in batches (`replay_drafters`, one proposer per trace), and a `TraceVerifier` accepts each
+    tree by walking it along the recorded continuation. No target ran and no draft pass ran per step, so the
+    loop's clocks timed replay itself: `draft_s`, `verify_s`, `prefill_s` and `wall_s` are NaN."""
     stops = set(stop_ids)
     # a root sits at the prompt's end or after a kept token that did not finish the answer
     roots = [range(len(t.prompt), len(t.prompt) + _end(t.tokens, max_new_tokens, stops) - 1) for t in traces]
     drafters = replay_drafters(
         proposer, [t.sequence for t in traces], [t.features for t in traces], roots, [t.drafted for t in traces]
     )
-    return [_replay_one(d, trace, max_new_tokens, stops) for d, trace in zip(drafters, traces)]
+    generations = run_loop(TraceVerifier(traces), drafters, [t.prompt for t in traces], GREEDY, max_new_tokens,
+                           stop_ids)
+    for generation in generations:
+        generation.prefill_s = generation.wall_s = math.nan
+        for step in generation.steps:
+            step.draft_s = step.verify_s = math.nan
+    return generations
 
 
 def _recorded(sequence: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -129,25 +138,40 @@ def _recorded(sequence: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return torch.where(inside, sequence[positions.clamp(max=sequence.numel() - 1)], NO_TOKEN)
 
 
-def _replay_one(proposer: Proposer, trace: GreedyTrace, max_new_tokens: int, stops: set[int]) -> Generation:
-    sequence = torch.tensor(trace.sequence, device=trace.features.device)
-    generation = Generation(prompt=list(trace.prompt), wall_s=math.nan)
-    extend_tokens(generation, trace.tokens[:1], stops, max_new_tokens)
-    state = proposer.init_state()
-    length = len(trace.prompt)  # committed positions; the root (last emitted token) sits at `length`
-    new = slice(0, length)
-    while not generation.finished_by:
-        tree, state = proposer.propose(state, trace.features[new], sequence[new.start + 1 : new.stop + 1])
-        verdict = greedy_path(tree, _recorded(sequence, length + 1 + tree.depth))
+class TraceVerifier:
+    """The loop's `Verifier` for a replay: the target's answers read from greedy traces instead of computed.
+
+    At T = 0 a tree's accepted path is the longest one along the target's greedy continuation, which the trace
+    holds: `greedy_path` walks the tree with the recorded next token in place of the target's argmax. What a
+    step commits is what a `TargetBatch` would hand back: the trace's features of the accepted positions and the
+    recorded tokens after them (the last one the next root)."""
+
+    def __init__(self, traces: list[GreedyTrace]) -> None:
+        self.traces = traces
+        self.sequences = [torch.tensor(t.sequence, device=t.features.device) for t in traces]
+        self.lengths = [0] * len(traces)  # committed positions; a sequence's root (last output token) sits there
+
+    def start(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Committed]:
+        """The prefill: every prompt position committed, the trace's first token the first output."""
+        if prompts != [t.prompt for t in self.traces] or not params.greedy:
+            raise ValueError("a trace verifier replays greedy decoding (T = 0) of its own traces' prompts only")
+        return [self._commit(b, len(t.prompt), t.tokens[:1]) for b, t in enumerate(self.traces)]
+
+    def step(self, trees: list[DraftTree | None]) -> list[Committed | None]:
+        return [None if tree is None else self._accept(b, tree) for b, tree in enumerate(trees)]
+
+    def _accept(self, b: int, tree: DraftTree) -> Committed:
+        length = self.lengths[b]
+        verdict = greedy_path(tree, _recorded(self.sequences[b], length + 1 + tree.depth))
         if verdict.bonus == NO_TOKEN:
             raise ValueError(
                 f"a tree of depth {int(tree.depth.max())} reached past the recorded continuation; record the traces "
-                f"with a larger lookahead (now {trace.lookahead})"
+                f"with a larger lookahead (now {self.traces[b].lookahead})"
             )
-        committed = verdict.tokens[1:] + [verdict.bonus]
-        extend_tokens(generation, committed, stops, max_new_tokens)
-        generation.steps.append(record_step(tree, verdict, step_tokens(committed, stops), math.nan, math.nan,
-                                            chosen_head(state)))
-        new = slice(length, length + len(verdict.nodes))
-        length = new.stop
-    return generation
+        return self._commit(b, length + len(verdict.nodes), verdict.tokens[1:] + [verdict.bonus], verdict)
+
+    def _commit(self, b: int, length: int, tokens: list[int], verdict: Verdict | None = None) -> Committed:
+        """Sequence b's positions up to `length` committed: their features and the recorded token after each."""
+        done, self.lengths[b] = self.lengths[b], length
+        features, next_tokens = self.traces[b].features[done:length], self.sequences[b][done + 1 : length + 1]
+        return Committed(tokens=tokens, features=features, next_tokens=next_tokens, verdict=verdict)

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from taps_ray.decoding.verify import SamplingParams, Verdict, accept_batch, position_uniforms, target_choices
-from taps_ray.drafting.tree import DraftTree
+from taps_ray.drafting.tree import DraftTree, trees_to
 from taps_ray.models.kv_cache import KVCache
 from taps_ray.models.target_forward import TargetForward, target_forward
 from taps_ray.syncs import to_device
@@ -63,6 +63,23 @@ class Committed:
         """This result on `device` (a target worker hands CPU copies to drafters that may have no GPU)."""
         logits = None if self.logits is None else self.logits.to(device)
         return Committed(self.tokens, self.features.to(device), self.next_tokens.to(device), self.verdict, logits)
+
+
+def results_to(results: list[Committed | None], device: torch.device | str) -> list[Committed | None]:
+    """`Committed.to` for a step's results (None kept) in one copy per tensor field for all of them, not one per
+    field and sequence: a GPU target worker shipping a session's results to its drafter syncs two or three times."""
+    device = torch.device(device)
+    moving = [c for c in results if c is not None and c.features.device != device]
+    if not moving:
+        return list(results)
+    counts = [c.next_tokens.numel() for c in moving]
+    features = torch.cat([c.features for c in moving]).to(device).split(counts)
+    next_tokens = torch.cat([c.next_tokens for c in moving]).to(device).split(counts)
+    logits = (torch.cat([c.logits for c in moving]).to(device).split(counts) if moving[0].logits is not None
+              else [None] * len(moving))
+    moved = {id(c): Committed(c.tokens, f, t, c.verdict, x)
+             for c, f, t, x in zip(moving, features, next_tokens, logits)}
+    return [None if c is None else moved.get(id(c), c) for c in results]
 
 
 @dataclass
@@ -227,7 +244,7 @@ class TargetBatch:
         self._set_lengths(lengths)
 
     def _step(self, trees: list[DraftTree | None]) -> list[Committed | None]:
-        trees = [None if tree is None else tree.to(self.device) for tree in trees]
+        trees = trees_to(trees, self.device)
         if all(tree is None for tree in trees):
             return [None] * len(trees)
         t0 = time.perf_counter()

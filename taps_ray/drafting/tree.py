@@ -77,6 +77,29 @@ class DraftTree:
         return float(self.entropy.mean()) if self.entropy.numel() else 0.0
 
 
+def trees_to(trees: Sequence[DraftTree | None], device: torch.device | str) -> list[DraftTree | None]:
+    """`DraftTree.to` for a batch of trees (None kept) in three copies — the integer fields, the float fields and
+    the masks of every tree, each flattened into one tensor — instead of one per field and tree: a GPU drafter
+    that ships its trees to a target worker, and the worker that takes them in, sync three times per step."""
+    device = torch.device(device)
+    moving = [t for t in trees if t is not None and t.tokens.device != device]
+    if not moving:
+        return list(trees)
+    ints = torch.cat([torch.cat([t.tokens, t.parents, t.depth, t.source]) for t in moving]).to(device)
+    floats = torch.cat([torch.cat([t.confidence, t.entropy]) for t in moving]).to(device)
+    masks = torch.cat([t.mask.flatten() for t in moving]).to(device)
+    sizes = [t.size for t in moving]
+    int_parts = ints.split([4 * n - 1 for n in sizes])
+    float_parts = floats.split([2 * (n - 1) for n in sizes])
+    mask_parts = masks.split([n * n for n in sizes])
+    moved = {}
+    for t, n, i, f, m in zip(moving, sizes, int_parts, float_parts, mask_parts):
+        tokens, parents, depth, source = i.split([n, n, n, n - 1])
+        confidence, entropy = f.split([n - 1, n - 1])
+        moved[id(t)] = DraftTree(tokens, parents, depth, m.view(n, n), confidence, entropy, source, t.chain)
+    return [None if t is None else moved.get(id(t), t) for t in trees]
+
+
 def tree_means(trees: Sequence[DraftTree]) -> list[tuple[float, float]]:
     """Each tree's (mean node confidence, mean node entropy), 0 for a root-only tree as `mean_confidence` says,
     in one device-to-host read for all of them (a router choosing for a batch of sequences)."""

@@ -20,7 +20,8 @@ from taps_ray.eval.cell import PLAIN, Cell
 from taps_ray.models.draft_head import DraftHead
 from taps_ray.models.target import Target
 from taps_ray.drafting.setup import load_proposers
-from taps_ray.decoding.generate import Generation, Verifier, run_loop
+from taps_ray.decoding.generate import Verifier, run_loop
+from taps_ray.decoding.step import Generation
 from taps_ray.drafting.proposers import feature_layers
 from taps_ray.drafting.names import parse_proposer
 from taps_ray.drafting.registry import draft_reach

@@ -30,11 +30,11 @@ import ray
 import torch
 
 from taps_ray.config import StudyConfig, parse_config
-from taps_ray.decoding.target_batch import Committed
+from taps_ray.decoding.target_batch import Committed, results_to
 from taps_ray.decoding.verification_pool import VerificationPool
 from taps_ray.decoding.verify import SamplingParams
 from taps_ray.drafting.setup import head_names, load_heads
-from taps_ray.drafting.tree import DraftTree
+from taps_ray.drafting.tree import DraftTree, trees_to
 from taps_ray.eval.cell import NO_HEAD, Cell
 from taps_ray.eval.runner import TraceCache, eval_dtype, is_replayed, run_cell
 from taps_ray.models.draft_head import DraftHead
@@ -85,21 +85,24 @@ def unpack_heads(config: StudyConfig, kind: str, packed: dict, dtype: torch.dtyp
 
 
 class WorkerVerifier:
-    """The engine's `Verifier`, backed by a session on a `TargetWorker`."""
+    """The engine's `Verifier`, backed by a session on a `TargetWorker`. Trees and results cross as CPU tensors,
+    moved a batch at a time (`trees_to`, `results_to`); results arrive on `device`, where the drafter drafts."""
 
-    def __init__(self, worker: Any, owner: str, feature_layers: tuple[int, ...] = ()) -> None:
+    def __init__(self, worker: Any, owner: str, feature_layers: tuple[int, ...] = (),
+                 device: torch.device | str = "cpu") -> None:
         self.worker = worker
         self.owner = owner
         self.feature_layers = feature_layers
+        self.device = torch.device(device)
         self.sid: str | None = None
 
     def start(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Committed]:
         self.sid, committed = ray.get(
             self.worker.start.remote(prompts, params, seeds, self.owner, self.feature_layers))
-        return committed
+        return results_to(committed, self.device)
 
     def step(self, trees: list[DraftTree | None]) -> list[Committed | None]:
-        return ray.get(self.worker.step.remote(self.sid, [None if t is None else t.to("cpu") for t in trees]))
+        return results_to(ray.get(self.worker.step.remote(self.sid, trees_to(trees, "cpu"))), self.device)
 
     def close(self, quiet: bool = False) -> None:
         if self.sid is None:
@@ -137,10 +140,10 @@ class TargetWorker:
     async def start(self, prompts, params, seeds, owner: str = "", feature_layers: tuple[int, ...] = ()
                     ) -> tuple[str, list[Committed]]:
         sid, committed = await self.pool.start(prompts, params, seeds, owner, feature_layers)
-        return sid, [c.to("cpu") for c in committed]
+        return sid, results_to(committed, "cpu")
 
     async def step(self, sid: str, trees: list) -> list:
-        return [None if c is None else c.to("cpu") for c in await self.pool.step(sid, trees)]
+        return results_to(await self.pool.step(sid, trees), "cpu")
 
     async def close(self, sid: str) -> None:
         await self.pool.close(sid)
@@ -195,7 +198,7 @@ class DrafterActor:
         def verifier(layers: tuple[int, ...]) -> WorkerVerifier:
             if sessions:  # run_cell asks for a verifier per batch; the previous batch is finished
                 sessions[-1].close()
-            sessions.append(WorkerVerifier(self.worker, self.name, layers))
+            sessions.append(WorkerVerifier(self.worker, self.name, layers, self.target.device))
             return sessions[-1]
 
         start = time.perf_counter()

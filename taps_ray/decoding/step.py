@@ -1,0 +1,240 @@
+"""One decoding step over a batch of sequences (draft, verify, accept, commit) and what it records.
+
+Every loop runs this step, so a rule written here holds everywhere: the in-process loop and the Ray drafters
+(`generate.run_loop`, over a `TargetBatch` or over a `WorkerVerifier` whose target worker batches many drafters'
+trees in its `VerificationPool`), continuous batching in Serve (`continuous.ContinuousBatcher`) and replay
+(`replay.replay`: `run_loop` over a `TraceVerifier` that answers from recorded greedy traces). The step drafts
+every live sequence's tree, verifies them all in ONE verifier call (one target forward), then commits each
+sequence's tokens (cut at a stop token or its budget), hands its proposer the committed positions and appends a
+`StepRecord`; a loop adds only what is its own (admission and eviction, stop strings, log-probabilities,
+streaming: `Decoding.commit` is the seam).
+
+Drafting is one proposer call per proposer per step: the sequences sharing a proposer draft in one
+`propose_batch`. Each sequence keeps `pending`, the (features, next tokens) its target committed since its proposer
+last drafted. While drafting is paused (`draft_below`: a large batch, where a batched target forward over many tree
+tokens is compute-bound and speculation costs more than it saves) a step verifies only the root and the pending
+list keeps growing; the first step that drafts again hands the proposer all of it, so its context stays whole.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from taps_ray.drafting.proposers import NOT_DRAFTED, Proposer, propose_batch
+from taps_ray.drafting.tree import DraftTree, root_only
+
+if TYPE_CHECKING:  # annotations only: the step runs over any `Verifier`, the target batch is one of them
+    from taps_ray.decoding.target_batch import Committed
+    from taps_ray.decoding.verify import Verdict
+
+
+@dataclass
+class StepRecord:
+    accepted: int  # drafted tokens accepted (a_k); the step commits a_k + 1 tokens
+    new_tokens: int  # tokens this step committed, trimmed after a stop token only (`step_tokens`)
+    tree_size: int  # nodes verified, root included
+    draft_s: float
+    verify_s: float
+    head: int  # which head's tree was verified (routers), -1 for a merged tree, NOT_DRAFTED (-2) for none
+    node_confidence: list[float]
+    node_entropy: list[float]
+    node_accepted: list[bool]
+    node_source: list[int]
+
+
+@dataclass
+class Generation:
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)  # generated tokens, cut after the first stop token
+    steps: list[StepRecord] = field(default_factory=list)
+    prefill_s: float = 0.0
+    wall_s: float = 0.0
+    finished_by: str = ""
+
+    @property
+    def tau(self) -> float:
+        """Spec-Bench #MAT: tokens per target verification step (the prefill's first token excluded)."""
+        return sum(s.new_tokens for s in self.steps) / len(self.steps) if self.steps else 0.0
+
+    @property
+    def tau_taps(self) -> float:
+        """The TAPS/EAGLE reference definition: untrimmed committed tokens over (steps - 1); nan for a one-step
+        turn, which adds its tokens but no step to a cell's pooled τ_TAPS (docs/algorithms.md#acceptance-length)."""
+        committed = sum(s.accepted + 1 for s in self.steps)
+        return committed / (len(self.steps) - 1) if len(self.steps) > 1 else math.nan
+
+
+def record_step(tree: DraftTree, verdict: Verdict, new_tokens: int, draft_s: float, verify_s: float, head: int,
+                nodes: tuple[list[float], list[float], list[int]]) -> StepRecord:
+    """One step's record; `nodes`: the tree's per-node (confidence, entropy, source) already read to the host
+    (`node_values`: one read for the whole batch, not one per tree)."""
+    accepted = [False] * tree.size
+    for node in verdict.nodes:
+        accepted[node] = True
+    confidence, entropy, source = nodes
+    return StepRecord(
+        accepted=verdict.accepted,
+        new_tokens=new_tokens,
+        tree_size=tree.size,
+        draft_s=draft_s,
+        verify_s=verify_s,
+        head=head,
+        node_confidence=confidence,
+        node_entropy=entropy,
+        node_accepted=accepted[1:],
+        node_source=source,
+    )
+
+
+def node_values(trees: list[DraftTree]) -> list[tuple[list[float], list[float], list[int]]]:
+    """Each tree's per-node confidences, entropies and sources on the host, in one device-to-host read."""
+    if not trees:
+        return []
+    device = trees[0].tokens.device
+    flat = torch.stack([torch.cat([getattr(t, name).to(device) for t in trees]).double()
+                        for name in ("confidence", "entropy", "source")]).tolist()
+    out, at = [], 0
+    for tree in trees:
+        n = tree.size - 1
+        conf, ent, src = (row[at : at + n] for row in flat)
+        out.append((conf, ent, [int(s) for s in src]))
+        at += n
+    return out
+
+
+def extend_tokens(generation: Generation, new: list[int], stop_ids: set[int], max_new_tokens: int) -> int:
+    """Append new tokens, cut at the first stop token or at max_new_tokens; returns how many were kept."""
+    kept = 0
+    for token in new:
+        if generation.finished_by:
+            break
+        generation.tokens.append(token)
+        kept += 1
+        if token in stop_ids:
+            generation.finished_by = "stop"
+        elif len(generation.tokens) >= max_new_tokens:
+            generation.finished_by = "length"
+    return kept
+
+
+def step_tokens(new: list[int], stop_ids: set[int]) -> int:
+    """A step's Spec-Bench new tokens: all it committed, cut just after the first stop token. The token budget does
+    not trim it, so the step that crosses `max_new_tokens` keeps its full accepted length
+    (docs/algorithms.md#acceptance-length)."""
+    for i, token in enumerate(new):
+        if token in stop_ids:
+            return i + 1
+    return len(new)
+
+
+# --- drafting ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Drafting:
+    """One sequence's drafting side: its proposer, the proposer's state, what it has not seen yet, and the
+    tree drafted for the coming step with its drafting time and head (NOT_DRAFTED: paused)."""
+
+    proposer: Proposer
+    state: Any
+    pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    tree: DraftTree | None = None
+    draft_s: float = 0.0
+    head: int = NOT_DRAFTED
+
+
+def chosen_head(state: object) -> int:
+    """Routers expose the head they used last as `state.last_head`; single heads are head 0."""
+    return getattr(state, "last_head", 0)
+
+
+def check_draft_below(draft_below: int | None) -> None:
+    """Refuse a `draft_below` that could never draft (a loop checks it before its first step)."""
+    if draft_below is not None and draft_below < 1:
+        raise ValueError(f"draft_below must be at least 1 (or None to always draft), got {draft_below}")
+
+
+def draft(sequences: list[Drafting], drafting: bool) -> None:
+    """Every sequence's next tree (`Drafting.tree`). `drafting` False: root-only trees, pending kept. Else the
+    sequences sharing a proposer draft in one `propose_batch` call, and `draft_s` is that call's time (as a
+    step's verify time is the batch's forward)."""
+    if not drafting:
+        for seq in sequences:
+            root = seq.pending[-1][1][-1:]
+            seq.tree, seq.draft_s, seq.head = root_only(root, root.device), 0.0, NOT_DRAFTED
+        return
+    groups: dict[int, list[Drafting]] = {}
+    for seq in sequences:
+        groups.setdefault(id(seq.proposer), []).append(seq)
+    for group in groups.values():
+        features = [_joined([f for f, _ in seq.pending]) for seq in group]
+        next_tokens = [_joined([t for _, t in seq.pending]) for seq in group]
+        t0 = time.perf_counter()
+        trees, states = propose_batch(group[0].proposer, [seq.state for seq in group], features, next_tokens)
+        seconds = time.perf_counter() - t0
+        for seq, tree, state in zip(group, trees, states, strict=True):
+            seq.tree, seq.state, seq.pending, seq.draft_s, seq.head = tree, state, [], seconds, chosen_head(state)
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The pending tensors as one (no copy for the usual single one)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+# --- the step ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Decoding:
+    """One sequence of a loop: its output so far, its drafting side, its token budget and the stop tokens."""
+
+    generation: Generation
+    drafting: Drafting
+    budget: int
+    stops: set[int]
+
+    def extend(self, committed: Committed) -> int:
+        """Take what the target committed (the prefill's first token or a step's): extend the output, cut at a
+        stop token or the budget, and queue the committed positions for the proposer; returns the tokens kept."""
+        self.drafting.pending.append((committed.features, committed.next_tokens))
+        return extend_tokens(self.generation, committed.tokens, self.stops, self.budget)
+
+    def commit(self, committed: Committed) -> int:
+        """`extend`, returning what the step's record counts as new tokens: Spec-Bench's, all the step committed
+        up to a stop token (`step_tokens`). A loop with more to do per commit (Serve's stop strings, log-probabilities,
+        streaming) overrides this."""
+        self.extend(committed)
+        return step_tokens(committed.tokens, self.stops)
+
+
+def decode_step(
+    sequences: Sequence[Decoding],
+    verify: Callable[[list[DraftTree | None]], Sequence[Committed | None]],
+    draft_below: int | None,
+) -> None:
+    """One step of every unfinished sequence: draft (paused unless fewer than `draft_below` are unfinished), verify
+    every tree in one `verify` call (trees in the order of `sequences`, None for a finished sequence: the
+    `Verifier.step` contract), commit and record. `draft_s` is the sequence's drafting call, `verify_s` the
+    verify call."""
+    live = [seq for seq in sequences if not seq.generation.finished_by]
+    draft([seq.drafting for seq in live], draft_below is None or len(live) < draft_below)
+    trees = [None if seq.generation.finished_by else seq.drafting.tree for seq in sequences]
+    t0 = time.perf_counter()
+    results = verify(trees)
+    verify_s = time.perf_counter() - t0
+    stepped = [(seq, tree, committed) for seq, tree, committed in zip(sequences, trees, results, strict=True)
+               if tree is not None]
+    for (seq, tree, committed), nodes in zip(stepped, node_values([tree for _, tree, _ in stepped])):
+        if committed is None:
+            raise RuntimeError("the verifier returned no result for a tree it was given; a Verifier answers every "
+                               "tree of a step (None only for a finished sequence's None tree)")
+        seq.drafting.tree = None
+        new_tokens = seq.commit(committed)
+        seq.generation.steps.append(record_step(tree, committed.verdict, new_tokens, seq.drafting.draft_s, verify_s,
+                                                seq.drafting.head, nodes))
