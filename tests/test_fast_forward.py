@@ -226,12 +226,17 @@ def test_cache_compaction_and_row_selection_match_a_naive_copy():
     for layer in range(2):
         cache.append(layer, full[layer][:, :, 6:], full[layer][:, :, 6:] + 1)
     cache.advance(3)
-    index = torch.tensor([[4, 5, 8, 0], [6, 7, 8, 0], [2, 3, 7, 6]])  # rows gather different slots
-    cache.compact(2, index)
+    # rows move different slots to different places, one pair repeated (padding), one row moving onto itself
+    source = torch.tensor([[6, 8, 8], [7, 6, 3], [0, 0, 0]])
+    target = torch.tensor([[2, 3, 3], [4, 5, 3], [0, 0, 0]])
+    cache.move_slots(source, target, 6)
     assert cache.width == 6
     for layer in range(2):
         keys, values = cache.layer(layer)
-        want = torch.cat([full[layer][:, :, :2], full[layer].gather(2, index[:, None, :, None].expand(-1, 2, -1, 4))], 2)
+        want = full[layer][:, :, :6].clone()
+        for row in range(3):
+            moved = full[layer][row][:, source[row]]  # read before writing: sources may be targets
+            want[row][:, target[row]] = moved
         assert torch.equal(keys, want) and torch.equal(values, want + 1)
     cache.keep_rows(torch.tensor([2, 0]), 5)
     assert cache.rows == 2 and cache.width == 5

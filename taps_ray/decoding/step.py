@@ -96,8 +96,7 @@ def node_values(trees: list[DraftTree]) -> list[tuple[list[float], list[float], 
     """Each tree's per-node confidences, entropies and sources on the host, in one device-to-host read."""
     if not trees:
         return []
-    device = trees[0].tokens.device
-    flat = torch.stack([torch.cat([getattr(t, name).to(device) for t in trees]).double()
+    flat = torch.stack([torch.cat([getattr(t, name) for t in trees]).double()  # one device: the loop's drafters'
                         for name in ("confidence", "entropy", "source")]).tolist()
     out, at = [], 0
     for tree in trees:

@@ -30,10 +30,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from taps_ray.decoding.verify import SamplingParams, Verdict, accept_batch, position_uniforms, target_choices
-from taps_ray.drafting.tree import DraftTree, trees_to
+from taps_ray.drafting.tree import DraftTree, PaddedTrees, pad_trees, trees_to
 from taps_ray.models.kv_cache import KVCache
 from taps_ray.models.target_forward import TargetForward, target_forward
 from taps_ray.syncs import to_device
@@ -248,13 +247,13 @@ class TargetBatch:
         if all(tree is None for tree in trees):
             return [None] * len(trees)
         t0 = time.perf_counter()
-        logits, features = self._verify_padded(trees)
+        logits, features, padded = self._verify_padded(trees)
         t1 = time.perf_counter()
         uniforms = None
         if not all(row.greedy for row in self.row_params):  # the draws for positions length + 1 .. length + W
             after_root = torch.arange(1, logits.shape[1] + 1, device=self.device)
             uniforms = position_uniforms(self.seeds, self.lengths[:, None] + after_root)
-        verdicts = accept_batch(trees, logits, self.row_params, uniforms)
+        verdicts = accept_batch(padded, logits, self.row_params, uniforms)
         t2 = time.perf_counter()
         self.commit([v.nodes if v is not None else [] for v in verdicts])
         t3 = time.perf_counter()
@@ -319,48 +318,40 @@ class TargetBatch:
         """One forward over every sequence's tree (None: the sequence sits this step out)."""
         if all(tree is None for tree in trees):
             return [None] * len(trees)
-        logits, features = self._verify_padded(trees)
+        logits, features, _ = self._verify_padded(trees)
         return [None if tree is None else TreeOutput(logits[b, : tree.size], features[b, : tree.size])
                 for b, tree in enumerate(trees)]
 
-    def _verify_padded(self, trees: list[DraftTree | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _verify_padded(self, trees: list[DraftTree | None]) -> tuple[torch.Tensor, torch.Tensor, PaddedTrees]:
         """The forward of `verify`, as the batch's right-padded logits [B, W, V] and features [B, W, d] (W: the
-        widest tree), which acceptance reads in one pass."""
+        widest tree), which acceptance reads in one pass, and the padded trees both read."""
         if len(trees) != self.batch_size:
             raise ValueError(f"got {len(trees)} trees for a batch of {self.batch_size} sequences")
         width = max((t.size for t in trees if t is not None), default=0)
         if width == 0:
             raise ValueError("a verification step needs at least one tree")
+        padded = pad_trees(trees, width, self.device)
         past = self.cache.width
         if self._causal(trees, past):
-            ids = torch.stack([t.tokens for t in trees]).to(self.device)
             positions = torch.arange(past, past + width, device=self.device).expand(len(trees), -1)
-            hidden, features = self._forward(ids, positions, None)
+            hidden, features = self._forward(padded.tokens, positions, None)
         else:
-            ids, positions, mask = self._tree_inputs(trees, width, past)
+            ids, positions, mask = self._tree_inputs(padded, past)
             hidden, features = self._forward(ids, positions, mask[:, None])
-        return self.target_forward.logits(hidden), features
+        return self.target_forward.logits(hidden), features, padded
 
-    def _tree_inputs(self, trees: list[DraftTree | None], width: int, past: int
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Right-padded ids and positions [B, width] and the boolean mask [B, width, past + width] of a batch of
-        trees (None: a sequence sitting the step out), in a few batched ops: a tree's node sees its sequence's
-        committed slots and its ancestors; padding nodes see only themselves (no all-masked row, no NaN)."""
-        pad = torch.nn.utils.rnn.pad_sequence
-        empty = torch.zeros(0, dtype=torch.long, device=self.device)
-        ids = pad([empty if t is None else t.tokens for t in trees], batch_first=True)
-        depth = pad([empty if t is None else t.depth for t in trees], batch_first=True)
-        tree_masks = torch.stack([
-            torch.zeros(width, width, dtype=torch.bool, device=self.device) if t is None
-            else F.pad(t.mask, (0, width - t.size, 0, width - t.size)) for t in trees])
-        sizes = to_device([0 if t is None else t.size for t in trees], self.device)
+    def _tree_inputs(self, trees: PaddedTrees, past: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Ids and positions [B, W] and the boolean mask [B, W, past + W] of padded trees, in a few batched ops: a
+        tree's node sees its sequence's committed slots and its ancestors; padding nodes see only themselves (no
+        all-masked row, no NaN)."""
+        width = trees.width
         nodes = torch.arange(width, device=self.device)
-        real = nodes[None, :] < sizes[:, None]  # [B, width]
+        real = nodes[None, :] < trees.sizes[:, None]  # [B, W]
         context = torch.arange(past, device=self.device)[None, :] < self.lengths[:, None]  # [B, past]
-        tree_masks |= torch.eye(width, dtype=torch.bool, device=self.device) & ~real[:, :, None]
+        tree_masks = trees.mask | (torch.eye(width, dtype=torch.bool, device=self.device) & ~real[:, :, None])
         mask = torch.cat([real[:, :, None] & context[:, None, :], tree_masks], dim=-1)
-        positions = torch.where(real, self.lengths[:, None] + depth, 0)
-        return ids, positions, mask
+        positions = torch.where(real, self.lengths[:, None] + trees.depth, 0)
+        return trees.tokens.clamp(min=0), positions, mask
 
     def _causal(self, trees: list[DraftTree | None], past: int) -> bool:
         """True when the model's own causal mask is exact: every sequence fills the cache (no context padding)
@@ -371,25 +362,26 @@ class TargetBatch:
         return all(length == past for length in self.host_lengths) and all(t.is_chain for t in trees)
 
     def commit(self, accepted_nodes: list[list[int]]) -> None:
-        """Keep each sequence's accepted tree slots (root first) right after its committed prefix."""
+        """Keep each sequence's accepted tree slots (root first) right after its committed prefix: only those
+        slots move (row b's node j from slot width + j to slot length_b + i), whatever the spread of lengths."""
         lengths = self.host_lengths
         start = max(lengths)  # invariant: the committed region is as wide as the longest sequence
         new_lengths = [length + len(n) for length, n in zip(lengths, accepted_nodes, strict=True)]
-        low = min(lengths)
-        high = max(length + len(n) for length, n in zip(lengths, accepted_nodes))
-        in_place = low == start and all(nodes == list(range(len(nodes))) for nodes in accepted_nodes)
-        if in_place:  # every sequence kept a prefix of its slots (a chain's): nothing moves, only crop
+        high = max(new_lengths)
+        in_place = min(lengths) == start and all(nodes == list(range(len(nodes))) for nodes in accepted_nodes)
+        if not in_place:  # built on the host from what it already holds, then one upload each for the batch
+            most = max(len(nodes) for nodes in accepted_nodes)
+            source, target = [], []
+            for length, nodes in zip(lengths, accepted_nodes):
+                # a row without a tree (sitting the step out) moves slot 0 onto itself: nothing changes
+                pairs = [(start + n, length + i) for i, n in enumerate(nodes)] or [(0, 0)]
+                pairs += [pairs[-1]] * (most - len(pairs))  # repeated: the same value to the same slot
+                source.append([p for p, _ in pairs])
+                target.append([t for _, t in pairs])
+            self.cache.move_slots(to_device(source, self.device, torch.long),
+                                  to_device(target, self.device, torch.long), high)
+        else:  # every sequence kept a prefix of its slots (a chain's): nothing moves, only crop
             self.cache.crop(high)
-            self._set_lengths(new_lengths)
-            return
-        rows = []  # built on the host from what it already holds, then one upload for the batch
-        for length, nodes in zip(lengths, accepted_nodes):
-            first = length - low
-            kept = first + len(nodes)
-            # identity for slots already committed, then the accepted slots; beyond: any slot, masked out later
-            rows.append([*range(low, length), *(start + n for n in nodes), *[0] * (high - low - kept)])
-        index = to_device(rows, self.device, torch.long)
-        self.cache.compact(low, index)  # in place: only slots low..high-1 move, the prefix is not copied
         self._set_lengths(new_lengths)
 
     def _set_lengths(self, lengths: list[int]) -> None:

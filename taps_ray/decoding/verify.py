@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from taps_ray.drafting.tree import DraftTree
+from taps_ray.drafting.tree import DraftTree, PaddedTrees, pad_trees
 from taps_ray.syncs import to_device
 
 
@@ -160,13 +160,13 @@ def target_choices(logits: torch.Tensor, params: list[SamplingParams], uniforms:
 
 
 def accept_batch(
-    trees: list[DraftTree | None], logits: torch.Tensor, params: list[SamplingParams],
+    trees: list[DraftTree | None] | PaddedTrees, logits: torch.Tensor, params: list[SamplingParams],
     uniforms: torch.Tensor | None = None,
 ) -> list[Verdict | None]:
     """Verdicts for a batch of trees in vectorised passes on the device; the host reads one small tensor.
 
     `logits` [B, W, V]: row b's first `trees[b].size` entries are its nodes' (W >= every tree's size; a None tree
-    sits out and gets None). `uniforms` [B, W]: row b's uniform for the token at depth d + 1 is `uniforms[b, d]`
+    sits out and gets None); `trees` may come padded to W already (`pad_trees`, as the target batch builds them). `uniforms` [B, W]: row b's uniform for the token at depth d + 1 is `uniforms[b, d]`
     (`position_uniforms` of the positions after the root); needed when a row samples.
 
     One rule for greedy and sampled rows: the target picks its token after every node (`target_choices`: the
@@ -180,21 +180,14 @@ def accept_batch(
     tree. On equal depths (duplicate siblings) the path that comes first in DFS preorder wins, the first retrieve
     row's, as `greedy_path` picks."""
     batch, width = logits.shape[0], logits.shape[1]
-    if len(trees) != batch or any(t is not None and t.size > width for t in trees):
-        raise ValueError(f"need one tree (or None) per logits row, each at most {width} nodes; got {len(trees)} trees")
     device = logits.device
+    if not isinstance(trees, PaddedTrees):
+        if len(trees) != batch or any(t is not None and t.size > width for t in trees):
+            raise ValueError(f"need one tree (or None) per logits row, each at most {width} nodes; got {len(trees)} "
+                             "trees")
+        trees = pad_trees(trees, width, device)
+    tokens, parents, depth, mask, sizes = trees.tokens, trees.parents, trees.depth, trees.mask, trees.sizes
     nodes = torch.arange(width, device=device)
-    empty = torch.zeros(0, dtype=torch.long, device=device)
-
-    def padded(field: str, value: int) -> torch.Tensor:
-        rows = [empty if t is None else getattr(t, field) for t in trees]
-        out = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=value)
-        return torch.nn.functional.pad(out, (0, width - out.shape[1]), value=value)
-
-    tokens, parents, depth = padded("tokens", -1), padded("parents", 0), padded("depth", 0)
-    mask = torch.stack([torch.zeros(width, width, dtype=torch.bool, device=device) if t is None
-                        else torch.nn.functional.pad(t.mask, (0, width - t.size, 0, width - t.size)) for t in trees])
-    sizes = to_device([0 if t is None else t.size for t in trees], device)
     valid = nodes < sizes[:, None]
     node_uniforms = None if uniforms is None else uniforms.gather(1, depth)
     target_next = target_choices(logits, params, node_uniforms)  # [B, W]
@@ -213,8 +206,8 @@ def accept_batch(
     path_tokens = tokens.gather(1, path.clamp(max=width - 1))
     packed = torch.cat([depth[rows, best, None] + 1, path, path_tokens, target_next[rows, best, None]], dim=1)
     verdicts: list[Verdict | None] = []
-    for tree, row in zip(trees, packed.tolist()):
+    for present, row in zip(trees.present, packed.tolist()):
         n = row[0]
-        verdicts.append(None if tree is None else
+        verdicts.append(None if not present else
                         Verdict(nodes=row[1 : 1 + n], tokens=row[1 + width : 1 + width + n], bonus=row[-1]))
     return verdicts

@@ -77,6 +77,40 @@ class DraftTree:
         return float(self.entropy.mean()) if self.entropy.numel() else 0.0
 
 
+@dataclass
+class PaddedTrees:
+    """A step's trees right-padded to one width on the device, built once for both the target's inputs and
+    acceptance. Rows without a tree (a sequence sitting the step out) are empty; pad nodes have token -1,
+    parent and depth 0, and an empty mask row and column."""
+
+    tokens: torch.Tensor  # [B, W] long
+    parents: torch.Tensor  # [B, W] long
+    depth: torch.Tensor  # [B, W] long
+    mask: torch.Tensor  # [B, W, W] bool
+    sizes: torch.Tensor  # [B] long, 0 without a tree
+    present: list[bool]  # which rows have a tree (host)
+
+    @property
+    def width(self) -> int:
+        return int(self.tokens.shape[1])
+
+
+def pad_trees(trees: Sequence[DraftTree | None], width: int, device: torch.device | str) -> PaddedTrees:
+    """`PaddedTrees` of `trees` (every one on `device`, none wider than `width`)."""
+    empty = torch.zeros(0, dtype=torch.long, device=device)
+
+    def padded(name: str, value: int) -> torch.Tensor:
+        rows = [empty if t is None else getattr(t, name) for t in trees]
+        out = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=value)
+        return F.pad(out, (0, width - out.shape[1]), value=value)
+
+    mask = torch.stack([torch.zeros(width, width, dtype=torch.bool, device=device) if t is None
+                        else F.pad(t.mask, (0, width - t.size, 0, width - t.size)) for t in trees])
+    sizes = to_device([0 if t is None else t.size for t in trees], device)
+    return PaddedTrees(padded("tokens", -1), padded("parents", 0), padded("depth", 0), mask, sizes,
+                       [t is not None for t in trees])
+
+
 def trees_to(trees: Sequence[DraftTree | None], device: torch.device | str) -> list[DraftTree | None]:
     """`DraftTree.to` for a batch of trees (None kept) in three copies — the integer fields, the float fields and
     the masks of every tree, each flattened into one tensor — instead of one per field and tree: a GPU drafter

@@ -3,8 +3,8 @@
 Why not transformers' `DynamicCache`: it concatenates each layer's keys and values onto a new tensor at every
 forward (a copy of the whole cache per layer per step), and the batch then copied it again to move accepted tree
 slots, crop it or drop rows. Here every layer has one buffer [rows, kv_heads, capacity, head_dim] allocated
-once; a forward writes its slots in place (`append`), accepted tree nodes are gathered down in place
-(`compact`), cropping only moves a number (`crop`), and rows are kept or evicted by index in place
+once; a forward writes its slots in place (`append`), accepted tree nodes are moved down in place
+(`move_slots`), cropping only moves a number (`crop`), and rows are kept or evicted by index in place
 (`keep_rows`). The capacity grows by doubling, so a buffer is reallocated (and copied) a logarithmic number
 of times per sequence, never per forward.
 
@@ -83,18 +83,19 @@ class KVCache:
             raise ValueError(f"cannot crop a cache of {self.width} slots to {width}")
         self.width = width
 
-    def compact(self, low: int, index: torch.Tensor) -> None:
-        """Slots low..low+n-1 of row b take the slots `index[b]` ([rows, n], gathered from the whole region), in
-        place; then the region is cropped to low + n. Slots below `low` are not touched."""
-        high = low + index.shape[1]
+    def move_slots(self, source: torch.Tensor, target: torch.Tensor, width: int) -> None:
+        """Row b's slots `source[b]` go to its slots `target[b]` ([rows, n] each; a pair may repeat), in place for
+        every layer, then the region is `width` slots wide. Only the moved slots are read and written: a batch of
+        ragged sequences moves its few accepted tree slots, not the span between its shortest and longest."""
         for buffers in (self._keys, self._values):
-            for layer, buffer in enumerate(buffers):
+            for buffer in buffers:
                 if buffer is None:
                     continue
-                region = buffer[: self.rows, :, : self.width]
-                gather = index[:, None, :, None].expand(-1, buffer.shape[1], -1, buffer.shape[3])
-                buffer[: self.rows, :, low:high] = region.gather(2, gather)
-        self.width = high
+                rows = buffer[: self.rows]
+                shape = (-1, buffer.shape[1], -1, buffer.shape[3])
+                moved = rows.gather(2, source[:, None, :, None].expand(shape))  # a copy: sources may be targets
+                rows.scatter_(2, target[:, None, :, None].expand(shape), moved)
+        self.width = width
 
     def keep_rows(self, index: torch.Tensor, width: int) -> None:
         """Keep the rows `index` (in that order) as rows 0..len-1, cropped to `width` slots, in place."""
