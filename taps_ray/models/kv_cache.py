@@ -74,7 +74,7 @@ class KVCache:
         return new_k, new_v
 
     def advance(self, slots: int) -> None:
-        """Every layer has appended `slots` slots: the region now covers them (until `compact` or `crop`)."""
+        """Every layer has appended `slots` slots: the region now covers them (until `move_slots` or `crop`)."""
         self.width += slots
 
     def crop(self, width: int) -> None:
