@@ -29,8 +29,8 @@ from taps_ray.models.draft_head import new_head
 from taps_ray.models.target import load_target
 from taps_ray.decoding.generate import run_loop
 from taps_ray.drafting.proposers import SingleHead
-from taps_ray.decoding.target_batch import Committed, TargetBatch
-from taps_ray.drafting.tree import DraftContext, DraftTree
+from taps_ray.decoding.target_batch import Committed, TargetBatch, results_to
+from taps_ray.drafting.tree import DraftContext, DraftTree, trees_to
 from taps_ray.decoding.verify import SamplingParams
 
 LLAMA3_8B_HIDDEN = 4096
@@ -52,15 +52,15 @@ class CountingVerifier:
     def start(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Committed]:
         committed = self.batch.start(prompts, params, seeds)
         self.start_in = wire((prompts, params, seeds, "drafter-0"))
-        self.start_out = wire(("s0", [c.to("cpu") for c in committed]))
+        self.start_out = wire(("s0", results_to(committed, "cpu")))
         return committed
 
     def step(self, trees: list[DraftTree | None]) -> list[Committed | None]:
         results = self.batch.step(trees)
         live = [r for r in results if r is not None]
         self.steps.append({
-            "in": wire(("s0", [None if t is None else t.to("cpu") for t in trees])),
-            "out": wire([None if r is None else r.to("cpu") for r in results]),
+            "in": wire(("s0", trees_to(trees, "cpu"))),  # what WorkerVerifier and TargetWorker ship
+            "out": wire(results_to(results, "cpu")),
             "sequences": len(live),
             "committed": sum(len(r.tokens) for r in live),
             "tree_nodes": sum(t.size for t in trees if t is not None),

@@ -58,14 +58,9 @@ class Committed:
             raise ValueError("this batch did not keep the target's logits (TargetBatch(keep_logits=True))")
         return torch.log_softmax(self.logits.float(), dim=-1)
 
-    def to(self, device: torch.device | str) -> "Committed":
-        """This result on `device` (a target worker hands CPU copies to drafters that may have no GPU)."""
-        logits = None if self.logits is None else self.logits.to(device)
-        return Committed(self.tokens, self.features.to(device), self.next_tokens.to(device), self.verdict, logits)
-
 
 def results_to(results: list[Committed | None], device: torch.device | str) -> list[Committed | None]:
-    """`Committed.to` for a step's results (None kept) in one copy per tensor field for all of them, not one per
+    """A step's results (None kept) on `device` in one copy per tensor field for all of them, not one per
     field and sequence: a GPU target worker shipping a session's results to its drafter syncs two or three times."""
     device = torch.device(device)
     moving = [c for c in results if c is not None and c.features.device != device]
@@ -297,11 +292,9 @@ class TargetBatch:
         its last token only (the LM head over a whole prompt would cost more than the rest of the prefill)."""
         if any(not p for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        lengths = to_device([len(p) for p in prompts], self.device)
-        width = max(len(p) for p in prompts)
-        ids = torch.zeros(len(prompts), width, dtype=torch.long, device=self.device)
-        for b, prompt in enumerate(prompts):
-            ids[b, : len(prompt)] = to_device(prompt, self.device)
+        self._set_lengths([len(p) for p in prompts])
+        lengths, width = self.lengths, max(self.host_lengths)
+        ids = to_device([p + [0] * (width - len(p)) for p in prompts], self.device, torch.long)  # right-padded
         columns = torch.arange(width, device=self.device)
         causal = columns[None, :] <= columns[:, None]
         valid = columns[None, :] < lengths[:, None]  # [B, width]
@@ -309,7 +302,6 @@ class TargetBatch:
         mask |= torch.eye(width, dtype=torch.bool, device=self.device)[None]  # padded rows attend to themselves: no NaN rows
         self.cache.reset(len(prompts))
         hidden, features = self._forward(ids, columns.expand(len(prompts), -1), mask[:, None])
-        self.lengths, self.host_lengths = lengths, [len(p) for p in prompts]
         last = self.target_forward.logits(hidden[torch.arange(len(prompts), device=self.device), lengths - 1])  # [B, V]
         return [TreeOutput(last[b : b + 1], features[b, : len(p)]) for b, p in enumerate(prompts)]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +26,7 @@ class DraftTree:
 
     Every field is built on the device without reading values back (`tree_structure`), so drafting a batch of
     trees costs the host no sync; `retrieve` (the root-to-leaf rows, whose count depends on the tree) is derived
-    on first use, by the stochastic verifier, replay and merged trees. `chain`: whether every node's parent is
+    on first use, by replay's per-tree acceptance and merged trees. `chain`: whether every node's parent is
     the node before it, when the builder knows it without reading the tree (None: `is_chain` reads it)."""
 
     tokens: torch.Tensor  # [T] long
@@ -43,16 +43,10 @@ class DraftTree:
             self.source = torch.zeros(self.size - 1, dtype=torch.long, device=self.tokens.device)
         self._retrieve: torch.Tensor | None = None
 
-    def to(self, device: torch.device | str) -> "DraftTree":
-        """This tree on `device` (itself when it is there already)."""
-        if self.tokens.device == torch.device(device):
-            return self
-        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self) if f.name != "chain"})
-
     @property
     def retrieve(self) -> torch.Tensor:
         """[L, Dmax] long: root-to-leaf node indices, one row per leaf, right-padded with -1, rows in
-        lexicographic order (-1 last), so the stochastic verifier tries siblings in drafted-rank order."""
+        lexicographic order (-1 last), so the first row on a tie is the first path in DFS preorder."""
         if self._retrieve is None:
             self._retrieve = _retrieve_rows(self.parents, self.mask)
         return self._retrieve
@@ -112,7 +106,7 @@ def pad_trees(trees: Sequence[DraftTree | None], width: int, device: torch.devic
 
 
 def trees_to(trees: Sequence[DraftTree | None], device: torch.device | str) -> list[DraftTree | None]:
-    """`DraftTree.to` for a batch of trees (None kept) in three copies — the integer fields, the float fields and
+    """A batch of trees (None kept) on `device` in three copies — the integer fields, the float fields and
     the masks of every tree, each flattened into one tensor — instead of one per field and tree: a GPU drafter
     that ships its trees to a target worker, and the worker that takes them in, sync three times per step."""
     device = torch.device(device)
