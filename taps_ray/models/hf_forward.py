@@ -9,6 +9,7 @@ layer here: targets with sliding-window or linear-attention layers are refused w
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +44,18 @@ class _KVLayer(DynamicLayer):
         return self.cache.width + query_length, 0
 
 
+def cache_keyword(decoder: torch.nn.Module) -> str:
+    """The keyword `decoder.forward` takes its `Cache` by: `cache` since transformers 5.24, `past_key_values` before.
+    Chosen by the signature, not the version string: an older forward swallows an unknown keyword in `**kwargs`,
+    so passing the wrong one silently runs without the cache."""
+    parameters = inspect.signature(decoder.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in parameters:
+            return name
+    raise TypeError(f"{type(decoder).__name__}.forward takes neither `cache` nor `past_key_values`: this "
+                    "transformers version is not supported (install transformers>=5.17)")
+
+
 def _check_full_attention(model: PreTrainedModel) -> None:
     layer_types = getattr(model.config, "layer_types", None) or ()
     others = sorted({kind for kind in layer_types if kind != "full_attention"})
@@ -60,6 +73,7 @@ class HFForward:
         _check_full_attention(model)
         self.model = model
         self.num_layers = model.config.num_hidden_layers
+        self.cache_keyword = cache_keyword(model.model)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's logits of post-norm hidden states: transformers' own LM head."""
@@ -77,8 +91,8 @@ class HFForward:
             mask = torch.zeros(mask.shape, dtype=self.model.dtype, device=mask.device).masked_fill(~mask, blocked)
         view = Cache(layers=[_KVLayer(cache, index) for index in range(self.num_layers)])
         out = self.model.model(
-            input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=view, use_cache=True,
-            output_hidden_states=bool(hidden_layers),
+            input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+            output_hidden_states=bool(hidden_layers), **{self.cache_keyword: view},
         )
         last = out.last_hidden_state
         if not hidden_layers:
