@@ -34,7 +34,7 @@ from taps_ray.config import load_config  # noqa: E402
 from taps_ray.decoding.generate import run_loop  # noqa: E402
 from taps_ray.decoding.target_batch import TargetBatch  # noqa: E402
 from taps_ray.decoding.verify import SamplingParams  # noqa: E402
-from taps_ray.drafting.proposers import Proposer, feature_layers  # noqa: E402
+from taps_ray.drafting.proposer import Proposer  # noqa: E402
 from taps_ray.drafting.setup import load_proposers  # noqa: E402
 from taps_ray.fsio import report_lines  # noqa: E402
 from taps_ray.interop.bench_peer import peer_request, speculative_configs  # noqa: E402
@@ -58,14 +58,14 @@ def ours(target: Target, proposers: dict[str, Proposer], prompts: list[list[int]
         runs = {name: {"seconds": 0.0, "tokens": 0, "steps": 0, "committed": 0, "outputs": []} for name in names}
         for name in names:  # warm-up
             proposer = proposers[name]
-            run_loop(TargetBatch(target.model, feature_layers=feature_layers(proposer)), proposer,
+            run_loop(TargetBatch(target.model, feature_layers=proposer.feature_layers), proposer,
                      prompts[:batch], GREEDY, 4, target.stop_token_ids)
         for repetition in range(repetitions):
             for name in names[repetition % len(names):] + names[: repetition % len(names)]:
                 proposer, run = proposers[name], runs[name]
                 for group in groups(prompts, batch):
                     t0 = time.perf_counter()
-                    generations = run_loop(TargetBatch(target.model, feature_layers=feature_layers(proposer)),
+                    generations = run_loop(TargetBatch(target.model, feature_layers=proposer.feature_layers),
                                            proposer, group, GREEDY, max_new, target.stop_token_ids)
                     run["seconds"] += time.perf_counter() - t0
                     run["tokens"] += sum(len(g.tokens) for g in generations)

@@ -87,7 +87,6 @@ def verification(cfg: StudyConfig, target, heads_cfg: StudyConfig, kind: str, ba
     (untimed) by the first head."""
     from taps_ray.decoding.generate import run_loop
     from taps_ray.drafting.setup import load_proposers
-    from taps_ray.drafting.proposers import feature_layers
     from taps_ray.decoding.target_batch import TargetBatch
     from taps_ray.decoding.verify import SamplingParams
 
@@ -99,7 +98,7 @@ def verification(cfg: StudyConfig, target, heads_cfg: StudyConfig, kind: str, ba
     for size in batches:
         runs = []
         for _ in range(repeats):
-            verifier = _TimedSteps(TargetBatch(target.model, feature_layers=feature_layers(proposer)), size)
+            verifier = _TimedSteps(TargetBatch(target.model, feature_layers=proposer.feature_layers), size)
             # steps + 2 new tokens (the prefill samples the first): steps + 1 steps while no draft is accepted
             # (random heads), fewer full-batch steps when drafts are; step 0 warms up
             run_loop(verifier, proposer, prompts[:size], params, steps + 2, stop_ids=[])

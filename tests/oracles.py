@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from taps_ray.drafting.proposer import Proposer
 from taps_ray.drafting.tree import DraftTree, build_tree
 from taps_ray.models.draft_head import DraftHead, new_head
 
@@ -17,7 +18,7 @@ class OracleState:
 
 
 @dataclass
-class GreedyOracle:
+class GreedyOracle(Proposer):
     """Drafts the target's true greedy chain, wrong from a per-step depth on, with a wrong sibling per level.
 
     `first_token` is the prompt's first token (the loop only passes the tokens after it).
@@ -56,7 +57,7 @@ class GreedyOracle:
 
 
 @dataclass
-class FixedTree:
+class FixedTree(Proposer):
     """Always proposes the same token tree under the current root (duplicates allowed, as merged trees have)."""
 
     tokens: list[int]
@@ -74,7 +75,7 @@ class FixedTree:
 
 
 @dataclass
-class Recording:
+class Recording(Proposer):
     """Wraps a proposer and keeps, per sequence (in `init_state` order), every `next_tokens` it was handed."""
 
     inner: object

@@ -23,7 +23,8 @@ from taps_ray.drafting.combine import (
 )
 from taps_ray.decoding.generate import generate
 from taps_ray.decoding.step import StepRecord
-from taps_ray.drafting.proposers import NOT_DRAFTED, SingleHead
+from taps_ray.drafting.proposer import NOT_DRAFTED
+from taps_ray.drafting.proposers import SingleHead
 from taps_ray.drafting.registry import UnknownProposer, build_proposer, combination_names
 from taps_ray.drafting.names import averaged_weight, entropy_candidates
 from taps_ray.decoding.target_batch import TargetBatch

@@ -11,7 +11,7 @@ import torch
 
 from taps_ray.decoding.continuous import ContinuousBatcher, Request, Result
 from taps_ray.decoding.generate import run_loop
-from taps_ray.drafting.proposers import NOT_DRAFTED
+from taps_ray.drafting.proposer import NOT_DRAFTED
 from taps_ray.decoding.target_batch import TargetBatch
 from taps_ray.decoding.verify import SamplingParams
 from taps_ray.drafting.proposers import PlainDecoding

@@ -12,7 +12,7 @@ from taps_ray.config import TreeConfig
 from taps_ray.models.draft_head import new_head
 from taps_ray.drafting.cost import MIN_PAUSE, CostAware, TreeCost, best_size
 from taps_ray.decoding.generate import generate
-from taps_ray.drafting.proposers import NOT_DRAFTED
+from taps_ray.drafting.proposer import NOT_DRAFTED, Proposer
 from taps_ray.drafting.registry import build_proposer, heads_used
 from taps_ray.drafting.tree import DraftTree, build_tree
 from taps_ray.decoding.verify import SamplingParams
@@ -32,7 +32,7 @@ class FakeClock:
 
 
 @dataclass
-class ChainDrafter:
+class ChainDrafter(Proposer):
     """Drafts a chain with the given path confidences in DRAFT_S fake seconds; remembers every token handed in."""
 
     clock: FakeClock

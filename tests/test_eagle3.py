@@ -12,7 +12,7 @@ from taps_ray.config import TrainConfig, TreeConfig
 from taps_ray.models.draft_head import DraftHead, eagle3_layers, new_head
 from taps_ray.drafting.combine import average_heads
 from taps_ray.decoding.generate import generate
-from taps_ray.drafting.proposers import SingleHead, feature_layers
+from taps_ray.drafting.proposers import SingleHead
 from taps_ray.drafting.tree import DraftContext, HeadCache, extend_batch, head_context
 from taps_ray.decoding.verify import SamplingParams
 from taps_ray.training.losses import Batch, FrozenTarget, LossSettings, run_passes, shift_batch, ttt_steps
@@ -78,7 +78,7 @@ def test_greedy_lossless_random_eagle3_head_batch(tiny_target):
     vocab = _vocab(tiny_target)
     head = _eagle3(tiny_target, seed=4, vocab=vocab)
     proposer = SingleHead("e3", head, DraftContext(model.get_input_embeddings(), model.lm_head), TREE)
-    assert feature_layers(proposer) == tuple(head.config.feature_layers)
+    assert proposer.feature_layers == tuple(head.config.feature_layers)
     prompts = [tok.encode("Hello there, how are you"), tok.encode("x"), list(range(100, 160)), tok.encode("2+2=")]
     stops = tiny_target.stop_token_ids
     for prompt, generation in zip(prompts, generate(model, proposer, prompts, GREEDY, 24, stops)):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from dataclasses import dataclass, field, replace
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from taps_ray.config import TreeConfig
 from taps_ray.models.draft_head import new_head
 from taps_ray.decoding.generate import generate, run_loop
 from taps_ray.decoding.step import step_tokens
-from taps_ray.drafting.proposers import NOT_DRAFTED
+from taps_ray.drafting.proposer import NOT_DRAFTED, Feedback
 from taps_ray.drafting.proposers import PlainDecoding, SingleHead
 from taps_ray.decoding.target_batch import TargetBatch
 from taps_ray.drafting.tree import DraftContext, HeadCache, build_tree, draft_eagle2, extend_batch
@@ -20,7 +21,7 @@ from taps_ray.decoding.verify import (
     SamplingParams, accept_batch, greedy_path, greedy_tokens, position_uniforms, processed_probs,
 )
 
-from oracles import FixedTree, GreedyOracle, Recording, fit_head
+from oracles import FixedTree, GreedyOracle, OracleState, Recording, fit_head
 
 GREEDY = SamplingParams()
 
@@ -163,6 +164,49 @@ def test_greedy_oracle_accepts_and_stays_lossless_batch_and_alone(device_target)
         assert [s.accepted for s in alone.steps] == [s.accepted for s in batched[b].steps]
         assert max(s.accepted for s in alone.steps) == 4  # full chains were accepted
         assert alone.tau > 1.5
+
+
+@dataclass
+class Watching(GreedyOracle):
+    """The oracle, keeping every `observe` call and handing back fresh states, so a test sees that the loop
+    drafts the next step from the states `observe` returned."""
+
+    calls: list[list[Feedback]] = field(default_factory=list)
+    returned: list[int] = field(default_factory=list)  # ids of the states `observe` handed back
+    drafted_from: list[int] = field(default_factory=list)  # ids of the states `propose` was given
+
+    def propose(self, state: OracleState, features: torch.Tensor, next_tokens: torch.Tensor):
+        self.drafted_from.append(id(state))
+        return super().propose(state, features, next_tokens)
+
+    def observe(self, states: list[OracleState], feedback: list[Feedback]) -> list[OracleState]:
+        self.calls.append(feedback)
+        fresh = [replace(state) for state in states]
+        self.returned += [id(state) for state in fresh]
+        return fresh
+
+
+def test_observe_hands_each_proposer_what_verification_accepted_per_sequence(tiny_target):
+    model, tok = tiny_target.model, tiny_target.tokenizer
+    bos = tok.encode("<|im_start|>")[0]
+    prompts = [[bos] + tok.encode(t) for t in ("a long prompt about numbers 1 2 3 4", "math: 12*7=")]
+    oracle = Watching(model, first_token=bos, depth=4)
+    generations = generate(model, oracle, prompts, GREEDY, 20, [])
+    steps = max(len(g.steps) for g in generations)
+    assert len(oracle.calls) == steps  # one call per step for the whole batch, as drafting is
+    for b, generation in enumerate(generations):
+        feedback = [call[b] for call in oracle.calls if len(call) > b]  # sequence b's, while it decodes
+        assert [f.accepted for f in feedback] == [s.accepted for s in generation.steps]
+        assert max(f.accepted for f in feedback) > 0
+        committed = [generation.tokens[0]] + [t for f in feedback for t in f.tokens]
+        assert committed[: len(generation.tokens)] == generation.tokens
+        for f in feedback:  # the accepted path's drafted tokens, then the bonus
+            assert f.nodes[0] == 0 and f.tree.tokens[f.nodes[1:]].tolist() == f.tokens[:-1]
+    assert set(oracle.drafted_from[len(prompts):]) <= set(oracle.returned)  # after the first, observe's states
+
+    paused = Watching(model, first_token=bos, depth=4)
+    run_loop(TargetBatch(model), paused, prompts, GREEDY, 8, [], draft_below=1)  # never drafts
+    assert paused.calls == [] and paused.drafted_from == []
 
 
 def test_stop_token_inside_accepted_block_cuts_output(forward_target):

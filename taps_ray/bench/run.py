@@ -33,7 +33,6 @@ from taps_ray.models.device import resolve_device
 from taps_ray.models.target import Target, load_target
 from taps_ray.drafting.setup import load_proposers
 from taps_ray.decoding.generate import run_loop
-from taps_ray.drafting.proposers import feature_layers
 from taps_ray.decoding.target_batch import TargetBatch
 from taps_ray.decoding.verify import SamplingParams
 
@@ -175,7 +174,7 @@ def _hf_method(target: Target, max_new_tokens: int, **options: object) -> Method
 
 def _ours(target: Target, proposer, max_new_tokens: int) -> Method:
     def run(prompt: list[int]) -> Decoded:
-        batch = TargetBatch(target.model, feature_layers=feature_layers(proposer))
+        batch = TargetBatch(target.model, feature_layers=proposer.feature_layers)
         generation = run_loop(batch, proposer, [prompt], GREEDY, max_new_tokens, target.stop_token_ids)[0]
         profile = {"prefill": generation.prefill_s, "draft": sum(s.draft_s for s in generation.steps), **batch.timings}
         return Decoded(generation.tokens, len(generation.steps), sum(s.new_tokens for s in generation.steps), profile)

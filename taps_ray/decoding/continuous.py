@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from taps_ray.decoding.step import Decoding, Drafting, Generation, check_draft_below, decode_step
 from taps_ray.decoding.target_batch import Committed, TargetBatch
 from taps_ray.decoding.verify import SamplingParams
-from taps_ray.drafting.proposers import Proposer
+from taps_ray.drafting.proposer import Proposer
 
 if TYPE_CHECKING:  # an annotation only: importing the class loads transformers' model code
     from transformers import PreTrainedModel

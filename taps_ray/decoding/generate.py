@@ -17,7 +17,7 @@ import torch
 from taps_ray.decoding.step import Decoding, Drafting, Generation, check_draft_below, decode_step
 from taps_ray.decoding.target_batch import Committed, TargetBatch
 from taps_ray.decoding.verify import SamplingParams
-from taps_ray.drafting.proposers import Proposer, feature_layers
+from taps_ray.drafting.proposer import Proposer
 from taps_ray.drafting.tree import DraftTree
 
 if TYPE_CHECKING:  # an annotation only: importing the class loads transformers' model code (a drafter imports this)
@@ -90,5 +90,5 @@ def generate(
     seeds: list[int] | None = None,
 ) -> list[Generation]:
     """In-process decoding: one `TargetBatch` verifies every sequence's tree in one forward per step."""
-    batch = TargetBatch(model, feature_layers=feature_layers(proposer))
+    batch = TargetBatch(model, feature_layers=proposer.feature_layers)
     return run_loop(batch, proposer, prompts, params, max_new_tokens, stop_ids, seeds)

@@ -30,7 +30,7 @@ from taps_ray.decoding.replay_draft import TreeMemo, replay_drafters
 from taps_ray.decoding.step import Generation
 from taps_ray.decoding.target_batch import Committed
 from taps_ray.decoding.verify import SamplingParams, Verdict, greedy_path
-from taps_ray.drafting.proposers import Proposer
+from taps_ray.drafting.proposer import Proposer
 from taps_ray.drafting.tree import DraftTree, root_only
 
 GREEDY = SamplingParams()

@@ -19,15 +19,14 @@ draft near-tie can flip (tests/test_replay.py counts them).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from weakref import WeakKeyDictionary
 
 import torch
 
 from taps_ray.config import TreeConfig
-from taps_ray.drafting.combine import OverParts
-from taps_ray.drafting.cost import CostAware
-from taps_ray.drafting.proposers import Proposer, SingleHead
+from taps_ray.drafting.proposer import Proposer
+from taps_ray.drafting.proposers import SingleHead
 from taps_ray.drafting.tree import (
     Candidates, ConfidenceStop, DraftContext, DraftTree, build_tree, expand_levels, select_nodes,
 )
@@ -73,7 +72,7 @@ class TraceTrees:
 
 
 @dataclass
-class ReplayedHead:
+class ReplayedHead(Proposer):
     """A `SingleHead`'s stand-in during replay; its state is the number of committed positions it was handed,
     so the tree it returns is the precomputed one at the new root position."""
 
@@ -93,16 +92,6 @@ class ReplayedHead:
         return self.trees.tree(length), length
 
 
-def swap_heads(proposer: Proposer, swap: Callable[[SingleHead], Proposer]) -> Proposer:
-    """`proposer` with every `SingleHead` inside it (as a part of a router or merger) replaced by `swap(head)`;
-    other proposers are returned as they are."""
-    if isinstance(proposer, SingleHead):
-        return swap(proposer)
-    if isinstance(proposer, OverParts):
-        return replace(proposer, parts=[swap_heads(p, swap) for p in proposer.parts])
-    return proposer
-
-
 # Per trace: a head's trees by tree settings. Weakly keyed by the head, so the trees of a head that is gone (an
 # averaged head built for one cell) go with it, while the study's heads, which a drafter keeps, are drafted once
 # per trace and shared by every proposer that uses them (alone, routed, merged).
@@ -119,19 +108,18 @@ def replay_drafters(
 ) -> list[Proposer]:
     """Per trace, `proposer` with its heads answering from trees drafted at the root positions `roots[i]` of
     `sequences[i]` (prompt + greedy continuation) with target features `features[i]`. `memos[i]`: trace i's trees
-    already drafted by earlier proposers (read and filled). A cost-aware proposer cannot be replayed: it decides
-    from measured draft and verify times, which replay does not have (its cells run live, eval/runner.py)."""
-    if isinstance(proposer, CostAware):
-        raise ValueError(f"{proposer.name!r} decides from measured step times, which a replay does not have: "
-                         "run it live (eval.replay leaves auto-* cells live)")
+    already drafted by earlier proposers (read and filled). A proposer with a `replay_refusal` cannot be replayed
+    (a cost-aware one decides from measured draft and verify times, which replay does not have)."""
+    if proposer.replay_refusal is not None:
+        raise ValueError(f"{proposer.name!r} {proposer.replay_refusal}")
     singles: dict[int, SingleHead] = {}
-    swap_heads(proposer, lambda s: singles.setdefault(id(s), s))
+    proposer.map_heads(lambda s: singles.setdefault(id(s), s))
     trees = {key: _remembered(s, sequences, features, roots, memos) for key, s in singles.items()}
 
     def replayed(i: int) -> Callable[[SingleHead], Proposer]:
         return lambda s: ReplayedHead(s.name, trees[id(s)][i], s.feature_layers)
 
-    return [swap_heads(proposer, replayed(i)) for i in range(len(sequences))]
+    return [proposer.map_heads(replayed(i)) for i in range(len(sequences))]
 
 
 def _remembered(head: SingleHead, sequences: Sequence[list[int]], features: Sequence[torch.Tensor],

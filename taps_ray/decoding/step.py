@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from taps_ray.drafting.proposers import NOT_DRAFTED, Proposer, propose_batch
+from taps_ray.drafting.proposer import NOT_DRAFTED, Feedback, Proposer
 from taps_ray.drafting.tree import DraftTree, root_only
 
 if TYPE_CHECKING:  # annotations only: the step runs over any `Verifier`, the target batch is one of them
@@ -138,7 +138,8 @@ def step_tokens(new: list[int], stop_ids: set[int]) -> int:
 @dataclass
 class Drafting:
     """One sequence's drafting side: its proposer, the proposer's state, what it has not seen yet, and the
-    tree drafted for the coming step with its drafting time and head (NOT_DRAFTED: paused)."""
+    tree drafted for the coming step with its drafting time and head (NOT_DRAFTED: paused); `proposed`: whether
+    the proposer drafted that tree (False while drafting is paused), so it hears back what was accepted."""
 
     proposer: Proposer
     state: Any
@@ -146,11 +147,7 @@ class Drafting:
     tree: DraftTree | None = None
     draft_s: float = 0.0
     head: int = NOT_DRAFTED
-
-
-def chosen_head(state: object) -> int:
-    """Routers expose the head they used last as `state.last_head`; single heads are head 0."""
-    return getattr(state, "last_head", 0)
+    proposed: bool = False
 
 
 def check_draft_below(draft_below: int | None) -> None:
@@ -166,7 +163,7 @@ def draft(sequences: list[Drafting], drafting: bool) -> None:
     if not drafting:
         for seq in sequences:
             root = seq.pending[-1][1][-1:]
-            seq.tree, seq.draft_s, seq.head = root_only(root, root.device), 0.0, NOT_DRAFTED
+            seq.tree, seq.draft_s, seq.head, seq.proposed = root_only(root, root.device), 0.0, NOT_DRAFTED, False
         return
     groups: dict[int, list[Drafting]] = {}
     for seq in sequences:
@@ -175,10 +172,26 @@ def draft(sequences: list[Drafting], drafting: bool) -> None:
         features = [_joined([f for f, _ in seq.pending]) for seq in group]
         next_tokens = [_joined([t for _, t in seq.pending]) for seq in group]
         t0 = time.perf_counter()
-        trees, states = propose_batch(group[0].proposer, [seq.state for seq in group], features, next_tokens)
+        proposer = group[0].proposer
+        trees, states = proposer.propose_batch([seq.state for seq in group], features, next_tokens)
         seconds = time.perf_counter() - t0
         for seq, tree, state in zip(group, trees, states, strict=True):
-            seq.tree, seq.state, seq.pending, seq.draft_s, seq.head = tree, state, [], seconds, chosen_head(state)
+            seq.tree, seq.state, seq.pending, seq.draft_s = tree, state, [], seconds
+            seq.head, seq.proposed = proposer.head_of(state), True
+
+
+def observe(verified: list[tuple[Drafting, DraftTree, Committed]]) -> None:
+    """Hand each proposer what verification accepted of the trees it drafted this step (`Proposer.observe`),
+    one call per proposer, as drafting is; trees the loop made while drafting was paused are not its own."""
+    groups: dict[int, list[tuple[Drafting, Feedback]]] = {}
+    for seq, tree, committed in verified:
+        if seq.proposed:
+            feedback = Feedback(tree, committed.verdict.nodes, committed.tokens)
+            groups.setdefault(id(seq.proposer), []).append((seq, feedback))
+    for group in groups.values():
+        states = group[0][0].proposer.observe([seq.state for seq, _ in group], [f for _, f in group])
+        for (seq, _), state in zip(group, states, strict=True):
+            seq.state = state
 
 
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -219,8 +232,8 @@ def decode_step(
 ) -> None:
     """One step of every unfinished sequence: draft (paused unless fewer than `draft_below` are unfinished), verify
     every tree in one `verify` call (trees in the order of `sequences`, None for a finished sequence: the
-    `Verifier.step` contract), commit and record. `draft_s` is the sequence's drafting call, `verify_s` the
-    verify call."""
+    `Verifier.step` contract), commit and record, then tell each proposer what was accepted (`observe`).
+    `draft_s` is the sequence's drafting call, `verify_s` the verify call."""
     live = [seq for seq in sequences if not seq.generation.finished_by]
     draft([seq.drafting for seq in live], draft_below is None or len(live) < draft_below)
     trees = [None if seq.generation.finished_by else seq.drafting.tree for seq in sequences]
@@ -237,3 +250,4 @@ def decode_step(
         new_tokens = seq.commit(committed)
         seq.generation.steps.append(record_step(tree, committed.verdict, new_tokens, seq.drafting.draft_s, verify_s,
                                                 seq.drafting.head, nodes))
+    observe([(seq.drafting, tree, committed) for seq, tree, committed in stepped])

@@ -26,14 +26,14 @@ draft one after the other. Every combination drafts a batch of sequences at once
 one forward per tree level for all sequences and heads, else each part over all the sequences, and the trees'
 means (what routers choose by) read once for the batch.
 
-A routed state exposes `last_head` (the index of the part whose tree was verified; -1 for a merged tree),
-which the decoding loop copies into `StepRecord.head`.
+A routed state holds `last_head` (the index of the part whose tree was verified; -1 for a merged tree), which
+`head_of` reports and the decoding loop copies into `StepRecord.head`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
@@ -43,7 +43,8 @@ from taps_ray.config import TreeConfig
 from taps_ray.models.draft_head import DraftHead
 from taps_ray.models.stacked_head import StackedHead
 from taps_ray.drafting.ngram import NgramProposer
-from taps_ray.drafting.proposers import Proposer, SingleHead, feature_layers, propose_batch, stackable
+from taps_ray.drafting.proposer import Proposer
+from taps_ray.drafting.proposers import SingleHead, stackable
 from taps_ray.drafting.tree import (
     DraftContext, DraftTree, HeadCache, build_tree, draft_eagle2, path_scores, ranked_nodes, subtree, tree_means,
 )
@@ -104,7 +105,7 @@ def _draft_parts(
 ) -> tuple[list[list[DraftTree]], list[tuple[Any, ...]]]:
     """Every part's tree for every sequence, each part drafting all the sequences in one call (`propose_batch`);
     `states[s]` holds sequence s's part states. Returns per sequence the parts' trees and new states."""
-    drafted = [propose_batch(part, [state[i] for state in states], features, next_tokens)
+    drafted = [part.propose_batch([state[i] for state in states], features, next_tokens)
                for i, part in enumerate(parts)]
     trees = [[drafted[i][0][s] for i in range(len(parts))] for s in range(len(states))]
     new_states = [tuple(drafted[i][1][s] for i in range(len(parts))) for s in range(len(states))]
@@ -112,7 +113,7 @@ def _draft_parts(
 
 
 @dataclass
-class OverParts:
+class OverParts(Proposer):
     """A proposer built from other proposers (its parts): every part keeps its own state in a RouterState
     (or, drafting side by side, one stacked cache: `AllPartsDrafting`)."""
 
@@ -126,13 +127,19 @@ class OverParts:
     @property
     def feature_layers(self) -> tuple[int, ...]:
         """The parts' target layers; parts read the same committed features, so they must agree."""
-        layers = {feature_layers(p) for p in self.parts}
+        layers = {p.feature_layers for p in self.parts}
         if len(layers) > 1:
             raise ValueError(f"cannot combine heads that draft from different target layers: {sorted(layers)}")
         return layers.pop() if layers else ()
 
     def init_state(self) -> RouterState:
         return RouterState(parts=tuple(p.init_state() for p in self.parts), last_head=self.initial_head)
+
+    def head_of(self, state: RouterState) -> int:
+        return state.last_head
+
+    def map_heads(self, swap: Callable[[Proposer], Proposer]) -> Proposer:
+        return replace(self, parts=[p.map_heads(swap) for p in self.parts])
 
 
 @dataclass
@@ -242,7 +249,7 @@ class EntropyRouted(OverParts):
             group = [s for s, state in enumerate(states) if state.chosen == chosen]
             if not group:
                 continue
-            drafted, part_states = propose_batch(part, [states[s].parts[chosen] for s in group],
+            drafted, part_states = part.propose_batch([states[s].parts[chosen] for s in group],
                                                  [features[s] for s in group], [next_tokens[s] for s in group])
             for s, tree, part_state, (confidence, entropy) in zip(group, drafted, part_states, tree_means(drafted)):
                 only = range(len(self.parts))

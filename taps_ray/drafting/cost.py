@@ -28,12 +28,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from taps_ray.drafting.names import AUTO_PREFIX
-from taps_ray.drafting.proposers import NOT_DRAFTED, Proposer
+from taps_ray.drafting.proposer import NOT_DRAFTED, Proposer
 from taps_ray.drafting.tree import DraftTree, path_scores, ranked_nodes, root_only, subtree
 
 SMOOTHING = 0.5  # weight of the newest step in a running cost
@@ -114,13 +114,15 @@ def best_size(scores: list[float], verify_cost: Callable[[int], float], calibrat
 
 
 @dataclass
-class CostAware:
+class CostAware(Proposer):
     """Wraps any proposer; per sequence, verifies the part of each tree that pays, and drafts only while it pays."""
 
     inner: Proposer
     name: str = ""
     clock: Callable[[], float] = time.perf_counter
     margin: float = MARGIN
+    replay_refusal: ClassVar[str] = ("decides from measured step times, which a replay does not have: run it live "
+                                     "(eval.replay leaves auto-* cells live)")
 
     def __post_init__(self) -> None:
         self.name = self.name or f"{AUTO_PREFIX}{self.inner.name}"
@@ -129,8 +131,15 @@ class CostAware:
     def head_names(self) -> list[str]:
         return self.inner.head_names
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.inner.feature_layers
+
     def init_state(self) -> CostState:
         return CostState(inner=self.inner.init_state())
+
+    def head_of(self, state: CostState) -> int:
+        return state.last_head
 
     def propose(self, state: CostState, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[DraftTree, CostState]:
         now = self.clock()
@@ -151,7 +160,7 @@ class CostAware:
         done = self.clock()
         return tree, replace(state, inner=inner, pending=(), kept=kept, promised=sum(ranked[:kept]),
                              draft_s=done - now, returned_at=done,
-                             last_head=getattr(inner, "last_head", 0) if kept else NOT_DRAFTED)
+                             last_head=self.inner.head_of(inner) if kept else NOT_DRAFTED)
 
     def _measure(self, state: CostState, now: float, committed: int) -> CostState:
         """Fold the last step into a (root-only verification) or j, b and κ (a drafted tree); after a drafted step,

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from taps_ray.drafting.proposer import Proposer
 from taps_ray.drafting.tree import DraftTree, build_tree
 from taps_ray.syncs import to_device
 
@@ -68,7 +69,7 @@ class NgramState:
 
 
 @dataclass
-class NgramProposer:
+class NgramProposer(Proposer):
     """Prompt lookup as a proposer: one chain per step, confidences from the sequence's running hit rate."""
 
     name: str = "ngram"

@@ -1,67 +1,29 @@
-"""The proposer seam: every way of drafting looks the same to the decoding loop.
-
-A proposer is stateless; what it remembers about one sequence (its heads' stable caches, a routing
-choice) lives in an explicit state object that the loop passes in and gets back. That keeps two heads
-from sharing a cache and lets a Ray actor hold the states of many sequences.
+"""The basic proposers (no drafting, one EAGLE head) and a recording wrapper; the contract they follow is
+`drafting/proposer.py`'s `Proposer`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from taps_ray.config import TreeConfig
 from taps_ray.models.draft_head import DraftHead
 from taps_ray.models.stacked_head import stack_mismatch
+from taps_ray.drafting.proposer import Proposer
 from taps_ray.drafting.tree import DraftContext, DraftTree, HeadCache, draft_eagle2, head_context, root_only
 
-NOT_DRAFTED = -2  # StepRecord.head of a step that verified only the root (drafting paused by `draft_below`)
 
-
-class Proposer(Protocol):
-    name: str
-    head_names: list[str]
-
-    def init_state(self) -> Any: ...
-
-    def propose(self, state: Any, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[DraftTree, Any]:
-        """Extend the proposer's context with committed (feature, next token) pairs and draft a tree.
-
-        `features` [m, d]: target features of the positions committed since the last call (the prompt on
-        the first call; [m, k*d] the fused layers of `feature_layers` for EAGLE-3 proposers); `next_tokens`
-        [m]: the token after each of them; the last one is the tree's root.
-        """
-        ...
-
-
-def propose_batch(
-    proposer: Proposer, states: list[Any], features: list[torch.Tensor], next_tokens: list[torch.Tensor]
-) -> tuple[list[DraftTree], list[Any]]:
-    """`Proposer.propose` for several sequences at once (the decoding loop's one call per step): a proposer that
-    drafts a batch in one pass says so by a `propose_batch` method of this signature; any other is called
-    sequence by sequence."""
-    batched = getattr(proposer, "propose_batch", None)
-    if batched is not None:
-        return batched(states, features, next_tokens)
-    out = [proposer.propose(state, f, t) for state, f, t in zip(states, features, next_tokens, strict=True)]
-    return [tree for tree, _ in out], [state for _, state in out]
-
-
-def feature_layers(proposer: Proposer) -> tuple[int, ...]:
-    """The target layers a proposer drafts from, for `TargetBatch(feature_layers=...)`: () means the post-norm
-    last layer (every proposer but an EAGLE-3 head's, which says so by a `feature_layers` attribute)."""
-    return tuple(getattr(proposer, "feature_layers", ()))
-
-
-class Recording:
+class Recording(Proposer):
     """Any proposer, recording each call's (features, next_tokens, tree, state): a benchmark or test can then
     replay the same draft calls through other drafting code and compare."""
 
     def __init__(self, inner: Proposer) -> None:
         self.inner, self.name, self.head_names = inner, inner.name, inner.head_names
+        self.feature_layers = inner.feature_layers
         self.calls: list[tuple[torch.Tensor, torch.Tensor, DraftTree, Any]] = []
 
     def init_state(self) -> Any:
@@ -72,8 +34,11 @@ class Recording:
         self.calls.append((features.clone(), next_tokens.clone(), tree, new_state))
         return tree, new_state
 
+    def head_of(self, state: Any) -> int:
+        return self.inner.head_of(state)
 
-class PlainDecoding:
+
+class PlainDecoding(Proposer):
     """No drafting: a root-only tree, so the loop degenerates into ordinary autoregressive decoding."""
 
     name = "plain"
@@ -87,7 +52,7 @@ class PlainDecoding:
 
 
 @dataclass
-class SingleHead:
+class SingleHead(Proposer):
     """One EAGLE head drafting EAGLE-2 dynamic trees."""
 
     name: str
@@ -119,6 +84,9 @@ class SingleHead:
         """Every sequence's tree in one forward per tree level (`draft_eagle2`)."""
         trees, caches = draft_eagle2(self.head, self.context, states, features, next_tokens, self.tree)
         return [t for (t,) in trees], caches
+
+    def map_heads(self, swap: Callable[[Proposer], Proposer]) -> Proposer:
+        return swap(self)
 
 
 def stackable(parts: Sequence[Proposer]) -> bool:

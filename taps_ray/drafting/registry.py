@@ -39,7 +39,8 @@ from taps_ray.drafting.names import (
     parse_proposer,
 )
 from taps_ray.drafting.ngram import NUM_TOKENS, NgramProposer
-from taps_ray.drafting.proposers import PlainDecoding, Proposer, SingleHead
+from taps_ray.drafting.proposer import Proposer
+from taps_ray.drafting.proposers import PlainDecoding, SingleHead
 from taps_ray.drafting.tree import DraftContext
 
 Builder = Callable[[dict[str, DraftHead], DraftContext, TreeConfig], Proposer]

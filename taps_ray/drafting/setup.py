@@ -14,7 +14,7 @@ from taps_ray.config import StudyConfig
 from taps_ray.data.draft_vocab import draft_vocabulary
 from taps_ray.models.draft_head import DraftHead
 from taps_ray.models.target import Target
-from taps_ray.drafting.proposers import Proposer
+from taps_ray.drafting.proposer import Proposer
 from taps_ray.drafting.registry import build_proposer, heads_used
 from taps_ray.workdir import SEARCHED, head_checkpoint, searched_head
 

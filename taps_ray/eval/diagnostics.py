@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from taps_ray.drafting.proposers import NOT_DRAFTED
+from taps_ray.drafting.proposer import NOT_DRAFTED
 
 
 def _mean(values: Sequence[float]) -> float:

@@ -22,7 +22,6 @@ from taps_ray.models.target import Target
 from taps_ray.drafting.setup import load_proposers
 from taps_ray.decoding.generate import Verifier, run_loop
 from taps_ray.decoding.step import Generation
-from taps_ray.drafting.proposers import feature_layers
 from taps_ray.drafting.names import parse_proposer
 from taps_ray.drafting.registry import draft_reach
 from taps_ray.decoding.replay import GreedyTrace, record_traces, replay
@@ -111,7 +110,7 @@ def run_cell(
     proposer = load_proposers(config, [cell.proposer], target=target, heads=heads)[cell.proposer]
     params = SamplingParams(temperature=cell.temperature)
     make_verifier = verifier_factory or (lambda layers: TargetBatch(target.model, feature_layers=layers))
-    layers = feature_layers(proposer)
+    layers = proposer.feature_layers
     replayed = is_replayed(config, cell)
     cache = traces or TraceCache()
     known = cache.of(cell.benchmark, layers)

@@ -54,7 +54,6 @@ from taps_ray.data.chat import render_ids
 from taps_ray.decoding.continuous import ContinuousBatcher, Result, TokenLogprob
 from taps_ray.decoding.continuous import Request as BatchRequest
 from taps_ray.decoding.verify import MIN_TEMPERATURE, SamplingParams
-from taps_ray.drafting.proposers import feature_layers
 from taps_ray.drafting.names import UnknownProposer, parse_proposer
 from taps_ray.drafting.registry import combination, combination_names, single_names
 from taps_ray.drafting.setup import load_heads, load_proposers
@@ -171,7 +170,7 @@ class TapsService:
         self.created = int(time.time())
         self._openapi: dict[str, Any] | None = None
         self.output = TextOutput(self.tokenizer, self.stop_ids)
-        layers = {feature_layers(p) for p in self.proposers.values()} - {()}  # plain drafts from no feature
+        layers = {p.feature_layers for p in self.proposers.values()} - {()}  # plain drafts from no feature
         if len(layers) > 1:
             raise ValueError(f"the served heads draft from different target layers: {sorted(layers)}")
         self.batcher = ContinuousBatcher(self.target.model, self.stop_ids, serve_cfg.max_batch_size,
