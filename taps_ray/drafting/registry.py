@@ -2,7 +2,7 @@
 
 Names: `plain` (no drafting), `ngram` (prompt lookup, no head), any trained head by its mixture name (`math`,
 `chat`, `mixed`, ...), `searched` (the best head of the mixture search, `taps search`; it drafts alone), the
-combinations of the first two specialised heads in `COMBINATIONS`, `averaged-w{w}` for any weight w of head A in
+combinations of the first two specialised heads registered in `PROPOSERS`, `averaged-w{w}` for any weight w of head A in
 [0, 1] (`averaged` is w = 0.5), and `<name>+ngram` for any of those that drafts (`math+ngram`, `merged+ngram`): its
 tree merged with prompt-lookup drafts, and `auto-<name>` for any of them (`auto-math+ngram`): <name> under the
 per-sequence cost model, which drafts only while it pays. The table is plain data: importing it registers nothing.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -43,28 +44,56 @@ from taps_ray.drafting.proposer import Proposer
 from taps_ray.drafting.proposers import PlainDecoding, SingleHead
 from taps_ray.drafting.tree import DraftContext
 
-Builder = Callable[[dict[str, DraftHead], DraftContext, TreeConfig], Proposer]
 
-# name -> builder(heads in config order, context, tree); the averaged family is parsed, see `names.parse_proposer`
-COMBINATIONS: dict[str, Builder] = {
-    "confidence-routed": build_confidence_routed,
-    "entropy-routed": build_entropy_routed,
-    "merged": build_merged,
-    "merged-dedup": build_merged_dedup,
-    "merged-budget": build_merged_budget,
+@dataclass
+class Ingredients:
+    """What a builder may draft with: the target, the trained heads by mixture (in config order), the tree
+    settings and the reduced draft vocabulary (None: the full one)."""
+
+    target: Target
+    heads: dict[str, DraftHead]
+    tree: TreeConfig
+    vocab: torch.Tensor | None
+
+    @functools.cached_property
+    def context(self) -> DraftContext:
+        """Made on first use: only a proposer that drafts with a head reads the LM head (a CPU drafter copies it)."""
+        return DraftContext(self.target.model.get_input_embeddings(), self.target.model.lm_head, self.vocab)
+
+
+Builder = Callable[[Ingredients], Proposer]
+HeadsBuilder = Callable[[dict[str, DraftHead], DraftContext, TreeConfig], Proposer]
+
+
+def _over_heads(build: HeadsBuilder) -> Builder:
+    """A combination's builder (drafting/combine.py: heads in config order, context, tree) as a registry entry."""
+    return lambda parts: build(parts.heads, parts.context, parts.tree)
+
+
+# The registry: a name -> its builder, for every proposer but a trained head's own name (`SingleHead`) and the
+# averaged family (parsed, see `names.parse_proposer`). A new proposer is its class and one entry here.
+PROPOSERS: dict[str, Builder] = {
+    PLAIN: lambda _: PlainDecoding(),
+    NGRAM: lambda _: NgramProposer(),
+    "confidence-routed": _over_heads(build_confidence_routed),
+    "entropy-routed": _over_heads(build_entropy_routed),
+    "merged": _over_heads(build_merged),
+    "merged-dedup": _over_heads(build_merged_dedup),
+    "merged-budget": _over_heads(build_merged_budget),
 }
 
 
 def combination(name: str) -> Builder | None:
-    """The builder of a combination name, or None when `name` is not one."""
-    w = parse_proposer(name).weight
-    if w is not None:
-        return functools.partial(build_averaged, w=w, name=name)
-    return COMBINATIONS.get(name)
+    """The builder of a combination name (a registered name that drafts with heads), or None when `name` is not
+    one."""
+    spec = parse_proposer(name)
+    if spec.weight is not None:
+        return _over_heads(functools.partial(build_averaged, w=spec.weight, name=name))
+    return PROPOSERS.get(name) if spec.drafts_with_heads else None
 
 
 def combination_names() -> list[str]:
-    return [*map(averaged_name, AVERAGED_SWEEP), *COMBINATIONS]
+    return [*map(averaged_name, AVERAGED_SWEEP), *(n for n in PROPOSERS if parse_proposer(n).drafts_with_heads)]
 
 
 def single_names(heads: Sequence[str]) -> list[str]:
@@ -100,28 +129,24 @@ def build_proposer(
     stand-alone heads (compare twins, `searched`) are left out by the caller (`drafting.setup.load_proposers`).
     `vocab`: the reduced draft vocabulary (taps_ray/data/draft_vocab.py), or None for the full vocabulary.
     Only a proposer that drafts with a head makes a `DraftContext`: a CPU drafter reads its LM head then."""
-    return _build(parse_proposer(name), target, heads, tree, vocab)
+    return _build(parse_proposer(name), Ingredients(target, heads, tree, vocab))
 
 
-def _build(spec: ProposerSpec, target: Target, heads: dict[str, DraftHead], tree: TreeConfig,
-           vocab: torch.Tensor | None) -> Proposer:
-    name = spec.name
+def _build(spec: ProposerSpec, parts: Ingredients) -> Proposer:
+    """The name's wrappers (`auto-`, `+ngram`) around its base: a registered name or a trained head."""
     if spec.auto:
-        return CostAware(_build(spec.without_auto(), target, heads, tree, vocab), name=name)
+        return CostAware(_build(spec.without_auto(), parts), name=spec.name)
     if spec.ngram:
-        return with_ngram(_build(spec.without_ngram(), target, heads, tree, vocab), tree, name)
-    if name == PLAIN:
-        return PlainDecoding()
-    if name == NGRAM:
-        return NgramProposer()
-    context = DraftContext(target.model.get_input_embeddings(), target.model.lm_head, vocab)
-    if name in heads:
-        return SingleHead(name, heads[name], context, tree)
-    builder = combination(name)
+        return with_ngram(_build(spec.without_ngram(), parts), parts.tree, spec.name)
+    if not spec.drafts_with_heads:
+        return PROPOSERS[spec.base](parts)
+    if spec.base in parts.heads:
+        return SingleHead(spec.base, parts.heads[spec.base], parts.context, parts.tree)
+    builder = combination(spec.base)
     if builder is None:
-        known = ", ".join([*single_names(list(heads)), *combination_names()])
+        known = ", ".join([*single_names(list(parts.heads)), *combination_names()])
         raise UnknownProposer(
-            f"unknown proposer {name!r}; choose one of: {known} (or averaged-w{{w}}, w in [0, 1]; "
+            f"unknown proposer {spec.base!r}; choose one of: {known} (or averaged-w{{w}}, w in [0, 1]; "
             "any drafting proposer followed by +ngram; any proposer after auto- for the cost model)"
         )
-    return builder(heads, context, tree)
+    return builder(parts)
