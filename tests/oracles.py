@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from taps_ray.decoding.verify import Verdict
 from taps_ray.drafting.proposer import Proposer
 from taps_ray.drafting.tree import DraftTree, build_tree
 from taps_ray.models.draft_head import DraftHead, new_head
@@ -97,6 +98,20 @@ class Recording(Proposer):
         seen.extend(next_tokens.tolist())
         tree, inner = self.inner.propose(inner, features, next_tokens)
         return tree, (inner, seen)
+
+
+def greedy_path(tree: DraftTree, target_next: torch.Tensor) -> Verdict:
+    """A per-tree reference for greedy acceptance, written apart from the engine's vectorised rule to check it:
+    over the root-to-leaf rows (`DraftTree.retrieve`, in DFS preorder), the first row with the most leading
+    drafted tokens equal to the target's next token after their parent (`target_next` [T] long)."""
+    padded = torch.cat([tree.tokens, torch.tensor([-1], device=tree.tokens.device)])
+    candidates = padded[tree.retrieve]  # -1 index picks the pad slot
+    predicted = target_next[tree.retrieve.clamp(min=0)]
+    match = (candidates[:, 1:] == predicted[:, :-1]) & (tree.retrieve[:, 1:] >= 0)
+    accepted = match.int().cumprod(dim=1).sum(dim=1)
+    best = int(accepted.argmax())
+    nodes = tree.retrieve[best, : int(accepted[best]) + 1].tolist()
+    return Verdict(nodes=nodes, tokens=tree.tokens[nodes].tolist(), bonus=int(target_next[nodes[-1]]))
 
 
 def fit_head(target, sequences: list[list[int]], seed: int = 0, steps: int = 60, lr: float = 3e-3,

@@ -1,4 +1,4 @@
-"""The T > 0 acceptance rule, checked exactly: the output of `accept_batch` is a function of one uniform per
+"""The T > 0 acceptance rule, checked exactly: the output of `PointMass.verdicts` is a function of one uniform per
 depth, piecewise constant between the nodes' cumulative-probability boundaries, so every piece is verified (one
 batch row each) with its exact probability and the output distribution is computed, not sampled: a broken rule
 fails every time. The sampler's uniforms are checked against a plain-Python splitmix64 and for uniformity."""
@@ -12,7 +12,7 @@ import torch
 from scipy import stats
 
 import taps_ray.decoding.verify as verify
-from taps_ray.decoding.verify import SamplingParams, accept_batch, position_uniforms, processed_probs
+from taps_ray.decoding.verify import POINT_MASS, SamplingParams, position_uniforms, processed_probs
 from taps_ray.drafting.tree import build_tree
 
 V = 4
@@ -35,7 +35,7 @@ def _logits() -> torch.Tensor:
 
 
 def exact_outputs(params: SamplingParams) -> dict[tuple[int, ...], float]:
-    """P(emitted tokens) of one `accept_batch` verdict over the uniforms of depths 0..D: each depth's [0, 1) cut at
+    """P(emitted tokens) of one `PointMass.verdicts` verdict over the uniforms of depths 0..D: each depth's [0, 1) cut at
     every node's cumulative probabilities at that depth, one batch row per combination of pieces (its midpoints)."""
     logits = _logits()
     cdf = processed_probs(logits, params).double().cumsum(-1)
@@ -48,7 +48,7 @@ def exact_outputs(params: SamplingParams) -> dict[tuple[int, ...], float]:
     combos = list(itertools.product(*pieces))
     uniforms = torch.tensor([[mid for mid, _ in combo] + [0.5] * (TREE.size - len(combo)) for combo in combos],
                             dtype=torch.float64)
-    verdicts = accept_batch([TREE] * len(combos), logits.expand(len(combos), -1, -1), [params] * len(combos), uniforms)
+    verdicts = POINT_MASS.verdicts([TREE] * len(combos), logits.expand(len(combos), -1, -1), [params] * len(combos), uniforms)
     outcomes: dict[tuple[int, ...], float] = {}
     for combo, verdict in zip(combos, verdicts):
         emitted = tuple(verdict.tokens[1:] + [verdict.bonus])

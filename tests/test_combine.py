@@ -29,7 +29,7 @@ from taps_ray.drafting.registry import UnknownProposer, build_proposer, combinat
 from taps_ray.drafting.names import averaged_weight, entropy_candidates
 from taps_ray.decoding.target_batch import TargetBatch
 from taps_ray.drafting.tree import DraftContext, HeadCache, build_tree, prune_tree
-from taps_ray.decoding.verify import SamplingParams, accept_batch, position_uniforms, processed_probs
+from taps_ray.decoding.verify import POINT_MASS, SamplingParams, position_uniforms, processed_probs
 
 from numerics import assert_same_tree, tree_rtol
 from oracles import GreedyOracle, fit_head
@@ -373,7 +373,7 @@ def test_merged_sampling_is_lossless_chi_square(small_vocab_target, name, prompt
     runs = 3000
     counts = torch.zeros(vocab, vocab)
     uniforms = position_uniforms(torch.arange(runs), torch.arange(1, tree.size + 1).expand(runs, -1))
-    for verdict in accept_batch([tree] * runs, logits.expand(runs, -1, -1), [params] * runs, uniforms):
+    for verdict in POINT_MASS.verdicts([tree] * runs, logits.expand(runs, -1, -1), [params] * runs, uniforms):
         path = verdict.tokens[1:] + [verdict.bonus]
         second = path[1] if len(path) > 1 else int(torch.multinomial(p2[path[0]], 1, generator=generator))
         counts[path[0], second] += 1

@@ -12,13 +12,14 @@ from scipy import stats
 from taps_ray.config import TreeConfig
 from taps_ray.models.draft_head import new_head
 from taps_ray.decoding.generate import generate, run_loop
+from taps_ray.decoding.replay import TraceVerifier, record_traces
 from taps_ray.decoding.step import step_tokens
 from taps_ray.drafting.proposer import NOT_DRAFTED, Feedback
 from taps_ray.drafting.proposers import PlainDecoding, SingleHead
 from taps_ray.decoding.target_batch import TargetBatch
 from taps_ray.drafting.tree import DraftContext, HeadCache, build_tree, draft_eagle2, extend_batch
 from taps_ray.decoding.verify import (
-    SamplingParams, accept_batch, greedy_path, greedy_tokens, position_uniforms, processed_probs,
+    POINT_MASS, PointMass, SamplingParams, position_uniforms, processed_probs,
 )
 
 from oracles import FixedTree, GreedyOracle, OracleState, Recording, fit_head
@@ -407,7 +408,7 @@ def test_stochastic_acceptance_single_step_matches_target():
     runs = 4000
     uniforms = position_uniforms(torch.arange(runs), torch.arange(1, 5).expand(runs, -1))
     counts = torch.zeros(4)
-    for verdict in accept_batch([tree] * runs, logits.expand(runs, -1, -1), [params] * runs, uniforms):
+    for verdict in POINT_MASS.verdicts([tree] * runs, logits.expand(runs, -1, -1), [params] * runs, uniforms):
         first = verdict.tokens[1] if verdict.accepted else verdict.bonus
         counts[first] += 1
     expected = processed_probs(logits[0], params) * runs
@@ -422,8 +423,40 @@ def test_greedy_acceptance_picks_longest_path_first_row_on_ties():
     logits[1, 2] = 5  # 1 -> 2
     logits[2, 4] = 5  # bonus after 2
     logits[4, 5] = 5
-    verdict = greedy_path(tree, greedy_tokens(logits))
+    (verdict,) = POINT_MASS.verdicts([tree], logits[None], [GREEDY])
     assert verdict.nodes == [0, 1, 2] and verdict.bonus == 4
+
+
+class Counting(PointMass):
+    """The engine's rule, counting the trees it decided from logits and from recorded greedy tokens."""
+
+    def __init__(self) -> None:
+        self.from_logits = self.from_greedy = 0
+
+    def verdicts(self, trees, logits, params, uniforms=None):
+        self.from_logits += sum(trees.present)
+        return super().verdicts(trees, logits, params, uniforms)
+
+    def greedy_verdicts(self, trees, target_next):
+        self.from_greedy += sum(trees.present)
+        return super().greedy_verdicts(trees, target_next)
+
+
+def test_one_acceptance_rule_decides_live_decoding_and_replay(tiny_target):
+    model, tok = tiny_target.model, tiny_target.tokenizer
+    bos = tok.encode("<|im_start|>")[0]
+    prompts = [[bos] + tok.encode(t) for t in ("a long prompt about numbers 1 2 3 4", "math: 12*7=")]
+    oracle = GreedyOracle(model, first_token=bos, depth=3)
+    rule = Counting()
+    live = run_loop(TargetBatch(model, acceptance=rule), oracle, prompts, GREEDY, 12, [])
+    assert [g.tokens for g in live] == [g.tokens for g in generate(model, oracle, prompts, GREEDY, 12, [])]
+    assert rule.from_logits == sum(len(g.steps) for g in live) and rule.from_greedy == 0
+
+    traces = record_traces(lambda: TargetBatch(model), prompts, 12, [], lookahead=oracle.depth + 1)
+    replayed = run_loop(TraceVerifier(traces, rule), oracle, prompts, GREEDY, 12, [])
+    assert [g.tokens for g in replayed] == [g.tokens for g in live]
+    assert [[s.accepted for s in g.steps] for g in replayed] == [[s.accepted for s in g.steps] for g in live]
+    assert rule.from_greedy == sum(len(g.steps) for g in live)
 
 
 def test_reduced_draft_vocabulary_drafts_only_its_ids_and_stays_lossless(device_target):

@@ -11,7 +11,7 @@ from torch.overrides import TorchFunctionMode
 from taps_ray.config import TreeConfig
 from taps_ray.decoding.generate import run_loop
 from taps_ray.decoding.target_batch import TargetBatch, results_to
-from taps_ray.decoding.verify import SamplingParams, accept_batch, greedy_path, greedy_tokens
+from taps_ray.decoding.verify import POINT_MASS, SamplingParams
 from taps_ray.drafting.proposers import SingleHead
 from taps_ray.drafting.tree import DraftContext, HeadCache, build_tree, draft_eagle2, trees_to
 from taps_ray.models.draft_head import new_head
@@ -19,6 +19,7 @@ from taps_ray.models.stacked_head import StackedHead
 from taps_ray.syncs import SyncCounter, to_device
 
 from numerics import assert_same_tree, rounding_rtol, tree_rtol
+from oracles import greedy_path
 
 TREE = TreeConfig(total_token=8, depth=3, top_k=3)
 # The budget: syncs per step of the in-process loop, whatever the batch and temperature (measured: 3 — acceptance,
@@ -108,7 +109,7 @@ def test_batched_drafting_gives_each_sequence_its_own_trees(tiny_target, stacked
 
 def test_batched_greedy_acceptance_equals_per_tree_acceptance():
     """Random trees (duplicate tokens, so equal-depth ties happen) and logits: the vectorised verdicts are the
-    per-tree rule's (`greedy_path`, which replay uses), nodes, tokens and bonus; rows padded to the widest tree."""
+    per-tree reference walk's (`oracles.greedy_path`), nodes, tokens and bonus; rows padded to the widest tree."""
     generator = torch.Generator().manual_seed(0)
     trees, logits = [], []
     for _ in range(60):
@@ -118,8 +119,8 @@ def test_batched_greedy_acceptance_equals_per_tree_acceptance():
         logits.append(torch.randn(size, 3, generator=generator))
     padded = torch.nn.utils.rnn.pad_sequence(logits, batch_first=True)
     accepted = 0
-    for tree, row_logits, verdict in zip(trees, logits, accept_batch(trees, padded, [SamplingParams()] * 60)):
-        want = greedy_path(tree, greedy_tokens(row_logits))
+    for tree, row_logits, verdict in zip(trees, logits, POINT_MASS.verdicts(trees, padded, [SamplingParams()] * 60)):
+        want = greedy_path(tree, row_logits.argmax(-1))
         assert (verdict.nodes, verdict.tokens, verdict.bonus) == (want.nodes, want.tokens, want.bonus)
         accepted += want.accepted
     assert accepted > 20  # the comparison covered accepted paths, not only root-only verdicts

@@ -29,9 +29,9 @@ from taps_ray.decoding.generate import Verifier, run_loop
 from taps_ray.decoding.replay_draft import TreeMemo, replay_drafters
 from taps_ray.decoding.step import Generation
 from taps_ray.decoding.target_batch import Committed
-from taps_ray.decoding.verify import SamplingParams, Verdict, greedy_path
+from taps_ray.decoding.verify import POINT_MASS, AcceptanceRule, SamplingParams, Verdict
 from taps_ray.drafting.proposer import Proposer
-from taps_ray.drafting.tree import DraftTree, root_only
+from taps_ray.drafting.tree import DraftTree, pad_trees, root_only
 
 GREEDY = SamplingParams()
 NO_TOKEN = -1  # past the recorded continuation: matches no drafted token
@@ -142,12 +142,12 @@ class TraceVerifier:
     """The loop's `Verifier` for a replay: the target's answers read from greedy traces instead of computed.
 
     At T = 0 a tree's accepted path is the longest one along the target's greedy continuation, which the trace
-    holds: `greedy_path` walks the tree with the recorded next token in place of the target's argmax. What a
-    step commits is what a `TargetBatch` would hand back: the trace's features of the accepted positions and the
-    recorded tokens after them (the last one the next root)."""
+    holds: the acceptance rule a `TargetBatch` applies (`AcceptanceRule.greedy_verdicts`) reads the recorded next
+    token in place of the target's argmax. What a step commits is what a `TargetBatch` would hand back: the
+    trace's features of the accepted positions and the recorded tokens after them (the last one the next root)."""
 
-    def __init__(self, traces: list[GreedyTrace]) -> None:
-        self.traces = traces
+    def __init__(self, traces: list[GreedyTrace], acceptance: AcceptanceRule = POINT_MASS) -> None:
+        self.traces, self.acceptance = traces, acceptance
         self.sequences = [torch.tensor(t.sequence, device=t.features.device) for t in traces]
         self.lengths = [0] * len(traces)  # committed positions; a sequence's root (last output token) sits there
 
@@ -158,17 +158,24 @@ class TraceVerifier:
         return [self._commit(b, len(t.prompt), t.tokens[:1]) for b, t in enumerate(self.traces)]
 
     def step(self, trees: list[DraftTree | None]) -> list[Committed | None]:
-        return [None if tree is None else self._accept(b, tree) for b, tree in enumerate(trees)]
+        """Every tree's verdict in one call of the acceptance rule, from the recorded token after each node."""
+        live = [tree for tree in trees if tree is not None]
+        if not live:
+            return [None] * len(trees)
+        padded = pad_trees(trees, max(tree.size for tree in live), live[0].tokens.device)
+        target_next = torch.stack([_recorded(self.sequences[b], self.lengths[b] + 1 + padded.depth[b])
+                                   for b in range(len(trees))])
+        verdicts = self.acceptance.greedy_verdicts(padded, target_next)
+        return [None if verdict is None else self._accept(b, verdict) for b, verdict in enumerate(verdicts)]
 
-    def _accept(self, b: int, tree: DraftTree) -> Committed:
-        length = self.lengths[b]
-        verdict = greedy_path(tree, _recorded(self.sequences[b], length + 1 + tree.depth))
+    def _accept(self, b: int, verdict: Verdict) -> Committed:
         if verdict.bonus == NO_TOKEN:
             raise ValueError(
-                f"a tree of depth {int(tree.depth.max())} reached past the recorded continuation; record the traces "
-                f"with a larger lookahead (now {self.traces[b].lookahead})"
+                f"an accepted path of depth {len(verdict.nodes) - 1} reached past the recorded continuation; record "
+                f"the traces with a larger lookahead (now {self.traces[b].lookahead})"
             )
-        return self._commit(b, length + len(verdict.nodes), verdict.tokens[1:] + [verdict.bonus], verdict)
+        tokens = verdict.tokens[1:] + [verdict.bonus]
+        return self._commit(b, self.lengths[b] + len(verdict.nodes), tokens, verdict)
 
     def _commit(self, b: int, length: int, tokens: list[int], verdict: Verdict | None = None) -> Committed:
         """Sequence b's positions up to `length` committed: their features and the recorded token after each."""

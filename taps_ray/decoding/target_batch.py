@@ -31,7 +31,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from taps_ray.decoding.verify import SamplingParams, Verdict, accept_batch, position_uniforms, target_choices
+from taps_ray.decoding.verify import (
+    POINT_MASS, AcceptanceRule, SamplingParams, Verdict, position_uniforms, target_choices,
+)
 from taps_ray.drafting.tree import DraftTree, PaddedTrees, pad_trees, trees_to
 from taps_ray.models.kv_cache import KVCache
 from taps_ray.models.target_forward import TargetForward, target_forward
@@ -101,14 +103,15 @@ class TargetBatch:
     `Committed` carries the target's logits at its tokens, for callers that report log-probabilities.
     `feature_layers`: the `hidden_states` indices whose concatenation is every `Committed.features` (EAGLE-3);
     empty: the post-norm last layer. `forward`: the target forward to verify with instead of the model's
-    attached one (a benchmark compares both on one model).
+    attached one (a benchmark compares both on one model). `acceptance`: the rule that decides what a step keeps.
     """
 
     def __init__(
         self, model: PreTrainedModel, keep_logits: bool = False, feature_layers: Sequence[int] = (),
-        forward: TargetForward | None = None,
+        forward: TargetForward | None = None, acceptance: AcceptanceRule = POINT_MASS,
     ) -> None:
         self.model = model
+        self.acceptance = acceptance
         self.keep_logits = keep_logits
         self.feature_layers = tuple(feature_layers)
         # taps' fast forward or transformers' (`target.forward`, attached at load); `forward` overrides it
@@ -217,7 +220,7 @@ class TargetBatch:
         index = to_device(rows, self.device, torch.long)
         lengths = [self.host_lengths[i] for i in rows]
         width = max(lengths)
-        sub = TargetBatch(self.model, self.keep_logits, self.feature_layers, self.target_forward)
+        sub = TargetBatch(self.model, self.keep_logits, self.feature_layers, self.target_forward, self.acceptance)
         sub.params = self.params
         sub.row_params = [self.row_params[i] for i in rows]
         sub.cache = self.cache.take_rows(index, width)
@@ -248,7 +251,7 @@ class TargetBatch:
         if not all(row.greedy for row in self.row_params):  # the draws for positions length + 1 .. length + W
             after_root = torch.arange(1, logits.shape[1] + 1, device=self.device)
             uniforms = position_uniforms(self.seeds, self.lengths[:, None] + after_root)
-        verdicts = accept_batch(padded, logits, self.row_params, uniforms)
+        verdicts = self.acceptance.verdicts(padded, logits, self.row_params, uniforms)
         t2 = time.perf_counter()
         self.commit([v.nodes if v is not None else [] for v in verdicts])
         t3 = time.perf_counter()

@@ -4,11 +4,13 @@ The target picks its token after every drafted node (the argmax at T = 0, else a
 distribution with a uniform fixed by the sequence's seed and the position), and the longest drafted path that
 matches those picks is kept. At T > 0 that is the multi-candidate recursive rejection rule with the draft as a
 point mass (q = 1), in one vectorised pass: each committed token is an exact sample from the processed target
-distribution whatever the tree was (docs/algorithms.md#acceptance).
+distribution whatever the tree was (docs/algorithms.md#acceptance). That rule is `PointMass`, behind the
+`AcceptanceRule` interface every loop calls.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -63,28 +65,10 @@ class Verdict:
         return len(self.nodes) - 1
 
 
-def _candidates(tree: DraftTree) -> torch.Tensor:
-    padded = torch.cat([tree.tokens, to_device([-1], tree.tokens.device)])
-    return padded[tree.retrieve]  # -1 index picks the pad slot
-
-
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """argmax over the last dimension, first index on ties. `max(-1).indices` gives the same indices as
     `argmax(-1)` and is several times faster on a CPU for [T, 49k] bf16 logits (measured: ~1 vs ~8 ms)."""
     return logits.max(-1).indices
-
-
-def greedy_path(tree: DraftTree, target_next: torch.Tensor) -> Verdict:
-    """Greedy acceptance of one tree given the target's next token after each node ([T] long). Only the entries
-    of nodes on the accepted path are read, which lets replay (decoding/replay.py) pass the recorded greedy
-    continuation."""
-    candidates = _candidates(tree)
-    predicted = target_next[tree.retrieve.clamp(min=0)]
-    match = (candidates[:, 1:] == predicted[:, :-1]) & (tree.retrieve[:, 1:] >= 0)
-    accepted = match.int().cumprod(dim=1).sum(dim=1)
-    best = int(accepted.argmax())
-    nodes = tree.retrieve[best, : int(accepted[best]) + 1].tolist()
-    return Verdict(nodes=nodes, tokens=tree.tokens[nodes].tolist(), bonus=int(target_next[nodes[-1]]))
 
 
 # --- the sampler: one uniform per (sequence seed, position), counter-based ------------------------------------
@@ -159,47 +143,77 @@ def target_choices(logits: torch.Tensor, params: list[SamplingParams], uniforms:
 # --- acceptance ------------------------------------------------------------------------------------------------
 
 
-def accept_batch(
-    trees: list[DraftTree | None] | PaddedTrees, logits: torch.Tensor, params: list[SamplingParams],
-    uniforms: torch.Tensor | None = None,
-) -> list[Verdict | None]:
-    """Verdicts for a batch of trees in vectorised passes on the device; the host reads one small tensor.
+class AcceptanceRule(ABC):
+    """What a step keeps of each tree: the one interface live decoding (`TargetBatch`) and replay
+    (`replay.TraceVerifier`) both call, so a new rule (one that reads the drafter's `DraftTree.draft_prob`, say)
+    is one class and holds in every loop.
 
-    `logits` [B, W, V]: row b's first `trees[b].size` entries are its nodes' (W >= every tree's size; a None tree
-    sits out and gets None); `trees` may come padded to W already (`pad_trees`, as the target batch builds them). `uniforms` [B, W]: row b's uniform for the token at depth d + 1 is `uniforms[b, d]`
-    (`position_uniforms` of the positions after the root); needed when a row samples.
+    `verdicts` decides from the target's logits; `greedy_verdicts` from the target's greedy token after every
+    node, which is all a greedy (T = 0) decision reads, so replay hands the continuation it recorded instead of
+    logits. The default walks the longest drafted path that matches those tokens (`longest_paths`), which every
+    lossless rule accepts at T = 0."""
 
-    One rule for greedy and sampled rows: the target picks its token after every node (`target_choices`: the
-    argmax, or a draw from its processed distribution), a node is accepted when every drafted node on its path
-    equals the target's choice after its parent, and the step commits the path to the deepest accepted node and
-    the target's choice there. At T > 0 this is the point-mass (q = 1) multi-candidate rejection rule: trying the
+    @abstractmethod
+    def verdicts(
+        self, trees: list[DraftTree | None] | PaddedTrees, logits: torch.Tensor, params: list[SamplingParams],
+        uniforms: torch.Tensor | None = None,
+    ) -> list[Verdict | None]:
+        """Verdicts for a batch of trees. `logits` [B, W, V]: row b's first `trees[b].size` entries are its
+        nodes' (W >= every tree's size; a None tree sits out and gets None); `trees` may come padded to W
+        already (`pad_trees`, as the target batch builds them). `uniforms` [B, W]: row b's uniform for the token
+        at depth d + 1 is `uniforms[b, d]` (`position_uniforms` of the positions after the root); needed when a
+        row samples."""
+
+    def greedy_verdicts(self, trees: PaddedTrees, target_next: torch.Tensor) -> list[Verdict | None]:
+        """Greedy verdicts from the target's token after each node ([B, W] long; only the entries of nodes on
+        the accepted path are read, so replay may leave the rest past its record)."""
+        return longest_paths(trees, target_next)
+
+
+class PointMass(AcceptanceRule):
+    """The rule of this engine: the target picks its token after every node (`target_choices`: the argmax, or a
+    draw from its processed distribution), a node is accepted when every drafted node on its path equals the
+    target's choice after its parent, and the step commits the path to the deepest accepted node and the
+    target's choice there. At T > 0 this is the point-mass (q = 1) multi-candidate rejection rule: trying the
     siblings one by one with acceptance p(x) and renormalised residuals accepts sibling x with probability p(x)
     and otherwise draws the bonus from p restricted to the other tokens, exactly what one draw x ~ p followed by
     a match against the siblings does (docs/algorithms.md#acceptance). So every committed token is a draw from the
     target's distribution at its position, with the uniform of that position: the output does not depend on the
-    tree. On equal depths (duplicate siblings) the path that comes first in DFS preorder wins, the first retrieve
-    row's, as `greedy_path` picks."""
+    tree."""
+
+    def verdicts(
+        self, trees: list[DraftTree | None] | PaddedTrees, logits: torch.Tensor, params: list[SamplingParams],
+        uniforms: torch.Tensor | None = None,
+    ) -> list[Verdict | None]:
+        padded = _padded(trees, logits)
+        node_uniforms = None if uniforms is None else uniforms.gather(1, padded.depth)
+        return longest_paths(padded, target_choices(logits, params, node_uniforms))
+
+
+POINT_MASS = PointMass()
+
+
+def _padded(trees: list[DraftTree | None] | PaddedTrees, logits: torch.Tensor) -> PaddedTrees:
+    """`trees` padded to the logits' width (as they are when the target batch padded them already)."""
+    if isinstance(trees, PaddedTrees):
+        return trees
     batch, width = logits.shape[0], logits.shape[1]
-    device = logits.device
-    if not isinstance(trees, PaddedTrees):
-        if len(trees) != batch or any(t is not None and t.size > width for t in trees):
-            raise ValueError(f"need one tree (or None) per logits row, each at most {width} nodes; got {len(trees)} "
-                             "trees")
-        trees = pad_trees(trees, width, device)
-    tokens, parents, depth, mask, sizes = trees.tokens, trees.parents, trees.depth, trees.mask, trees.sizes
+    if len(trees) != batch or any(t is not None and t.size > width for t in trees):
+        raise ValueError(f"need one tree (or None) per logits row, each at most {width} nodes; got {len(trees)} trees")
+    return pad_trees(trees, width, logits.device)
+
+
+def longest_paths(trees: PaddedTrees, target_next: torch.Tensor) -> list[Verdict | None]:
+    """Per row, the deepest node whose path matches the target's token after each node (`target_next` [B, W]), in
+    vectorised passes on the device; the host reads one small tensor. On equal depths (duplicate siblings) the
+    path that comes first in DFS preorder wins."""
+    tokens, parents, depth, mask = trees.tokens, trees.parents, trees.depth, trees.mask
+    batch, width, device = tokens.shape[0], trees.width, tokens.device
     nodes = torch.arange(width, device=device)
-    valid = nodes < sizes[:, None]
-    node_uniforms = None if uniforms is None else uniforms.gather(1, depth)
-    target_next = target_choices(logits, params, node_uniforms)  # [B, W]
+    valid = nodes < trees.sizes[:, None]
     ok = (tokens == target_next.gather(1, parents.clamp(min=0))) | (nodes == 0)
     accepted = ~(mask & ~ok[:, None, :]).any(-1) & valid  # every node on the path matches
-    # preorder rank: 1 + the subtree sizes of earlier siblings, summed over the path below the root
-    subtree = mask.sum(1)  # [B, W]: descendants and self
-    sibling = (parents[:, :, None] == parents[:, None, :]) & (nodes[None, :] < nodes[:, None])[None]
-    before = (sibling & valid[:, None, :]).float() @ subtree.float()[:, :, None]  # [B, W, 1]
-    step = (1.0 + before[..., 0]).masked_fill(nodes == 0, 0.0)
-    preorder = (mask.float() @ step[:, :, None])[..., 0].long()
-    key = torch.where(accepted, depth * (width + 1) + (width - preorder), -1)
+    key = torch.where(accepted, depth * (width + 1) + (width - _preorder(parents, mask, valid)), -1)
     best = key.argmax(-1)  # [B]
     rows = torch.arange(batch, device=device)
     path = torch.where(mask[rows, best], nodes, width).sort(-1).values  # root-to-node order, `width` pads
@@ -211,3 +225,14 @@ def accept_batch(
         verdicts.append(None if not present else
                         Verdict(nodes=row[1 : 1 + n], tokens=row[1 + width : 1 + width + n], bonus=row[-1]))
     return verdicts
+
+
+def _preorder(parents: torch.Tensor, mask: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Each node's DFS preorder rank [B, W]: 1 + the subtree sizes of earlier siblings, summed over the path below
+    the root (two matmuls, no host loop)."""
+    nodes = torch.arange(parents.shape[1], device=parents.device)
+    subtree = mask.sum(1)  # [B, W]: descendants and self
+    sibling = (parents[:, :, None] == parents[:, None, :]) & (nodes[None, :] < nodes[:, None])[None]
+    before = (sibling & valid[:, None, :]).float() @ subtree.float()[:, :, None]  # [B, W, 1]
+    step = (1.0 + before[..., 0]).masked_fill(nodes == 0, 0.0)
+    return (mask.float() @ step[:, :, None])[..., 0].long()

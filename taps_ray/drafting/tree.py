@@ -26,8 +26,9 @@ class DraftTree:
 
     Every field is built on the device without reading values back (`tree_structure`), so drafting a batch of
     trees costs the host no sync; `retrieve` (the root-to-leaf rows, whose count depends on the tree) is derived
-    on first use, by replay's per-tree acceptance and merged trees. `chain`: whether every node's parent is
-    the node before it, when the builder knows it without reading the tree (None: `is_chain` reads it)."""
+    on first use (it spells a tree the way EAGLE's reference code does, which tests compare against). `chain`:
+    whether every node's parent is the node before it, when the builder knows it without reading the tree (None:
+    `is_chain` reads it)."""
 
     tokens: torch.Tensor  # [T] long
     parents: torch.Tensor  # [T] long, -1 for the root; parents precede children
