@@ -17,7 +17,9 @@ from taps_ray.decoding.step import step_tokens
 from taps_ray.drafting.proposer import NOT_DRAFTED, Feedback
 from taps_ray.drafting.proposers import PlainDecoding, SingleHead
 from taps_ray.decoding.target_batch import TargetBatch
-from taps_ray.drafting.tree import DraftContext, HeadCache, build_tree, draft_eagle2, extend_batch
+from taps_ray.drafting.tree import (
+    DraftContext, HeadCache, build_tree, draft_eagle2, extend_batch, pad_trees, root_only, subtree,
+)
 from taps_ray.decoding.verify import (
     POINT_MASS, PointMass, SamplingParams, position_uniforms, processed_probs,
 )
@@ -457,6 +459,18 @@ def test_one_acceptance_rule_decides_live_decoding_and_replay(tiny_target):
     assert [g.tokens for g in replayed] == [g.tokens for g in live]
     assert [[s.accepted for s in g.steps] for g in replayed] == [[s.accepted for s in g.steps] for g in live]
     assert rule.from_greedy == sum(len(g.steps) for g in live)
+
+
+def test_a_draft_probability_rides_on_the_tree_through_pruning_and_padding():
+    tree = build_tree(torch.tensor([5, 1, 2, 3]), torch.tensor([-1, 0, 1, 0]),
+                      confidence=torch.tensor([0.9, 0.5, 0.8]), draft_prob=torch.tensor([0.9, 0.6, 0.8]))
+    pruned = subtree(tree, [1, 3])
+    assert pruned.draft_prob.tolist() == pytest.approx([0.9, 0.8])
+    padded = pad_trees([pruned, None, tree], 5, "cpu")
+    want = torch.tensor([[1, 0.9, 0.8, 1, 1], [1] * 5, [1, 0.9, 0.6, 0.8, 1]])
+    torch.testing.assert_close(padded.draft_prob, want)
+    assert pad_trees([tree, build_tree(torch.tensor([5]), torch.tensor([-1]))], 4, "cpu").draft_prob is None
+    assert root_only(5, "cpu").draft_prob is None
 
 
 def test_reduced_draft_vocabulary_drafts_only_its_ids_and_stays_lossless(device_target):

@@ -28,7 +28,10 @@ class DraftTree:
     trees costs the host no sync; `retrieve` (the root-to-leaf rows, whose count depends on the tree) is derived
     on first use (it spells a tree the way EAGLE's reference code does, which tests compare against). `chain`:
     whether every node's parent is the node before it, when the builder knows it without reading the tree (None:
-    `is_chain` reads it)."""
+    `is_chain` reads it). `draft_prob`: for acceptance rules that read it (rejection sampling against the draft
+    distribution q), the probability the drafter gave each node's token given its parent; None where the drafter
+    does not say (the point-mass rule needs none). Pruning and moving a tree keep it; a merge drops it.
+    """
 
     tokens: torch.Tensor  # [T] long
     parents: torch.Tensor  # [T] long, -1 for the root; parents precede children
@@ -38,6 +41,7 @@ class DraftTree:
     entropy: torch.Tensor  # [T-1] float32, entropy (nats) of the distribution each node was drawn from
     source: torch.Tensor = field(default=None)  # [T-1] long, which head drafted each node (merged trees)
     chain: bool | None = None
+    draft_prob: torch.Tensor | None = None  # [T-1] float32
 
     def __post_init__(self) -> None:
         if self.source is None:
@@ -84,6 +88,8 @@ class PaddedTrees:
     mask: torch.Tensor  # [B, W, W] bool
     sizes: torch.Tensor  # [B] long, 0 without a tree
     present: list[bool]  # which rows have a tree (host)
+    draft_prob: torch.Tensor | None = None  # [B, W] float32 node j's `DraftTree.draft_prob` (1 for roots and
+    # pads), when every tree has one
 
     @property
     def width(self) -> int:
@@ -103,7 +109,19 @@ def pad_trees(trees: Sequence[DraftTree | None], width: int, device: torch.devic
                         else F.pad(t.mask, (0, width - t.size, 0, width - t.size)) for t in trees])
     sizes = to_device([0 if t is None else t.size for t in trees], device)
     return PaddedTrees(padded("tokens", -1), padded("parents", 0), padded("depth", 0), mask, sizes,
-                       [t is not None for t in trees])
+                       [t is not None for t in trees], _padded_draft_probs(trees, width, device))
+
+
+def _padded_draft_probs(trees: Sequence[DraftTree | None], width: int, device: torch.device | str
+                        ) -> torch.Tensor | None:
+    """`PaddedTrees.draft_prob`, or None when a tree carries none."""
+    present = [t for t in trees if t is not None]
+    if not present or any(t.draft_prob is None for t in present):
+        return None
+    one = torch.ones(1, dtype=torch.float32, device=device)
+    rows = [one if t is None else torch.cat([one, t.draft_prob.float()]) for t in trees]
+    out = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=1.0)
+    return F.pad(out, (0, width - out.shape[1]), value=1.0)
 
 
 def trees_to(trees: Sequence[DraftTree | None], device: torch.device | str) -> list[DraftTree | None]:
@@ -125,7 +143,8 @@ def trees_to(trees: Sequence[DraftTree | None], device: torch.device | str) -> l
     for t, n, i, f, m in zip(moving, sizes, int_parts, float_parts, mask_parts):
         tokens, parents, depth, source = i.split([n, n, n, n - 1])
         confidence, entropy = f.split([n - 1, n - 1])
-        moved[id(t)] = DraftTree(tokens, parents, depth, m.view(n, n), confidence, entropy, source, t.chain)
+        draft_prob = None if t.draft_prob is None else t.draft_prob.to(device)
+        moved[id(t)] = DraftTree(tokens, parents, depth, m.view(n, n), confidence, entropy, source, t.chain, draft_prob)
     return [None if t is None else moved.get(id(t), t) for t in trees]
 
 
@@ -177,6 +196,7 @@ def build_tree(
     confidence: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     source: torch.Tensor | None = None,
+    draft_prob: torch.Tensor | None = None,
 ) -> DraftTree:
     """A tree from parent pointers, checked (parents must precede children; reading them syncs once): for
     proposers that build trees node by node. Drafters that produce valid trees by construction use
@@ -194,6 +214,7 @@ def build_tree(
         (empty if entropy is None else entropy.float().to(device))[None],
         None if source is None else source.to(device)[None], chains=[chain],
     )
+    tree.draft_prob = None if draft_prob is None else draft_prob.float().to(device)
     return tree
 
 
@@ -253,6 +274,7 @@ def subtree(tree: DraftTree, keep: list[int]) -> DraftTree:
         confidence=tree.confidence[drafted],
         entropy=tree.entropy[drafted],
         source=tree.source[drafted],
+        draft_prob=None if tree.draft_prob is None else tree.draft_prob[drafted],
     )
 
 
