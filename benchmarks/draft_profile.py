@@ -5,7 +5,8 @@
 
 The target greedy-decodes a few GSM8K and MT-Bench prompts once with the first head and the draft inputs of every
 step (committed features and tokens) are recorded. Each proposer then replays that sequence of draft calls
-through the baseline's `draft_eagle2` (its `drafting/tree.py`, or `engine/tree.py` before the layout, and
+through the baseline's `draft_eagle2` (its `drafting/eagle2.py`, `drafting/tree.py` before the split, or
+`engine/tree.py` before the layout, and
 `models/draft_head.py`, read from git, heads rebuilt from the same weights, drafted one after the other; a router
 or merger then combines the trees with this tree's `combine`) and through this tree's proposer, interleaved and repeated with the order alternating, so both
 sides see the same machine load. Trees are compared node for node: tokens, parents, confidence and entropy bit for
@@ -55,8 +56,9 @@ def _git_module(rev: str, path: str, name: str, replaces: dict[str, types.Module
 def baseline(rev: str) -> tuple[types.ModuleType, types.ModuleType]:
     """The baseline's draft head and tree modules."""
     head = _git_module(rev, "taps_ray/models/draft_head.py", "baseline_draft_head", {})
-    # engine/tree.py: a baseline from before the drafting/ package
-    tree_path = next(path for path in ("taps_ray/drafting/tree.py", "taps_ray/engine/tree.py")
+    # drafting/tree.py: a baseline from before EAGLE-2 left the tree module; engine/tree.py: before drafting/
+    paths = ("taps_ray/drafting/eagle2.py", "taps_ray/drafting/tree.py", "taps_ray/engine/tree.py")
+    tree_path = next(path for path in paths
                      if subprocess.run(["git", "cat-file", "-e", f"{rev}:{path}"], cwd=ROOT,
                                    stderr=subprocess.DEVNULL).returncode == 0)
     tree = _git_module(rev, tree_path, "baseline_tree", {"taps_ray.models.draft_head": head})

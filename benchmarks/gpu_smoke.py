@@ -73,7 +73,7 @@ from taps_ray.config import TreeConfig  # noqa: E402
 from taps_ray.decoding.generate import generate  # noqa: E402
 from taps_ray.decoding.step import Generation  # noqa: E402
 from taps_ray.drafting.proposers import PlainDecoding, SingleHead  # noqa: E402
-from taps_ray.drafting.tree import DraftContext  # noqa: E402
+from taps_ray.drafting.eagle2 import DraftContext  # noqa: E402
 from taps_ray.decoding.verify import SamplingParams, position_uniforms  # noqa: E402
 from taps_ray.fsio import atomic_write_json, atomic_write_text  # noqa: E402
 from taps_ray.models.draft_head import new_head  # noqa: E402

@@ -41,7 +41,7 @@ from taps_ray.decoding.generate import run_loop  # noqa: E402
 from taps_ray.decoding.target_batch import TargetBatch  # noqa: E402
 from taps_ray.decoding.verify import SamplingParams  # noqa: E402
 from taps_ray.drafting.proposers import SingleHead  # noqa: E402
-from taps_ray.drafting.tree import DraftContext  # noqa: E402
+from taps_ray.drafting.eagle2 import DraftContext  # noqa: E402
 from taps_ray.fsio import atomic_write_json, report_lines  # noqa: E402
 from taps_ray.machine import cpu_line  # noqa: E402
 from taps_ray.models.draft_head import new_head  # noqa: E402

@@ -30,7 +30,8 @@ from taps_ray.models.target import load_target
 from taps_ray.decoding.generate import run_loop
 from taps_ray.drafting.proposers import SingleHead
 from taps_ray.decoding.target_batch import Committed, TargetBatch, results_to
-from taps_ray.drafting.tree import DraftContext, DraftTree, trees_to
+from taps_ray.drafting.eagle2 import DraftContext
+from taps_ray.drafting.tree import DraftTree, trees_to
 from taps_ray.decoding.verify import SamplingParams
 
 LLAMA3_8B_HIDDEN = 4096

@@ -15,7 +15,8 @@ from taps_ray.drafting.combine import ConfidenceRouted, Merged, merge_trees
 from taps_ray.drafting.ngram import NgramProposer
 from taps_ray.drafting.proposers import Recording, SingleHead
 from taps_ray.drafting.registry import build_proposer
-from taps_ray.drafting.tree import DraftContext, DraftTree, HeadCache, draft_eagle2
+from taps_ray.drafting.eagle2 import DraftContext, HeadCache, draft_eagle2
+from taps_ray.drafting.tree import DraftTree
 from taps_ray.models.draft_head import new_head
 from taps_ray.models.stacked_head import StackedHead, stack_mismatch
 

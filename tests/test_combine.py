@@ -28,7 +28,8 @@ from taps_ray.drafting.proposers import SingleHead
 from taps_ray.drafting.registry import UnknownProposer, build_proposer, combination_names
 from taps_ray.drafting.names import averaged_weight, entropy_candidates
 from taps_ray.decoding.target_batch import TargetBatch
-from taps_ray.drafting.tree import DraftContext, HeadCache, build_tree, prune_tree
+from taps_ray.drafting.eagle2 import DraftContext, HeadCache
+from taps_ray.drafting.tree import build_tree, prune_tree
 from taps_ray.decoding.verify import POINT_MASS, SamplingParams, position_uniforms, processed_probs
 
 from numerics import assert_same_tree, tree_rtol

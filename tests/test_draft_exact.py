@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from taps_ray.config import TreeConfig
-from taps_ray.drafting.tree import DraftContext, DraftTree, HeadCache, _entropy, draft_eagle2, select_tree
+from taps_ray.drafting.eagle2 import DraftContext, HeadCache, _entropy, draft_eagle2, select_tree
+from taps_ray.drafting.tree import DraftTree
 from taps_ray.models.draft_head import DraftHead, new_head
 
 

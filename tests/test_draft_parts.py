@@ -14,7 +14,8 @@ import transformers
 from safetensors.torch import save_file
 
 from taps_ray.config import TargetConfig, TreeConfig
-from taps_ray.drafting.tree import DraftContext, DraftTree, HeadCache, draft_eagle2
+from taps_ray.drafting.eagle2 import DraftContext, HeadCache, draft_eagle2
+from taps_ray.drafting.tree import DraftTree
 from taps_ray.models.draft_head import new_head
 from taps_ray.models.draft_parts import (
     EMBED, LM_HEAD, WEIGHTS, WEIGHTS_INDEX, MappedHead, load_draft_target, read_parts, tensor_files,

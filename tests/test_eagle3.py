@@ -13,7 +13,7 @@ from taps_ray.models.draft_head import DraftHead, eagle3_layers, new_head
 from taps_ray.drafting.combine import average_heads
 from taps_ray.decoding.generate import generate
 from taps_ray.drafting.proposers import SingleHead
-from taps_ray.drafting.tree import DraftContext, HeadCache, extend_batch, head_context
+from taps_ray.drafting.eagle2 import DraftContext, HeadCache, extend_batch, head_context
 from taps_ray.decoding.verify import SamplingParams
 from taps_ray.training.losses import Batch, FrozenTarget, LossSettings, run_passes, shift_batch, ttt_steps
 

@@ -17,9 +17,8 @@ from taps_ray.decoding.step import step_tokens
 from taps_ray.drafting.proposer import NOT_DRAFTED, Feedback
 from taps_ray.drafting.proposers import PlainDecoding, SingleHead
 from taps_ray.decoding.target_batch import TargetBatch
-from taps_ray.drafting.tree import (
-    DraftContext, HeadCache, build_tree, draft_eagle2, extend_batch, pad_trees, root_only, subtree,
-)
+from taps_ray.drafting.eagle2 import DraftContext, HeadCache, draft_eagle2, extend_batch
+from taps_ray.drafting.tree import build_tree, pad_trees, root_only, subtree
 from taps_ray.decoding.verify import (
     POINT_MASS, PointMass, SamplingParams, position_uniforms, processed_probs,
 )

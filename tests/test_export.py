@@ -15,7 +15,7 @@ from taps_ray.models.draft_head import DraftHead, eagle3_layers, new_head
 from taps_ray.models.published import export_head, load_published
 from taps_ray.decoding.generate import generate
 from taps_ray.drafting.proposers import SingleHead
-from taps_ray.drafting.tree import DraftContext, HeadCache
+from taps_ray.drafting.eagle2 import DraftContext, HeadCache
 from taps_ray.decoding.verify import SamplingParams
 from taps_ray.workdir import head_checkpoint
 

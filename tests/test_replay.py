@@ -24,7 +24,7 @@ from taps_ray.decoding.replay import record_traces, replay
 from taps_ray.decoding import replay_draft
 from taps_ray.decoding.replay_draft import draft_along
 from taps_ray.decoding.target_batch import TargetBatch
-from taps_ray.drafting.tree import DraftContext, HeadCache
+from taps_ray.drafting.eagle2 import DraftContext, HeadCache
 from taps_ray.models.draft_head import eagle3_layers, new_head
 from taps_ray.decoding.verify import SamplingParams
 

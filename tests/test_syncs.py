@@ -13,7 +13,8 @@ from taps_ray.decoding.generate import run_loop
 from taps_ray.decoding.target_batch import TargetBatch, results_to
 from taps_ray.decoding.verify import POINT_MASS, SamplingParams
 from taps_ray.drafting.proposers import SingleHead
-from taps_ray.drafting.tree import DraftContext, HeadCache, build_tree, draft_eagle2, trees_to
+from taps_ray.drafting.eagle2 import DraftContext, HeadCache, draft_eagle2
+from taps_ray.drafting.tree import build_tree, trees_to
 from taps_ray.models.draft_head import new_head
 from taps_ray.models.stacked_head import StackedHead
 from taps_ray.syncs import SyncCounter, to_device

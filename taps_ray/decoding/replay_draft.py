@@ -7,7 +7,7 @@ head, the tree at every root position the replay can reach: (1) one teacher-forc
 each whole trace gives the head's K/V and the depth-1 output at every position; (2) the deeper levels expand
 all (trace, position) rows at once, each row's nodes attending to its own trace prefix and its tree ancestors
 (one 4-D mask per block of rows); (3) the EAGLE-2 top-k, rerank and selection run per row through the live
-drafter's own `Candidates` and `select_nodes` (drafting/tree.py: same order of operations, same tie-breaking).
+drafter's own `Candidates` and `select_nodes` (drafting/eagle2.py: same order of operations, same tie-breaking).
 Each `SingleHead` inside the proposer (alone, routed, merged, averaged, + n-gram, cost-aware) is then swapped
 for a `ReplayedHead` that answers `propose` from those trees; every other proposer part (n-gram lookup, plain)
 drafts as in the live loop.
@@ -27,9 +27,8 @@ import torch
 from taps_ray.config import TreeConfig
 from taps_ray.drafting.proposer import Proposer
 from taps_ray.drafting.proposers import SingleHead
-from taps_ray.drafting.tree import (
-    Candidates, ConfidenceStop, DraftContext, DraftTree, build_tree, expand_levels, select_nodes,
-)
+from taps_ray.drafting.eagle2 import Candidates, ConfidenceStop, DraftContext, expand_levels, select_nodes
+from taps_ray.drafting.tree import DraftTree, build_tree
 from taps_ray.models.draft_head import DraftHead
 from taps_ray.syncs import to_device
 

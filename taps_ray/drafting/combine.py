@@ -45,9 +45,8 @@ from taps_ray.models.stacked_head import StackedHead
 from taps_ray.drafting.ngram import NgramProposer
 from taps_ray.drafting.proposer import Proposer
 from taps_ray.drafting.proposers import SingleHead, stackable
-from taps_ray.drafting.tree import (
-    DraftContext, DraftTree, HeadCache, build_tree, draft_eagle2, path_scores, ranked_nodes, subtree, tree_means,
-)
+from taps_ray.drafting.eagle2 import DraftContext, HeadCache, draft_eagle2
+from taps_ray.drafting.tree import DraftTree, build_tree, path_scores, ranked_nodes, subtree, tree_means
 from taps_ray.syncs import to_device
 
 # --- checkpoint averaging (docs/algorithms.md#weight-averaging) ---------------------------------------------

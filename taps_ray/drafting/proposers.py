@@ -14,7 +14,8 @@ from taps_ray.config import TreeConfig
 from taps_ray.models.draft_head import DraftHead
 from taps_ray.models.stacked_head import stack_mismatch
 from taps_ray.drafting.proposer import Proposer
-from taps_ray.drafting.tree import DraftContext, DraftTree, HeadCache, draft_eagle2, head_context, root_only
+from taps_ray.drafting.eagle2 import DraftContext, HeadCache, draft_eagle2, head_context
+from taps_ray.drafting.tree import DraftTree, root_only
 
 
 class Recording(Proposer):

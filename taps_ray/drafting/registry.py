@@ -42,7 +42,7 @@ from taps_ray.drafting.names import (
 from taps_ray.drafting.ngram import NUM_TOKENS, NgramProposer
 from taps_ray.drafting.proposer import Proposer
 from taps_ray.drafting.proposers import PlainDecoding, SingleHead
-from taps_ray.drafting.tree import DraftContext
+from taps_ray.drafting.eagle2 import DraftContext
 
 
 @dataclass

@@ -23,7 +23,7 @@ from taps_ray.config import StudyConfig, TreeConfig
 from taps_ray.data.chat import build_prompt_ids
 from taps_ray.decoding.generate import generate
 from taps_ray.drafting.proposers import PlainDecoding, SingleHead
-from taps_ray.drafting.tree import DraftContext
+from taps_ray.drafting.eagle2 import DraftContext
 from taps_ray.decoding.verify import SamplingParams
 from taps_ray.fsio import atomic_write_text
 from taps_ray.interop.bench_peer import METHODS, run_peer
