@@ -22,7 +22,7 @@ from taps_ray.drafting.combine import (
     split_budget,
 )
 from taps_ray.decoding.generate import generate
-from taps_ray.decoding.step import StepRecord
+from taps_ray.decoding.step import StepRecord, tau
 from taps_ray.drafting.proposer import NOT_DRAFTED
 from taps_ray.drafting.proposers import SingleHead
 from taps_ray.drafting.registry import UnknownProposer, build_proposer, combination_names
@@ -467,7 +467,7 @@ def test_accepted_vs_rejected_and_fractions():
     paused = [*records, _record([], [], [], head=NOT_DRAFTED)]  # drafting paused: a step that verified only the root
     assert diagnostics.routing_fractions(paused, ["math", "chat"]) == {
         "none": pytest.approx(1 / 4), "merged": pytest.approx(2 / 4), "math": pytest.approx(1 / 4)}
-    assert diagnostics.tau(records) == 1.0
+    assert tau(records) == 1.0
 
 
 def test_signal_agreement():

@@ -59,8 +59,7 @@ class Generation:
 
     @property
     def tau(self) -> float:
-        """Spec-Bench #MAT: tokens per target verification step (the prefill's first token excluded)."""
-        return sum(s.new_tokens for s in self.steps) / len(self.steps) if self.steps else 0.0
+        return tau(self.steps)
 
     @property
     def tau_taps(self) -> float:
@@ -68,6 +67,12 @@ class Generation:
         turn, which adds its tokens but no step to a cell's pooled τ_TAPS (docs/algorithms.md#acceptance-length)."""
         committed = sum(s.accepted + 1 for s in self.steps)
         return committed / (len(self.steps) - 1) if len(self.steps) > 1 else math.nan
+
+
+def tau(steps: Sequence[StepRecord]) -> float:
+    """τ, the one definition every report uses (Spec-Bench #MAT): tokens per target verification step (the
+    prefill's first token excluded), over one generation's steps or several pooled; 0 without a step."""
+    return sum(s.new_tokens for s in steps) / len(steps) if steps else 0.0
 
 
 def record_step(tree: DraftTree, verdict: Verdict, new_tokens: int, draft_s: float, verify_s: float, head: int,

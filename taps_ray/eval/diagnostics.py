@@ -50,11 +50,6 @@ def accepted_vs_rejected(records: Iterable[Any], source: int | None = None) -> d
     return out
 
 
-def tau(records: Sequence[Any]) -> float:
-    """Tokens per verification step (Spec-Bench #MAT, trimmed new tokens), as `Generation.tau`."""
-    return sum(r.new_tokens for r in records) / len(records) if records else math.nan
-
-
 def head_counts(records: Iterable[Any], head_names: Sequence[str] | None = None) -> Counter:
     """Verification steps per head whose tree was verified (key -1 = a merged tree, `NOT_DRAFTED` = none).
 

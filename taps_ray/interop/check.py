@@ -22,6 +22,7 @@ import torch
 from taps_ray.config import StudyConfig, TreeConfig
 from taps_ray.data.chat import build_prompt_ids
 from taps_ray.decoding.generate import generate
+from taps_ray.decoding.step import tau
 from taps_ray.drafting.proposers import PlainDecoding, SingleHead
 from taps_ray.drafting.eagle2 import DraftContext
 from taps_ray.decoding.verify import SamplingParams
@@ -85,7 +86,7 @@ def interop_prompts(cfg: StudyConfig, target: Target, turns: list[str]) -> list[
 
 
 def ours(target: Target, head: DraftHead | None, prompts: list[list[int]], options: InteropOptions):
-    """Our engine over `prompts` with `head` on the chain (None: plain decoding): outputs, tokens, steps."""
+    """Our engine over `prompts` with `head` on the chain (None: plain decoding): outputs, pooled τ, steps."""
     model = target.model
     if head is None:
         proposer = PlainDecoding()
@@ -95,9 +96,8 @@ def ours(target: Target, head: DraftHead | None, prompts: list[list[int]], optio
     with torch.no_grad():
         generations = [generate(model, proposer, [p], GREEDY, options.max_new_tokens, target.stop_token_ids)[0]
                        for p in prompts]
-    steps = sum(len(g.steps) for g in generations)
-    committed = sum(s.new_tokens for g in generations for s in g.steps)
-    return [g.tokens for g in generations], committed, steps
+    steps = [s for g in generations for s in g.steps]
+    return [g.tokens for g in generations], tau(steps), len(steps)
 
 
 def vllm_acceptance(counters: list[dict]) -> tuple[float, int, int, list[int]]:
@@ -129,10 +129,10 @@ def run_interop(cfg: StudyConfig, options: InteropOptions, side: SideVllm,
         exported = export_head(head, cfg.work_path("exported", f"{kind}-{options.mixture}-vllm"), engine="vllm")
         spec = {"method": METHODS[kind], "model": str(exported.absolute()), "num_speculative_tokens": options.k}
         theirs = run_peer(side, target, prompts, "float32", options.max_new_tokens, spec)
-        tokens, committed, steps = ours(target, head, prompts, options)
+        tokens, ours_tau, steps = ours(target, head, prompts, options)
         acceptance, drafts, accepted, per_pos = vllm_acceptance(theirs.counters)
         results.append(KindResult(
-            kind=kind, ours_tau=committed / steps, ours_steps=steps, vllm_acceptance=acceptance,
+            kind=kind, ours_tau=ours_tau, ours_steps=steps, vllm_acceptance=acceptance,
             vllm_drafts=drafts, vllm_accepted=accepted, accepted_per_position=per_pos,
             identical_ours=sum(a == b for a, b in zip(theirs.tokens, plain_ours)),
             identical_vllm_plain=sum(a == b for a, b in zip(theirs.tokens, plain_vllm.tokens)),

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from taps_ray.decoding.continuous import Result, TokenLogprob
+from taps_ray.decoding.step import tau
 from taps_ray.serve.api_schemas import (
     ChatLogprobs,
     ChatTokenLogprob,
@@ -102,7 +103,7 @@ def speculative(results: list[Result], proposer: str, head_names: list[str]) -> 
     committed = sum(s.accepted + 1 for s in steps)
     return Speculative(
         proposer=proposer,
-        tau=round(sum(s.new_tokens for s in steps) / len(steps), 4) if steps else 0.0,
+        tau=round(tau(steps), 4),
         tau_taps=round(committed / max(len(steps) - len(results), 1), 4),
         steps=len(steps),
         accepted_tokens=sum(s.accepted for s in steps),
