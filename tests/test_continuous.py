@@ -75,6 +75,9 @@ def test_requests_joining_mid_batch_decode_exactly_with_mixed_proposers(setup):
         assert result.generation.tokens == _hf_greedy(model, prompt, budgets[i]), i
     for i in (0, 2, 3):  # the oracle's drafts were accepted inside the shared batch
         assert max(s.accepted for s in results[i].generation.steps) == 4
+        # Serve's default: no per-node diagnostics read back, the step counts kept
+        assert all(s.node_confidence == s.node_entropy == s.node_source == s.node_accepted == []
+                   for s in results[i].generation.steps)
     assert all(s.tree_size == 1 for s in results[1].generation.steps)
     assert results[2].max_batch == 3 and results[3].max_batch >= 2 and results[0].max_batch == 3
 
@@ -82,7 +85,7 @@ def test_requests_joining_mid_batch_decode_exactly_with_mixed_proposers(setup):
 def test_draft_below_decides_per_step_from_the_live_batch(setup):
     model, bos, prompts = setup
     oracle = GreedyOracle(model, first_token=bos, depth=4)
-    batcher = ContinuousBatcher(model, stop_ids=[], max_batch_size=4, draft_below=2)
+    batcher = ContinuousBatcher(model, stop_ids=[], max_batch_size=4, draft_below=2, node_stats=True)
     results: dict = {}
     batcher.submit(_request(results, "short", prompts[0], oracle, 5))
     batcher.submit(_request(results, "long", prompts[1], oracle, 30))
@@ -105,6 +108,7 @@ def test_draft_below_decides_per_step_from_the_live_batch(setup):
             assert (a.accepted, a.tree_size, a.head, a.node_accepted, a.node_confidence) == (
                 b.accepted, b.tree_size, b.head, b.node_accepted, b.node_confidence)
             assert a.new_tokens <= b.new_tokens
+    assert any(s.node_accepted for s in results["long"].generation.steps)  # asked for: recorded as the loop does
 
 
 def test_sampling_parameters_are_per_sequence_and_follow_each_seed(setup):

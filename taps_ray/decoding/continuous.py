@@ -119,15 +119,17 @@ class ContinuousBatcher:
 
     def __init__(
         self, model: PreTrainedModel, stop_ids: list[int], max_batch_size: int, draft_below: int | None = None,
-        feature_layers: tuple[int, ...] = (),
+        feature_layers: tuple[int, ...] = (), node_stats: bool = False,
     ) -> None:
-        """`feature_layers`: the target layers the replica's proposers draft from (`proposers.feature_layers`)."""
+        """`feature_layers`: the target layers the replica's proposers draft from (`Proposer.feature_layers`).
+        `node_stats`: keep per-node diagnostics in the step records (`step.decode_step`), off unless asked: Serve
+        reports none of them."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         check_draft_below(draft_below)
         self.model, self.stop_ids = model, set(stop_ids)
         self.max_batch_size, self.draft_below = max_batch_size, draft_below
-        self.feature_layers = feature_layers
+        self.feature_layers, self.node_stats = feature_layers, node_stats
         self._waiting: deque[_Sequence] = deque()
         self._lock = threading.Lock()
         self._running: list[_Sequence] = []  # in the row order of `_batch`
@@ -216,7 +218,7 @@ class ContinuousBatcher:
     def _verify(self) -> None:
         """One `decode_step` over the running batch (its rows, in order; none is finished here)."""
         rows = list(range(len(self._running)))
-        decode_step(self._running, lambda trees: self._batch.step_rows(rows, trees), self.draft_below)
+        decode_step(self._running, lambda trees: self._batch.step_rows(rows, trees), self.draft_below, self.node_stats)
         for seq in self._running:
             seq.max_batch = max(seq.max_batch, len(rows))
 

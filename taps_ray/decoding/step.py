@@ -75,14 +75,18 @@ def tau(steps: Sequence[StepRecord]) -> float:
     return sum(s.new_tokens for s in steps) / len(steps) if steps else 0.0
 
 
+NodeValues = tuple[list[float], list[float], list[int]]  # a tree's per-node (confidence, entropy, source)
+
+
 def record_step(tree: DraftTree, verdict: Verdict, new_tokens: int, draft_s: float, verify_s: float, head: int,
-                nodes: tuple[list[float], list[float], list[int]]) -> StepRecord:
-    """One step's record; `nodes`: the tree's per-node (confidence, entropy, source) already read to the host
-    (`node_values`: one read for the whole batch, not one per tree)."""
+                nodes: NodeValues | None) -> StepRecord:
+    """One step's record; `nodes`: the tree's per-node values already read to the host (`node_values`: one read
+    for the whole batch, not one per tree), or None when the loop keeps no per-node diagnostics (the node lists
+    are then empty)."""
     accepted = [False] * tree.size
     for node in verdict.nodes:
         accepted[node] = True
-    confidence, entropy, source = nodes
+    confidence, entropy, source = nodes if nodes is not None else ([], [], [])
     return StepRecord(
         accepted=verdict.accepted,
         new_tokens=new_tokens,
@@ -92,12 +96,12 @@ def record_step(tree: DraftTree, verdict: Verdict, new_tokens: int, draft_s: flo
         head=head,
         node_confidence=confidence,
         node_entropy=entropy,
-        node_accepted=accepted[1:],
+        node_accepted=accepted[1:] if nodes is not None else [],
         node_source=source,
     )
 
 
-def node_values(trees: list[DraftTree]) -> list[tuple[list[float], list[float], list[int]]]:
+def node_values(trees: list[DraftTree]) -> list[NodeValues]:
     """Each tree's per-node confidences, entropies and sources on the host, in one device-to-host read."""
     if not trees:
         return []
@@ -234,11 +238,14 @@ def decode_step(
     sequences: Sequence[Decoding],
     verify: Callable[[list[DraftTree | None]], Sequence[Committed | None]],
     draft_below: int | None,
+    node_stats: bool = True,
 ) -> None:
     """One step of every unfinished sequence: draft (paused unless fewer than `draft_below` are unfinished), verify
     every tree in one `verify` call (trees in the order of `sequences`, None for a finished sequence: the
     `Verifier.step` contract), commit and record, then tell each proposer what was accepted (`observe`).
-    `draft_s` is the sequence's drafting call, `verify_s` the verify call."""
+    `draft_s` is the sequence's drafting call, `verify_s` the verify call. `node_stats`: record every node's
+    confidence, entropy, source and acceptance (eval and replay read them; reading them back costs a device sync
+    and host work per step, so Serve leaves them out unless asked)."""
     live = [seq for seq in sequences if not seq.generation.finished_by]
     draft([seq.drafting for seq in live], draft_below is None or len(live) < draft_below)
     trees = [None if seq.generation.finished_by else seq.drafting.tree for seq in sequences]
@@ -247,12 +254,13 @@ def decode_step(
     verify_s = time.perf_counter() - t0
     stepped = [(seq, tree, committed) for seq, tree, committed in zip(sequences, trees, results, strict=True)
                if tree is not None]
-    for (seq, tree, committed), nodes in zip(stepped, node_values([tree for _, tree, _ in stepped])):
+    nodes = node_values([tree for _, tree, _ in stepped]) if node_stats else [None] * len(stepped)
+    for (seq, tree, committed), tree_nodes in zip(stepped, nodes):
         if committed is None:
             raise RuntimeError("the verifier returned no result for a tree it was given; a Verifier answers every "
                                "tree of a step (None only for a finished sequence's None tree)")
         seq.drafting.tree = None
         new_tokens = seq.commit(committed)
         seq.generation.steps.append(record_step(tree, committed.verdict, new_tokens, seq.drafting.draft_s, verify_s,
-                                                seq.drafting.head, nodes))
+                                                seq.drafting.head, tree_nodes))
     observe([(seq.drafting, tree, committed) for seq, tree, committed in stepped])
