@@ -98,9 +98,9 @@ class TargetBatch:
     Sequence b draws its tokens at T > 0 with the uniforms of its seed and each position (`position_uniforms`),
     so a row's tokens depend on its prompt, parameters and seed only, whoever shares the forward.
 
-    Sampling parameters are per row (`row_params`), so requests with different parameters share one forward;
-    `params` is what `start` was given for the whole batch (the pool groups batches by it). `keep_logits`: every
-    `Committed` carries the target's logits at its tokens, for callers that report log-probabilities.
+    Sampling parameters are per row (`row_params`), so requests with different parameters share one forward.
+    `keep_logits`: every `Committed` carries the target's logits at its tokens, for callers that report
+    log-probabilities.
     `feature_layers`: the `hidden_states` indices whose concatenation is every `Committed.features` (EAGLE-3);
     empty: the post-norm last layer. `forward`: the target forward to verify with instead of the model's
     attached one (a benchmark compares both on one model). `acceptance`: the rule that decides what a step keeps.
@@ -119,7 +119,6 @@ class TargetBatch:
         self.cache = KVCache(self.target_forward.num_layers)
         self.lengths = torch.zeros(0, dtype=torch.long, device=self.device)
         self.host_lengths: list[int] = []  # the same on the host: the step's bookkeeping reads these, no sync
-        self.params = SamplingParams()
         self.row_params: list[SamplingParams] = []
         self.seeds = torch.zeros(0, dtype=torch.long, device=self.device)
         self.live: list[int] = []  # the sequence (numbered as it joined) in each cache row
@@ -135,7 +134,6 @@ class TargetBatch:
         row_params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(row_params) != len(prompts):
             raise ValueError(f"got {len(row_params)} sampling parameters for {len(prompts)} prompts")
-        self.params = row_params[0] if isinstance(params, list) and row_params else params
         self.row_params = row_params
         if len(seeds) != len(prompts):
             raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts")
@@ -221,7 +219,6 @@ class TargetBatch:
         lengths = [self.host_lengths[i] for i in rows]
         width = max(lengths)
         sub = TargetBatch(self.model, self.keep_logits, self.feature_layers, self.target_forward, self.acceptance)
-        sub.params = self.params
         sub.row_params = [self.row_params[i] for i in rows]
         sub.cache = self.cache.take_rows(index, width)
         sub._set_lengths(lengths)
