@@ -176,8 +176,9 @@ def test_worker_gathers_sessions_into_one_forward(tiny_target, cfg, wait_ms):
     proposer = lambda: build_proposer("math", tiny_target, heads, cfg.tree)  # noqa: E731
     stops = tiny_target.stop_token_ids
     prompt_sets = [[[1, 5, 9, 14, 3], [1, 7, 2]], [[1, 22, 8], [1, 4, 4, 4, 6, 11, 2]]]
-    params = SamplingParams(temperature=0.0)
-    expected = [[g.tokens for g in generate(tiny_target.model, proposer(), p, params, 8, stops)] for p in prompt_sets]
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8)]  # rows keep their own parameters
+    expected = [[g.tokens for g in generate(tiny_target.model, proposer(), p, r, 8, stops)]
+                for p, r in zip(prompt_sets, params)]
 
     runner = _LoopThread()
     pool = VerificationPool(tiny_target.model, max_batch=4, max_wait_ms=wait_ms)
@@ -185,7 +186,8 @@ def test_worker_gathers_sessions_into_one_forward(tiny_target, cfg, wait_ms):
         results: list = [None, None]
 
         def drafter(i: int) -> None:
-            results[i] = [g.tokens for g in run_loop(_Proxy(runner, pool), proposer(), prompt_sets[i], params, 8, stops)]
+            results[i] = [g.tokens for g in run_loop(_Proxy(runner, pool), proposer(), prompt_sets[i], params[i], 8,
+                                                     stops)]
 
         threads = [threading.Thread(target=drafter, args=(i,)) for i in range(2)]
         for thread in threads:
@@ -196,7 +198,7 @@ def test_worker_gathers_sessions_into_one_forward(tiny_target, cfg, wait_ms):
     finally:
         runner.stop()
     assert results == expected
-    assert stats["merged_sessions"] == 1  # the second drafter's session joined the first one's cache
+    assert stats["merged_sessions"] == 1  # the second drafter's session joined the first one's cache, its own T and all
     if wait_ms:  # waiting long enough gathers both sessions' trees into one forward
         assert stats["batch_histogram"].get(4, 0) > 0
 

@@ -1,8 +1,9 @@
 """Batched verification inside a target worker: the scheduler the `TargetWorker` actor holds.
 
 `VerificationPool` is plain asyncio + the engine's `TargetBatch` (no Ray inside), so it is testable alone.
-A *session* is the batch of prompts one drafter decodes together (one `run_loop`). Sessions with the same
-sampling parameters share a *group*: one `TargetBatch` (one right-padded KV cache) holding all their
+A *session* is the batch of prompts one drafter decodes together (one `run_loop`). Sessions whose proposers
+draft from the same target layers (what one forward must share; each row keeps its own sampling parameters and
+seed) share a *group*: one `TargetBatch` (one right-padded KV cache) holding all their
 sequences, up to `max_batch` sequences. A drafter's `step(trees)` request is queued on its session; the
 scheduler runs ONE `TargetBatch.step_rows` over a group as soon as
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -41,10 +41,6 @@ class SessionLost(RuntimeError):
     """The worker no longer holds this session (it restarted, or the session expired or was dropped)."""
 
 
-def params_key(params: SamplingParams) -> str:
-    return json.dumps(params.model_dump(), sort_keys=True)
-
-
 # --- the worker's batching core ------------------------------------------------------------------------------
 
 
@@ -62,7 +58,7 @@ class _Session:
 @dataclass(eq=False)
 class _Group:
     batch: TargetBatch
-    key: str
+    feature_layers: tuple[int, ...]  # what its sessions' proposers draft from: all a shared forward must match
     sessions: list[_Session] = field(default_factory=list)
     since: float | None = None  # when its oldest queued request arrived
 
@@ -129,15 +125,15 @@ class VerificationPool:
             batch = TargetBatch(self.model, feature_layers=feature_layers)
             committed = await loop.run_in_executor(self._executor, batch.start, prompts, params, seeds)
             self.stats.prefills += 1
-            key = f"{params_key(params)}|{list(feature_layers)}"
-            group = None
+            layers, group = tuple(feature_layers), None
             if self.merge:
-                group = next((g for g in self._groups if g.key == key and g.rows + len(prompts) <= self.max_batch), None)
+                group = next((g for g in self._groups
+                              if g.feature_layers == layers and g.rows + len(prompts) <= self.max_batch), None)
             if group is not None:
                 await loop.run_in_executor(self._executor, group.batch.merge, batch)
                 self.stats.merged_sessions += 1
             else:
-                group = _Group(batch, key)
+                group = _Group(batch, layers)
                 self._groups.append(group)
             sid = f"s{next(self._ids)}"
             session = _Session(sid, owner, len(prompts), group, loop.time())
