@@ -10,28 +10,17 @@ so every speedup compares like with like.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
-from taps_ray.decoding.step import Decoding, Drafting, Generation, check_draft_below, decode_step
-from taps_ray.decoding.target_batch import Committed, TargetBatch
+from taps_ray.decoding.step import Decoding, Drafting, Generation, Verifier, check_draft_below, decode_step
+from taps_ray.decoding.target_batch import TargetBatch
 from taps_ray.decoding.verify import SamplingParams
 from taps_ray.drafting.proposer import Proposer
-from taps_ray.drafting.tree import DraftTree
 
 if TYPE_CHECKING:  # an annotation only: importing the class loads transformers' model code (a drafter imports this)
     from transformers import PreTrainedModel
-
-
-class Verifier(Protocol):
-    """The target side of the loop: in-process `TargetBatch`, a proxy to a Ray target worker, or replay's recorded
-    traces. `step` gets one tree per sequence, None for a finished one (it leaves the batch for good), and answers
-    every tree."""
-
-    def start(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Committed]: ...
-
-    def step(self, trees: list[DraftTree | None]) -> list[Committed | None]: ...
 
 
 @torch.no_grad()

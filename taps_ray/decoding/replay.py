@@ -25,9 +25,9 @@ from weakref import WeakKeyDictionary
 
 import torch
 
-from taps_ray.decoding.generate import Verifier, run_loop
+from taps_ray.decoding.generate import run_loop
 from taps_ray.decoding.replay_draft import TreeMemo, replay_drafters
-from taps_ray.decoding.step import Generation
+from taps_ray.decoding.step import Generation, Verifier
 from taps_ray.decoding.target_batch import Committed
 from taps_ray.decoding.verify import POINT_MASS, AcceptanceRule, SamplingParams, Verdict
 from taps_ray.drafting.proposer import Proposer

@@ -22,7 +22,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -31,7 +31,18 @@ from taps_ray.drafting.tree import DraftTree, root_only
 
 if TYPE_CHECKING:  # annotations only: the step runs over any `Verifier`, the target batch is one of them
     from taps_ray.decoding.target_batch import Committed
-    from taps_ray.decoding.verify import Verdict
+    from taps_ray.decoding.verify import SamplingParams, Verdict
+
+
+class Verifier(Protocol):
+    """The target side of the loop: in-process `TargetBatch`, a proxy to a Ray target worker, or replay's recorded
+    traces. `step` gets one tree per sequence, None for a finished one (it leaves the batch for good), and answers
+    every tree; `decode_step` calls it (or any callable of its shape, as Serve's batcher steps some rows) once a
+    step."""
+
+    def start(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Committed]: ...
+
+    def step(self, trees: list[DraftTree | None]) -> list[Committed | None]: ...
 
 
 @dataclass

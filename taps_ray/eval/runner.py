@@ -20,8 +20,8 @@ from taps_ray.eval.cell import PLAIN, Cell
 from taps_ray.models.draft_head import DraftHead
 from taps_ray.models.target import Target
 from taps_ray.drafting.setup import load_proposers
-from taps_ray.decoding.generate import Verifier, run_loop
-from taps_ray.decoding.step import Generation
+from taps_ray.decoding.generate import run_loop
+from taps_ray.decoding.step import Generation, Verifier
 from taps_ray.drafting.names import parse_proposer
 from taps_ray.drafting.registry import draft_reach
 from taps_ray.decoding.replay import GreedyTrace, record_traces, replay
