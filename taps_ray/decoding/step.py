@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -87,6 +88,23 @@ def tau(steps: Sequence[StepRecord]) -> float:
 
 
 NodeValues = tuple[list[float], list[float], list[int]]  # a tree's per-node (confidence, entropy, source)
+
+
+def head_counts(records: Iterable[StepRecord], head_names: Sequence[str] | None = None) -> Counter:
+    """Verification steps per head whose tree was verified (key -1 = a merged tree, `NOT_DRAFTED` = none).
+
+    With `head_names`, heads are keyed by name ("merged" for -1, "none" for `NOT_DRAFTED`); otherwise by index.
+    """
+    counts = Counter(r.head for r in records)
+    if head_names is None:
+        return counts
+
+    def name(head: int) -> str:
+        if head == NOT_DRAFTED:
+            return "none"
+        return "merged" if head < 0 else head_names[head]
+
+    return Counter({name(h): counts[h] for h in sorted(counts)})
 
 
 def record_step(tree: DraftTree, verdict: Verdict, new_tokens: int, draft_s: float, verify_s: float, head: int,

@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from taps_ray.drafting.proposer import NOT_DRAFTED
+from taps_ray.decoding.step import head_counts
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -48,23 +48,6 @@ def accepted_vs_rejected(records: Iterable[Any], source: int | None = None) -> d
     out["delta_entropy"] = out["entropy_rejected"] - out["entropy_accepted"]
     out["delta_confidence"] = out["confidence_accepted"] - out["confidence_rejected"]
     return out
-
-
-def head_counts(records: Iterable[Any], head_names: Sequence[str] | None = None) -> Counter:
-    """Verification steps per head whose tree was verified (key -1 = a merged tree, `NOT_DRAFTED` = none).
-
-    With `head_names`, heads are keyed by name ("merged" for -1, "none" for `NOT_DRAFTED`); otherwise by index.
-    """
-    counts = Counter(r.head for r in records)
-    if head_names is None:
-        return counts
-
-    def name(head: int) -> str:
-        if head == NOT_DRAFTED:
-            return "none"
-        return "merged" if head < 0 else head_names[head]
-
-    return Counter({name(h): counts[h] for h in sorted(counts)})
 
 
 def routing_fractions(records: Iterable[Any], head_names: Sequence[str] | None = None) -> dict[Any, float]:

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from taps_ray.serve.metrics import ServeMetrics
-from taps_ray.eval.diagnostics import head_counts
+from taps_ray.decoding.step import head_counts
 from taps_ray.decoding.continuous import ContinuousBatcher, Request, Result, TokenLogprob
 
 logger = logging.getLogger("ray.serve")
@@ -63,7 +63,7 @@ class Ticket:
 
 
 def head_steps(result: Result, head_names: list[str]) -> dict[str, int]:
-    """Verification steps per head of one request (`diagnostics.head_counts`); empty for plain decoding."""
+    """Verification steps per head of one request (`step.head_counts`); empty for plain decoding."""
     return dict(head_counts(result.generation.steps, head_names)) if head_names else {}
 
 
