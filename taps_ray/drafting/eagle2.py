@@ -405,11 +405,19 @@ def draft_eagle2(
 
     stop = ConfidenceStop(tree.min_confidence, rows, device)
     expand_levels(ctx, candidates, passes, stop, forward)
+    trees = _selected_trees(candidates, stop, roots.repeat(n), n_draft)
+    return [trees[s::sequences] for s in range(sequences)], caches
+
+
+def _selected_trees(candidates: Candidates, stop: ConfidenceStop, roots: torch.Tensor, n_draft: int
+                    ) -> list[DraftTree]:
+    """One tree per row of `candidates`: its `n_draft` best nodes (fewer where `stop` ended it early) under the
+    row's root (`roots` [R]), with each tree's chain flag read in the same host read as the stopped sizes."""
     tokens, scores, parents, entropy = candidates.flat()
     nodes, node_parents, confidence, node_entropy = select_nodes(tokens, stop.scores(scores), parents, entropy,
                                                                  n_draft)
-    size = nodes.shape[1] + 1
-    tokens = torch.cat([roots.repeat(n)[:, None], nodes], dim=1)
+    rows, size, device = nodes.shape[0], nodes.shape[1] + 1, nodes.device
+    tokens = torch.cat([roots[:, None], nodes], dim=1)
     parents = torch.cat([torch.full((rows, 1), -1, dtype=torch.long, device=device), node_parents], dim=1)
     prefix = (parents == torch.arange(-1, size - 1, device=device)).long().cumprod(-1).sum(-1)  # chain nodes
     if stop.active:
@@ -417,6 +425,4 @@ def draft_eagle2(
         chains, sizes = torch.stack([(prefix >= kept).long(), kept]).tolist()
     else:
         chains, sizes = (prefix == size).tolist(), None
-    chains = [bool(c) for c in chains]
-    trees = trees_from_rows(tokens, parents, confidence, node_entropy, sizes=sizes, chains=chains)
-    return [trees[s::sequences] for s in range(sequences)], caches
+    return trees_from_rows(tokens, parents, confidence, node_entropy, sizes=sizes, chains=[bool(c) for c in chains])
