@@ -137,6 +137,13 @@ class OverParts(Proposer):
     def head_of(self, state: RouterState) -> int:
         return state.last_head
 
+    def propose(
+        self, state: RouterState, features: torch.Tensor, next_tokens: torch.Tensor
+    ) -> tuple[DraftTree, RouterState]:
+        """One sequence as a batch of one: every combination drafts through its `propose_batch`."""
+        (tree,), (new_state,) = self.propose_batch([state], [features], [next_tokens])
+        return tree, new_state
+
     def map_heads(self, swap: Callable[[Proposer], Proposer]) -> Proposer:
         return replace(self, parts=[p.map_heads(swap) for p in self.parts])
 
@@ -167,12 +174,6 @@ class AllPartsDrafting(OverParts):
         trees, caches = draft_eagle2(self.side_by_side, first.context, [s.stacked for s in states], features,
                                      next_tokens, first.tree)
         return [list(t) for t in trees], [RouterState(parts=(), stacked=cache) for cache in caches]
-
-    def propose(
-        self, state: RouterState, features: torch.Tensor, next_tokens: torch.Tensor
-    ) -> tuple[DraftTree, RouterState]:
-        (tree,), (new_state,) = self.propose_batch([state], [features], [next_tokens])
-        return tree, new_state
 
     def propose_batch(
         self, states: list[RouterState], features: list[torch.Tensor], next_tokens: list[torch.Tensor]
@@ -217,12 +218,6 @@ class EntropyRouted(OverParts):
     """
 
     name: str = "entropy-routed"
-
-    def propose(
-        self, state: RouterState, features: torch.Tensor, next_tokens: torch.Tensor
-    ) -> tuple[DraftTree, RouterState]:
-        (tree,), (new_state,) = self.propose_batch([state], [features], [next_tokens])
-        return tree, new_state
 
     def propose_batch(
         self, states: list[RouterState], features: list[torch.Tensor], next_tokens: list[torch.Tensor]
