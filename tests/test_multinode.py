@@ -66,7 +66,8 @@ def _node_of(ray_cluster, actor, timeout: float = 120.0) -> str:
 
 
 def test_quick_sweep_survives_losing_a_node_mid_evaluation(ray_cluster, ray_session, tiny_config, tmp_path):
-    from taps_ray.study.sweep import quick_config, run_sweep
+    from taps_ray.study.run_config import quick_config
+    from taps_ray.study.sweep import run_sweep
 
     ray = ray_session
     gpu_node = ray_cluster.add_node(num_cpus=1, resources={ACCELERATOR: 1.0}, node_ip_address="127.0.0.1")

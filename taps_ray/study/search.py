@@ -34,7 +34,7 @@ from typing import Any
 from taps_ray.config import ConfigError, MixtureConfig, StudyConfig, TrainConfig, parse_config
 from taps_ray.models.target import load_target
 from taps_ray.ray_runtime import start_ray
-from taps_ray.study.sweep import absolute_paths, log_line, quick_config, remote_env
+from taps_ray.study.run_config import absolute_paths, log_line, quick_config, remote_env
 from taps_ray.study.tune import numeric_metrics, open_experiment, restore_checkpoint
 from taps_ray.training.agreement import evaluate_agreement
 from taps_ray.training.features import extract_features, features_key

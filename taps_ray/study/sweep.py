@@ -25,11 +25,10 @@ import argparse
 import json
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from taps_ray import workdir
-from taps_ray.config import DATA_DIR_ENV, StudyConfig, load_config, with_overrides
+from taps_ray.config import StudyConfig, load_config, with_overrides
 from taps_ray.data.draft_vocab import draft_vocabulary
 from taps_ray.data.mixtures import build_mixture
 from taps_ray.data.sources import load_questions
@@ -38,83 +37,18 @@ from taps_ray.eval.commands import plan_cells, refresh_summary, results_store
 from taps_ray.eval.runner import eval_dtype
 from taps_ray.fsio import atomic_write_json
 from taps_ray.models.target import Target, load_tokenizer
-from taps_ray.ray_runtime import runtime_env_vars, start_ray
+from taps_ray.ray_runtime import start_ray
 from taps_ray.report import build_report
 from taps_ray.report.heads import build_heads_report
 from taps_ray.study.actors import pack_heads
 from taps_ray.study.eval_pool import EvalPool
+from taps_ray.study.run_config import absolute_paths, log_line, quick_config, remote_env
 from taps_ray.study.target_tasks import extract_feature_sets, on_target
 from taps_ray.study.tune import run_training
 from taps_ray.training.agreement import measure_agreement, unmeasured_heads
 from taps_ray.training.features import MANIFEST, features_folder
 
 STAGES = ("data", "features", "train", "eval", "report")
-QUICK_COMBINATIONS = ("confidence-routed", "merged")
-
-
-def log_line(message: str) -> None:
-    print(f"[sweep {time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-# --- configuration -----------------------------------------------------------------------------------------
-
-
-def quick_config(cfg: StudyConfig) -> StudyConfig:
-    """A few-minutes version of the study: same shape, tiny budgets, its own work dir."""
-    mixtures = {name: m.model_copy(update={"size": min(m.size, 32)}) for name, m in cfg.mixtures.items()}
-    train_mixtures = cfg.train.mixtures[:2]
-    train = cfg.train.model_copy(
-        update={
-            "kinds": cfg.train.kinds[:1],
-            "mixtures": train_mixtures,
-            "compare": {},
-            "epochs": 1,
-            "max_tokens": min(cfg.train.max_tokens or 8192, 8192),
-        }
-    )
-    features = cfg.features.model_copy(update={"max_len": min(cfg.features.max_len, 256)})
-    proposers = [p for p in cfg.eval.proposers if p in train_mixtures]
-    if len(train_mixtures) >= 2:
-        proposers += [p for p in QUICK_COMBINATIONS if p in cfg.eval.proposers]
-    evaluation = cfg.eval.model_copy(
-        update={
-            "benchmarks": {b: 1 for b in cfg.eval.benchmarks},
-            "max_new_tokens": min(cfg.eval.max_new_tokens, 32),
-            "proposers": proposers or train_mixtures[:1],
-            "live_proposers": None,
-        }
-    )
-    work_dir = cfg.work_dir.rstrip("/") + "-quick"
-    return cfg.model_copy(
-        update={
-            "name": f"{cfg.name}-quick",
-            "mixtures": mixtures,
-            "train": train,
-            "features": features,
-            "eval": evaluation,
-            "work_dir": work_dir,
-            "reports_dir": str(Path(work_dir) / "reports"),
-        }
-    )
-
-
-def absolute_paths(cfg: StudyConfig) -> StudyConfig:
-    """Actors and Tune trials run in other working directories: give them absolute paths."""
-    data_dir = cfg.resolved_data_dir()
-    return cfg.model_copy(
-        update={
-            "work_dir": str(Path(cfg.work_dir).expanduser().resolve()),
-            "reports_dir": str(Path(cfg.reports_dir).expanduser().resolve()),
-            "data_dir": str(data_dir.resolve()) if data_dir else None,
-        }
-    )
-
-
-def remote_env(cfg: StudyConfig) -> dict[str, str]:
-    env = runtime_env_vars()
-    if cfg.data_dir:
-        env[DATA_DIR_ENV] = cfg.data_dir
-    return env
 
 
 # --- stages --------------------------------------------------------------------------------------------------
