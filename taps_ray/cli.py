@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--kind", choices=HEAD_KINDS, default="eagle2", help="head kind")
     gen.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0: greedy")
     gen.add_argument("--max-new-tokens", type=_positive_int, default=128, help="answer length limit")
-    gen.add_argument("--repetitions", type=_positive_int, default=3,
+    gen.add_argument("--repetitions", type=_positive_int, default=2,
                      help="timed runs of each of plain and the proposer, interleaved, after one warm-up each")
     gen.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None, help="default: the config's")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed")
@@ -303,11 +303,9 @@ def _eval(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from taps_ray.eval.commands import cmd_generate  # late: torch, transformers, pandas (this command only)
 
-    if args.temperature < 0 or args.max_new_tokens < 1:
-        raise ValueError("--temperature must be >= 0 and --max-new-tokens >= 1")
     return cmd_generate(
         _config(args), args.proposer, args.prompt, args.kind, args.temperature, args.max_new_tokens,
-        DTYPES[args.dtype], args.json, args.seed,
+        DTYPES[args.dtype], args.json, args.seed, args.repetitions,
     )
 
 

@@ -21,6 +21,7 @@ NGRAM_SUFFIX = "+ngram"
 AUTO_PREFIX = "auto-"  # `auto-<name>`: <name> under the per-sequence cost model (drafting/cost.py)
 AVERAGED_SWEEP = (0.0, 0.25, 0.5, 0.75, 1.0)  # the averaged weights the study lists (`registry.proposer_names`)
 _AVERAGED = re.compile(r"^averaged-w(.*)$")
+ALIASES = {"routed": "confidence-routed"}  # short names README, Serve and `taps generate` accept
 
 
 class UnknownProposer(ValueError):

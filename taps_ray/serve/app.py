@@ -55,7 +55,7 @@ from taps_ray.decoding.continuous import ContinuousBatcher, Result, TokenLogprob
 from taps_ray.decoding.continuous import Request as BatchRequest
 from taps_ray.decoding.verify import MIN_TEMPERATURE, SamplingParams
 from taps_ray.drafting.proposers import feature_layers
-from taps_ray.drafting.names import UnknownProposer, parse_proposer
+from taps_ray.drafting.names import ALIASES, UnknownProposer, parse_proposer
 from taps_ray.drafting.registry import combination, combination_names, single_names
 from taps_ray.drafting.setup import load_heads, load_proposers
 from taps_ray.models.target import load_target
@@ -86,7 +86,6 @@ from taps_ray.workdir import head_checkpoint, heads_root
 logger = logging.getLogger("ray.serve")
 
 APP_NAME = "taps"
-ALIASES = {"routed": "confidence-routed"}
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MIN_TOP_P = 1e-6
 SHUTDOWN_GRACE_S = 5.0  # after Serve's own drain: how long the running batch may still finish
