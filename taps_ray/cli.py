@@ -171,17 +171,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     sweep = _command(commands, "sweep", "the whole study on Ray: data, features, train (Tune), eval, report",
                      "taps sweep --config configs/cpu.yaml --quick")
-    from taps_ray.study.sweep import add_arguments as _sweep_arguments  # late: torch, Ray Tune, matplotlib
-
-    _sweep_arguments(sweep)
+    _add_config(sweep)
+    sweep.add_argument("--quick", action="store_true",
+                       help="a shrunken study that finishes in minutes (own work dir, its config saved there)")
+    sweep.add_argument("--stages", default=None,
+                       help="comma-separated subset of data,features,train,eval,report (default: all)")
+    sweep.add_argument("--address", default=None, help="Ray address (default: ray.address of the config; 'auto' joins)")
+    sweep.add_argument("--work-dir", default=None, help="override work_dir (use an absolute path on a cluster)")
+    sweep.add_argument("--reports-dir", default=None, help="override reports_dir")
 
     plan = _command(commands, "plan", "GPU, host memory and disk per actor kind, and whether each fits the cluster's "
                     "node types (exit 1 when one does not)",
                     "taps plan --config configs/paper.yaml --cluster cluster.yaml")
-    from taps_ray.plan import add_arguments as _plan_arguments  # late: plan loads torch and transformers
-
-    _plan_arguments(plan)
-    _alias(plan, "--doc", next(a for a in plan._actions if a.dest == "out"))
+    _add_config(plan)
+    plan.add_argument("--cluster", default=None, help="Ray cluster config whose node types to check, e.g. cluster.yaml")
+    plan.add_argument("--model-config", default=None, help="the target's config.json (offline); default: "
+                      "configs/models/ for known targets, else the model's folder or Hub id")
+    _alias(plan, "--doc", plan.add_argument("--out", default=None,
+                                            help="write the plan into this markdown file's generated block"))
 
     serve_cmd = _command(commands, "serve", "OpenAI-compatible HTTP service of the target and heads (Ray Serve)",
                          "taps serve --config configs/cpu.yaml --port 8000")

@@ -408,14 +408,6 @@ def write_into(doc: Path, text: str) -> None:
     atomic_write_text(doc, f"{head}{BEGIN}\n{text}\n{END}{rest.split(END, 1)[1]}")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="study config, e.g. configs/paper.yaml")
-    parser.add_argument("--cluster", default=None, help="Ray cluster config whose node types to check, e.g. cluster.yaml")
-    parser.add_argument("--model-config", default=None, help="the target's config.json (offline); default: "
-                        "configs/models/ for known targets, else the model's folder or Hub id")
-    parser.add_argument("--out", default=None, help="write the plan into this markdown file's generated block")
-
-
 def command_line(args: argparse.Namespace) -> str:
     parts = ["taps plan", f"--config {args.config}"]
     parts += [f"--cluster {args.cluster}"] if args.cluster else []
