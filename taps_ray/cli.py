@@ -352,12 +352,12 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from taps_ray.serve.app import cmd_serve  # late: Ray Serve, torch, transformers (this command only)
+    from taps_ray.serve.process import cmd_serve  # late: Ray Serve, torch, transformers (this command only)
 
     config = _config(args)
     if args.kind:
         config = config.model_copy(update={"serve": config.serve.model_copy(update={"head_kind": args.kind})})
-    cmd_serve(config, args.host, args.port, blocking=True)
+    cmd_serve(config, args.host, args.port)
     return 0
 
 
