@@ -362,3 +362,15 @@ def test_an_empty_speed_panel_says_the_cells_were_replayed():
 
     assert "replayed" in plots._why_empty(Replayed(), "eagle2", 0.0, "speedup")
     assert plots._why_empty(Replayed(), "eagle2", 1.0, "speedup") == "no eagle2 cells at T = 1"
+
+
+def test_rebuilding_keeps_what_else_the_results_folder_holds(tmp_path):
+    """reports/results also holds benchmarks' JSON (host_overhead.json, ...): a rebuild replaces its own files only."""
+    config, _ = _store(tmp_path)
+    results = tmp_path / "reports" / "results"
+    results.mkdir(parents=True)
+    (results / "host_overhead.json").write_text("{}")
+    build_report(config)
+    build_report(config.model_copy(update={"reports_dir": str(tmp_path / "again")}), results_source(results))
+    assert (results / "host_overhead.json").read_text() == "{}" and (results / "summary.parquet").is_file()
+    assert not (tmp_path / "again" / "results" / "host_overhead.json").exists()

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import math
-import shutil
 from pathlib import Path
 
 import pandas as pd
 
 from taps_ray.config import StudyConfig
 from taps_ray.eval.store import ResultsStore
-from taps_ray.fsio import atomic_write_json, atomic_write_parquet, atomic_write_text
+from taps_ray.fsio import atomic_write_bytes, atomic_write_json, atomic_write_parquet, atomic_write_text
 from taps_ray.relpaths import shown_path
 from taps_ray.report.data import CELLS_FILE, KIND_LABELS, ReportCopy, ReportData, load_report_data
 from taps_ray.report.findings import findings, findings_md, summary_md
@@ -23,6 +22,8 @@ from taps_ray.report.tables import (
 
 STEPS_LIMIT_BYTES = 20 * 1024 * 1024
 STEPS_NOTE = "STEPS_NOT_COPIED.txt"  # in a results copy whose steps stayed in the results store
+STEPS_FILE = "steps.parquet"
+REPORT_FILES = ("summary.parquet", "questions.parquet", CELLS_FILE, STEPS_FILE, STEPS_NOTE)  # a results copy's own
 SUMMARY_KEYS = ["head_kind", "proposer", "benchmark", "temperature", "tau", "tau_taps", "steps", "n_questions",
                 "n_turns", "new_tokens", "n_tokens", "wall_s", "tokens_per_s", "speedup", "greedy_match"]
 
@@ -150,29 +151,35 @@ def write_summary_json(data: ReportData, path: Path) -> None:
 def copy_results(data: ReportData, folder: Path) -> str:
     """summary + questions parquet and the cells' records always; steps only below 20 MB. Returns a note on what was
     copied. The copy is itself a source for `taps report --results`, so a clone can rebuild the report without runs/;
-    a report rebuilt from such a copy carries it over unchanged (its note on the steps included)."""
+    a report rebuilt from such a copy carries it over unchanged (its note on the steps included). Only the report's
+    own files (`REPORT_FILES`) are written, each atomically; anything else in the folder (a benchmark's JSON) stays."""
     root = data.store_root
+    folder.mkdir(parents=True, exist_ok=True)
     if data.from_copy and root is not None:
         if root.resolve() != folder.resolve():
-            shutil.rmtree(folder, ignore_errors=True)
-            shutil.copytree(root, folder)
+            for name in REPORT_FILES:
+                if (root / name).is_file():
+                    atomic_write_bytes(folder / name, (root / name).read_bytes())
+                else:
+                    (folder / name).unlink(missing_ok=True)
         return _copied(folder)
-    if folder.exists():
-        shutil.rmtree(folder)
-    folder.mkdir(parents=True)
     atomic_write_parquet(folder / "summary.parquet", data.summary)
     atomic_write_parquet(folder / "questions.parquet", data.questions)
     atomic_write_json(folder / CELLS_FILE, {"cells": data.meta, "failures": data.failures}, indent=1, newline=True)
     sizes = sum(p.stat().st_size for p in root.glob("cells/*/steps.parquet")) if root else 0
+    note = None
     if root is None or sizes >= STEPS_LIMIT_BYTES:
         where = shown_path(root) if root else "none"
         note = f"steps not copied: {sizes / 2**20:.0f} MB ≥ 20 MB; they stay in the results store {where}"
+    else:
+        atomic_write_parquet(folder / STEPS_FILE, data.steps)
+        if (folder / STEPS_FILE).stat().st_size >= STEPS_LIMIT_BYTES:
+            note = "steps not copied (≥ 20 MB); they stay in the results store"
+    if note is None:
+        (folder / STEPS_NOTE).unlink(missing_ok=True)
+    else:
+        (folder / STEPS_FILE).unlink(missing_ok=True)
         atomic_write_text(folder / STEPS_NOTE, note + "\n")
-        return _copied(folder)
-    atomic_write_parquet(folder / "steps.parquet", data.steps)
-    if (folder / "steps.parquet").stat().st_size >= STEPS_LIMIT_BYTES:
-        (folder / "steps.parquet").unlink()
-        atomic_write_text(folder / STEPS_NOTE, "steps not copied (≥ 20 MB); they stay in the results store\n")
     return _copied(folder)
 
 
