@@ -5,6 +5,7 @@ help shows its defaults and an example. Each case runs the real `taps` CLI in a 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -154,3 +155,23 @@ def test_saved_config_reads_back_as_the_config_that_ran(tmp_path):
     path = save_config(quick, tmp_path / "config.yaml")
     assert load_config(path) == quick
     assert quick.work_dir == "runs/cpu-quick"
+
+
+# --- taps generate's figure ---------------------------------------------------------------------------------------
+
+
+def test_generate_times_interleaved_warm_runs(study):
+    result = taps("generate", "--config", str(study), "--proposer", "ngram", "--prompt", "Count: 1 2 3 1 2 3",
+                  "--max-new-tokens", "8", "--repetitions", "3", "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    low, high = out["speedup_range"]
+    assert out["repetitions"] == 3 and low <= high and out["tokens_per_s"] > 0
+    assert out["identical_to_plain"] and out["note"] == ""  # fp32, greedy: token for token
+
+
+def test_a_16_bit_mismatch_is_explained_as_rounding():
+    from taps_ray.eval.commands import _mismatch_note
+
+    assert "rounding, not a bug" in _mismatch_note(False, "bfloat16")
+    assert _mismatch_note(False, "float32") == _mismatch_note(True, "bfloat16") == ""
