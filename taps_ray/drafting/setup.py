@@ -15,7 +15,6 @@ from taps_ray.data.draft_vocab import draft_vocabulary
 from taps_ray.models.draft_head import DraftHead
 from taps_ray.models.target import Target
 from taps_ray.drafting.proposers import Proposer
-from taps_ray.drafting.names import ALIASES
 from taps_ray.drafting.registry import build_proposer, check_name, heads_used
 from taps_ray.workdir import SEARCHED, head_checkpoint, searched_head
 
@@ -59,9 +58,7 @@ def check_heads(cfg: StudyConfig, kind: str, mixtures: Sequence[str]) -> None:
 def check_proposers(cfg: StudyConfig, names: Sequence[str], kind: str) -> list[str]:
     """`names` with their aliases resolved (`routed`), once each is a proposer this study builds and its `kind`
     heads are trained: a misspelt name or a missing head fails in one line before the target loads."""
-    canonical = [ALIASES.get(name, name) for name in names]
-    for name in canonical:
-        check_name(name, [*cfg.head_mixtures(kind), SEARCHED])
+    canonical = [check_name(name, [*cfg.head_mixtures(kind), SEARCHED]).name for name in names]
     check_heads(cfg, kind, heads_needed(cfg, canonical))
     return canonical
 

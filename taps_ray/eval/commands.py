@@ -47,8 +47,8 @@ def plan_cells(
     decodes (runner.TraceCache holds one benchmark at a time). At T > 0 the proposers are `eval.live_proposers`
     when set (an explicit `proposers` argument overrides both lists)."""
     kinds = kinds or config.train.kinds
-    for name in proposers or ():  # a typo fails here, before any model loads
-        check_name(name, [*config.head_mixtures(), SEARCHED])
+    # a typo fails here, before any model loads; an alias (`routed`) is evaluated under the name it stands for
+    proposers = [check_name(name, [*config.head_mixtures(), SEARCHED]).name for name in proposers or ()]
     benchmarks = benchmarks or list(config.eval.benchmarks)
     temperatures = temperatures if temperatures is not None else config.eval.temperatures
 
