@@ -11,6 +11,7 @@ import argparse
 import sys
 from collections.abc import Callable
 from importlib import metadata
+from pathlib import Path
 from typing import NoReturn
 
 from taps_ray.config import HEAD_KINDS, ConfigError, load_config, with_overrides
@@ -19,6 +20,7 @@ from taps_ray.data.sources import DataUnavailable
 from taps_ray.drafting.names import UnknownProposer
 from taps_ray.fsio import OutputRefused, check_new_output
 from taps_ray.interop.side import VllmUnavailable
+from taps_ray.spelling import did_you_mean
 from taps_ray.workdir import head_checkpoint
 
 Handler = Callable[[argparse.Namespace], int]
@@ -259,14 +261,16 @@ def _data(args: argparse.Namespace) -> int:
 def _features(args: argparse.Namespace) -> int:
     from taps_ray.training.commands import cmd_features  # late: torch and transformers (this command only)
 
-    cmd_features(_config(args), args.mixture)
+    config = _config(args)
+    cmd_features(config, args.mixture and _mixture(config, args.mixture))
     return 0
 
 
 def _train(args: argparse.Namespace) -> int:
     from taps_ray.training.commands import cmd_train  # late: torch and transformers (this command only)
 
-    cmd_train(_config(args), args.kind, args.mixture)
+    config = _config(args)
+    cmd_train(config, args.kind, _mixture(config, args.mixture))
     return 0
 
 
@@ -281,7 +285,8 @@ def _export(args: argparse.Namespace) -> int:
     from taps_ray.models.published import export_head  # late: torch, safetensors (this command only)
 
     out = check_new_output(args.out, args.force)
-    folder = head_checkpoint(_config(args), args.kind, args.mixture)
+    config = _config(args)
+    folder = head_checkpoint(config, args.kind, _mixture(config, args.mixture))
     if not folder.is_dir():
         raise FileNotFoundError(f"no trained {args.kind} head for mixture {args.mixture!r} at {folder}; train it first")
     try:
@@ -333,6 +338,9 @@ def _heads_report(args: argparse.Namespace) -> int:
     config = _config(args)
     folder = args.out or config.reports_dir
     if args.render_only:
+        if not (Path(folder) / "heads.json").is_file():
+            raise FileNotFoundError(f"no heads.json in {folder} to re-render; run `taps heads-report --config "
+                                    f"{args.config}` without --render-only first")
         rerender_heads_md(folder)
     else:
         build_heads_report(config, folder)
@@ -415,6 +423,14 @@ HANDLERS: dict[str, Handler] = {
 
 def _config(args: argparse.Namespace):
     return with_overrides(load_config(args.config), data_dir=args.data_dir)
+
+
+def _mixture(config, name: str) -> str:
+    """`name` once it is a mixture of the config; else a ConfigError naming the near miss and the choices."""
+    if name not in config.mixtures:
+        raise ConfigError(f"mixture {name!r} is not in this config{did_you_mean(name, config.mixtures)}; choose one "
+                          f"of: {', '.join(config.mixtures)}")
+    return name
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

@@ -399,12 +399,20 @@ def resource_requests(cfg: StudyConfig) -> dict[str, RayRequest]:
 BEGIN, END = "<!-- taps plan: begin -->", "<!-- taps plan: end -->"
 
 
-def write_into(doc: Path, text: str) -> None:
-    """Replace the generated block of `doc` (between BEGIN and END) by `text`, atomically."""
+def check_doc(doc: Path) -> str:
+    """The text of `doc` once it is a markdown file with a generated block (BEGIN ... END) for the plan."""
+    if not doc.is_file():
+        raise FileNotFoundError(f"--out {doc} not found; give an existing markdown file with the lines {BEGIN} and "
+                                f"{END} where the plan goes (e.g. docs/paper_plan.md)")
     body = doc.read_text()
     if BEGIN not in body or END not in body:
         raise ValueError(f"{doc} has no generated block: add the lines {BEGIN} and {END} where the plan goes")
-    head, rest = body.split(BEGIN, 1)
+    return body
+
+
+def write_into(doc: Path, text: str) -> None:
+    """Replace the generated block of `doc` (between BEGIN and END) by `text`, atomically."""
+    head, rest = check_doc(doc).split(BEGIN, 1)
     atomic_write_text(doc, f"{head}{BEGIN}\n{text}\n{END}{rest.split(END, 1)[1]}")
 
 
@@ -424,6 +432,8 @@ def build(args: argparse.Namespace) -> tuple[str, bool]:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.out:
+        check_doc(Path(args.out))  # before the model's config is read
     text, ok = build(args)
     if args.out:
         write_into(Path(args.out), text)

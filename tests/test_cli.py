@@ -175,3 +175,11 @@ def test_a_16_bit_mismatch_is_explained_as_rounding():
 
     assert "rounding, not a bug" in _mismatch_note(False, "bfloat16")
     assert _mismatch_note(False, "float32") == _mismatch_note(True, "bfloat16") == ""
+
+
+def test_misspelt_mixture_and_missing_files_are_one_line(study, tmp_path):
+    one_line_error(taps("features", "--config", str(study), "--mixture", "maths"), "did you mean 'math'?")
+    one_line_error(taps("plan", "--config", "configs/paper.yaml", "--out", str(tmp_path / "none.md")),
+                   "not found", "taps plan: begin")
+    one_line_error(taps("heads-report", "--config", str(study), "--render-only", "--out", str(tmp_path)),
+                   "no heads.json", "without --render-only")
