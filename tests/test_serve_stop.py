@@ -1,5 +1,5 @@
-"""`taps serve` as a process (issue 44): a bad or busy port is one line before Ray starts; SIGTERM during a stream
-lets the stream finish with [DONE] while new requests get 503, and leaves no process it started. The server runs
+"""`taps serve` as a process (issue 44): a bad or busy port is one line before Ray starts; SIGTERM or Ctrl-C during a
+stream lets the stream finish with [DONE] while new requests get 503, and leaves no process it started. The server runs
 in a session of its own, so "left behind" means: a process of that session, whatever other Ray runs here."""
 
 from __future__ import annotations
@@ -63,7 +63,9 @@ def test_busy_or_bad_port_is_one_line_before_ray(study):
             assert "Ray" not in result[0] + result[1]
 
 
-def test_sigterm_drains_the_stream_refuses_new_requests_and_leaves_nothing(study):
+@pytest.mark.parametrize("stop", ["sigterm", "ctrl-c"])
+def test_a_stop_drains_the_stream_refuses_new_requests_and_leaves_nothing(study, stop):
+    """SIGTERM to the server, or Ctrl-C: SIGINT to its whole process group, Ray's processes included."""
     port = _free_port()
     server = _serve(study, port, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -84,7 +86,10 @@ def test_sigterm_drains_the_stream_refuses_new_requests_and_leaves_nothing(study
         response = stream.getresponse()
         assert response.status == 200 and response.readline().startswith(b"data: ")
         assert len(_session(server.pid)) > 3  # the driver, Ray's GCS, raylet, agents, proxy, replica
-        server.send_signal(signal.SIGTERM)
+        if stop == "sigterm":
+            server.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(server.pid, signal.SIGINT)
 
         statuses: list[int] = []
 
