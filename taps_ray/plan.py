@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 import transformers
-import yaml
 
 from taps_ray import ray_requests
+from taps_ray.cluster_file import read_cluster
 from taps_ray.config import StudyConfig, load_config
 from taps_ray.fsio import atomic_write_text
 from taps_ray.models.draft_head import DraftHead, DraftHeadConfig, eagle3_layers
@@ -242,9 +242,10 @@ class NodeType:
 
 
 def node_types(path: str | Path) -> list[NodeType]:
-    config = yaml.safe_load(Path(path).read_text())
-    return [NodeType(name, dict(t.get("resources", {})), t.get("node_config", {}).get("InstanceType", ""))
-            for name, t in config["available_node_types"].items()]
+    """The node types of the Ray cluster config at `path` (validated: `cluster_file.read_cluster`)."""
+    spec = read_cluster(path)
+    return [NodeType(name, dict(t.resources), str(t.node_config.get("InstanceType", "")))
+            for name, t in spec.available_node_types.items()]
 
 
 @dataclass
@@ -398,21 +399,21 @@ def resource_requests(cfg: StudyConfig) -> dict[str, RayRequest]:
 BEGIN, END = "<!-- taps plan: begin -->", "<!-- taps plan: end -->"
 
 
-def write_into(doc: Path, text: str) -> None:
-    """Replace the generated block of `doc` (between BEGIN and END) by `text`, atomically."""
+def check_doc(doc: Path) -> str:
+    """The text of `doc` once it is a markdown file with a generated block (BEGIN ... END) for the plan."""
+    if not doc.is_file():
+        raise FileNotFoundError(f"--out {doc} not found; give an existing markdown file with the lines {BEGIN} and "
+                                f"{END} where the plan goes (e.g. docs/paper_plan.md)")
     body = doc.read_text()
     if BEGIN not in body or END not in body:
         raise ValueError(f"{doc} has no generated block: add the lines {BEGIN} and {END} where the plan goes")
-    head, rest = body.split(BEGIN, 1)
+    return body
+
+
+def write_into(doc: Path, text: str) -> None:
+    """Replace the generated block of `doc` (between BEGIN and END) by `text`, atomically."""
+    head, rest = check_doc(doc).split(BEGIN, 1)
     atomic_write_text(doc, f"{head}{BEGIN}\n{text}\n{END}{rest.split(END, 1)[1]}")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="study config, e.g. configs/paper.yaml")
-    parser.add_argument("--cluster", default=None, help="Ray cluster config whose node types to check, e.g. cluster.yaml")
-    parser.add_argument("--model-config", default=None, help="the target's config.json (offline); default: "
-                        "configs/models/ for known targets, else the model's folder or Hub id")
-    parser.add_argument("--doc", default=None, help="write the plan into this markdown file's generated block")
 
 
 def command_line(args: argparse.Namespace) -> str:
@@ -425,14 +426,16 @@ def command_line(args: argparse.Namespace) -> str:
 def build(args: argparse.Namespace) -> tuple[str, bool]:
     """(markdown, every actor fits)."""
     cfg = load_config(args.config)
+    nodes = node_types(args.cluster) if args.cluster else None  # before the model: a bad file fails at once
     s = shapes(model_config(cfg, args.model_config), cfg.train.kinds)
-    nodes = node_types(args.cluster) if args.cluster else None
     return render(cfg, s, nodes, command_line(args)), all(v.ok for v in verdicts(cfg, s, nodes))
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.out:
+        check_doc(Path(args.out))  # before the model's config is read
     text, ok = build(args)
-    if args.doc:
-        write_into(Path(args.doc), text)
+    if args.out:
+        write_into(Path(args.out), text)
     print(text)
     return 0 if ok else 1

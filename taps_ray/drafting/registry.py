@@ -29,6 +29,7 @@ from taps_ray.drafting.combine import (
 )
 from taps_ray.drafting.cost import CostAware
 from taps_ray.drafting.names import (
+    ALIASES,
     AVERAGED_SWEEP,
     NGRAM,
     NGRAM_SUFFIX,
@@ -41,6 +42,7 @@ from taps_ray.drafting.names import (
 from taps_ray.drafting.ngram import NUM_TOKENS, NgramProposer
 from taps_ray.drafting.proposers import PlainDecoding, Proposer, SingleHead
 from taps_ray.drafting.tree import DraftContext
+from taps_ray.spelling import did_you_mean
 
 Builder = Callable[[dict[str, DraftHead], DraftContext, TreeConfig], Proposer]
 
@@ -118,9 +120,23 @@ def _build(spec: ProposerSpec, target: Target, heads: dict[str, DraftHead], tree
         return SingleHead(name, heads[name], context, tree)
     builder = combination(name)
     if builder is None:
-        known = ", ".join([*single_names(list(heads)), *combination_names()])
-        raise UnknownProposer(
-            f"unknown proposer {name!r}; choose one of: {known} (or averaged-w{{w}}, w in [0, 1]; "
-            "any drafting proposer followed by +ngram; any proposer after auto- for the cost model)"
-        )
+        raise _unknown(name, list(heads))
     return builder(heads, context, tree)
+
+
+def check_name(name: str, heads: Sequence[str]) -> ProposerSpec:
+    """The spec of `name` when a study with `heads` can build it; else an `UnknownProposer` with the near miss.
+    Needs no model, so a command checks its names before it loads one."""
+    spec = parse_proposer(name)
+    if spec.base not in (PLAIN, NGRAM) and spec.base not in heads and combination(spec.base) is None:
+        raise _unknown(name, heads)
+    return spec
+
+
+def _unknown(name: str, heads: Sequence[str]) -> UnknownProposer:
+    known = [*single_names(heads), *combination_names()]
+    return UnknownProposer(
+        f"unknown proposer {name!r}{did_you_mean(name, [*known, *ALIASES])}; choose one of: {', '.join(known)}, "
+        f"{', '.join(ALIASES)} (or averaged-w{{w}}, w in [0, 1]; any drafting proposer followed by +ngram; any "
+        "proposer after auto- for the cost model)"
+    )
