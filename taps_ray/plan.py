@@ -53,6 +53,9 @@ CUDA_CONTEXT = 1.5 * GB  # CUDA context and allocator slack per GPU process
 LIBRARIES = 3.0 * GB  # Python, torch, CUDA and transformers libraries in host memory
 HEADROOM = 0.10  # an actor fits when its need leaves this share of its GPU (and of its host memory request) free
 TREE_BYTES = 8 + 8 + 4 + 4  # a drafted node kept for replay: token, parent (int64), confidence, entropy (fp32)
+# bytes per logit that verifying a tree by sampling (T > 0) allocates beside the logits themselves: its fp32
+# probabilities, residuals and draws (measured: tests/test_memory_plan.py; greedy verification allocates none)
+SAMPLING_BYTES = 15
 ACCELERATOR_PREFIX = "accelerator_type:"
 
 
@@ -213,6 +216,12 @@ def needs(cfg: StudyConfig, s: Shapes) -> dict[str, Need]:
     mixtures = len(cfg.head_mixtures())
     heads_loaded = sum(s.head[k] for k in cfg.train.kinds) * mixtures
     vocab_rows = cfg.tree.draft_vocab_size or v
+
+    def scores(rows: int, length: int, width: int) -> float:
+        """A padded prefill's attention: its boolean mask and one layer's scores per head (SDPA's math path;
+        the fused kernels allocate none, so this bounds them)."""
+        return rows * length * length * (s.config.num_attention_heads * width + 1)
+
     CUDA = Term("CUDA context, allocator slack", CUDA_CONTEXT, "-", FIXED)
     libraries = Term("libraries", LIBRARIES, "-", FIXED)
     prefill, final = eval_context(cfg)
@@ -229,11 +238,11 @@ def needs(cfg: StudyConfig, s: Shapes) -> dict[str, Need]:
              f"eval.replay_batch rows merge only up to ray.max_batch) x {capacity:,} slots (the doubling growth "
              f"from a {prefill:,}-token prefill to {final:,})", per_worker * session * capacity * kv,
              "eval.replay_batch, eval.batch_size, ray.num_drafters / ray.num_target_workers, eval.max_new_tokens"),
-        Term(f"verification forward: logits {r.max_batch} x {tree} x V, fp32 softmax",
-             r.max_batch * tree * v * (eval_w + 4), "ray.max_batch, tree.total_token", TRANSIENT),
-        Term(f"prefill of {session} x {longest:,} tokens (a replay's features forward): one layer's activations, "
-             "the features kept", session * longest * ((3 * d + 3 * inter) * eval_w + s.feature_width * eval_w),
-             "eval.replay_batch, eval.max_new_tokens", TRANSIENT),
+        Term(f"verification forward: logits {r.max_batch} x {tree + 1} x V and sampling them",
+             r.max_batch * (tree + 1) * v * (eval_w + SAMPLING_BYTES), "ray.max_batch, tree.total_token", TRANSIENT),
+        Term(f"prefill of {session} x {longest:,} tokens (a replay's features forward): one layer's activations "
+             "and attention scores, the features kept", session * longest * (3 * d + 3 * inter + s.feature_width)
+             * eval_w + scores(session, longest, eval_w), "eval.replay_batch, eval.max_new_tokens", TRANSIENT),
         CUDA,
     ], host=[libraries, Term("weights staged on the CPU", s.total * eval_w, "target.name, eval.dtype")])
 
@@ -275,8 +284,9 @@ def needs(cfg: StudyConfig, s: Shapes) -> dict[str, Need]:
     fb, length = cfg.features.batch_size, cfg.features.max_len
     out["features_task"] = Need("features_task", gpu=[
         Term("weights", s.total * w, "target.name, target.dtype"),
-        Term(f"forward of {fb} x {length:,} tokens: hidden + MLP activations", fb * length * (d + 3 * inter) * w,
-             "features.batch_size, features.max_len", TRANSIENT),
+        Term(f"forward of {fb} x {length:,} tokens: hidden + MLP activations, attention scores",
+             fb * length * (d + 3 * inter) * w + scores(fb, length, w), "features.batch_size, features.max_len",
+             TRANSIENT),
         Term("per sequence: LM head + fp32 softmax", length * v * (w + 4), "features.max_len", TRANSIENT),
         CUDA,
     ], host=[libraries, Term("weights staged on the CPU", s.total * w, "target.name"),
@@ -307,10 +317,12 @@ def needs(cfg: StudyConfig, s: Shapes) -> dict[str, Need]:
              sv.max_batch_size * serve_capacity * kv, "serve.max_batch_size, serve.max_prompt_tokens, "
              "serve.max_tokens_limit"),
         Term(f"heads of {sv.head_kind}", serve_heads * eval_w, "serve.head_kind, train.mixtures"),
-        Term(f"verification forward: logits {sv.max_batch_size} x {tree} x V, fp32 softmax",
-             sv.max_batch_size * tree * v * (eval_w + 4), "serve.max_batch_size, tree.total_token", TRANSIENT),
-        Term(f"prefill of {sv.max_prompt_tokens:,} tokens: activations, last-token logits",
-             sv.max_prompt_tokens * (3 * d + 3 * inter) * eval_w, "serve.max_prompt_tokens", TRANSIENT),
+        Term(f"verification forward: logits {sv.max_batch_size} x {tree + 1} x V and sampling them",
+             sv.max_batch_size * (tree + 1) * v * (eval_w + SAMPLING_BYTES), "serve.max_batch_size, tree.total_token",
+             TRANSIENT),
+        Term(f"prefill of {sv.max_prompt_tokens:,} tokens: activations, attention scores",
+             sv.max_prompt_tokens * (3 * d + 3 * inter) * eval_w + scores(1, sv.max_prompt_tokens, eval_w),
+             "serve.max_prompt_tokens", TRANSIENT),
         CUDA,
     ], host=[libraries, Term("weights staged on the CPU", s.total * eval_w, "target.name"),
              Term("heads read from disk, fp32", serve_heads * 4, "serve.head_kind")])

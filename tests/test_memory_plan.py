@@ -1,0 +1,118 @@
+"""`taps plan`'s memory terms against what the actor kinds' work really allocates, on the tiny config on the CPU.
+
+Each test runs one actor kind's work in-process at shapes where the terms the plan sizes matter (long answers,
+several replay sessions per worker, a benchmark's traces), measures the peak bytes its tensors held (weights
+and other state it had before, plus torch's allocator peak while it worked: tests/memory_peak.py), and checks
+the plan's GPU need for that config (its held terms plus its largest transient; the CUDA context aside) within
+20%. The plan's one data assumption, the prompt length, is set to the prompts the test decodes.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from taps_ray import plan
+from taps_ray.decoding.replay import record_traces
+from taps_ray.decoding.target_batch import TargetBatch
+from taps_ray.decoding.verify import SamplingParams
+from taps_ray.drafting.registry import draft_reach
+from taps_ray.drafting.tree import build_tree, root_only
+from taps_ray.models.target import load_target
+
+from memory_peak import peak_allocated
+
+PROMPT, NEW = 300, 400  # prompt tokens (the plan's PROMPT_TOKENS here) and answer tokens
+DRAFTERS, REPLAY_BATCH, MAX_BATCH = 4, 4, 16  # 4 drafters' replay sessions of 4 rows merge into one group
+SAMPLED = SamplingParams(temperature=1.0)  # sampling verifies with a softmax beside the logits: the larger transient
+TOLERANCE = 0.20
+
+
+# a tiny Llama whose KV cache, not its vocabulary, dominates: 8 layers of 4 KV heads (4 KiB a token), 8,192 tokens
+SHAPE = {"num_hidden_layers": 8, "num_key_value_heads": 4, "vocab_size": 8192}
+
+
+@pytest.fixture(scope="module")
+def cfg(tiny_config):
+    target = tiny_config.target.model_copy(update={"tiny": tiny_config.target.tiny.model_copy(update=SHAPE)})
+    evaluation = tiny_config.eval.model_copy(update={
+        "benchmarks": {"gsm8k": 8}, "max_new_tokens": NEW, "replay_batch": REPLAY_BATCH, "batch_size": 1})
+    ray = tiny_config.ray.model_copy(update={"num_drafters": DRAFTERS, "num_target_workers": 1,
+                                             "max_batch": MAX_BATCH})
+    return tiny_config.model_copy(update={"target": target, "eval": evaluation, "ray": ray})
+
+
+@pytest.fixture(scope="module")
+def target(cfg):
+    return load_target(cfg.target)
+
+
+@pytest.fixture(autouse=True)
+def prompt_length(monkeypatch):
+    monkeypatch.setattr(plan, "PROMPT_TOKENS", PROMPT)
+
+
+def _need(cfg, kind: str) -> plan.Need:
+    return plan.needs(cfg, plan.shapes(plan.model_config(cfg), cfg.train.kinds))[kind]
+
+
+def _predicted(need: plan.Need) -> float:
+    """What the plan says the actor's tensors need on its GPU, the fixed CUDA context aside."""
+    return plan.total(need.gpu, (plan.HELD, plan.TRANSIENT))
+
+
+def _prompts(vocab: int, rows: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(rows)]
+
+
+def _bytes(module: torch.nn.Module) -> int:
+    return sum(t.nbytes for t in [*module.parameters(), *module.buffers()])
+
+
+def _close(measured: float, predicted: float, what: str) -> None:
+    print(f"{what}: measured {measured / 1e6:.1f} MB, planned {predicted / 1e6:.1f} MB")
+    assert abs(predicted - measured) <= TOLERANCE * measured, (
+        f"{what}: the plan says {predicted / 1e6:.1f} MB, the work held {measured / 1e6:.1f} MB")
+
+
+def test_target_worker_replay_sessions_and_a_full_verification(cfg, target, tmp_path):
+    """A worker with its drafters' replayed cells in flight: one session of `eval.replay_batch` rows per drafter,
+    merged up to `ray.max_batch` as the pool does, each decoding its whole answer and lookahead (the KV cache
+    grows by doubling), then one verification forward of full trees over every row, then a drafter's features
+    forward over prompt + answer."""
+    model, vocab = target.model, target.model.config.vocab_size
+    steps = NEW + draft_reach(cfg.tree) - 1
+    nodes = cfg.tree.total_token + 1
+
+    def work() -> list[TargetBatch]:
+        groups: list[TargetBatch] = []
+        roots: dict[int, list[int]] = {}
+        for drafter in range(DRAFTERS):
+            batch = TargetBatch(model)
+            started = batch.start(_prompts(vocab, REPLAY_BATCH, PROMPT, drafter), SAMPLED, [0] * REPLAY_BATCH)
+            group = next((g for g in groups if g.batch_size + REPLAY_BATCH <= MAX_BATCH), None)
+            if group is None:
+                groups.append(batch)
+                group = batch
+            else:
+                group.merge(batch)
+            roots.setdefault(id(group), []).extend(c.tokens[-1] for c in started)
+        for group in groups:
+            tokens = roots[id(group)]
+            for _ in range(steps):
+                tokens = [c.tokens[-1] for c in group.step([root_only(t, "cpu") for t in tokens])]
+            star = torch.tensor([-1] + [0] * (nodes - 1))
+            group.step([build_tree(torch.tensor([t] + [t] * (nodes - 1)), star) for t in tokens])
+        groups[0].keep_rows(list(range(groups[0].batch_size - REPLAY_BATCH)))  # a drafter closed its session
+        longest = _prompts(vocab, REPLAY_BATCH, PROMPT + NEW + draft_reach(cfg.tree), 99)
+        TargetBatch(model).start(longest, SAMPLED, [0] * REPLAY_BATCH)  # its features forward
+        return groups
+
+    peak, groups = peak_allocated(work, tmp_path)
+    need = _need(cfg, "target_worker")
+    _close(_bytes(model) + peak, _predicted(need), "target worker")
+    kv = sum(t.nbytes for g in groups for t in [*g.cache._keys, *g.cache._values] if t is not None)
+    _close(kv, next(t.bytes for t in need.gpu if t.label.startswith("KV cache")), "its KV cache")
