@@ -15,16 +15,18 @@ import pytest
 import torch
 
 from taps_ray import plan
-from taps_ray.decoding.replay import record_traces
+from taps_ray.decoding.replay import GreedyTrace, record_traces, replay
 from taps_ray.decoding.target_batch import TargetBatch
 from taps_ray.decoding.verify import SamplingParams
-from taps_ray.drafting.registry import draft_reach
+from taps_ray.drafting.registry import build_proposer, draft_reach, proposer_names
 from taps_ray.drafting.tree import build_tree, root_only
+from taps_ray.models.draft_head import DraftHead, DraftHeadConfig
 from taps_ray.models.target import load_target
 
 from memory_peak import peak_allocated
 
 PROMPT, NEW = 300, 400  # prompt tokens (the plan's PROMPT_TOKENS here) and answer tokens
+DRAFT_NEW = 120  # answer tokens of the drafter's benchmark
 DRAFTERS, REPLAY_BATCH, MAX_BATCH = 4, 4, 16  # 4 drafters' replay sessions of 4 rows merge into one group
 SAMPLED = SamplingParams(temperature=1.0)  # sampling verifies with a softmax beside the logits: the larger transient
 TOLERANCE = 0.20
@@ -116,3 +118,36 @@ def test_target_worker_replay_sessions_and_a_full_verification(cfg, target, tmp_
     _close(_bytes(model) + peak, _predicted(need), "target worker")
     kv = sum(t.nbytes for g in groups for t in [*g.cache._keys, *g.cache._values] if t is not None)
     _close(kv, next(t.bytes for t in need.gpu if t.label.startswith("KV cache")), "its KV cache")
+
+
+def test_drafter_holding_a_benchmarks_traces_and_every_heads_trees(cfg, target, tmp_path):
+    """A drafter's replayed cells over one benchmark: the traces stay (eval.traces_on_host off: on its device) and
+    every head keeps the trees it drafted along them for the next proposer (held, counted tensor by tensor once
+    every head of every kind replayed the benchmark); then a combination drafting a fresh batch, measured."""
+    evaluation = cfg.eval.model_copy(update={"benchmarks": {"gsm8k": 16}, "max_new_tokens": DRAFT_NEW})
+    dcfg = cfg.model_copy(update={"eval": evaluation})
+    model, vocab, tree = target.model, target.model.config.vocab_size, cfg.tree
+    questions = evaluation.benchmarks["gsm8k"]
+    traces = []
+    for start in range(0, questions, REPLAY_BATCH):  # the worker's part
+        prompts = _prompts(vocab, REPLAY_BATCH, PROMPT, start)
+        traces += record_traces(lambda: TargetBatch(model), prompts, DRAFT_NEW, [], draft_reach(tree))
+    heads = {kind: {m: DraftHead(DraftHeadConfig.from_target(model.config, kind=kind)).eval()
+                    for m in dcfg.head_mixtures()} for kind in dcfg.train.kinds}
+    for kind in dcfg.train.kinds:
+        for mixture in dcfg.head_mixtures():  # each head drafts along every trace once
+            proposer = build_proposer(mixture, target, heads[kind], tree)
+            for start in range(0, questions, REPLAY_BATCH):
+                replay(proposer, traces[start : start + REPLAY_BATCH], DRAFT_NEW, [])
+    fresh = [GreedyTrace(t.prompt, t.tokens, t.features, t.lookahead) for t in traces[:REPLAY_BATCH]]
+    merged = build_proposer("merged", target, heads[dcfg.train.kinds[0]], tree)
+    peak, _ = peak_allocated(lambda: replay(merged, fresh, DRAFT_NEW, []), tmp_path)
+
+    parts = sum(t.nbytes for t in {model.get_input_embeddings().weight, model.get_output_embeddings().weight})
+    held = parts + sum(_bytes(h) for by_mixture in heads.values() for h in by_mixture.values())
+    drafted = sum(x.nbytes for t in traces for memo in t.drafted.values() for trees in memo.values()
+                  for x in (trees.tokens, trees.parents, trees.confidence, trees.entropy))
+    kept = sum(t.features.nbytes for t in traces) + drafted
+    need = _need(dcfg, "drafter")
+    _close(kept, next(t.bytes for t in need.gpu if t.label.startswith("greedy traces")), "its traces and trees")
+    _close(held + kept + peak, _predicted(need), "drafter")
