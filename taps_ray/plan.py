@@ -298,10 +298,10 @@ def needs(cfg: StudyConfig, s: Shapes) -> dict[str, Need]:
     out["tune_trial"] = Need("tune_trial", gpu=[
         Term("embeddings + LM head, fp32 (no decoder layer: features are cached)", s.parts * 4, "target.name"),
         Term("head weights, gradients, AdamW moments, fp32", 4 * head * 4, "train.kinds"),
-        Term(f"target distributions, {n:,} scored tokens x V, fp32", n * vocab_rows * 4,
-             "train.batch_size, features.max_len", TRANSIENT),
-        Term(f"head log-probabilities and layer activations, {passes} pass(es), kept for backward, fp32",
-             passes * n * (vocab_rows + 3 * inter + 8 * d) * 4, "train.batch_size, train.hca_passes", TRANSIENT),
+        Term(f"one step: target distributions of {n:,} scored tokens x V, and per pass ({passes}) the head's "
+             "log-probabilities and layer activations kept for backward, fp32",
+             n * vocab_rows * 4 + passes * n * (vocab_rows + 3 * inter + 8 * d) * 4,
+             "train.batch_size, features.max_len, train.hca_passes", TRANSIENT),
         CUDA,
     ], host=[libraries, Term("embeddings + LM head cast to fp32 on the CPU", s.parts * 4, "target.name"),
              Term(f"train.shuffle_shards = {cfg.train.shuffle_shards} feature shards",

@@ -22,6 +22,7 @@ from taps_ray.drafting.registry import build_proposer, draft_reach, proposer_nam
 from taps_ray.drafting.tree import build_tree, root_only
 from taps_ray.models.draft_head import DraftHead, DraftHeadConfig
 from taps_ray.models.target import load_target
+from taps_ray.training.losses import Batch, FrozenTarget, LossSettings, run_passes
 
 from memory_peak import peak_allocated
 
@@ -151,3 +152,31 @@ def test_drafter_holding_a_benchmarks_traces_and_every_heads_trees(cfg, target, 
     need = _need(dcfg, "drafter")
     _close(kept, next(t.bytes for t in need.gpu if t.label.startswith("greedy traces")), "its traces and trees")
     _close(held + kept + peak, _predicted(need), "drafter")
+
+
+def test_tune_trial_one_optimizer_step_of_the_largest_head(cfg, target, tmp_path):
+    """A trial's step on cached features: the frozen fp32 embeddings and LM head, the head with its gradients and
+    AdamW moments (created by the first step), and the passes' activations kept for backward (HASS: 3)."""
+    model, t = target.model, cfg.train
+    kind = "hass"
+    frozen = FrozenTarget.from_model(model, torch.float32, None)
+    head = DraftHead(DraftHeadConfig.from_target(model.config, kind=kind))
+    optimizer = torch.optim.AdamW(head.parameters(), lr=t.lr, betas=(0.9, 0.95), weight_decay=t.weight_decay)
+    settings = LossSettings.for_kind(kind, t)
+    rows, length, k = t.batch_size, cfg.features.max_len, cfg.features.top_k
+    vocab, d = model.config.vocab_size, model.config.hidden_size
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.rand(rows, length, k, generator=generator)
+    batch = Batch(input_ids=torch.randint(0, vocab, (rows, length), generator=generator),
+                  loss_mask=torch.ones(rows, length), hidden=torch.randn(rows, length, d, generator=generator),
+                  lengths=torch.full((rows,), length), topk_probs=probs / probs.sum(-1, keepdim=True),
+                  topk_ids=torch.randint(0, vocab, (rows, length, k), generator=generator))
+
+    def work() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        run_passes(head, batch, frozen, settings, backward=True, generator=generator)
+        optimizer.step()
+
+    peak, _ = peak_allocated(work, tmp_path)
+    held = frozen.embed.nbytes + (0 if frozen.lm_head is frozen.embed else frozen.lm_head.nbytes) + _bytes(head)
+    _close(held + peak, _predicted(_need(cfg, "tune_trial")), "tune trial")
