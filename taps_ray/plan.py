@@ -284,10 +284,10 @@ def needs(cfg: StudyConfig, s: Shapes) -> dict[str, Need]:
     fb, length = cfg.features.batch_size, cfg.features.max_len
     out["features_task"] = Need("features_task", gpu=[
         Term("weights", s.total * w, "target.name, target.dtype"),
-        Term(f"forward of {fb} x {length:,} tokens: hidden + MLP activations, attention scores",
-             fb * length * (d + 3 * inter) * w + scores(fb, length, w), "features.batch_size, features.max_len",
-             TRANSIENT),
-        Term("per sequence: LM head + fp32 softmax", length * v * (w + 4), "features.max_len", TRANSIENT),
+        Term(f"forward of {fb} x {length:,} tokens (hidden + MLP activations, attention scores), then per "
+             "sequence its LM head + fp32 softmax beside the batch's outputs",
+             fb * length * (d + 3 * inter) * w + scores(fb, length, w) + length * v * (w + 4),
+             "features.batch_size, features.max_len", TRANSIENT),
         CUDA,
     ], host=[libraries, Term("weights staged on the CPU", s.total * w, "target.name"),
              Term("one shard of output", shard_bytes(cfg, s), "features.shard_size")])

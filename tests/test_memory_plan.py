@@ -22,6 +22,7 @@ from taps_ray.drafting.registry import build_proposer, draft_reach, proposer_nam
 from taps_ray.drafting.tree import build_tree, root_only
 from taps_ray.models.draft_head import DraftHead, DraftHeadConfig
 from taps_ray.models.target import load_target
+from taps_ray.training.features import target_features
 from taps_ray.training.losses import Batch, FrozenTarget, LossSettings, run_passes
 
 from memory_peak import peak_allocated
@@ -180,3 +181,12 @@ def test_tune_trial_one_optimizer_step_of_the_largest_head(cfg, target, tmp_path
     peak, _ = peak_allocated(work, tmp_path)
     held = frozen.embed.nbytes + (0 if frozen.lm_head is frozen.embed else frozen.lm_head.nbytes) + _bytes(head)
     _close(held + peak, _predicted(_need(cfg, "tune_trial")), "tune trial")
+
+
+def test_features_task_one_batch_of_the_longest_conversations(cfg, target, tmp_path):
+    """A features task's forward: `features.batch_size` conversations of `features.max_len` tokens through the
+    whole target, then each one's LM head, softmax and top-K."""
+    rows, length = cfg.features.batch_size, cfg.features.max_len
+    sequences = _prompts(target.model.config.vocab_size, rows, length, 7)
+    peak, _ = peak_allocated(lambda: target_features(target, sequences, cfg.features.top_k), tmp_path)
+    _close(_bytes(target.model) + peak, _predicted(_need(cfg, "features_task")), "features task")
