@@ -52,6 +52,9 @@ TURNS = {"mt_bench": 2}  # turns per question (others: 1); a later turn's prompt
 CUDA_CONTEXT = 1.5 * GB  # CUDA context and allocator slack per GPU process
 LIBRARIES = 3.0 * GB  # Python, torch, CUDA and transformers libraries in host memory
 HEADROOM = 0.10  # an actor fits when its need leaves this share of its GPU (and of its host memory request) free
+# on a GPU, SDPA runs a fused kernel (flash or memory-efficient) that allocates no [heads, T, T] attention scores;
+# the CPU's math path does (benchmarks/gpu_smoke.py reports which kernel a GPU runs)
+FUSED_ATTENTION = True
 TREE_BYTES = 8 + 8 + 4 + 4  # a drafted node kept for replay: token, parent (int64), confidence, entropy (fp32)
 # bytes per logit that verifying a tree by sampling (T > 0) allocates beside the logits themselves: its fp32
 # probabilities, residuals and draws (measured: tests/test_memory_plan.py; greedy verification allocates none)
@@ -215,12 +218,15 @@ def needs(cfg: StudyConfig, s: Shapes) -> dict[str, Need]:
     ev, r, tree = cfg.eval, cfg.ray, cfg.tree.total_token
     mixtures = len(cfg.head_mixtures())
     heads_loaded = sum(s.head[k] for k in cfg.train.kinds) * mixtures
+    kind_heads = max(s.head[k] for k in cfg.train.kinds) * mixtures  # a drafter holds one kind's heads at a time
     vocab_rows = cfg.tree.draft_vocab_size or v
 
+    math_path = cfg.target.device == "cpu" or not FUSED_ATTENTION
+
     def scores(rows: int, length: int, width: int) -> float:
-        """A padded prefill's attention: its boolean mask and one layer's scores per head (SDPA's math path;
-        the fused kernels allocate none, so this bounds them)."""
-        return rows * length * length * (s.config.num_attention_heads * width + 1)
+        """A padded prefill's attention: its boolean mask, and on the CPU (SDPA's math path) one layer's scores
+        per head; on a GPU SDPA's fused kernels take the mask and allocate no scores (FUSED_ATTENTION)."""
+        return rows * length * length * ((s.config.num_attention_heads * width if math_path else 0) + 1)
 
     CUDA = Term("CUDA context, allocator slack", CUDA_CONTEXT, "-", FIXED)
     libraries = Term("libraries", LIBRARIES, "-", FIXED)
@@ -247,7 +253,7 @@ def needs(cfg: StudyConfig, s: Shapes) -> dict[str, Need]:
     ], host=[libraries, Term("weights staged on the CPU", s.total * eval_w, "target.name, eval.dtype")])
 
     per_head = tree * TREE_BYTES  # one root position's drafted tree
-    heads = len(cfg.train.kinds) * mixtures
+    heads = mixtures  # the heads of one kind keep their trees along the traces
 
     def trace_bytes(benchmark: str, heads: int) -> float:
         """One question's traces: features at every position, trees of `heads` heads at every root."""
@@ -267,12 +273,15 @@ def needs(cfg: StudyConfig, s: Shapes) -> dict[str, Need]:
     on_host = [Term(trace_label, cache, "eval.traces_on_host, eval.benchmarks, eval.max_new_tokens")] if ev.traces_on_host else []
     out["drafter"] = Need("drafter", gpu=[
         Term("embeddings + LM head", s.parts * eval_w, "target.name, eval.dtype"),
-        Term(f"heads: {len(cfg.train.kinds)} kind(s) x {mixtures} mixtures", heads_loaded * eval_w,
-             "train.kinds, train.mixtures"),
-        Term(f"its KV cache (one layer), {session} rows x {capacity:,} slots", session * capacity * kv / layers,
-             "eval.batch_size, eval.replay_batch"),
+        Term(f"heads of the kind being evaluated: {mixtures} mixtures", kind_heads * eval_w, "train.mixtures"),
+        Term("a combination's stacked copy of them (drafting side by side)", kind_heads * eval_w, "train.mixtures"),
+        Term(f"their KV caches (one layer each), {session} rows x {capacity:,} slots",
+             mixtures * session * capacity * kv / layers, "eval.batch_size, eval.replay_batch"),
         *([t for t in on_gpu if t.bytes] if ev.replay else []),
         Term("drafting one depth: fp32 softmax", session * cfg.tree.top_k * vocab_rows * 4, "tree.top_k",
+             TRANSIENT),
+        Term(f"the heads' prefill over a live session's {ev.batch_size} prompts of {prefill:,} tokens: attention "
+             "scores", mixtures * scores(ev.batch_size, prefill, eval_w), "eval.batch_size, train.mixtures",
              TRANSIENT),
         Term(f"replay drafting: {NODE_BUDGET:,} nodes x V logits and their fp32 log-probabilities",
              NODE_BUDGET * vocab_rows * (eval_w + 4) if ev.replay else 0.0, "eval.replay", TRANSIENT),
@@ -316,13 +325,18 @@ def needs(cfg: StudyConfig, s: Shapes) -> dict[str, Need]:
         Term(f"KV cache, {sv.max_batch_size} sequences x {serve_capacity:,} slots (grown to {serve_final:,})",
              sv.max_batch_size * serve_capacity * kv, "serve.max_batch_size, serve.max_prompt_tokens, "
              "serve.max_tokens_limit"),
-        Term(f"heads of {sv.head_kind}", serve_heads * eval_w, "serve.head_kind, train.mixtures"),
+        Term(f"heads of {sv.head_kind}, and a combination's stacked copy of them", 2 * serve_heads * eval_w,
+             "serve.head_kind, train.mixtures"),
+        Term(f"their KV caches (one layer each), {sv.max_batch_size} sequences x {serve_capacity:,} slots",
+             len(cfg.head_mixtures(sv.head_kind)) * sv.max_batch_size * serve_capacity * kv / layers,
+             "serve.max_batch_size, serve.max_prompt_tokens, serve.max_tokens_limit"),
         Term(f"verification forward: logits {sv.max_batch_size} x {tree + 1} x V and sampling them",
              sv.max_batch_size * (tree + 1) * v * (eval_w + SAMPLING_BYTES), "serve.max_batch_size, tree.total_token",
              TRANSIENT),
-        Term(f"prefill of {sv.max_prompt_tokens:,} tokens: activations, attention scores",
-             sv.max_prompt_tokens * (3 * d + 3 * inter) * eval_w + scores(1, sv.max_prompt_tokens, eval_w),
-             "serve.max_prompt_tokens", TRANSIENT),
+        Term(f"prefill of {sv.max_batch_size} x {sv.max_prompt_tokens:,} tokens: activations, attention scores, "
+             "then the heads' over them", sv.max_batch_size * sv.max_prompt_tokens * (3 * d + 3 * inter) * eval_w
+             + (1 + len(cfg.head_mixtures(sv.head_kind))) * scores(sv.max_batch_size, sv.max_prompt_tokens, eval_w),
+             "serve.max_batch_size, serve.max_prompt_tokens", TRANSIENT),
         CUDA,
     ], host=[libraries, Term("weights staged on the CPU", s.total * eval_w, "target.name"),
              Term("heads read from disk, fp32", serve_heads * 4, "serve.head_kind")])
@@ -470,7 +484,8 @@ def render(cfg: StudyConfig, s: Shapes, nodes: list[NodeType] | None, command: s
              f"the earlier answers); average conversation "
              + ", ".join(f"{c} {n:,} tokens" for c, n in AVG_TOKENS.items())
              + f"; CUDA context {CUDA_CONTEXT / GB:g} GB per GPU process; libraries {LIBRARIES / GB:g} GB of host "
-               f"memory. GB = 10^9 bytes. An actor fits when its need leaves {HEADROOM:.0%} of its GPU share and of "
+               "memory; on a GPU, SDPA's fused kernels allocate no attention scores (the CPU's math path does). "
+               f"GB = 10^9 bytes. An actor fits when its need leaves {HEADROOM:.0%} of its GPU share and of "
                "its host memory request free. Terms: *held* (kept by the actor; `tests/test_memory_plan.py` measures "
                "them on the tiny config within 20%), *transient* (one computation; an actor runs one at a time, so "
                "only its largest counts in the total), *fixed* (whatever the config); each names the settings "

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from taps_ray import plan
+from taps_ray.decoding.continuous import ContinuousBatcher, Request
 from taps_ray.decoding.replay import GreedyTrace, record_traces, replay
 from taps_ray.decoding.target_batch import TargetBatch
 from taps_ray.decoding.verify import SamplingParams
@@ -124,8 +125,9 @@ def test_target_worker_replay_sessions_and_a_full_verification(cfg, target, tmp_
 
 def test_drafter_holding_a_benchmarks_traces_and_every_heads_trees(cfg, target, tmp_path):
     """A drafter's replayed cells over one benchmark: the traces stay (eval.traces_on_host off: on its device) and
-    every head keeps the trees it drafted along them for the next proposer (held, counted tensor by tensor once
-    every head of every kind replayed the benchmark); then a combination drafting a fresh batch, measured."""
+    every head of the kind being evaluated keeps the trees it drafted along them for the next proposer (held,
+    counted tensor by tensor once each head replayed the benchmark); then a combination drafting a fresh batch
+    (its stacked heads and its drafting), measured."""
     evaluation = cfg.eval.model_copy(update={"benchmarks": {"gsm8k": 16}, "max_new_tokens": DRAFT_NEW})
     dcfg = cfg.model_copy(update={"eval": evaluation})
     model, vocab, tree = target.model, target.model.config.vocab_size, cfg.tree
@@ -134,19 +136,18 @@ def test_drafter_holding_a_benchmarks_traces_and_every_heads_trees(cfg, target, 
     for start in range(0, questions, REPLAY_BATCH):  # the worker's part
         prompts = _prompts(vocab, REPLAY_BATCH, PROMPT, start)
         traces += record_traces(lambda: TargetBatch(model), prompts, DRAFT_NEW, [], draft_reach(tree))
-    heads = {kind: {m: DraftHead(DraftHeadConfig.from_target(model.config, kind=kind)).eval()
-                    for m in dcfg.head_mixtures()} for kind in dcfg.train.kinds}
-    for kind in dcfg.train.kinds:
-        for mixture in dcfg.head_mixtures():  # each head drafts along every trace once
-            proposer = build_proposer(mixture, target, heads[kind], tree)
-            for start in range(0, questions, REPLAY_BATCH):
-                replay(proposer, traces[start : start + REPLAY_BATCH], DRAFT_NEW, [])
+    heads = {m: DraftHead(DraftHeadConfig.from_target(model.config, kind="hass")).eval()
+             for m in dcfg.head_mixtures()}  # a drafter holds one kind's heads at a time
+    for mixture in dcfg.head_mixtures():  # each head drafts along every trace once
+        proposer = build_proposer(mixture, target, heads, tree)
+        for start in range(0, questions, REPLAY_BATCH):
+            replay(proposer, traces[start : start + REPLAY_BATCH], DRAFT_NEW, [])
     fresh = [GreedyTrace(t.prompt, t.tokens, t.features, t.lookahead) for t in traces[:REPLAY_BATCH]]
-    merged = build_proposer("merged", target, heads[dcfg.train.kinds[0]], tree)
+    merged = build_proposer("merged", target, heads, tree)
     peak, _ = peak_allocated(lambda: replay(merged, fresh, DRAFT_NEW, []), tmp_path)
 
     parts = sum(t.nbytes for t in {model.get_input_embeddings().weight, model.get_output_embeddings().weight})
-    held = parts + sum(_bytes(h) for by_mixture in heads.values() for h in by_mixture.values())
+    held = parts + sum(_bytes(h) for h in heads.values())
     drafted = sum(x.nbytes for t in traces for memo in t.drafted.values() for trees in memo.values()
                   for x in (trees.tokens, trees.parents, trees.confidence, trees.entropy))
     kept = sum(t.features.nbytes for t in traces) + drafted
@@ -190,3 +191,26 @@ def test_features_task_one_batch_of_the_longest_conversations(cfg, target, tmp_p
     sequences = _prompts(target.model.config.vocab_size, rows, length, 7)
     peak, _ = peak_allocated(lambda: target_features(target, sequences, cfg.features.top_k), tmp_path)
     _close(_bytes(target.model) + peak, _predicted(_need(cfg, "features_task")), "features task")
+
+
+def test_serve_replica_a_full_batch_of_the_longest_requests(cfg, target, tmp_path):
+    """A replica's decode loop: `serve.max_batch_size` requests of `serve.max_prompt_tokens` each decoding
+    `serve.max_tokens_limit` tokens by sampling, drafted by the merged heads of `serve.head_kind`."""
+    serve = cfg.serve.model_copy(update={"max_batch_size": 4, "max_prompt_tokens": 200, "max_tokens_limit": 100})
+    scfg = cfg.model_copy(update={"serve": serve})
+    heads = {m: DraftHead(DraftHeadConfig.from_target(target.model.config, kind=serve.head_kind)).eval()
+             for m in scfg.head_mixtures(serve.head_kind)}
+    proposer = build_proposer("merged", target, heads, cfg.tree)
+    batcher = ContinuousBatcher(target.model, stop_ids=[], max_batch_size=serve.max_batch_size)
+    prompts = _prompts(target.model.config.vocab_size, serve.max_batch_size, serve.max_prompt_tokens, 5)
+
+    def work() -> None:
+        for i, prompt in enumerate(prompts):
+            batcher.submit(Request(prompt=prompt, proposer=proposer, params=SAMPLED,
+                                   max_tokens=serve.max_tokens_limit, seed=i))
+        while batcher.busy:
+            batcher.step()
+
+    peak, _ = peak_allocated(work, tmp_path)
+    held = _bytes(target.model) + sum(_bytes(h) for h in heads.values())
+    _close(held + peak, _predicted(_need(scfg, "serve_replica")), "serve replica")
