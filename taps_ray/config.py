@@ -214,6 +214,19 @@ class EvalConfig(_Strict):
         description="T = 0 cells of draft proposers are replayed from one greedy decode per question, exact and "
         "without a target run per proposer, but with no speed measured; false runs them live",
     )
+    replay_batch: int = Field(
+        16,
+        gt=0,
+        description="questions of a replayed cell decoded together (one worker session of this many rows, and its "
+        "KV cache, per drafter; sessions merge only up to ray.max_batch rows): it bounds the target worker's replay "
+        "KV cache (taps plan)",
+    )
+    traces_on_host: bool = Field(
+        False,
+        description="a drafter keeps its benchmark's greedy traces (target features and the trees its heads drafted "
+        "along them) in host memory and moves one replay batch at a time to its device; false keeps them all on "
+        "the device (taps plan sizes both)",
+    )
     live_questions: int | None = Field(
         None,
         gt=0,
