@@ -306,7 +306,75 @@ def timing(device: torch.device, small: bool, fit_steps: int, batches: tuple[int
                           "verify_ms_per_step": run["verify_ms_per_step"], "tau": run["tau"]})
     match = bf16_match("Llama-3-8B-Instruct" + (" (shrunk)" if small else ""), model, head)
     profiled = profile_steps(model, spec, batches[-1], PROFILED_STEPS)
-    return {"fit": fit, "rows": rows, "trees": by_tree, "bf16_match": match, "profile": profiled}
+    memory = memory_vs_plan(model, spec, small)
+    return {"fit": fit, "rows": rows, "trees": by_tree, "bf16_match": match, "profile": profiled, "memory": memory}
+
+
+def _peak(device: torch.device, work) -> tuple[float, float]:
+    """(peak bytes allocated, peak bytes reserved) on the GPU while `work()` ran, the weights included."""
+    if device.type != "cuda":
+        return float("nan"), float("nan")
+    sync(device)
+    torch.cuda.reset_peak_memory_stats()
+    work()
+    sync(device)
+    return float(torch.cuda.max_memory_allocated()), float(torch.cuda.max_memory_reserved())
+
+
+def memory_vs_plan(model, spec, small: bool) -> dict:
+    """A target worker's replayed cells as the paper config runs them (`taps plan`'s target_worker): its drafters'
+    replay sessions of `eval.replay_batch` rows merged up to `ray.max_batch`, each decoding a whole answer and the
+    lookahead (the KV cache grows by doubling), one sampled verification of full trees over every row, and a
+    features forward over prompt + answer; then a live speculative decode of 16 ragged rows. Peak allocated and
+    reserved beside the plan's figure for the same shapes (held terms plus the largest transient; the CUDA
+    context aside: torch's allocator does not see it). The plan's one assumption, the prompt length, is set to
+    the prompts decoded here."""
+    from taps_ray import plan
+    from taps_ray.config import load_config
+    from taps_ray.decoding.verify import SamplingParams as Params
+    from taps_ray.drafting.registry import draft_reach
+    from taps_ray.drafting.tree import root_only
+
+    paper = load_config(REPO / "configs" / "paper.yaml")
+    prompt, new = (32, 24) if small else (plan.PROMPT_TOKENS, paper.eval.max_new_tokens)
+    cfg = paper.model_copy(update={"eval": paper.eval.model_copy(update={"benchmarks": {"gsm8k": 8},
+                                                                          "max_new_tokens": new})})
+    plan.PROMPT_TOKENS = prompt  # the plan sized for the prompts decoded here
+    need = plan.needs(cfg, plan.shapes(model.config, cfg.train.kinds))["target_worker"]
+    predicted = plan.total(need.gpu, (plan.HELD, plan.TRANSIENT))
+    rows, cap = cfg.eval.replay_batch, cfg.ray.max_batch
+    sessions = -(-cfg.ray.num_drafters // cfg.ray.num_target_workers)
+    vocab, device, reach = model.config.vocab_size, model.device, draft_reach(cfg.tree)
+    sampled, nodes = Params(temperature=1.0), cfg.tree.total_token + 1
+
+    def replay_sessions() -> None:
+        groups: list[tuple[TargetBatch, list[int]]] = []
+        for session in range(sessions):
+            batch = TargetBatch(model)
+            roots = [c.tokens[-1] for c in batch.start(prompts(vocab, rows, prompt, 500 + session), sampled,
+                                                        [0] * rows)]
+            group = next((g for g in groups if g[0].batch_size + rows <= cap), None)
+            if group is None:
+                groups.append((batch, roots))
+            else:
+                group[0].merge(batch)
+                group[1].extend(roots)
+        star = torch.tensor([-1] + [0] * (nodes - 1), device=device)
+        for group, roots in groups:
+            for _ in range(new + reach - 1):
+                roots = [c.tokens[-1] for c in group.step([root_only(t, device) for t in roots])]
+            group.step([build_tree(torch.full((nodes,), t, device=device), star) for t in roots])
+        TargetBatch(model).start(prompts(vocab, rows, prompt + new + reach, 599), sampled, [0] * rows)
+
+    def live() -> None:
+        generate(model, spec, ragged_prompts(vocab, *RAGGED, seed=13), GREEDY, 64, [])
+
+    replay_peak, replay_reserved = _peak(device, replay_sessions)
+    live_peak, live_reserved = _peak(device, live)
+    return {"predicted_gb": predicted / 1e9, "sessions": sessions, "rows": rows, "prompt": prompt, "new": new,
+            "replay_allocated_gb": replay_peak / 1e9, "replay_reserved_gb": replay_reserved / 1e9,
+            "live_allocated_gb": live_peak / 1e9, "live_reserved_gb": live_reserved / 1e9,
+            "replay_ratio": replay_peak / predicted, "terms": [(t.label, t.bytes / 1e9, t.kind) for t in need.gpu]}
 
 
 PROFILED_STEPS = 20
@@ -430,6 +498,20 @@ def report(results: dict) -> str:
               f"{', '.join(pr['attention_kernels']) or 'no SDPA kernel seen'}; "
               + ("GPU busy for {:.0%} of the wall time.".format(pr["busy_fraction"]) if pr["busy_fraction"] == pr["busy_fraction"]
                  else "no GPU: busy fraction not measured.")]
+    m = t["memory"]
+    lines += ["", "### Memory against `taps plan` (a target worker, configs/paper.yaml)", "",
+              f"{m['sessions']} replay sessions of {m['rows']} rows merged up to ray.max_batch, {m['prompt']}-token "
+              f"prompts, {m['new']} new tokens, one sampled verification of full trees, a features forward; then a "
+              f"live speculative decode of 16 ragged rows (the smoke's draft head is in the same process). The plan's "
+              f"figure: its held terms plus its largest transient, the CUDA context aside.", "",
+              "| work | peak allocated GB | peak reserved GB | plan GB | allocated / plan |", "|---|---:|---:|---:|---:|",
+              f"| replay sessions | {m['replay_allocated_gb']:.2f} | {m['replay_reserved_gb']:.2f} | "
+              f"{m['predicted_gb']:.2f} | {m['replay_ratio']:.2f} |",
+              f"| live decode, batch 16 | {m['live_allocated_gb']:.2f} | {m['live_reserved_gb']:.2f} | "
+              f"{m['predicted_gb']:.2f} | {m['live_allocated_gb'] / m['predicted_gb']:.2f} |", "",
+              *(["No GPU: the peaks are torch's CUDA allocator's and were not measured here."]
+                if m["replay_allocated_gb"] != m["replay_allocated_gb"] else []),
+              "The plan's terms: " + "; ".join(f"{label} {gb:.2f} GB ({kind})" for label, gb, kind in m["terms"]) + "."]
     c = results["compiled"]
     lines += ["", "## Compiled fast forward (target.compile: inductor) vs eager, fp32, SmolLM2 shape", ""]
     if "skipped" in c:
