@@ -21,7 +21,7 @@ from taps_ray.decoding.target_batch import TargetBatch
 from taps_ray.decoding.verify import SamplingParams
 from taps_ray.drafting.tree import build_tree
 from taps_ray.models.cpu_linear import DecodingLinear
-from taps_ray.models.fast_llama import FastLlama
+from taps_ray.models.fast_llama import SUPPORTED_MODEL_TYPES, FastLlama
 from taps_ray.models.hf_forward import HFForward
 from taps_ray.models.kv_cache import GROWTH, KVCache
 from taps_ray.models.target_forward import attach_forward, compile_unavailable_reason, target_forward
@@ -56,6 +56,10 @@ FAMILIES = {
     "qwen3-sliding": (transformers.Qwen3Config, {"use_sliding_window": True, "sliding_window": 16,
                                                  "max_window_layers": 1}),
 }
+
+
+def test_the_families_here_are_the_ones_the_fast_forward_covers():
+    assert {config_class.model_type for config_class, _ in FAMILIES.values()} == set(SUPPORTED_MODEL_TYPES)
 
 
 def _tiny(family: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: object) -> torch.nn.Module:

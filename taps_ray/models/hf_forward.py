@@ -62,6 +62,9 @@ def cache_keyword(decoder: torch.nn.Module) -> str:
                     "transformers version is not supported (install transformers>=5.17)")
 
 
+PROBE_TOKENS = 6  # the load-time checks' sequence: long enough for a prefill and a two-token step after it
+
+
 class TargetRefused(ValueError):
     """transformers' forward cannot decode this target exactly through taps' cache; the message names the feature."""
 
@@ -72,18 +75,18 @@ def _refuse(model: PreTrainedModel, feature: str, fix: str = "") -> TargetRefuse
 
 
 def _logit_transforms(config: object) -> list[tuple[str, float]]:
-    """What a causal-LM head may do to `lm_head(hidden)`, as its config names it (`_transformed`): nothing;
+    """What a causal-LM head may do to `lm_head(hidden)`, as its config names it (`_transformed`):
     Granite's `logits_scaling` (divided by; HyperCLOVA X multiplies by it); Cohere's `logit_scale`; Gemma's
-    `final_logit_softcapping`. Which one the model applies is checked against its own forward
+    `final_logit_softcapping`; else nothing. Which one the model applies is checked against its own forward
     (`HFForward._pick_logits`), not assumed from the attribute's name."""
-    found = [("none", 1.0)]
+    found = []
     if scaling := getattr(config, "logits_scaling", None):
         found += [("/ logits_scaling", scaling), ("* logits_scaling", scaling)]
     if scale := getattr(config, "logit_scale", None):
         found.append(("* logit_scale", scale))
     if cap := getattr(config, "final_logit_softcapping", None):
         found.append(("final_logit_softcapping", cap))
-    return found
+    return [*found, ("none", 1.0)]  # last: a named transform too slight to tell apart on the probe still applies
 
 
 def _transformed(logits: torch.Tensor, name: str, value: float) -> torch.Tensor:
@@ -103,8 +106,22 @@ def _takes_mask_per_kind(decoder: torch.nn.Module) -> bool:
     return "attention_mask, dict)" in inspect.getsource(type(decoder).forward)
 
 
+def _masks_its_window(decoder: torch.nn.Module) -> bool:
+    """Whether the decoder builds sliding-window masks itself: a config's `sliding_window` without `layer_types` is
+    every layer's window for Mistral, Phi-3 or Starcoder2, but Moshi's passes it to flash attention only (its
+    SDPA and eager layers attend to everything), so the window taps would apply is not the model's."""
+    return "create_sliding_window_causal_mask" in inspect.getsource(inspect.getmodule(type(decoder)))
+
+
+def _decoder(model: PreTrainedModel) -> torch.nn.Module:
+    """The decoder under the LM head: `get_decoder()`, or `model.model` where a class's prefix does not name it
+    (Llama 4's text model)."""
+    decoder = model.get_decoder()
+    return getattr(model, "model", decoder) if decoder is model else decoder
+
+
 class HFForward:
-    """The batch's target forward through transformers' decoder (`model.base_model`), same call as `FastLlama`.
+    """The batch's target forward through transformers' decoder (`_decoder`), same call as `FastLlama`.
 
     Built only for what it computes exactly: layers of full or sliding-window attention (each window applied in
     the masks, `models/attention_windows.py`), and logits as the model's own `*ForCausalLM.forward` gives them
@@ -113,10 +130,13 @@ class HFForward:
 
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
-        self.decoder = model.base_model
+        if part := next((name for name in ("text_config", "vision_config") if hasattr(model.config, name)), None):
+            raise _refuse(model, f"a multimodal model (its config has a {part})",
+                          "load its text model as the target (its own model type, e.g. gemma3_text)")
+        self.decoder = _decoder(model)
         self.head = model.get_output_embeddings()
         if self.decoder is model or self.head is None:
-            raise _refuse(model, "no separate decoder and LM head (`base_model`, `get_output_embeddings`)")
+            raise _refuse(model, "no separate decoder and LM head (`get_decoder`, `get_output_embeddings`)")
         try:
             self.windows = layer_windows(model.config)
         except UnsupportedLayers as error:
@@ -124,24 +144,48 @@ class HFForward:
                           ) from None
         if len(set(self.windows)) > 1 and not _takes_mask_per_kind(self.decoder):
             raise _refuse(model, "mixed full and sliding-window layers whose decoder takes one mask for all")
+        if any(self.windows) and not _masks_its_window(self.decoder):
+            raise _refuse(model, "a sliding_window its decoder applies in flash attention only, not in the masks",
+                          "set sliding_window to null in its config if it is not meant, or use another target")
         self.num_layers = model.config.num_hidden_layers
         self.cache_keyword = cache_keyword(self.decoder)
-        self.logit_transform = self._pick_logits()
-
-    def _pick_logits(self) -> tuple[str, float]:
-        """The logit transform whose output equals the model's own forward's on a short probe (same hidden
-        states, so only rounding may differ); refused when none does."""
-        config = self.model.config
-        ids = (torch.arange(5, device=self.model.device) * 7 + 3).remainder(config.vocab_size)[None]
+        probe = (torch.arange(PROBE_TOKENS, device=model.device) * 7 + 3).remainder(model.config.vocab_size)[None]
         with torch.no_grad():
-            own = self.model(input_ids=ids, use_cache=False).logits.float()
-            raw = self.head(self.decoder(input_ids=ids, use_cache=False).last_hidden_state)
-        tolerance = (1e-4 if self.model.dtype == torch.float32 else 2e-2) * own.abs().max().item()
+            own = model(input_ids=probe, use_cache=False).logits.float()
+        self.tolerance = (1e-3 if model.dtype in (torch.float32, torch.float64) else 5e-2) * own.abs().max().item()
+        self.logit_transform = self._pick_logits(probe, own)
+        self._check_cached_decoding(probe, own)
+
+    def _pick_logits(self, probe: torch.Tensor, own: torch.Tensor) -> tuple[str, float]:
+        """The logit transform whose output equals the model's own forward's logits `own` of `probe` (same
+        hidden states, so only rounding may differ); refused when none does."""
+        config = self.model.config
+        with torch.no_grad():
+            raw = self.head(self.decoder(input_ids=probe, use_cache=False).last_hidden_state)
         for name, value in _logit_transforms(config):
-            if (_transformed(raw, name, value).float() - own).abs().max().item() <= tolerance:
+            if (_transformed(raw, name, value).float() - own).abs().max().item() <= self.tolerance:
                 return name, value
-        raise _refuse(self.model, "its *ForCausalLM.forward transforms the LM head's logits in a way taps does "
-                      "not reproduce (none of: " + ", ".join(n for n, _ in _logit_transforms(config)) + ")")
+        tried = ", ".join(name for name, _ in _logit_transforms(config))
+        raise _refuse(self.model, f"its *ForCausalLM.forward computes logits other than its LM head's ({tried} tried)")
+
+    def _check_cached_decoding(self, probe: torch.Tensor, own: torch.Tensor) -> None:
+        """Decode `probe` as the batch does (a prefill, then two tokens after it through taps' cache and an explicit
+        mask) and hold the logits to the model's own: a decoder that keeps state of its own (looped layers,
+        extra cache layers) or reads the mask otherwise is refused here instead of decoding wrong."""
+        split, device = PROBE_TOKENS - 2, probe.device
+        positions = torch.arange(PROBE_TOKENS, device=device)[None]
+        cache = KVCache(self.num_layers, rows=1)
+        try:
+            self(probe[:, :split], positions[:, :split], None, cache)
+            cache.advance(split)
+            hidden, _ = self(probe[:, split:], positions[:, split:], causal_mask(split, 2, device), cache)
+            error = (self.logits(hidden).float() - own[:, split:]).abs().max().item()
+        except Exception as failure:  # noqa: BLE001 - any failure here is the refusal's reason, named in it
+            raise _refuse(self.model, f"its decoder fails through taps' cache ({type(failure).__name__}: "
+                          f"{str(failure).splitlines()[0][:100] if str(failure) else ''})") from None
+        if error > self.tolerance:
+            raise _refuse(self.model, f"decoding through taps' cache differs from its own forward (|Δ logit| "
+                          f"{error:.3g})")
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's logits of post-norm hidden states, as its own forward gives them (scaled or soft-capped)."""
