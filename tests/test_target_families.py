@@ -128,6 +128,9 @@ def classify(family: str) -> Row | None:
         return Row(family, "not built", _failure(error)) if source_has_rotary(family) else None
     if not has_rotary(shape):
         return None
+    text = shape.config.model_type
+    if text != family and text in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:  # a wrapper whose causal LM is a text model
+        return Row(family, "not built", f"its causal LM is the {text} model: see that row")
     try:  # a multimodal wrapper is refused before its weights are read: its shape (on the meta device) shows it
         wrapper = hasattr(shape.config, "text_config") or hasattr(shape.config, "vision_config")
         model = shape if wrapper else tiny_model(shape.config)
