@@ -11,6 +11,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from oracles import fit_head
 from taps_ray.bench.prompts import first_turns
@@ -64,7 +65,8 @@ def test_the_study_runs_end_to_end_on_a_qwen3_target(ray_session, qwen3_config):
     assert not train["failed"] and sorted(train["trained"]) == ["eagle2-chat", "eagle2-math"]
     evaluation = stages["eval"]
     cells = plan_cells(qwen3_config)  # math and merged, and plain decoding, on two benchmarks at T = 0 and 1
-    assert {cell.proposer for cell in cells} >= {"math", "merged"} and {cell.temperature for cell in cells} == {0.0, 1.0}
+    assert {cell.proposer for cell in cells} >= {"math", "merged"}
+    assert {cell.temperature for cell in cells} == {0.0, 1.0}
     assert evaluation["failed"] == [] and len(evaluation["done"]) == evaluation["cells"] == len(cells)
     summary = pd.read_parquet(ResultsStore(results_dir(qwen3_config)).root / "summary.parquet")
     greedy = summary[summary.temperature == 0.0]
@@ -90,6 +92,9 @@ def test_a_qwen3_head_exports_in_the_layout_vllm_reads(qwen3_target, tmp_path, k
     if kind == "eagle3":
         assert exported["target_hidden_size"] == config.hidden_size
         assert exported["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == head.config.feature_layers
+        # the whole vocabulary: vLLM has no draft-to-target map to load (it refused one, found by the slow test)
+        assert exported["draft_vocab_size"] == config.vocab_size
+        assert not {"d2t", "t2d"} & load_file(str(folder / "model.safetensors")).keys()
     loaded = load_published(folder, target_layers=config.num_hidden_layers)
     for name, tensor in head.trainable_state().items():
         assert torch.equal(loaded.trainable_state()[name], tensor), name
