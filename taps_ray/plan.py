@@ -26,13 +26,13 @@ import transformers
 
 from taps_ray import ray_requests
 from taps_ray.cluster_file import read_cluster
-from taps_ray.config import StudyConfig, load_config
+from taps_ray.config import TINY_TARGETS, StudyConfig, load_config
 from taps_ray.fsio import atomic_write_text
 from taps_ray.decoding.replay_draft import NODE_BUDGET
 from taps_ray.drafting.registry import draft_reach
 from taps_ray.models.draft_head import DraftHead, DraftHeadConfig, eagle3_layers
 from taps_ray.models.kv_cache import grown_capacity
-from taps_ray.models.target import TINY_ALIAS, load_tokenizer, model_source, tiny_llama_config
+from taps_ray.models.target import load_tokenizer, model_source, tiny_model_config
 from taps_ray.ray_requests import RayRequest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -104,8 +104,8 @@ def model_config(cfg: StudyConfig, path: str | Path | None = None) -> Any:
     name = cfg.target.name
     if name in KNOWN_CONFIGS:
         return _config_file(KNOWN_CONFIGS[name])
-    if name == TINY_ALIAS:
-        return tiny_llama_config(cfg.target, load_tokenizer(TINY_ALIAS))
+    if name in TINY_TARGETS:
+        return tiny_model_config(cfg.target, load_tokenizer(name))
     return transformers.AutoConfig.from_pretrained(model_source(name))
 
 
