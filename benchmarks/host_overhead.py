@@ -74,12 +74,13 @@ def decode(target, proposer, prompts, params: SamplingParams, max_new: int, coun
     """One decode of `prompts`; syncs per step (when `count`) or milliseconds per step."""
     counter = SyncCounter() if count else None
     verifier = CountedTarget(TargetBatch(target.model), counter)
+    seeds = list(range(len(prompts)))  # fixed: every run of the benchmark samples the same tokens
     t0 = time.perf_counter()
     if counter is not None:
         with counter:
-            generations = run_loop(verifier, proposer, prompts, params, max_new, stop_ids=[])
+            generations = run_loop(verifier, proposer, prompts, params, max_new, stop_ids=[], seeds=seeds)
     else:
-        generations = run_loop(verifier, proposer, prompts, params, max_new, stop_ids=[])
+        generations = run_loop(verifier, proposer, prompts, params, max_new, stop_ids=[], seeds=seeds)
     wall = time.perf_counter() - t0 - verifier.start_s
     steps = verifier.steps
     accepted = sum(s.accepted for g in generations for s in g.steps)

@@ -38,6 +38,7 @@ from taps_ray.decoding.generate import run_loop  # noqa: E402
 from taps_ray.decoding.target_batch import TargetBatch  # noqa: E402
 from taps_ray.decoding.verify import SamplingParams  # noqa: E402
 from taps_ray.fsio import atomic_write_text  # noqa: E402
+from taps_ray.interop.side import SideVllm  # noqa: E402
 from taps_ray.drafting.proposers import PlainDecoding  # noqa: E402
 from taps_ray.machine import cpu_line  # noqa: E402
 from taps_ray.models.hf_forward import HFForward  # noqa: E402
@@ -76,17 +77,15 @@ def measure(config_path: str, dtype: str, per_benchmark: int, max_new_tokens: in
 
 
 def run_vllm(python: str, model_dir: str, dtype: str, prompts: list[list[int]], stops: list[int],
-             max_new_tokens: int, repetitions: int, threads: int) -> tuple[float, list[list[int]]]:
+             max_new_tokens: int, repetitions: int) -> tuple[float, list[list[int]]]:
     """vLLM plain tokens/s and outputs on the same ids, in its own venv (benchmarks/vllm_plain.py)."""
     with tempfile.TemporaryDirectory() as folder:
         job = Path(folder) / "job.json"
         job.write_text(json.dumps({"model": model_dir, "dtype": dtype, "prompts": prompts, "stops": stops,
                                    "max_new_tokens": max_new_tokens, "repetitions": repetitions}))
-        # vLLM's CPU settings as the project's interop runs use them: a 1 GiB KV cache, `threads` OpenMP threads
-        # without binding (the cores are shared), idle threads sleeping, no preloads
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LD_PRELOAD")}
-        env.update(VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND="nobind",
-                   OMP_WAIT_POLICY="PASSIVE", VLLM_NO_USAGE_STATS="1")
+        # vLLM's CPU settings as the project's interop runs use them: a 1 GiB KV cache, its own thread choice (its
+        # faster setting here), idle threads sleeping, no preloads
+        env = SideVllm(venv=Path(python).parents[1], kv_cache_gib=1).environment()
         result_file = Path(folder) / "result.json"
         done = subprocess.run([python, str(ROOT / "benchmarks" / "vllm_plain.py"), str(job), str(result_file)],
                               env=env, capture_output=True, text=True, timeout=3600)
@@ -135,7 +134,7 @@ def main() -> int:
         f"{args.max_new_tokens} new tokens, {2 * args.per_benchmark} prompts (GSM8K + MT-Bench first turns, "
         f"taps bench's ids), {args.repetitions} repetitions. `plain`: our loop on `target.forward: fast`; "
         "`plain-hf`: on `target.forward: hf`; `hf-greedy`: transformers' generate. These three are interleaved; "
-        "vLLM (VLLM_CPU_KVCACHE_SPACE=1, OMP threads unbound, no preloads, its default torch.compile) runs after them in "
+        "vLLM (VLLM_CPU_KVCACHE_SPACE=1, its own thread choice: OMP_NUM_THREADS unset, no preloads, its default torch.compile) runs after them in "
         "its own process. A shared machine: read ratios within one dtype, not absolute speeds.", "",
         "| dtype | method | tokens/s | vs hf-greedy | vs plain-hf | identical to hf-greedy |",
         "|---|---|---|---|---|---|",
@@ -149,7 +148,7 @@ def main() -> int:
             cfg = load_config(args.config)
             vllm = dict(zip(("vllm plain", "vllm outputs"), run_vllm(
                 args.vllm_python, str(model_source(cfg.target.name)), dtype, prompts, stops, args.max_new_tokens,
-                args.repetitions, args.threads)))
+                args.repetitions)))
             lines += rows(dtype, {"vllm plain": vllm["vllm plain"]},
                           {"vllm plain": vllm["vllm outputs"], "hf-greedy": outputs["hf-greedy"]}, speed)
             lines.append(f"| {dtype} | plain / vllm plain | {speed['plain'] / vllm['vllm plain']:.2f}x | | | |")

@@ -10,131 +10,218 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from importlib import metadata
+from pathlib import Path
+from typing import NoReturn
 
 from taps_ray.config import HEAD_KINDS, ConfigError, load_config, with_overrides
 from taps_ray.data.commands import cmd_list, cmd_show
 from taps_ray.data.sources import DataUnavailable
 from taps_ray.drafting.names import UnknownProposer
+from taps_ray.fsio import OutputRefused, check_new_output
 from taps_ray.interop.side import VllmUnavailable
+from taps_ray.spelling import did_you_mean
 from taps_ray.workdir import head_checkpoint
 
 Handler = Callable[[argparse.Namespace], int]
+DATA_DIR_HELP = "local data folder (default: $TAPS_DATA_DIR); searched before packages and the Hub"
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Each option's default in its help (unless its help already says it, or there is none to say), and the
+    example epilog kept as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        silent = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if silent or "default" in text or not action.option_strings:
+            return text
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: the problem, then where the usage is (exit 2, as argparse)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
+
+
+def _command(commands: argparse._SubParsersAction, name: str, text: str, example: str, **kwargs) -> _Parser:
+    """A subcommand with its defaults and one example in its help; `--data-dir` also works after it."""
+    parser = commands.add_parser(name, help=text, description=kwargs.pop("description", text),
+                                 epilog=f"example:\n  {example}", formatter_class=_Help, **kwargs)
+    parser.add_argument("--data-dir", default=argparse.SUPPRESS, help=DATA_DIR_HELP)
+    return parser
 
 
 def _add_config(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="study config, e.g. configs/cpu.yaml")
 
 
+def _alias(parser: argparse.ArgumentParser, old: str, action: argparse.Action) -> None:
+    """`old`, a former spelling of `action`'s flag, still accepted but hidden from the help."""
+    parser.add_argument(old, dest=action.dest, nargs=action.nargs, type=action.type, choices=action.choices,
+                        default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive count; give 1 or more")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # also false for nan
+        raise argparse.ArgumentTypeError(f"{text} is below 0; give 0 (greedy) or more")
+    return value
+
+
+def _non_empty(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the prompt is empty; give at least one character")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="taps", description="TAPS speculative-decoding drafters on Ray")
-    parser.add_argument(
-        "--data-dir", default=None, help="local data folder (default: $TAPS_DATA_DIR); searched before packages and the Hub"
-    )
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="taps", description="TAPS speculative-decoding drafters on Ray", formatter_class=_Help)
+    parser.add_argument("--version", action="version", version=f"taps {metadata.version('taps-ray')}")
+    parser.add_argument("--data-dir", default=None, help=DATA_DIR_HELP)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    data = commands.add_parser("data", help="list the data sets and where they come from, or show examples")
-    data_commands = data.add_subparsers(dest="data_command", required=True)
-    data_commands.add_parser("list", help="every data set with its role, source and row count")
-    show = data_commands.add_parser("show", help="print the first examples of a data set")
+    data = _command(commands, "data", "list the data sets and where they come from, or show examples",
+                    "taps data show gsm8k -n 3")
+    data_commands = data.add_subparsers(dest="data_command", required=True, parser_class=_Parser)
+    _command(data_commands, "list", "every data set with its role, source and row count", "taps data list")
+    show = _command(data_commands, "show", "print the first examples of a data set", "taps data show gsm8k -n 3")
     show.add_argument("name", help="mt_bench, gsm8k, math_500, svamp, sharegpt or mathinstruct")
-    show.add_argument("-n", type=int, default=3, help="number of examples (default 3)")
+    show.add_argument("-n", type=_positive_int, default=3, help="number of examples")
 
-    features = commands.add_parser("features", help="extract and cache the target's features of training mixtures")
+    features = _command(commands, "features", "extract and cache the target's features of training mixtures",
+                        "taps features --config configs/cpu.yaml --mixture math")
     _add_config(features)
     features.add_argument("--mixture", default=None, help="one mixture (default: every mixture a head trains on)")
 
-    train = commands.add_parser("train", help="train (or resume) one draft head on one mixture")
+    train = _command(commands, "train", "train (or resume) one draft head on one mixture",
+                     "taps train --config configs/cpu.yaml --kind eagle2 --mixture math")
     _add_config(train)
-    train.add_argument("--kind", choices=HEAD_KINDS, required=True)
+    train.add_argument("--kind", choices=HEAD_KINDS, required=True, help="head kind")
     train.add_argument("--mixture", required=True, help="a mixture name from the config (math, chat, mixed, ...)")
 
-    search = commands.add_parser(
-        "search", help="Ray Tune + ASHA over the math/chat ratio (and size) of a mixture; saves the `searched` head")
+    search = _command(commands, "search", "Ray Tune + ASHA over the math/chat ratio (and size) of a mixture; saves "
+                      "the `searched` head", "taps search --config configs/cpu.yaml --quick")
     _add_config(search)
     search.add_argument("--quick", action="store_true",
                         help="the sweep's shrunken study, at most 4 trials of 2 epochs (own work dir)")
 
-    export = commands.add_parser("export", help="write a trained head in the EAGLE / EAGLE-3 layout vLLM and SGLang load")
+    export = _command(commands, "export", "write a trained head in the EAGLE / EAGLE-3 layout vLLM and SGLang load",
+                      "taps export --config configs/cpu.yaml --kind eagle2 --mixture math --out exported/math")
     _add_config(export)
-    export.add_argument("--kind", choices=HEAD_KINDS, required=True)
+    export.add_argument("--kind", choices=HEAD_KINDS, required=True, help="head kind")
     export.add_argument("--mixture", required=True, help="a mixture name from the config (math, chat, mixed, ...)")
-    export.add_argument("--out", required=True, help="the checkpoint folder to write (see docs/export.md)")
+    export.add_argument("--out", required=True, help="the new checkpoint folder to write (see docs/export.md)")
+    export.add_argument("--force", action="store_true", help="replace what is at --out (atomically)")
     export.add_argument("--layout", choices=["eagle", "eagle3"], default=None,
                         help="default: eagle3 for eagle3 heads, eagle for eagle2 and hass heads")
     export.add_argument("--engine", choices=["vllm", "sglang"], default="vllm",
                         help="whose conventions the folder follows: EAGLE class name, fc bias, EAGLE-3 layer ids "
-                        "(docs/export.md; default vllm)")
+                        "(docs/export.md)")
 
-    agreement = commands.add_parser("agreement", help="measure the held-out agreement of every trained head (cached)")
+    agreement = _command(commands, "agreement", "measure the held-out agreement of every trained head (cached)",
+                         "taps agreement --config configs/cpu.yaml")
     _add_config(agreement)
 
-    evaluate = commands.add_parser("eval", help="evaluate proposers × benchmarks × temperatures (resumable)")
+    evaluate = _command(commands, "eval", "evaluate proposers x benchmarks x temperatures (resumable)",
+                        "taps eval --config configs/cpu.yaml --kind eagle2 --proposers math chat --benchmarks gsm8k")
     _add_config(evaluate)
-    evaluate.add_argument("--kinds", nargs="+", choices=HEAD_KINDS, help="default: train.kinds")
+    _alias(evaluate, "--kinds", evaluate.add_argument("--kind", nargs="+", choices=HEAD_KINDS, dest="kinds",
+                                                      help="head kinds (default: train.kinds)"))
     evaluate.add_argument("--proposers", nargs="+", help="default: eval.proposers")
     evaluate.add_argument("--benchmarks", nargs="+", help="default: every benchmark in eval.benchmarks")
-    evaluate.add_argument("--temperatures", nargs="+", type=float, help="default: eval.temperatures")
+    evaluate.add_argument("--temperatures", nargs="+", type=_non_negative_float, help="default: eval.temperatures")
 
-    gen = commands.add_parser("generate", help="decode one prompt with a proposer; prints tau and the speedup")
+    gen = _command(commands, "generate", "decode one prompt with a proposer; prints tau and the speedup",
+                   'taps generate --config configs/cpu.yaml --proposer routed --prompt "What is 17*23?"')
     _add_config(gen)
-    gen.add_argument("--proposer", default="math", help="plain, a head (math, chat, ...) or a combination")
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--kind", choices=HEAD_KINDS, default="eagle2")
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--proposer", default="math", help="plain, a head (math, chat, ...), a combination (routed, "
+                     "merged, ...) or any proposer name of docs/algorithms.md")
+    gen.add_argument("--prompt", required=True, type=_non_empty, help="the user turn")
+    gen.add_argument("--kind", choices=HEAD_KINDS, default="eagle2", help="head kind")
+    gen.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0: greedy")
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=128, help="answer length limit")
+    gen.add_argument("--repetitions", type=_positive_int, default=2,
+                     help="timed runs of each of plain and the proposer, interleaved, after one warm-up each")
     gen.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None, help="default: the config's")
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
 
-    report = commands.add_parser("report", help="regenerate the report (tables, plots, findings) from the results store")
+    report = _command(commands, "report", "regenerate the report (tables, plots, findings) from the results store",
+                      "taps report --config configs/cpu.yaml --results reports/results")
     _add_config(report)
     report.add_argument("--results", default=None,
                         help="results store or a report's results/ copy (e.g. reports/results); default: the "
                              "config's work_dir/results")
 
-    heads = commands.add_parser("heads-report", help="write heads.md from the trained heads' metrics and agreement")
+    heads = _command(commands, "heads-report", "write heads.md from the trained heads' metrics and agreement",
+                     "taps heads-report --config configs/cpu.yaml")
     _add_config(heads)
-    heads.add_argument("--output", default=None, help="folder for heads.md (default: the config's reports_dir)")
+    _alias(heads, "--output", heads.add_argument("--out", default=None,
+                                                 help="folder for heads.md (default: the config's reports_dir)"))
     heads.add_argument("--render-only", action="store_true",
                        help="only re-render heads.md from the heads.json in that folder")
 
-    sweep = commands.add_parser("sweep", help="the whole study on Ray: data, features, train (Tune), eval, report")
-    from taps_ray.study.sweep import add_arguments as _sweep_arguments  # late: torch, Ray Tune, matplotlib
+    sweep = _command(commands, "sweep", "the whole study on Ray: data, features, train (Tune), eval, report",
+                     "taps sweep --config configs/cpu.yaml --quick")
+    _add_config(sweep)
+    sweep.add_argument("--quick", action="store_true",
+                       help="a shrunken study that finishes in minutes (own work dir, its config saved there)")
+    sweep.add_argument("--stages", default=None,
+                       help="comma-separated subset of data,features,train,eval,report (default: all)")
+    sweep.add_argument("--address", default=None, help="Ray address (default: ray.address of the config; 'auto' joins)")
+    sweep.add_argument("--work-dir", default=None, help="override work_dir (use an absolute path on a cluster)")
+    sweep.add_argument("--reports-dir", default=None, help="override reports_dir")
 
-    _sweep_arguments(sweep)
+    plan = _command(commands, "plan", "GPU, host memory and disk per actor kind, and whether each fits the cluster's "
+                    "node types (exit 1 when one does not)",
+                    "taps plan --config configs/paper.yaml --cluster cluster.yaml")
+    _add_config(plan)
+    plan.add_argument("--cluster", default=None, help="Ray cluster config whose node types to check, e.g. cluster.yaml")
+    plan.add_argument("--model-config", default=None, help="the target's config.json (offline); default: "
+                      "configs/models/ for known targets, else the model's folder or Hub id")
+    _alias(plan, "--doc", plan.add_argument("--out", default=None,
+                                            help="write the plan into this markdown file's generated block"))
 
-    plan = commands.add_parser("plan", help="GPU, host memory and disk per actor kind, and whether each fits the "
-                               "cluster's node types (exit 1 when one does not)")
-    from taps_ray.plan import add_arguments as _plan_arguments  # late: plan loads torch and transformers
-
-    _plan_arguments(plan)
-
-    serve_cmd = commands.add_parser("serve", help="OpenAI-compatible HTTP service of the target and heads (Ray Serve)")
+    serve_cmd = _command(commands, "serve", "OpenAI-compatible HTTP service of the target and heads (Ray Serve)",
+                         "taps serve --config configs/cpu.yaml --port 8000")
     _add_config(serve_cmd)
     serve_cmd.add_argument("--host", default=None, help="listen address (default: serve.host, 127.0.0.1)")
     serve_cmd.add_argument("--port", type=int, default=None, help="port (default: serve.port, 8000)")
-    serve_cmd.add_argument("--head-kind", choices=HEAD_KINDS, default=None, help="default: serve.head_kind")
-    bench = commands.add_parser("bench", help="wall-clock speed vs plain decoding, HF greedy, prompt lookup, assisted",
-                                argument_default=argparse.SUPPRESS,
-                                description="Every option defaults to the full `make bench` run (taps_ray/bench/run.py).")
+    _alias(serve_cmd, "--head-kind", serve_cmd.add_argument("--kind", choices=HEAD_KINDS, default=None,
+                                                            help="head kind (default: serve.head_kind)"))
+    bench = _command(commands, "bench", "wall-clock speed vs plain decoding, HF greedy, prompt lookup, assisted",
+                     "taps bench --config configs/cpu.yaml --proposers math --per-benchmark 4 --no-peers",
+                     argument_default=argparse.SUPPRESS,
+                     description="Every option defaults to the full `make bench` run (taps_ray/bench/run.py).")
     _add_config(bench)
-    bench.add_argument("--kind", choices=HEAD_KINDS)
+    bench.add_argument("--kind", choices=HEAD_KINDS, help="head kind")
     bench.add_argument("--proposers", nargs="+", help="our proposers besides plain")
-    bench.add_argument("--per-benchmark", type=int, help="first turns per benchmark, spread through each set")
+    bench.add_argument("--per-benchmark", type=_positive_int, help="first turns per benchmark, spread through each set")
     bench.add_argument("--benchmarks", nargs="+", choices=("gsm8k", "mt_bench", "math_500", "svamp"))
-    bench.add_argument("--per-category", type=int, help="prompts per out-of-domain category")
+    bench.add_argument("--per-category", type=_positive_int, help="prompts per out-of-domain category")
     bench.add_argument("--categories", nargs="*", help="out-of-domain categories (code translation writing reasoning)")
-    bench.add_argument("--max-new-tokens", type=int)
-    bench.add_argument("--repetitions", type=int)
+    bench.add_argument("--max-new-tokens", type=_positive_int)
+    bench.add_argument("--repetitions", type=_positive_int)
     bench.add_argument("--dtype", nargs="+", choices=("fp32", "bf16", "fp16"), dest="dtypes",
                        help="one run and one report section per dtype (default: fp32 bf16)")
     bench.add_argument("--narrow", nargs="*", choices=("fp32", "bf16", "fp16"), dest="narrow_dtypes",
                        help="dtypes that decode only the first benchmark (default: bf16; none: all decode all)")
     bench.add_argument("--trees", nargs="+", metavar="T/D/K",
                        help="also time the first proposer with these trees (total_token/depth/top_k), e.g. 8/3/2")
-    bench.add_argument("--slow-peer-prompts", type=int, help="prompts per benchmark / category for HF assisted")
+    bench.add_argument("--slow-peer-prompts", type=_positive_int, help="prompts per benchmark / category for HF assisted")
     bench.add_argument("--no-peers", action="store_false", dest="peers", help="skip the HF methods (quick tree tuning)")
-    bench.add_argument("--name", help="report name: writes <reports_dir>/<name>.md and <name>_speed.png")
+    _alias(bench, "--name", bench.add_argument("--out", dest="name", metavar="NAME", help="report name: writes "
+                                               "<reports_dir>/<NAME>.md and <NAME>_speed.png (default: bench)"))
     bench.add_argument("--vllm-venv", help="also time vLLM's CPU build from this side venv (`make vllm-venv`): "
                        "plain, n-gram and our exported head of --vllm-head-kind (docs/export.md)")
     bench.add_argument("--vllm-head-kind", choices=HEAD_KINDS, help="the head vLLM drafts with (default eagle3)")
@@ -143,18 +230,22 @@ def build_parser() -> argparse.ArgumentParser:
                        "mode's rows unsuffixed (default: off; reports/vllm_preload.md)")
     bench.add_argument("--vllm-eager", action="store_true", help="vLLM without torch.compile (faster start)")
 
-    interop = commands.add_parser("interop", help="serve our exported heads in vLLM's CPU build and check outputs and "
-                                  "acceptance against our engine (docs/export.md)")
+    interop = _command(commands, "interop", "serve our exported heads in vLLM's CPU build and check outputs and "
+                       "acceptance against our engine (docs/export.md)",
+                       "taps interop --config configs/interop.yaml --vllm-venv .venv-vllm")
     _add_config(interop)
-    interop.add_argument("--kinds", nargs="+", choices=HEAD_KINDS, default=["eagle2", "hass", "eagle3"])
-    interop.add_argument("--mixture", default="math", help="the mixture the heads were trained on (default math)")
-    interop.add_argument("--prompts", type=int, default=6, help="GSM8K first turns (default 6)")
-    interop.add_argument("--max-new-tokens", type=int, default=64)
-    interop.add_argument("--k", type=int, default=3, help="num_speculative_tokens (our chain: k+1 nodes, depth k)")
+    _alias(interop, "--kinds", interop.add_argument("--kind", nargs="+", choices=HEAD_KINDS, dest="kinds",
+                                                    default=["eagle2", "hass", "eagle3"], help="head kinds"))
+    interop.add_argument("--mixture", default="math", help="the mixture the heads were trained on")
+    interop.add_argument("--prompts", type=_positive_int, default=6, help="GSM8K first turns")
+    interop.add_argument("--max-new-tokens", type=_positive_int, default=64, help="answer length limit")
+    interop.add_argument("--k", type=_positive_int, default=3,
+                         help="num_speculative_tokens (our chain: k+1 nodes, depth k)")
     interop.add_argument("--vllm-venv", default=None, help="vLLM's side venv (default $TAPS_VLLM_VENV or .venv-vllm)")
     interop.add_argument("--vllm-preload", action="store_true",
                          help="preload tcmalloc + libiomp5 into vLLM, as its CPU notes suggest (default off)")
-    interop.add_argument("--name", default="interop", help="writes <reports_dir>/<name>.md")
+    _alias(interop, "--name", interop.add_argument("--out", dest="name", metavar="NAME", default="interop",
+                                                   help="report name: writes <reports_dir>/<NAME>.md"))
     return parser
 
 
@@ -170,14 +261,16 @@ def _data(args: argparse.Namespace) -> int:
 def _features(args: argparse.Namespace) -> int:
     from taps_ray.training.commands import cmd_features  # late: torch and transformers (this command only)
 
-    cmd_features(_config(args), args.mixture)
+    config = _config(args)
+    cmd_features(config, args.mixture and _mixture(config, args.mixture))
     return 0
 
 
 def _train(args: argparse.Namespace) -> int:
     from taps_ray.training.commands import cmd_train  # late: torch and transformers (this command only)
 
-    cmd_train(_config(args), args.kind, args.mixture)
+    config = _config(args)
+    cmd_train(config, args.kind, _mixture(config, args.mixture))
     return 0
 
 
@@ -191,10 +284,15 @@ def _export(args: argparse.Namespace) -> int:
     from taps_ray.models.draft_head import DraftHead  # late: torch (this command only)
     from taps_ray.models.published import export_head  # late: torch, safetensors (this command only)
 
-    folder = head_checkpoint(_config(args), args.kind, args.mixture)
+    out = check_new_output(args.out, args.force)
+    config = _config(args)
+    folder = head_checkpoint(config, args.kind, _mixture(config, args.mixture))
     if not folder.is_dir():
         raise FileNotFoundError(f"no trained {args.kind} head for mixture {args.mixture!r} at {folder}; train it first")
-    out = export_head(DraftHead.load(folder), args.out, args.layout, args.engine)
+    try:
+        out = export_head(DraftHead.load(folder), out, args.layout, args.engine)
+    except OSError as error:  # e.g. the disk filled up or turned read-only while writing
+        raise OutputRefused(f"--out {out}: {error.strerror or error}; nothing was written, choose another path") from None
     print(f"wrote {out} for {args.engine} (serve commands: docs/export.md)")
     return 0
 
@@ -217,11 +315,9 @@ def _eval(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from taps_ray.eval.commands import cmd_generate  # late: torch, transformers, pandas (this command only)
 
-    if args.temperature < 0 or args.max_new_tokens < 1:
-        raise ValueError("--temperature must be >= 0 and --max-new-tokens >= 1")
     return cmd_generate(
         _config(args), args.proposer, args.prompt, args.kind, args.temperature, args.max_new_tokens,
-        DTYPES[args.dtype], args.json, args.seed,
+        DTYPES[args.dtype], args.json, args.seed, args.repetitions,
     )
 
 
@@ -240,8 +336,11 @@ def _heads_report(args: argparse.Namespace) -> int:
     from taps_ray.report.heads import build_heads_report, rerender_heads_md  # late: matplotlib, torch
 
     config = _config(args)
-    folder = args.output or config.reports_dir
+    folder = args.out or config.reports_dir
     if args.render_only:
+        if not (Path(folder) / "heads.json").is_file():
+            raise FileNotFoundError(f"no heads.json in {folder} to re-render; run `taps heads-report --config "
+                                    f"{args.config}` without --render-only first")
         rerender_heads_md(folder)
     else:
         build_heads_report(config, folder)
@@ -261,12 +360,12 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from taps_ray.serve.app import cmd_serve  # late: Ray Serve, torch, transformers (this command only)
+    from taps_ray.serve.process import cmd_serve  # late: Ray Serve, torch, transformers (this command only)
 
     config = _config(args)
-    if args.head_kind:
-        config = config.model_copy(update={"serve": config.serve.model_copy(update={"head_kind": args.head_kind})})
-    cmd_serve(config, args.host, args.port, blocking=True)
+    if args.kind:
+        config = config.model_copy(update={"serve": config.serve.model_copy(update={"head_kind": args.kind})})
+    cmd_serve(config, args.host, args.port)
     return 0
 
 
@@ -324,6 +423,14 @@ HANDLERS: dict[str, Handler] = {
 
 def _config(args: argparse.Namespace):
     return with_overrides(load_config(args.config), data_dir=args.data_dir)
+
+
+def _mixture(config, name: str) -> str:
+    """`name` once it is a mixture of the config; else a ConfigError naming the near miss and the choices."""
+    if name not in config.mixtures:
+        raise ConfigError(f"mixture {name!r} is not in this config{did_you_mean(name, config.mixtures)}; choose one "
+                          f"of: {', '.join(config.mixtures)}")
+    return name
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

@@ -39,8 +39,13 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
 
+# The random tiny targets for fast tests, by alias: a Llama, and a Qwen3 (per-head q/k norms, head_dim twice
+# hidden_size / heads as Qwen3-4B's 128 against 2560 / 32), both with the SmolLM2 tokenizer.
+TINY_TARGETS = ("tiny-random-llama", "tiny-random-qwen3")
+
+
 class TinyTargetConfig(_Strict):
-    """A randomly initialised Llama built from a config, for fast tests; it borrows the SmolLM2 tokenizer."""
+    """The shape of a random tiny target (`TINY_TARGETS`), built from a config; it borrows the SmolLM2 tokenizer."""
 
     hidden_size: int = Field(64, gt=0)
     intermediate_size: int = Field(128, gt=0)
@@ -54,14 +59,16 @@ class TinyTargetConfig(_Strict):
 class TargetConfig(_Strict):
     name: str = Field(
         "smollm2-135m-instruct",
-        description="an alias (smollm2-135m-instruct, tiny-random-llama), an HF Hub id, or a local HF folder",
+        description="an alias (smollm2-135m-instruct, tiny-random-llama, tiny-random-qwen3), an HF Hub id, "
+        "or a local HF folder",
     )
     dtype: DType = "bfloat16"
     attn_implementation: Literal["eager", "sdpa"] = "sdpa"
     forward: Literal["fast", "hf"] = Field(
-        "fast", description="the verification forward: fast, taps' own Llama forward over the preallocated cache "
-        "(fused projections, no per-step cache copy; transformers' is used where it does not cover the "
-        "architecture); hf, transformers' model. Both compute the same tokens (fp32 greedy)")
+        "fast", description="the verification forward: fast, taps' own forward for Llama, Mistral, Qwen2 and Qwen3 "
+        "over the preallocated cache (fused projections, no per-step cache copy; transformers' is used where it "
+        "does not cover the architecture); hf, transformers' decoder (docs/targets.md: every family's forward, "
+        "or why it is refused). Both compute the same tokens (fp32 greedy)")
     compile: Literal["none", "inductor"] = Field(
         "none", description="none: the fast forward runs eager; inductor: its per-layer computation (norms, "
         "projections, RoPE, MLP) runs through torch.compile (the cache write and attention stay eager), compiled "
@@ -76,7 +83,7 @@ class TargetConfig(_Strict):
 
     @model_validator(mode="after")
     def _tiny_needs_settings(self) -> "TargetConfig":
-        if self.name == "tiny-random-llama" and self.tiny is None:
+        if self.name in TINY_TARGETS and self.tiny is None:
             self.tiny = TinyTargetConfig()
         return self
 
@@ -213,6 +220,19 @@ class EvalConfig(_Strict):
         True,
         description="T = 0 cells of draft proposers are replayed from one greedy decode per question, exact and "
         "without a target run per proposer, but with no speed measured; false runs them live",
+    )
+    replay_batch: int = Field(
+        16,
+        gt=0,
+        description="questions of a replayed cell decoded together (one worker session of this many rows, and its "
+        "KV cache, per drafter; sessions merge only up to ray.max_batch rows): it bounds the target worker's replay "
+        "KV cache (taps plan)",
+    )
+    traces_on_host: bool = Field(
+        False,
+        description="a drafter keeps its benchmark's greedy traces (target features and the trees its heads drafted "
+        "along them) in host memory and moves one replay batch at a time to its device; false keeps them all on "
+        "the device (taps plan sizes both)",
     )
     live_questions: int | None = Field(
         None,

@@ -103,8 +103,36 @@ def publish_dir(staging: Path, final: Path, *, replace: bool = True) -> bool:
         shutil.rmtree(staging, ignore_errors=True)  # someone else put it there first
         return False
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
     return True
+
+
+def _remove(path: Path) -> None:
+    """Remove a folder tree or a single file (what `publish_dir` swapped out may be either)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+class OutputRefused(ValueError):
+    """A command was asked to write where it must not (something is there, or nothing can be written)."""
+
+
+def check_new_output(path: str | os.PathLike, force: bool, flag: str = "--out") -> Path:
+    """`path` as a Path, once it is a place a new output may go: nothing there (or `force`, to replace it), and a
+    writable folder above it. Called before any work, so a refused output costs nothing and deletes nothing."""
+    path = Path(path)
+    if (path.exists() or path.is_symlink()) and not force:
+        what = "folder" if path.is_dir() else "file"
+        raise OutputRefused(f"{flag} {path}: a {what} is already there; choose a new path, or add --force to "
+                            "replace it")
+    parent = next((p for p in path.absolute().parents if p.exists()), Path("/"))
+    if not parent.is_dir():
+        raise OutputRefused(f"{flag} {path}: {parent} is a file, not a folder; choose a path under a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputRefused(f"{flag} {path}: {parent} is not writable (read-only or not yours); choose another path")
+    return path
 
 
 @contextlib.contextmanager

@@ -23,13 +23,16 @@ from typing import Any
 
 import torch
 import transformers
-import yaml
 
 from taps_ray import ray_requests
-from taps_ray.config import StudyConfig, load_config
+from taps_ray.cluster_file import read_cluster
+from taps_ray.config import TINY_TARGETS, StudyConfig, load_config
 from taps_ray.fsio import atomic_write_text
+from taps_ray.decoding.replay_draft import NODE_BUDGET
+from taps_ray.drafting.registry import draft_reach
 from taps_ray.models.draft_head import DraftHead, DraftHeadConfig, eagle3_layers
-from taps_ray.models.target import TINY_ALIAS, load_tokenizer, model_source, tiny_llama_config
+from taps_ray.models.kv_cache import grown_capacity
+from taps_ray.models.target import load_tokenizer, model_source, tiny_model_config
 from taps_ray.ray_requests import RayRequest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,9 +47,18 @@ GPU_MEMORY_MIB = {"A10G": 23_028, "L4": 23_034, "A100": 40_960, "A100-80G": 81_9
                   "H100": 81_559, "H200": 143_771}
 # assumptions, each printed with the plan
 AVG_TOKENS = {"mathinstruct": 300, "sharegpt": 1_100}  # tokens per conversation after truncation, chat template on
-EVAL_CONTEXT = 4_096  # tokens a decoding sequence may reach (MT-Bench's second turns: ~2,400 at 1,024 new per turn)
+PROMPT_TOKENS = 400  # the longest question with the system prompt and chat template (the paper's benchmarks)
+TURNS = {"mt_bench": 2}  # turns per question (others: 1); a later turn's prompt carries the earlier answers
 CUDA_CONTEXT = 1.5 * GB  # CUDA context and allocator slack per GPU process
 LIBRARIES = 3.0 * GB  # Python, torch, CUDA and transformers libraries in host memory
+HEADROOM = 0.10  # an actor fits when its need leaves this share of its GPU (and of its host memory request) free
+# on a GPU, SDPA runs a fused kernel (flash or memory-efficient) that allocates no [heads, T, T] attention scores;
+# the CPU's math path does (benchmarks/gpu_smoke.py reports which kernel a GPU runs)
+FUSED_ATTENTION = True
+TREE_BYTES = 8 + 8 + 4 + 4  # a drafted node kept for replay: token, parent (int64), confidence, entropy (fp32)
+# bytes per logit that verifying a tree by sampling (T > 0) allocates beside the logits themselves: its fp32
+# probabilities, residuals and draws (measured: tests/test_memory_plan.py; greedy verification allocates none)
+SAMPLING_BYTES = 15
 ACCELERATOR_PREFIX = "accelerator_type:"
 
 
@@ -75,6 +87,8 @@ class Shapes:
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 2
 
+    feature_width: int = 0  # values per position of the features replay keeps (d, or 3d with EAGLE-3)
+
     @property
     def parts(self) -> int:
         """A drafter's (and a trial's) share of the target: embeddings + LM head."""
@@ -90,8 +104,8 @@ def model_config(cfg: StudyConfig, path: str | Path | None = None) -> Any:
     name = cfg.target.name
     if name in KNOWN_CONFIGS:
         return _config_file(KNOWN_CONFIGS[name])
-    if name == TINY_ALIAS:
-        return tiny_llama_config(cfg.target, load_tokenizer(TINY_ALIAS))
+    if name in TINY_TARGETS:
+        return tiny_model_config(cfg.target, load_tokenizer(name))
     return transformers.AutoConfig.from_pretrained(model_source(name))
 
 
@@ -116,24 +130,47 @@ def shapes(config: Any, kinds: list[str]) -> Shapes:
     embed = model.get_input_embeddings().weight
     out = model.get_output_embeddings().weight
     tied = out is embed
-    return Shapes(config, total, embed.numel(), 0 if tied else out.numel(), heads)
+    width = config.hidden_size * (3 if "eagle3" in kinds else 1)
+    return Shapes(config, total, embed.numel(), 0 if tied else out.numel(), heads, width)
+
+
+HELD, TRANSIENT, FIXED = "held", "transient", "fixed"
+
+
+@dataclass(frozen=True)
+class Term:
+    """One memory term: its bytes, the config setting that bounds it, and whether the actor keeps it (HELD), needs
+    it during one computation (TRANSIENT: an actor runs one at a time, so only its largest counts) or pays it
+    whatever the config (FIXED: CUDA context, libraries)."""
+
+    label: str
+    bytes: float
+    knob: str
+    kind: str = HELD
 
 
 @dataclass
 class Need:
-    """What one actor kind needs: GPU and host bytes, each with its terms (label, bytes)."""
+    """What one actor kind needs in GPU and host memory, term by term."""
 
     kind: str
-    gpu: list[tuple[str, float]] = field(default_factory=list)
-    host: list[tuple[str, float]] = field(default_factory=list)
+    gpu: list[Term] = field(default_factory=list)
+    host: list[Term] = field(default_factory=list)
 
     @property
     def gpu_bytes(self) -> float:
-        return sum(b for _, b in self.gpu)
+        return total(self.gpu)
 
     @property
     def host_bytes(self) -> float:
-        return sum(b for _, b in self.host)
+        return total(self.host)
+
+
+def total(terms: list[Term], kinds: tuple[str, ...] = (HELD, TRANSIENT, FIXED)) -> float:
+    """Held and fixed terms add up; of the transient ones only the largest counts (one computation at a time)."""
+    held = sum(t.bytes for t in terms if t.kind != TRANSIENT and t.kind in kinds)
+    peak = max((t.bytes for t in terms if t.kind == TRANSIENT), default=0.0) if TRANSIENT in kinds else 0.0
+    return held + peak
 
 
 def _dtype_bytes(name: str) -> int:
@@ -155,72 +192,154 @@ def feature_bytes_per_token(cfg: StudyConfig, s: Shapes) -> int:
     return per
 
 
+def eval_context(cfg: StudyConfig) -> tuple[int, int]:
+    """(prefill, final) slots of the longest decoding sequence: the last turn's prompt (earlier answers
+    included), then `max_new_tokens`, the replay's lookahead and one verified tree past it."""
+    turns = max(TURNS.get(b, 1) for b in cfg.eval.benchmarks)
+    prefill = PROMPT_TOKENS + (turns - 1) * cfg.eval.max_new_tokens
+    return prefill, prefill + cfg.eval.max_new_tokens + draft_reach(cfg.tree) + cfg.tree.total_token + 1
+
+
+def trace_tokens(cfg: StudyConfig, benchmark: str) -> tuple[int, int]:
+    """(positions with features, root positions with drafted trees) of one question's greedy traces, all turns:
+    each turn's prompt (earlier answers included) and answer, `max_new_tokens` at most, plus the lookahead."""
+    new, reach = cfg.eval.max_new_tokens, draft_reach(cfg.tree)
+    turns = TURNS.get(benchmark, 1)
+    return sum(PROMPT_TOKENS + t * new + new + reach for t in range(turns)), turns * new
+
+
 def needs(cfg: StudyConfig, s: Shapes) -> dict[str, Need]:
-    """GPU and host memory of each actor kind (`ray_requests.KINDS`)."""
+    """GPU and host memory of each actor kind (`ray_requests.KINDS`), each term with the knob that bounds it."""
     w = _dtype_bytes(cfg.target.dtype)
     eval_w = _dtype_bytes(cfg.eval.dtype or cfg.target.dtype)
     d, v, inter = s.hidden, s.vocab, s.config.intermediate_size
-    kv = s.kv_bytes_per_token
-    weights = s.total * w
-    heads_loaded = sum(s.head[k] for k in cfg.train.kinds) * len(cfg.head_mixtures())
-    tree = cfg.tree.total_token
+    layers = s.config.num_hidden_layers
+    kv = s.kv_bytes_per_token * eval_w // 2  # kv_bytes_per_token counts 2-byte values
+    ev, r, tree = cfg.eval, cfg.ray, cfg.tree.total_token
+    mixtures = len(cfg.head_mixtures())
+    heads_loaded = sum(s.head[k] for k in cfg.train.kinds) * mixtures
+    kind_heads = max(s.head[k] for k in cfg.train.kinds) * mixtures  # a drafter holds one kind's heads at a time
+    vocab_rows = cfg.tree.draft_vocab_size or v
+
+    math_path = cfg.target.device == "cpu" or not FUSED_ATTENTION
+
+    def scores(rows: int, length: int, width: int) -> float:
+        """A padded prefill's attention: its boolean mask, and on the CPU (SDPA's math path) one layer's scores
+        per head; on a GPU SDPA's fused kernels take the mask and allocate no scores (FUSED_ATTENTION)."""
+        return rows * length * length * ((s.config.num_attention_heads * width if math_path else 0) + 1)
+
+    CUDA = Term("CUDA context, allocator slack", CUDA_CONTEXT, "-", FIXED)
+    libraries = Term("libraries", LIBRARIES, "-", FIXED)
+    prefill, final = eval_context(cfg)
+    capacity = grown_capacity(prefill, final)
+    # rows a session holds: a live cell's questions, or a replayed cell's; one session per drafter at a time
+    session = max(ev.batch_size, ev.replay_batch if ev.replay else 0)
+    per_worker = math.ceil(r.num_drafters / r.num_target_workers)
     out: dict[str, Need] = {}
 
-    batch = cfg.ray.max_batch
+    longest = final - tree - 1  # a replay's features forward: a whole prompt + answer + lookahead at once
     out["target_worker"] = Need("target_worker", gpu=[
-        ("weights", s.total * eval_w),
-        (f"KV cache, {batch} sequences x {EVAL_CONTEXT:,} tokens", batch * EVAL_CONTEXT * kv),
-        (f"verification forward: logits {batch} x {tree} x V, fp32 softmax", batch * tree * v * (eval_w + 4)),
-        ("CUDA context, allocator slack", CUDA_CONTEXT),
-    ], host=[("libraries", LIBRARIES), ("weights staged on the CPU", s.total * eval_w)])
+        Term("weights", s.total * eval_w, "target.name, eval.dtype"),
+        Term(f"KV cache: {per_worker} drafters x one session of {session} rows (replayed cells' sessions of "
+             f"eval.replay_batch rows merge only up to ray.max_batch) x {capacity:,} slots (the doubling growth "
+             f"from a {prefill:,}-token prefill to {final:,})", per_worker * session * capacity * kv,
+             "eval.replay_batch, eval.batch_size, ray.num_drafters / ray.num_target_workers, eval.max_new_tokens"),
+        Term(f"verification forward: logits {r.max_batch} x {tree + 1} x V and sampling them",
+             r.max_batch * (tree + 1) * v * (eval_w + SAMPLING_BYTES), "ray.max_batch, tree.total_token", TRANSIENT),
+        Term(f"prefill of {session} x {longest:,} tokens (a replay's features forward): one layer's activations "
+             "and attention scores, the features kept", session * longest * (3 * d + 3 * inter + s.feature_width)
+             * eval_w + scores(session, longest, eval_w), "eval.replay_batch, eval.max_new_tokens", TRANSIENT),
+        CUDA,
+    ], host=[libraries, Term("weights staged on the CPU", s.total * eval_w, "target.name, eval.dtype")])
 
-    sessions = cfg.eval.batch_size
-    vocab_rows = cfg.tree.draft_vocab_size or v
+    per_head = tree * TREE_BYTES  # one root position's drafted tree
+    heads = mixtures  # the heads of one kind keep their trees along the traces
+
+    def trace_bytes(benchmark: str, heads: int) -> float:
+        """One question's traces: features at every position, trees of `heads` heads at every root."""
+        positions, roots = trace_tokens(cfg, benchmark)
+        return positions * s.feature_width * eval_w + roots * heads * per_head
+
+    biggest = max(ev.benchmarks, key=lambda b: ev.benchmarks[b] * trace_bytes(b, heads))
+    questions = ev.benchmarks[biggest]
+    cache = questions * trace_bytes(biggest, heads) if ev.replay else 0.0
+    batch = ev.replay_batch * max(trace_bytes(b, mixtures) for b in ev.benchmarks)
+    positions, roots = trace_tokens(cfg, biggest)
+    trace_label = (f"greedy traces of {biggest} ({questions:,} questions): features of {positions:,} positions, "
+                   f"trees of {heads} heads at {roots:,} roots")
+    on_gpu = ([Term(f"one replay batch of traces on the GPU: {ev.replay_batch} questions' features and trees",
+                    batch, "eval.replay_batch, eval.max_new_tokens")] if ev.traces_on_host
+              else [Term(trace_label, cache, "eval.traces_on_host, eval.benchmarks, eval.max_new_tokens")])
+    on_host = [Term(trace_label, cache, "eval.traces_on_host, eval.benchmarks, eval.max_new_tokens")] if ev.traces_on_host else []
     out["drafter"] = Need("drafter", gpu=[
-        ("embeddings + LM head", s.parts * eval_w),
-        (f"heads: {len(cfg.train.kinds)} kind(s) x {len(cfg.head_mixtures())} mixtures", heads_loaded * eval_w),
-        (f"its KV cache (one layer), {sessions} x {EVAL_CONTEXT:,} tokens",
-         sessions * EVAL_CONTEXT * kv / s.config.num_hidden_layers),
-        ("drafting one depth: fp32 softmax", sessions * cfg.tree.top_k * vocab_rows * 4),
-        ("CUDA context, allocator slack", CUDA_CONTEXT),
-    ], host=[("libraries", LIBRARIES), ("embeddings + LM head read from the checkpoint", s.parts * eval_w),
-             ("packed heads, fp32, from the object store", heads_loaded * 4)])
+        Term("embeddings + LM head", s.parts * eval_w, "target.name, eval.dtype"),
+        Term(f"heads of the kind being evaluated: {mixtures} mixtures", kind_heads * eval_w, "train.mixtures"),
+        Term("a combination's stacked copy of them (drafting side by side)", kind_heads * eval_w, "train.mixtures"),
+        Term(f"their KV caches (one layer each), {session} rows x {capacity:,} slots",
+             mixtures * session * capacity * kv / layers, "eval.batch_size, eval.replay_batch"),
+        *([t for t in on_gpu if t.bytes] if ev.replay else []),
+        Term("drafting one depth: fp32 softmax", session * cfg.tree.top_k * vocab_rows * 4, "tree.top_k",
+             TRANSIENT),
+        Term(f"the heads' prefill over a live session's {ev.batch_size} prompts of {prefill:,} tokens: attention "
+             "scores", mixtures * scores(ev.batch_size, prefill, eval_w), "eval.batch_size, train.mixtures",
+             TRANSIENT),
+        Term(f"replay drafting: {NODE_BUDGET:,} nodes x V logits and their fp32 log-probabilities",
+             NODE_BUDGET * vocab_rows * (eval_w + 4) if ev.replay else 0.0, "eval.replay", TRANSIENT),
+        CUDA,
+    ], host=[libraries, Term("embeddings + LM head read from the checkpoint", s.parts * eval_w, "target.name"),
+             Term("packed heads, fp32, from the object store", heads_loaded * 4, "train.kinds, train.mixtures"),
+             *on_host])
 
     fb, length = cfg.features.batch_size, cfg.features.max_len
     out["features_task"] = Need("features_task", gpu=[
-        ("weights", weights),
-        (f"forward of {fb} x {length:,} tokens: hidden + MLP activations", fb * length * (d + 3 * inter) * w),
-        ("per sequence: LM head + fp32 softmax", length * v * (w + 4)),
-        ("CUDA context, allocator slack", CUDA_CONTEXT),
-    ], host=[("libraries", LIBRARIES), ("weights staged on the CPU", weights),
-             ("one shard of output", shard_bytes(cfg, s))])
+        Term("weights", s.total * w, "target.name, target.dtype"),
+        Term(f"forward of {fb} x {length:,} tokens (hidden + MLP activations, attention scores), then per "
+             "sequence its LM head + fp32 softmax beside the batch's outputs",
+             fb * length * (d + 3 * inter) * w + scores(fb, length, w) + length * v * (w + 4),
+             "features.batch_size, features.max_len", TRANSIENT),
+        CUDA,
+    ], host=[libraries, Term("weights staged on the CPU", s.total * w, "target.name"),
+             Term("one shard of output", shard_bytes(cfg, s), "features.shard_size")])
 
     n = cfg.train.batch_size * cfg.features.max_len
     passes = cfg.train.hca_passes if {"hass", "eagle3"} & set(cfg.train.kinds) else 1
     head = max(s.head[k] for k in cfg.train.kinds)
     out["tune_trial"] = Need("tune_trial", gpu=[
-        ("embeddings + LM head, fp32 (no decoder layer: features are cached)", s.parts * 4),
-        ("head weights, gradients, AdamW moments, fp32", 4 * head * 4),
-        (f"target distributions, {n:,} scored tokens x V, fp32", n * vocab_rows * 4),
-        (f"head log-probabilities, {passes} pass(es), kept for backward", passes * n * vocab_rows * 4),
-        (f"layer activations, {passes} pass(es), fp32", passes * n * (3 * inter + 8 * d) * 4),
-        ("CUDA context, allocator slack", CUDA_CONTEXT),
-    ], host=[("libraries", LIBRARIES), ("embeddings + LM head cast to fp32 on the CPU", s.parts * 4),
-             (f"train.shuffle_shards = {cfg.train.shuffle_shards} feature shards",
-              cfg.train.shuffle_shards * shard_bytes(cfg, s))])
+        Term("embeddings + LM head, fp32 (no decoder layer: features are cached)", s.parts * 4, "target.name"),
+        Term("head weights, gradients, AdamW moments, fp32", 4 * head * 4, "train.kinds"),
+        Term(f"one step: target distributions of {n:,} scored tokens x V, and per pass ({passes}) the head's "
+             "log-probabilities and layer activations kept for backward, fp32",
+             n * vocab_rows * 4 + passes * n * (vocab_rows + 3 * inter + 8 * d) * 4,
+             "train.batch_size, features.max_len, train.hca_passes", TRANSIENT),
+        CUDA,
+    ], host=[libraries, Term("embeddings + LM head cast to fp32 on the CPU", s.parts * 4, "target.name"),
+             Term(f"train.shuffle_shards = {cfg.train.shuffle_shards} feature shards",
+                  cfg.train.shuffle_shards * shard_bytes(cfg, s), "train.shuffle_shards, features.shard_size")])
 
     sv = cfg.serve
     serve_heads = s.head[sv.head_kind] * len(cfg.head_mixtures(sv.head_kind))
-    context = sv.max_prompt_tokens + sv.max_tokens_limit + tree
+    serve_final = sv.max_prompt_tokens + sv.max_tokens_limit + tree + 1
+    serve_capacity = grown_capacity(sv.max_prompt_tokens, serve_final)
     out["serve_replica"] = Need("serve_replica", gpu=[
-        ("weights", s.total * eval_w),
-        (f"KV cache, {sv.max_batch_size} sequences x {context:,} tokens", sv.max_batch_size * context * kv),
-        (f"heads of {sv.head_kind}", serve_heads * eval_w),
-        (f"verification forward: logits {sv.max_batch_size} x {tree} x V, fp32 softmax",
-         sv.max_batch_size * tree * v * (eval_w + 4)),
-        ("CUDA context, allocator slack", CUDA_CONTEXT),
-    ], host=[("libraries", LIBRARIES), ("weights staged on the CPU", s.total * eval_w),
-             ("heads read from disk, fp32", serve_heads * 4)])
+        Term("weights", s.total * eval_w, "target.name, eval.dtype"),
+        Term(f"KV cache, {sv.max_batch_size} sequences x {serve_capacity:,} slots (grown to {serve_final:,})",
+             sv.max_batch_size * serve_capacity * kv, "serve.max_batch_size, serve.max_prompt_tokens, "
+             "serve.max_tokens_limit"),
+        Term(f"heads of {sv.head_kind}, and a combination's stacked copy of them", 2 * serve_heads * eval_w,
+             "serve.head_kind, train.mixtures"),
+        Term(f"their KV caches (one layer each), {sv.max_batch_size} sequences x {serve_capacity:,} slots",
+             len(cfg.head_mixtures(sv.head_kind)) * sv.max_batch_size * serve_capacity * kv / layers,
+             "serve.max_batch_size, serve.max_prompt_tokens, serve.max_tokens_limit"),
+        Term(f"verification forward: logits {sv.max_batch_size} x {tree + 1} x V and sampling them",
+             sv.max_batch_size * (tree + 1) * v * (eval_w + SAMPLING_BYTES), "serve.max_batch_size, tree.total_token",
+             TRANSIENT),
+        Term(f"prefill of {sv.max_batch_size} x {sv.max_prompt_tokens:,} tokens: activations, attention scores, "
+             "then the heads' over them", sv.max_batch_size * sv.max_prompt_tokens * (3 * d + 3 * inter) * eval_w
+             + (1 + len(cfg.head_mixtures(sv.head_kind))) * scores(sv.max_batch_size, sv.max_prompt_tokens, eval_w),
+             "serve.max_batch_size, serve.max_prompt_tokens", TRANSIENT),
+        CUDA,
+    ], host=[libraries, Term("weights staged on the CPU", s.total * eval_w, "target.name"),
+             Term("heads read from disk, fp32", serve_heads * 4, "serve.head_kind")])
     return out
 
 
@@ -242,9 +361,10 @@ class NodeType:
 
 
 def node_types(path: str | Path) -> list[NodeType]:
-    config = yaml.safe_load(Path(path).read_text())
-    return [NodeType(name, dict(t.get("resources", {})), t.get("node_config", {}).get("InstanceType", ""))
-            for name, t in config["available_node_types"].items()]
+    """The node types of the Ray cluster config at `path` (validated: `cluster_file.read_cluster`)."""
+    spec = read_cluster(path)
+    return [NodeType(name, dict(t.resources), str(t.node_config.get("InstanceType", "")))
+            for name, t in spec.available_node_types.items()]
 
 
 @dataclass
@@ -265,10 +385,11 @@ def fit(request: RayRequest, need: Need, node: NodeType) -> Fit:
         if node.gpu_bytes is None:
             return Fit(node.name, True, False, f"GPU memory of {node.accelerator or 'its GPU'} unknown to the plan")
         share = request.num_gpus * node.gpu_bytes
-        if need.gpu_bytes > share:
+        if need.gpu_bytes > (1 - HEADROOM) * share:
             return Fit(node.name, True, False, f"needs {need.gpu_bytes / GB:.1f} GB of GPU memory, its "
-                       f"{request.num_gpus:g} x {node.accelerator} share holds {share / GB:.1f} GB")
-        why = f"{need.gpu_bytes / GB:.1f} of {share / GB:.1f} GB GPU"
+                       f"{request.num_gpus:g} x {node.accelerator} share holds {share / GB:.1f} GB, "
+                       f"{(1 - HEADROOM) * share / GB:.1f} GB with {HEADROOM:.0%} headroom")
+        why = f"{need.gpu_bytes / GB:.1f} of {share / GB:.1f} GB GPU, {1 - need.gpu_bytes / share:.0%} free"
     else:
         why = "no GPU asked"
     return Fit(node.name, True, True, why)
@@ -303,11 +424,12 @@ def verdicts(cfg: StudyConfig, s: Shapes, nodes: list[NodeType] | None) -> list[
     for kind, need in needs(cfg, s).items():
         request = ray_requests.request_of(cfg, kind)
         problems = []
+        wanted = math.ceil(need.host_bytes / (1 - HEADROOM) / GB)
         if request.memory is None:
-            problems.append(f"declares no host memory: set {MEMORY_FIELDS[kind]}: {math.ceil(need.host_bytes / GB)}")
-        elif request.memory < need.host_bytes:
-            problems.append(f"{MEMORY_FIELDS[kind]} = {request.memory / GB:g} is below the {need.host_bytes / GB:.1f} GB "
-                            f"it holds: raise it to {math.ceil(need.host_bytes / GB)}")
+            problems.append(f"declares no host memory: set {MEMORY_FIELDS[kind]}: {wanted}")
+        elif request.memory * (1 - HEADROOM) < need.host_bytes:
+            problems.append(f"{MEMORY_FIELDS[kind]} = {request.memory / GB:g} leaves less than {HEADROOM:.0%} "
+                            f"headroom over the {need.host_bytes / GB:.1f} GB it holds: raise it to {wanted}")
         if request.num_gpus == 0 and cfg.target.device != "cpu":
             problems.append(f"asks for no GPU, so it runs the target on the CPU: set {GPU_FIELDS[kind]}")
         fits = [fit(request, need, node) for node in nodes] if nodes is not None else []
@@ -358,20 +480,27 @@ def render(cfg: StudyConfig, s: Shapes, nodes: list[NodeType] | None, command: s
              f"| LM head | {s.lm_head:,} |" if s.lm_head else "| LM head | tied to the embeddings |",
              *[f"| draft head ({kind}) | {n:,} |" for kind, n in s.head.items()],
              f"| KV cache per token | {s.kv_bytes_per_token:,} B |", "",
-             f"Assumptions: evaluation context {EVAL_CONTEXT:,} tokens per sequence; average conversation "
+             f"Assumptions: the longest question {PROMPT_TOKENS:,} tokens with the system prompt, "
+             + ", ".join(f"{b} {n} turns" for b, n in TURNS.items()) + " (others 1; a later turn's prompt carries "
+             f"the earlier answers); average conversation "
              + ", ".join(f"{c} {n:,} tokens" for c, n in AVG_TOKENS.items())
              + f"; CUDA context {CUDA_CONTEXT / GB:g} GB per GPU process; libraries {LIBRARIES / GB:g} GB of host "
-               "memory. GB = 10^9 bytes.", ""]
+               "memory; on a GPU, SDPA's fused kernels allocate no attention scores (the CPU's math path does). "
+               f"GB = 10^9 bytes. An actor fits when its need leaves {HEADROOM:.0%} of its GPU share and of "
+               "its host memory request free. Terms: *held* (kept by the actor; `tests/test_memory_plan.py` measures "
+               "them on the tiny config within 20%), *transient* (one computation; an actor runs one at a time, so "
+               "only its largest counts in the total), *fixed* (whatever the config); each names the settings "
+               "that bound it.", ""]
     results = verdicts(cfg, s, nodes)
     lines += ["## Actors", "", "| actor | GPU memory | host memory | Ray request | verdict |", "|---|---:|---:|---|---|"]
     for v in results:
         lines.append(f"| {v.kind} | {_gb(v.need.gpu_bytes)} | {_gb(v.need.host_bytes)} | "
                      f"`{json.dumps(v.request.bundle())}` | {'fits' if v.ok else 'DOES NOT FIT'} |")
     for v in results:
-        lines += ["", f"### {v.kind}", "", "| term | GPU | host |", "|---|---:|---:|"]
-        lines += [f"| {label} | {_gb(b)} | |" for label, b in v.need.gpu]
-        lines += [f"| {label} | | {_gb(b)} |" for label, b in v.need.host]
-        lines.append(f"| **total** | **{_gb(v.need.gpu_bytes)}** | **{_gb(v.need.host_bytes)}** |")
+        lines += ["", f"### {v.kind}", "", "| term | kind | GPU | host | bounded by |", "|---|---|---:|---:|---|"]
+        lines += [f"| {t.label} | {t.kind} | {_gb(t.bytes)} | | {t.knob} |" for t in v.need.gpu]
+        lines += [f"| {t.label} | {t.kind} | | {_gb(t.bytes)} | {t.knob} |" for t in v.need.host]
+        lines.append(f"| **total** | | **{_gb(v.need.gpu_bytes)}** | **{_gb(v.need.host_bytes)}** | |")
         if v.fits:
             lines += ["", "Node types: " + "; ".join(
                 f"{f.node}: {'fits' if f.fits else ('does not fit' if f.placeable else 'not placed')} ({f.why})"
@@ -398,21 +527,21 @@ def resource_requests(cfg: StudyConfig) -> dict[str, RayRequest]:
 BEGIN, END = "<!-- taps plan: begin -->", "<!-- taps plan: end -->"
 
 
-def write_into(doc: Path, text: str) -> None:
-    """Replace the generated block of `doc` (between BEGIN and END) by `text`, atomically."""
+def check_doc(doc: Path) -> str:
+    """The text of `doc` once it is a markdown file with a generated block (BEGIN ... END) for the plan."""
+    if not doc.is_file():
+        raise FileNotFoundError(f"--out {doc} not found; give an existing markdown file with the lines {BEGIN} and "
+                                f"{END} where the plan goes (e.g. docs/paper_plan.md)")
     body = doc.read_text()
     if BEGIN not in body or END not in body:
         raise ValueError(f"{doc} has no generated block: add the lines {BEGIN} and {END} where the plan goes")
-    head, rest = body.split(BEGIN, 1)
+    return body
+
+
+def write_into(doc: Path, text: str) -> None:
+    """Replace the generated block of `doc` (between BEGIN and END) by `text`, atomically."""
+    head, rest = check_doc(doc).split(BEGIN, 1)
     atomic_write_text(doc, f"{head}{BEGIN}\n{text}\n{END}{rest.split(END, 1)[1]}")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="study config, e.g. configs/paper.yaml")
-    parser.add_argument("--cluster", default=None, help="Ray cluster config whose node types to check, e.g. cluster.yaml")
-    parser.add_argument("--model-config", default=None, help="the target's config.json (offline); default: "
-                        "configs/models/ for known targets, else the model's folder or Hub id")
-    parser.add_argument("--doc", default=None, help="write the plan into this markdown file's generated block")
 
 
 def command_line(args: argparse.Namespace) -> str:
@@ -425,14 +554,16 @@ def command_line(args: argparse.Namespace) -> str:
 def build(args: argparse.Namespace) -> tuple[str, bool]:
     """(markdown, every actor fits)."""
     cfg = load_config(args.config)
+    nodes = node_types(args.cluster) if args.cluster else None  # before the model: a bad file fails at once
     s = shapes(model_config(cfg, args.model_config), cfg.train.kinds)
-    nodes = node_types(args.cluster) if args.cluster else None
     return render(cfg, s, nodes, command_line(args)), all(v.ok for v in verdicts(cfg, s, nodes))
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.out:
+        check_doc(Path(args.out))  # before the model's config is read
     text, ok = build(args)
-    if args.doc:
-        write_into(Path(args.doc), text)
+    if args.out:
+        write_into(Path(args.out), text)
     print(text)
     return 0 if ok else 1

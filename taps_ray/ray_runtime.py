@@ -32,13 +32,15 @@ LOCAL_RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 
 # What a remote process must see as the driver does (offline switches, local data, caches, the Hub token:
 # the paper's Llama-3-8B-Instruct is gated, and a GPU task without the driver's HF_TOKEN fails to download it;
-# HF_HOME on the shared disk (cluster.yaml) downloads it once for every node).
+# under `ray job submit --runtime-env-json '{"env_vars": {"HF_TOKEN": ...}}'` the driver has it, and hands it on
+# here; HF_HOME on the shared disk (cluster.yaml) downloads it once for every node).
 ENV_KEYS = (
     "HF_HUB_OFFLINE",
     "TRANSFORMERS_OFFLINE",
     "HF_DATASETS_OFFLINE",
     "HF_HOME",
     "HF_TOKEN",
+    "HUGGING_FACE_HUB_TOKEN",  # the older name, still read by huggingface_hub
     DATA_DIR_ENV,
     "TAPS_CACHE",
     "TOKENIZERS_PARALLELISM",
@@ -77,10 +79,11 @@ def _loopback_only() -> None:
         ray_constants.ENABLE_RAY_CLUSTER = False
 
 
-def loopback_cluster(num_cpus: int, object_store_memory: int | None = None) -> Any:
+def loopback_cluster(num_cpus: int, object_store_memory: int | None = None, runtime_env: dict | None = None) -> Any:
     """A real multi-node Ray cluster on this machine (`ray.cluster_utils.Cluster`), every listener on 127.0.0.1,
     with this process connected as its driver. Nodes added with `add_node(node_ip_address=LOOPBACK, ...)` have
-    their own resources, so placement, node loss and retries are tested without any other address."""
+    their own resources, so placement, node loss and retries are tested without any other address.
+    `runtime_env`: the job's, as `ray job submit --runtime-env-json` would give it."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -90,7 +93,7 @@ def loopback_cluster(num_cpus: int, object_store_memory: int | None = None) -> A
         head_node_args={"num_cpus": num_cpus, "node_ip_address": LOOPBACK, "include_dashboard": False,
                         "object_store_memory": object_store_memory},
     )
-    ray.init(address=cluster.address, log_to_driver=False)
+    ray.init(address=cluster.address, log_to_driver=False, runtime_env=runtime_env)
     return cluster
 
 

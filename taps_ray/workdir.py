@@ -98,3 +98,9 @@ def tune_dir(cfg: StudyConfig) -> Path:
 
 def sweep_summary(cfg: StudyConfig) -> Path:
     return cfg.work_path("sweep.json")
+
+
+def study_config(cfg: StudyConfig) -> Path:
+    """The config a sweep ran, saved beside its heads: `taps generate|serve|bench --config <this>` use them as
+    they are (the `--quick` study's shrunken config exists nowhere else)."""
+    return cfg.work_path("config.yaml")

@@ -424,7 +424,13 @@ def test_cluster_yaml_is_a_valid_autoscaler_config():
     assert setup.index("torch==") < setup.index("constraints.txt -e") < setup.index("--no-deps -r")
     assert setup.count("-c /home/ray/taps-ray/constraints.txt") == 2  # torch and the project, both pinned
     ray_version = next(line.split("==")[1] for line in (REPO / "constraints.txt").read_text().splitlines() if line.startswith("ray=="))
-    assert config["docker"]["image"] == f"rayproject/ray:{ray_version}-py311-gpu"  # a pinned image, the tested Ray
+    image = config["docker"]["image"]
+    assert image.startswith(f"rayproject/ray:{ray_version}-py311-cu")  # a pinned image, the tested Ray, its CUDA
+    cuda = image.rsplit("-", 1)[1]
+    torch_line = next(c for c in config["setup_commands"] if "torch==" in c)
+    assert torch_line.endswith(f"--index-url https://download.pytorch.org/whl/{cuda}"), "wheel and image disagree"
+    assert "--gpus all" in config["docker"]["run_options"]  # else Ray schedules GPU actors on a GPU-less container
+    assert any("torch.cuda.is_available()" in c for c in config["worker_setup_commands"])  # `ray up` stops early
     assert all(t["node_config"]["ImageId"].startswith(("ami-", "resolve:ssm:")) for t in types.values())
     commands = config["initialization_commands"] + config["setup_commands"]
     assert not any("|| true" in c for c in commands)  # a missing shared work dir stops `ray up`

@@ -11,7 +11,9 @@ import torch
 
 from taps_ray.config import ConfigError, TargetConfig
 from taps_ray.models.device import resolve_device
+from taps_ray.models.gpu_check import GpuUnavailable
 from taps_ray.models.target import load_target
+from taps_ray.ray_runtime import process_runtime_env
 from taps_ray.serve.app import build_app
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,13 +57,52 @@ def test_a_ray_task_without_gpus_resolves_auto_to_the_cpu(ray_session):
     assert ray_session.get(where.remote()) == "cpu"
 
 
+def test_an_actor_granted_a_gpu_that_torch_cannot_use_fails_at_start_naming_node_checks_and_fix(ray_cluster,
+                                                                                                 ray_session):
+    """Ray grants a node's declared GPUs whether or not torch can use them (this torch is a CPU build): the
+    actor must stop at start, not load the target on the CPU."""
+    ray = ray_session
+    node = ray_cluster.add_node(num_cpus=1, num_gpus=1, resources={"fake_gpu_node": 1.0}, node_ip_address="127.0.0.1")
+    try:
+        @ray.remote(num_cpus=0, num_gpus=1, resources={"fake_gpu_node": 1.0}, max_restarts=0)
+        class Loader:
+            def __init__(self, device: str) -> None:
+                self.device = str(resolve_device(TargetConfig(device=device)))
+
+            def where(self) -> str:
+                return self.device
+
+        assert ray.get(Loader.remote("cpu").where.remote()) == "cpu"  # the CPU on purpose stays allowed
+        with pytest.raises(ray.exceptions.RayActorError) as error:
+            ray.get(Loader.remote("auto").where.remote())
+    finally:
+        ray_cluster.remove_node(node)
+    message = next(line for line in str(error.value).splitlines() if "GpuUnavailable: " in line)
+    assert "Ray granted this process GPU(s) [" in message and "127.0.0.1" in message  # the node, by address
+    assert f"torch.version.cuda={torch.version.cuda}" in message and "NVIDIA driver:" in message
+    assert "CUDA_VISIBLE_DEVICES=0" in message  # what Ray set for its grant
+    assert "install torch's CUDA wheel" in message and "target.device: cpu" in message  # the fix for a CPU build
+
+
+def test_the_fix_follows_what_is_missing(monkeypatch):
+    from taps_ray.models import gpu_check
+
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(gpu_check, "driver_version", lambda: None)
+    assert "expose the GPUs to the container" in gpu_check.gpu_missing_message([0])
+    monkeypatch.setattr(gpu_check, "driver_version", lambda: "NVRM version: 535.104")
+    message = gpu_check.gpu_missing_message([0])
+    assert "NVRM version: 535.104" in message and "supports CUDA 12.8" in message and "\n" not in message
+
+
 def test_serve_replicas_reserve_the_configured_gpus(tiny_config):
     serve_cfg = tiny_config.serve.model_copy(update={"replica_num_gpus": 0.5, "replica_memory_gb": 3.0,
                                                      "replica_resources": {"accelerator_type:L40S": 0.001}})
     app = build_app(tiny_config.model_copy(update={"serve": serve_cfg}))
-    assert app._bound_deployment.ray_actor_options == {
-        "num_cpus": serve_cfg.replica_num_cpus, "num_gpus": 0.5, "memory": 3_000_000_000,
-        "resources": {"accelerator_type:L40S": 0.001}}
+    options = dict(app._bound_deployment.ray_actor_options)
+    assert options.pop("runtime_env") == process_runtime_env()  # the driver's settings and Hub token, as every actor
+    assert options == {"num_cpus": serve_cfg.replica_num_cpus, "num_gpus": 0.5, "memory": 3_000_000_000,
+                       "resources": {"accelerator_type:L40S": 0.001}}
 
 
 def _deviceless_constructors(path: Path) -> list[str]:

@@ -499,3 +499,19 @@ def test_reduced_draft_vocabulary_drafts_only_its_ids_and_stays_lossless(device_
 def test_processed_probs_stay_finite_at_extreme_settings(params):
     probs = processed_probs(torch.tensor([2.0, 1.0, 0.5, -1.0]), params)
     assert torch.isfinite(probs).all() and abs(float(probs.sum()) - 1) < 1e-5 and int(probs.argmax()) == 0
+
+
+def test_without_seeds_each_call_draws_fresh_seeds_and_reports_them(small_vocab_target):
+    """No silent default: two calls without seeds at T > 0 draw differently (the old default, seed b for row b,
+    repeated itself), and the seeds each generation reports repeat its run token for token."""
+    model = small_vocab_target.model
+    prompts = [[1, 2, 3], [4, 0, 2]]
+    params = SamplingParams(temperature=1.0)
+    first = run_loop(TargetBatch(model), DUPLICATE_TREE, prompts, params, 16, [])
+    second = run_loop(TargetBatch(model), DUPLICATE_TREE, prompts, params, 16, [])
+    assert [g.seed for g in first] != [g.seed for g in second] and len({g.seed for g in first}) == 2
+    assert [g.tokens for g in first] != [g.tokens for g in second]
+    again = run_loop(TargetBatch(model), DUPLICATE_TREE, prompts, params, 16, [], seeds=[g.seed for g in first])
+    assert [g.tokens for g in again] == [g.tokens for g in first]
+    assert [g.seed for g in again] == [g.seed for g in first]
+    assert sum(s.accepted for g in first for s in g.steps) > 0

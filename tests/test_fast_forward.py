@@ -16,16 +16,18 @@ import torch
 import torch.nn.functional as F
 import transformers
 
+from taps_ray.decoding.generate import generate
 from taps_ray.decoding.target_batch import TargetBatch
 from taps_ray.decoding.verify import SamplingParams
 from taps_ray.drafting.tree import build_tree
 from taps_ray.models.cpu_linear import DecodingLinear
-from taps_ray.models.fast_llama import FastLlama
+from taps_ray.models.fast_llama import SUPPORTED_MODEL_TYPES, FastLlama
 from taps_ray.models.hf_forward import HFForward
 from taps_ray.models.kv_cache import GROWTH, KVCache
 from taps_ray.models.target_forward import attach_forward, compile_unavailable_reason, target_forward
 
 from numerics import rounding_rtol
+from oracles import GreedyOracle
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
@@ -38,20 +40,48 @@ NO_INDUCTOR = compile_unavailable_reason(torch.device("cpu"))
 # the compiled path (target.compile: inductor) is held to the same float64 bound as the eager fast forward
 COMPILE_MODES = ["none", pytest.param("inductor", marks=pytest.mark.skipif(NO_INDUCTOR is not None,
                                                                          reason=str(NO_INDUCTOR)))]
-TREE = build_tree(torch.tensor([11, 12, 13, 14, 15, 16, 17]), torch.tensor([-1, 0, 0, 1, 1, 2, 5]))
-CHAIN = build_tree(torch.tensor([21, 22, 23, 24]), torch.tensor([-1, 0, 1, 2]))
+TREE_NODES = ([11, 12, 13, 14, 15, 16, 17], [-1, 0, 0, 1, 1, 2, 5])
+CHAIN_NODES = ([21, 22, 23, 24], [-1, 0, 1, 2])
+TREE, CHAIN = (build_tree(torch.tensor(tokens), torch.tensor(parents)) for tokens, parents in (TREE_NODES, CHAIN_NODES))
+
+
+# The families the fast forward covers, each with what sets it apart: Mistral's sliding window (16, so the prompts
+# below cross it), Qwen2's q/k/v biases, Qwen3's q/k norms (and a head_dim other than hidden / heads), and Qwen's
+# sliding-window mode (full attention in the first layer, the window in the rest).
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, {}),
+    "mistral": (transformers.MistralConfig, {"sliding_window": 16}),
+    "qwen2": (transformers.Qwen2Config, {}),
+    "qwen3": (transformers.Qwen3Config, {"head_dim": 24}),
+    "qwen3-sliding": (transformers.Qwen3Config, {"use_sliding_window": True, "sliding_window": 16,
+                                                 "max_window_layers": 1}),
+}
+
+
+def test_the_families_here_are_the_ones_the_fast_forward_covers():
+    assert {config_class.model_type for config_class, _ in FAMILIES.values()} == set(SUPPORTED_MODEL_TYPES)
+
+
+def _tiny(family: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: object) -> torch.nn.Module:
+    """A random tiny model of `family` through transformers' own classes; norm weights and biases are perturbed
+    from their ones and zeros so Qwen3's q/k norms and Qwen2's biases compute something."""
+    config_class, family_settings = FAMILIES[family]
+    settings = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True)
+    config = config_class(**{**settings, **family_settings, **overrides})
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(8.0)  # sharp distributions, as the tiny target has
+        for parameter in model.parameters():
+            if parameter.ndim == 1:
+                parameter.add_(0.2 * torch.randn_like(parameter))
+    return model.to(dtype).eval().requires_grad_(False)
 
 
 def _llama(dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: object) -> transformers.LlamaForCausalLM:
-    settings = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-                    num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True)
-    config = transformers.LlamaConfig(**{**settings, **overrides})
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():
-        model.model.embed_tokens.weight.mul_(8.0)  # sharp distributions, as the tiny target has
-    return model.to(dtype).eval().requires_grad_(False)
+    return _tiny("llama", dtype, seed, **overrides)
 
 
 def _verify(model: torch.nn.Module, feature_layers: tuple[int, ...] = ()) -> list[torch.Tensor]:
@@ -188,6 +218,73 @@ def test_uncovered_rope_falls_back_to_transformers_with_the_same_tokens():
     tokens = [c.tokens[0] for c in batch.start([prompt], SamplingParams(), [0])]
     want = model.generate(torch.tensor([prompt]), max_new_tokens=1, do_sample=False, pad_token_id=0)[0, -1]
     assert tokens == [int(want)]
+
+
+# --- every covered family against transformers' own full forward ---------------------------------------------
+
+
+def _path(nodes: tuple[list[int], list[int]], node: int) -> list[int]:
+    """The tokens from a tree's root down to `node`."""
+    tokens, parents = nodes
+    path = []
+    while node >= 0:
+        path.append(tokens[node])
+        node = parents[node]
+    return path[::-1]
+
+
+def _scored(model: torch.nn.Module) -> tuple[list[list[int]], torch.Tensor]:
+    """Every (token sequence, logits of its last token) the batch scores: a padded two-row prefill crossing the
+    sliding windows, a tree on row 0 and a chain on row 1, a commit of part of each (row 0's moves slots), and
+    the same trees again after it."""
+    prompts = [list(range(3, 40)), list(range(50, 70))]
+    batch = TargetBatch(model)
+    committed, sequences = [list(p) for p in prompts], [list(p) for p in prompts]
+    logits = [o.logits[0] for o in batch.prefill(prompts)]
+    for accepted in ([0, 1, 3], [0, 1]), ([0, 2, 5, 6], [0, 1, 2, 3]):
+        for row, (nodes, out) in enumerate(zip((TREE_NODES, CHAIN_NODES), batch.verify([TREE, CHAIN]))):
+            sequences += [committed[row] + _path(nodes, node) for node in range(len(nodes[0]))]
+            logits += list(out.logits)
+            committed[row] += [nodes[0][node] for node in accepted[row]]
+        batch.commit(list(accepted))
+    return sequences, torch.stack(logits).double()
+
+
+def _own(model: torch.nn.Module, sequences: list[list[int]]) -> torch.Tensor:
+    """transformers' own forward (its causal and sliding-window masks, no cache) of each sequence's last token."""
+    with torch.no_grad():
+        return torch.stack([model(torch.tensor([s])).logits[0, -1] for s in sequences]).double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("forward", ["fast", "hf"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_each_family_decodes_as_transformers_own_forward(family, forward, dtype):
+    """Prefill, tree steps and commits through the batch's cache against transformers' own forward of each whole
+    sequence: as close to the float64 truth as that forward at the same dtype is."""
+    model = _tiny(family, dtype)
+    exact, own = copy.deepcopy(model).double(), copy.deepcopy(model)
+    attached = attach_forward(model, forward)
+    assert isinstance(attached, FastLlama if forward == "fast" else HFForward)
+    sequences, got = _scored(model)
+    truth = _own(exact, sequences)
+    own_error = (_own(own, sequences) - truth).abs().max().item()
+    bound = 8 * max(own_error, torch.finfo(dtype).eps * truth.abs().max().item())
+    assert (got - truth).abs().max().item() <= bound
+    if "sliding_window" in FAMILIES[family][1] and dtype == torch.float32:  # not vacuous: the window matters
+        unwindowed = _tiny(family, torch.float64, sliding_window=None, use_sliding_window=False)
+        assert (_own(unwindowed, sequences) - truth).abs().max().item() > 100 * bound
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_each_family_decodes_speculatively_as_greedy_token_for_token(family):
+    model = _tiny(family)
+    attach_forward(model, "fast")
+    prompt = list(range(5, 17))
+    generation = generate(model, GreedyOracle(model, prompt[0]), [prompt], SamplingParams(), 30, [])[0]
+    want = model.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False, pad_token_id=0)[0, len(prompt):]
+    assert generation.tokens == want.tolist()
+    assert sum(step.accepted for step in generation.steps) > 0  # not vacuous: drafts were accepted
 
 
 # --- the preallocated cache ----------------------------------------------------------------------------------

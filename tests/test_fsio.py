@@ -5,7 +5,15 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from taps_ray.fsio import atomic_dir, atomic_path, atomic_write_json, atomic_write_parquet, atomic_write_text
+from taps_ray.fsio import (
+    OutputRefused,
+    atomic_dir,
+    atomic_path,
+    atomic_write_json,
+    atomic_write_parquet,
+    atomic_write_text,
+    check_new_output,
+)
 
 
 def test_atomic_writes_replace_and_leave_no_temporaries(tmp_path):
@@ -44,3 +52,23 @@ def test_atomic_dir_publishes_replaces_or_yields(tmp_path):
         raise RuntimeError("killed")
     assert [p.name for p in tmp_path.iterdir()] == ["head"]
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["head", "v"]
+
+
+def test_a_folder_replaces_a_file_and_leaves_nothing_aside(tmp_path):
+    """`taps export --force` over a regular file: the folder takes its place, the swapped-out file is removed."""
+    final = tmp_path / "out"
+    final.write_text("old")
+    with atomic_dir(final) as staging:
+        (staging / "config.json").write_text("{}")
+    assert final.is_dir() and [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_a_new_output_is_refused_where_something_is(tmp_path):
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OutputRefused, match="already there; choose a new path, or add --force"):
+        check_new_output(tmp_path / "taken", force=False)
+    assert check_new_output(tmp_path / "taken", force=True) == tmp_path / "taken"
+    with pytest.raises(OutputRefused, match="is a file, not a folder"):
+        check_new_output(tmp_path / "file" / "deeper" / "out", force=False)
+    assert check_new_output(tmp_path / "new" / "out", force=False) == tmp_path / "new" / "out"

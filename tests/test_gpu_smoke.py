@@ -13,6 +13,14 @@ REPO = Path(__file__).resolve().parents[1]
 BLOCKED = ("ray", "datasets", "gguf")  # absent on the borrowed GPU machine
 
 
+def test_gpu_smoke_refuses_to_fall_back_quietly_without_cuda(tmp_path):
+    """Without --cpu, a machine whose torch sees no GPU is an error (exit 2), never a CPU run called a GPU one."""
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_smoke.py"), "--out", str(tmp_path / "g.md")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "CUDA is unavailable" in proc.stderr and "--cpu" in proc.stderr
+    assert not (tmp_path / "g.md").exists()
+
+
 def test_gpu_smoke_cpu_fallback_runs_without_ray_and_is_lossless(tmp_path):
     out = tmp_path / "gpu.md"
     code = ("import runpy, sys\n"
@@ -27,12 +35,22 @@ def test_gpu_smoke_cpu_fallback_runs_without_ray_and_is_lossless(tmp_path):
     assert results["environment"]["fallback"] and "CPU fallback" in out.read_text()
     lossless = results["lossless_fp32"]
     assert lossless["equal_plain"] and lossless["equal_hf"] and lossless["accepted"] > 0
+    assert lossless["prompts"] == 16 and lossless["prompt_lengths"] == [8, 300]  # the ragged batch
     assert lossless["sampled_match"] == 1.0 and lossless["sampled_accepted"] > 0 and lossless["uniforms_equal_cpu"]
     assert [m["shape"] for m in results["bf16"]] == ["SmolLM2-135M (shrunk)", "Llama-3-8B-Instruct (shrunk)"]
     assert all(0.0 <= m["match_rate"] <= 1.0 for m in results["bf16"])
     rows = results["timing"]["rows"]
     assert [r["batch"] for r in rows] == [1, 2] and all(r["spec"]["tokens"] == r["plain"]["tokens"] for r in rows)
     assert results["timing"]["trees"] and all(t["verify_ms_per_step"] > 0 for t in results["timing"]["trees"])
+    agreement = results["forward_agreement"]  # fast vs transformers' forward on one tree batch
+    assert [(a["shape"], a["dtype"]) for a in agreement] == [("SmolLM2", "bfloat16"), ("SmolLM2", "float16"),
+                                                             ("Llama-3-8B", "bfloat16")]
+    for a in agreement:  # as close to float64 as transformers' own forward in that dtype (x2 for fused sums)
+        assert a["max_abs_fast_vs_f64"] <= 2 * a["max_abs_hf_vs_f64"] + 1e-3 and a["argmax_agree"] > 0.95
+    profile = results["timing"]["profile"]
+    assert profile["steps"] > 1 and profile["per_step"] > 0 and profile["attention_kernels"]
+    memory = results["timing"]["memory"]  # the plan's figure for the paper's replay sessions, at the small shape
+    assert memory["predicted_gb"] > 0 and memory["sessions"] * memory["rows"] >= 4
     compiled = results["compiled"]  # the compiled fast forward: skipped only where inductor cannot run here
     assert "skipped" in compiled or (compiled["equal_eager"] and compiled["equal_hf"] and compiled["accepted"] > 0)
     assert "skipped" in compiled or [r["batch"] for r in compiled["rows"]] == [1, 2]

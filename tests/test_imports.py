@@ -13,12 +13,12 @@ PACKAGE = Path(__file__).resolve().parents[1] / "taps_ray"
 # models and config import no drafting, study, serve or bench; drafting imports no decoding, eval, study or serve;
 # serve and study, and study and bench, do not import each other; nothing but cli imports bench.
 LAYERS = (
-    ("config", "fsio", "relpaths", "machine", "syncs"),
-    ("workdir", "ray_runtime", "ray_requests"),
+    ("config", "fsio", "relpaths", "machine", "syncs", "spelling"),
+    ("workdir", "ray_runtime", "ray_requests", "cluster_file"),
     ("data", "models"),
-    ("drafting", "training", "plan"),
+    ("drafting", "training"),
     ("decoding",),
-    ("eval",),
+    ("eval", "plan"),
     ("report", "serve"),
     ("interop",),
     ("study", "bench"),

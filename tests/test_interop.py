@@ -56,6 +56,16 @@ def test_a_missing_side_venv_names_the_make_target(tmp_path):
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["OMP_NUM_THREADS"] == "2" and "PYTHONPATH" not in env
 
 
+def test_vllm_keeps_its_own_thread_choice_unless_told(tmp_path, monkeypatch):
+    """vLLM's engine picks one torch thread on this machine, its faster setting: by default no OMP_NUM_THREADS
+    reaches it, not even the caller's, and the description says so."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    side = SideVllm(venv=tmp_path)
+    env = side.environment()
+    assert "OMP_NUM_THREADS" not in env and "VLLM_CPU_OMP_THREADS_BIND" not in env
+    assert "own thread choice" in side.describe()
+
+
 def test_preload_puts_the_present_libraries_in_ld_preload_and_off_clears_the_callers(tmp_path, monkeypatch):
     """vLLM's CPU notes ask for tcmalloc and libiomp5 in LD_PRELOAD: with `preload` the side venv's libiomp5
     (and tcmalloc, where installed) are preloaded; without it no LD_PRELOAD reaches vLLM, not even the caller's."""

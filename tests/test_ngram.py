@@ -134,6 +134,7 @@ def test_a_name_parses_into_one_spec():
     assert parse_proposer("averaged") == ProposerSpec("averaged", weight=0.5)
     assert parse_proposer("auto-ngram") == ProposerSpec("ngram", auto=True)
     assert parse_proposer("plain+ngram") == ProposerSpec("plain+ngram")  # nothing to merge with: an unknown base
+    assert parse_proposer("auto-routed+ngram") == ProposerSpec("confidence-routed", ngram=True, auto=True)  # an alias
     for name in ("auto-merged+ngram", "math", "auto-plain", "averaged-w0.3+ngram", "plain+ngram"):
         assert parse_proposer(name).name == name
     assert parse_proposer("math+ngram").drafts_with_heads and not parse_proposer("auto-ngram").drafts_with_heads

@@ -14,6 +14,10 @@ Ray's own records are then compared with `taps plan`'s resource requests (`taps_
 evaluation's placement group, of each Tune trial, and the requests of the actors, the features task and the Serve
 replicas. The run happens in a subprocess (this file run as a script), which owns the cluster: the test session's
 own cluster (`ray_cluster`) has a head with CPUs, and one process holds one Ray connection.
+
+The Hub token: a fake `HF_TOKEN` reaches the driver after the nodes started (as `ray job submit --runtime-env-json`
+gives it to the driver only), and every actor kind and the features task must see it from inside
+(`paper_probe`, the job's worker setup hook, records what each one sees when it resolves its device).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from pathlib import Path
 
 import yaml
 
+import paper_probe
+
 REPO = Path(__file__).resolve().parents[1]
 PAPER = REPO / "configs" / "paper.yaml"
 TINY = REPO / "configs" / "tiny.yaml"
@@ -39,6 +45,8 @@ SIZE = 16  # conversations per single-domain mixture (the mixed ones keep paper.
 # `ImplicitFunc` actors
 ACTOR_CLASSES = {"TargetWorker": "target_worker", "DrafterActor": "drafter", "ImplicitFunc": "tune_trial",
                  "ServeReplica:": "serve_replica"}
+FEATURES_TASK = "_run_on_target"  # the features task's function (taps_ray/study/target_tasks.py)
+DRY_TOKEN = "hf_dryrun_not_a_real_token"  # what `ray job submit --runtime-env-json` would give the driver
 PG_MARKER = "bundle"  # the token resource Ray adds to every request made inside a placement group
 
 
@@ -111,8 +119,8 @@ def _unpinned(required: dict[str, float]) -> dict[str, float]:
     return plain
 
 
-def _actor_requests() -> list[tuple[str, dict[str, float]]]:
-    """(class name, requested resources) of every actor the GCS knows, dead ones included."""
+def _actor_requests() -> list[tuple[str, dict[str, float], str]]:
+    """(class name, requested resources, actor id) of every actor the GCS knows, dead ones included."""
     import ray
     from ray.core.generated import gcs_pb2
 
@@ -120,7 +128,7 @@ def _actor_requests() -> list[tuple[str, dict[str, float]]]:
     out = []
     for raw in accessor.get_actor_table(None, None):
         actor = gcs_pb2.ActorTableData.FromString(raw)
-        out.append((actor.class_name, _unpinned(dict(actor.required_resources))))
+        out.append((actor.class_name, _unpinned(dict(actor.required_resources)), actor.actor_id.hex()))
     return out
 
 
@@ -143,7 +151,10 @@ def run_dry_run(work: Path) -> dict:
     from taps_ray.plan import resource_requests
 
     cfg = parse_config(paper_dry_config(work), "paper.yaml (tiny model and sizes)")
-    cluster = loopback_cluster(num_cpus=0, object_store_memory=OBJECT_STORE)
+    probes = work / "probes"
+    probes.mkdir(parents=True)
+    job_env = {"env_vars": {paper_probe.PROBE_DIR: str(probes)}, "worker_process_setup_hook": "paper_probe.install"}
+    cluster = loopback_cluster(num_cpus=0, object_store_memory=OBJECT_STORE, runtime_env=job_env)
     observed: dict = {"groups_during_eval": []}
     try:
         nodes = cluster_nodes()
@@ -152,6 +163,9 @@ def run_dry_run(work: Path) -> dict:
             for _ in range(counts[name]):
                 cluster.add_node(**args, node_ip_address=LOOPBACK, object_store_memory=OBJECT_STORE)
         cluster.wait_for_nodes()
+        # the token reaches the driver only now, as `ray job submit --runtime-env-json` sets it for the driver:
+        # the raylets (and so the workers' inherited environment) never had it, only the project can hand it on
+        os.environ[paper_probe.TOKEN] = DRY_TOKEN
         observed["nodes"] = [{k: v for k, v in n["Resources"].items() if not k.startswith(("node:", "object_store"))}
                              for n in ray.nodes() if n["Alive"]]
 
@@ -175,6 +189,7 @@ def run_dry_run(work: Path) -> dict:
         observed["serve"] = {"status": response.status_code, "body": response.json()}
         observed["serve_s"] = round(time.perf_counter() - start, 1)
         observed["actors"] = _actor_requests()
+        observed["probes"] = [json.loads(p.read_text()) for p in probes.iterdir()]
         observed["plan"] = {kind: request.bundle() for kind, request in resource_requests(cfg).items()}
         observed["plan_options"] = {kind: request.options() for kind, request in resource_requests(cfg).items()}
         serve.shutdown()
@@ -186,7 +201,9 @@ def run_dry_run(work: Path) -> dict:
 
 def test_paper_config_runs_features_to_serving_on_a_cluster_shaped_as_cluster_yaml(tmp_path):
     out = tmp_path / "observed.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    path = [str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH")]  # tests/: the probe the workers import
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, path))
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, __file__, str(tmp_path / "work"), str(out)], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=900)
@@ -223,13 +240,22 @@ def test_paper_config_runs_features_to_serving_on_a_cluster_shaped_as_cluster_ya
     # the actors asked Ray for what the plan says
     wanted = {kind: plan[kind] for kind in ("target_worker", "drafter", "tune_trial", "serve_replica")}
     by_kind: dict[str, list[dict]] = {}
-    for class_name, required in seen["actors"]:
+    for class_name, required, _ in seen["actors"]:
         kind = next((k for prefix, k in ACTOR_CLASSES.items() if class_name.startswith(prefix)), None)
         if kind is not None:
             by_kind.setdefault(kind, []).append(required)
     for kind, request in wanted.items():
         assert by_kind.get(kind) and all(r == request for r in by_kind[kind]), (kind, by_kind.get(kind), request)
     assert len(by_kind["serve_replica"]) == yaml.safe_load(PAPER.read_text())["serve"]["num_replicas"]
+    # the job's Hub token, given to the driver only, was visible inside every actor kind and the features task
+    kind_of = {actor_id: next((k for prefix, k in ACTOR_CLASSES.items() if name.startswith(prefix)), name)
+               for name, _, actor_id in seen["actors"]}
+    tokens: dict[str, set] = {}
+    for probe in seen["probes"]:
+        kind = kind_of.get(probe["actor_id"], probe["actor_id"]) if probe["actor_id"] else probe["task"]
+        tokens.setdefault(kind, set()).add(probe["token"])
+    assert {*wanted, FEATURES_TASK} <= set(tokens), tokens
+    assert all(seen_tokens == {DRY_TOKEN} for seen_tokens in tokens.values()), tokens
     # a replica answered
     assert seen["serve"]["status"] == 200, seen["serve"]
     assert seen["serve"]["body"]["usage"]["completion_tokens"] > 0

@@ -213,10 +213,12 @@ def test_replay_of_deep_oracle_trees_and_a_too_short_record(tiny_target, tiny_pr
         replay(oracle, short, 5, [])
 
 
-def test_replayed_cells_equal_live_cells_and_share_one_decode(tiny_config, tiny_target):
-    config = tiny_config.model_copy(
-        update={"eval": tiny_config.eval.model_copy(update={"benchmarks": {"mt_bench": 2}, "max_new_tokens": 12})}
-    )
+@pytest.mark.parametrize("on_host", [False, True], ids=["traces-on-device", "traces-on-host"])
+def test_replayed_cells_equal_live_cells_and_share_one_decode(tiny_config, tiny_target, on_host):
+    """With `eval.traces_on_host` the records are the same, and the trees drafted along a batch's traces come back
+    to the kept (host) traces, so the next proposer reuses them."""
+    config = tiny_config.model_copy(update={"eval": tiny_config.eval.model_copy(
+        update={"benchmarks": {"mt_bench": 2}, "max_new_tokens": 12, "traces_on_host": on_host})})
     questions = load_questions("mt_bench", config.resolved_data_dir(), limit=2)
     first_turns = [build_prompt_ids(tiny_target.tokenizer, q.turns[:1], [], None) for q in questions]
     heads = _fitted_heads(tiny_target, first_turns, 12)  # so the cell's first turns get drafts accepted
@@ -239,6 +241,9 @@ def test_replayed_cells_equal_live_cells_and_share_one_decode(tiny_config, tiny_
         assert replayed["committed"].sum() > replayed["steps"].sum()  # drafts were accepted
         if name == "merged":  # the second cell reuses the first cell's traces: no target run at all
             assert len(verifiers) == before
+        kept = list(cache.traces.values())
+        assert kept and all(t.drafted for t in kept)  # every kept trace holds the trees drafted along it
+        assert all(t.features.device.type == "cpu" for t in kept) or not on_host
     assert len(verifiers) == 4  # two turns, each one greedy decode + one feature forward, for the first cell only
 
 

@@ -14,8 +14,9 @@ from taps_ray.eval.store import ResultsStore
 from taps_ray.report import build, build_report
 from taps_ray.report.data import ReportCopy, load_report_data, results_source
 from taps_ray.report.setting import setting_md
-from taps_ray.report.findings import FAILS, HOLDS, NOISE, UNMEASURED, findings
-from taps_ray.report.uncertainty import tau_difference, tau_interval
+from taps_ray.report import plots
+from taps_ray.report.findings import FAILS, HOLDS, MOSTLY, NOISE, UNMEASURED, Finding, findings
+from taps_ray.report.uncertainty import Interval, tau_difference, tau_interval
 from taps_ray.workdir import results_dir
 
 ACC_ENTROPY, REJ_ENTROPY = 0.5, 2.0  # nats; every synthetic step has this gap, so Δ = 1.5
@@ -149,7 +150,7 @@ def test_a_check_whose_interval_straddles_zero_is_within_noise(tmp_path):
     _write(store, "eagle2", "chat", "gsm8k", [[0, 0, 0], [2, 2]])
     result = {f.key: f for f in findings(load_report_data(config, store))}
     assert result["a"].verdict == NOISE
-    assert "GSM8K math 2.20 vs chat 1.80 ✓ (Δ +0.40, 95% CI [-" in result["a"].evidence[0]
+    assert "GSM8K math 2.20 vs chat 1.80 ≈ (Δ +0.40, 95% CI [-" in result["a"].evidence[0]  # the interval's mark
     assert result["a"].evidence[0].startswith("EAGLE-2, T = 0: WITHIN NOISE")
 
 
@@ -215,7 +216,7 @@ def test_unmeasured_claims_and_empty_store(tmp_path):
 
     empty = _config(tmp_path / "empty")
     readme = build_report(empty).read_text()
-    assert readme.count(UNMEASURED) == 7 and "*skipped*" in readme
+    assert readme.count(UNMEASURED) == 14 and "*skipped*" in readme  # in the summary and under Findings
     assert json.loads((tmp_path / "empty" / "reports" / "summary.json").read_text()) == []
 
 
@@ -300,3 +301,76 @@ def test_setting_states_that_router_signals_use_the_reduced_draft_vocabulary(tmp
     reduced = config.model_copy(update={"tree": config.tree.model_copy(update={"draft_vocab_size": 512})})
     text = setting_md(load_report_data(reduced, store), "taps report")
     assert "draft vocabulary 512 tokens (draft confidence and entropy" in text and "not on the full vocabulary" in text
+
+
+# --- the report leads with its answer (issue 44) ------------------------------------------------------------------
+
+
+def test_the_report_leads_with_its_findings_and_main_table(tmp_path):
+    config, _ = _store(tmp_path)
+    readme = build_report(config).read_text()
+    head, _, rest = readme.partition("## Setting")
+    assert "## Summary" in head and "- **(a) HOLDS**: The math head beats the chat head" in head
+    assert "| math head (mathinstruct 100%) |" in head  # the main τ table
+    assert "Regenerate: `taps report --config configs/synthetic.yaml --results " in head
+    assert "`eagle2/math/gsm8k/T0`" not in head + rest.split("## Appendix: the cells")[0]  # cell ids: appendix only
+    assert "`eagle2/math/gsm8k/T0`" in rest.split("## Appendix: the cells")[1]
+    # MT-Bench is the chat head's benchmark: its Δ is chat − math, positive when the claim holds there
+    assert "MT-Bench chat 3.40 vs math 1.40 ✓ (Δ +2.00, 95% CI [+" in readme
+
+
+def test_claim_verdicts_agree_with_their_intervals():
+    above, straddling, below = Interval(0.3, 0.1, 0.5), Interval(0.1, -0.05, 0.2), Interval(-0.3, -0.5, -0.1)
+
+    def claim(*settings: list[Interval]) -> Finding:
+        finding = Finding("x", "claim", "paper")
+        for i, intervals in enumerate(settings):
+            finding.add("eagle2", float(i), "checks", intervals, [f"check {i}"] * len(intervals))
+        return finding.decide()
+
+    mostly = claim([above, above], [above], [straddling])
+    assert mostly.verdict == MOSTLY and "within noise: EAGLE-2, T = 2 check 2 Δ +0.10" in mostly.summary_line()
+    assert claim([above], [straddling], [straddling]).verdict == NOISE
+    assert claim([above], [above]).verdict == HOLDS
+    failing = claim([above], [below, straddling])
+    assert failing.verdict == FAILS and "against it: EAGLE-2, T = 1 check 1 Δ -0.30" in failing.summary_line()
+
+
+def test_one_colour_per_proposer_in_every_figure(tmp_path, monkeypatch):
+    config, _ = _store(tmp_path)
+    colours: dict[str, set] = {}
+    save = plots._save
+
+    def record(fig, path):
+        for ax in fig.axes:
+            for bars in ax.containers:
+                label = bars.get_label()
+                if not label.startswith("_") and "head" not in label and label not in ("accepted", "rejected"):
+                    colours.setdefault(label, set()).add(tuple(bars.patches[0].get_facecolor()))
+        return save(fig, path)
+
+    monkeypatch.setattr(plots, "_save", record)
+    build_report(config)
+    assert {"math", "chat", "confidence-routed", "merged"} <= set(colours)
+    assert all(len(seen) == 1 for seen in colours.values()), colours
+    assert len({next(iter(seen)) for seen in colours.values()}) == len(colours)  # and no two share one
+
+
+def test_an_empty_speed_panel_says_the_cells_were_replayed():
+    class Replayed:
+        meta = [{"replayed": True, "head_kind": "eagle2", "temperature": 0.0}]
+
+    assert "replayed" in plots._why_empty(Replayed(), "eagle2", 0.0, "speedup")
+    assert plots._why_empty(Replayed(), "eagle2", 1.0, "speedup") == "no eagle2 cells at T = 1"
+
+
+def test_rebuilding_keeps_what_else_the_results_folder_holds(tmp_path):
+    """reports/results also holds benchmarks' JSON (host_overhead.json, ...): a rebuild replaces its own files only."""
+    config, _ = _store(tmp_path)
+    results = tmp_path / "reports" / "results"
+    results.mkdir(parents=True)
+    (results / "host_overhead.json").write_text("{}")
+    build_report(config)
+    build_report(config.model_copy(update={"reports_dir": str(tmp_path / "again")}), results_source(results))
+    assert (results / "host_overhead.json").read_text() == "{}" and (results / "summary.parquet").is_file()
+    assert not (tmp_path / "again" / "results" / "host_overhead.json").exists()

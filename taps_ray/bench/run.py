@@ -31,7 +31,7 @@ from taps_ray.interop.bench_peer import VLLM_PREFIX, run_peer, speculative_confi
 from taps_ray.interop.side import side_vllm
 from taps_ray.models.device import resolve_device
 from taps_ray.models.target import Target, load_target
-from taps_ray.drafting.setup import load_proposers
+from taps_ray.drafting.setup import check_proposers, load_proposers
 from taps_ray.decoding.generate import run_loop
 from taps_ray.decoding.target_batch import TargetBatch
 from taps_ray.decoding.verify import SamplingParams
@@ -318,6 +318,7 @@ def run_bench(config: StudyConfig, options: BenchOptions) -> list[BenchSection]:
 
 
 def cmd_bench(config: StudyConfig, options: BenchOptions, command: str) -> int:
+    check_proposers(config, options.proposers, options.kind)  # a typo or a missing head: one line, before any model
     sections = run_bench(config, options)
     tree = config.tree
     settings = (f"{options.per_benchmark} first turns each of {', '.join(options.benchmarks)} (spread through each "

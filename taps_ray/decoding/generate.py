@@ -9,6 +9,7 @@ so every speedup compares like with like.
 
 from __future__ import annotations
 
+import secrets
 import time
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,13 @@ from taps_ray.drafting.proposer import Proposer
 
 if TYPE_CHECKING:  # an annotation only: importing the class loads transformers' model code (a drafter imports this)
     from transformers import PreTrainedModel
+
+
+def fresh_seeds(count: int) -> list[int]:
+    """Seeds for sequences the caller gave none: from the OS's randomness, untouched by any seeding of `random` or
+    torch, so two calls never share draws by accident (the old default, seed b for row b, made every T > 0 call
+    return the same text)."""
+    return [secrets.randbits(63) for _ in range(count)]
 
 
 @torch.no_grad()
@@ -40,6 +48,8 @@ def run_loop(
 
     `draft_below`: draft only while fewer sequences than this are unfinished; otherwise a step verifies just the
     root (plain decoding, still lossless; `step.decode_step` keeps the paused proposers' context whole).
+    `seeds` None: every sequence gets a fresh random seed (`fresh_seeds`), so T > 0 output differs from call to
+    call; each `Generation.seed` says the seed it used, and passing those back repeats the run token for token.
     """
     budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     if len(budgets) != len(prompts) or min(budgets, default=1) < 1:
@@ -48,15 +58,16 @@ def run_loop(
     if len(proposers) != len(prompts):
         raise ValueError(f"got {len(proposers)} proposers for {len(prompts)} prompts: pass one for all or one each")
     check_draft_below(draft_below)
-    seeds = seeds if seeds is not None else list(range(len(prompts)))
+    seeds = list(seeds) if seeds is not None else fresh_seeds(len(prompts))
     stops = set(stop_ids)
     start = time.perf_counter()
     started = verifier.start(prompts, params, seeds)
     prefill_s = time.perf_counter() - start
 
     sequences = [
-        Decoding(Generation(prompt=list(prompt), prefill_s=prefill_s), Drafting(p, p.init_state()), budget, stops)
-        for prompt, p, budget in zip(prompts, proposers, budgets, strict=True)
+        Decoding(Generation(prompt=list(prompt), prefill_s=prefill_s, seed=seed), Drafting(p, p.init_state()), budget,
+                 stops)
+        for prompt, p, budget, seed in zip(prompts, proposers, budgets, seeds, strict=True)
     ]
     for seq, committed in zip(sequences, started, strict=True):
         seq.extend(committed)

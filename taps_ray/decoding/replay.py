@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from weakref import WeakKeyDictionary
 
 import torch
 
 from taps_ray.decoding.generate import run_loop
-from taps_ray.decoding.replay_draft import TreeMemo, replay_drafters
+from taps_ray.decoding.replay_draft import TraceTrees, TreeMemo, replay_drafters
 from taps_ray.decoding.step import Generation, Verifier
 from taps_ray.decoding.target_batch import Committed
 from taps_ray.decoding.verify import POINT_MASS, AcceptanceRule, SamplingParams, Verdict
@@ -52,6 +52,20 @@ class GreedyTrace:
     @property
     def sequence(self) -> list[int]:
         return self.prompt + self.tokens
+
+
+def moved(trace: GreedyTrace, device: torch.device | str) -> GreedyTrace:
+    """The trace with its features and drafted trees on `device` (`eval.traces_on_host` keeps a benchmark's traces
+    on the CPU and moves one replay batch at a time to the drafter's device: a whole benchmark's features and trees
+    would not fit beside the heads)."""
+    drafted: TreeMemo = WeakKeyDictionary(
+        {head: {key: _trees_to(trees, device) for key, trees in memo.items()} for head, memo in trace.drafted.items()})
+    return GreedyTrace(trace.prompt, trace.tokens, trace.features.to(device), trace.lookahead, drafted)
+
+
+def _trees_to(trees: TraceTrees, device: torch.device | str) -> TraceTrees:
+    return replace(trees, tokens=trees.tokens.to(device), parents=trees.parents.to(device),
+                   confidence=trees.confidence.to(device), entropy=trees.entropy.to(device))
 
 
 def _end(tokens: list[int], budget: int, stops: set[int]) -> int:

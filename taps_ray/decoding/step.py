@@ -68,6 +68,7 @@ class Generation:
     prefill_s: float = 0.0
     wall_s: float = 0.0
     finished_by: str = ""
+    seed: int = 0  # the sampling seed the sequence drew with (`run_loop` fills it): passed back, it repeats the run
 
     @property
     def tau(self) -> float:

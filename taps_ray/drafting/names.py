@@ -21,6 +21,7 @@ NGRAM_SUFFIX = "+ngram"
 AUTO_PREFIX = "auto-"  # `auto-<name>`: <name> under the per-sequence cost model (drafting/cost.py)
 AVERAGED_SWEEP = (0.0, 0.25, 0.5, 0.75, 1.0)  # the averaged weights the study lists (`registry.proposer_names`)
 _AVERAGED = re.compile(r"^averaged-w(.*)$")
+ALIASES = {"routed": "confidence-routed"}  # short names README, Serve and `taps generate` accept
 
 
 class UnknownProposer(ValueError):
@@ -84,10 +85,11 @@ class ProposerSpec:
 
 def parse_proposer(name: str) -> ProposerSpec:
     """The spec of `name`: an `auto-` prefix, then a `+ngram` suffix on a base that drafts with heads
-    (`plain+ngram` and `ngram+ngram` are bases no head or combination has: the registry rejects them)."""
+    (`plain+ngram` and `ngram+ngram` are bases no head or combination has: the registry rejects them); an alias
+    base (`ALIASES`) is read as the name it stands for."""
     auto = name.startswith(AUTO_PREFIX)
     rest = name.removeprefix(AUTO_PREFIX)
     base = rest.removesuffix(NGRAM_SUFFIX)
     ngram = base != rest and base not in (PLAIN, NGRAM)
-    base = base if ngram else rest
+    base = ALIASES.get(base if ngram else rest, base if ngram else rest)  # `routed` is `confidence-routed`
     return ProposerSpec(base, averaged_weight(base), ngram, auto)

@@ -30,6 +30,7 @@ from taps_ray.drafting.combine import (
 )
 from taps_ray.drafting.cost import CostAware
 from taps_ray.drafting.names import (
+    ALIASES,
     AVERAGED_SWEEP,
     NGRAM,
     NGRAM_SUFFIX,
@@ -43,6 +44,7 @@ from taps_ray.drafting.ngram import NUM_TOKENS, NgramProposer
 from taps_ray.drafting.proposer import Proposer
 from taps_ray.drafting.proposers import PlainDecoding, SingleHead
 from taps_ray.drafting.eagle2 import DraftContext
+from taps_ray.spelling import did_you_mean
 
 
 @dataclass
@@ -144,9 +146,23 @@ def _build(spec: ProposerSpec, parts: Ingredients) -> Proposer:
         return SingleHead(spec.base, parts.heads[spec.base], parts.context, parts.tree)
     builder = combination(spec.base)
     if builder is None:
-        known = ", ".join([*single_names(list(parts.heads)), *combination_names()])
-        raise UnknownProposer(
-            f"unknown proposer {spec.base!r}; choose one of: {known} (or averaged-w{{w}}, w in [0, 1]; "
-            "any drafting proposer followed by +ngram; any proposer after auto- for the cost model)"
-        )
+        raise _unknown(spec.name, list(parts.heads))
     return builder(parts)
+
+
+def check_name(name: str, heads: Sequence[str]) -> ProposerSpec:
+    """The spec of `name` when a study with `heads` can build it; else an `UnknownProposer` with the near miss.
+    Needs no model, so a command checks its names before it loads one."""
+    spec = parse_proposer(name)
+    if spec.base not in (PLAIN, NGRAM) and spec.base not in heads and combination(spec.base) is None:
+        raise _unknown(name, heads)
+    return spec
+
+
+def _unknown(name: str, heads: Sequence[str]) -> UnknownProposer:
+    known = [*single_names(heads), *combination_names()]
+    return UnknownProposer(
+        f"unknown proposer {name!r}{did_you_mean(name, [*known, *ALIASES])}; choose one of: {', '.join(known)}, "
+        f"{', '.join(ALIASES)} (or averaged-w{{w}}, w in [0, 1]; any drafting proposer followed by +ngram; any "
+        "proposer after auto- for the cost model)"
+    )

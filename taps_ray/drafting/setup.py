@@ -15,7 +15,7 @@ from taps_ray.data.draft_vocab import draft_vocabulary
 from taps_ray.models.draft_head import DraftHead
 from taps_ray.models.target import Target
 from taps_ray.drafting.proposer import Proposer
-from taps_ray.drafting.registry import build_proposer, heads_used
+from taps_ray.drafting.registry import build_proposer, check_name, heads_used
 from taps_ray.workdir import SEARCHED, head_checkpoint, searched_head
 
 
@@ -38,15 +38,29 @@ def load_heads(cfg: StudyConfig, kind: str, dtype: torch.dtype, mixtures: Sequen
                device: torch.device | str = "cpu") -> dict[str, DraftHead]:
     """The trained heads of one kind, keyed by mixture name, in the order of `head_names` (default: all of them),
     on `device` (the target's)."""
-    heads = {}
-    for mixture in head_names(cfg, kind) if mixtures is None else mixtures:
+    mixtures = head_names(cfg, kind) if mixtures is None else mixtures
+    check_heads(cfg, kind, mixtures)
+    return {mixture: DraftHead.load(head_checkpoint(cfg, kind, mixture), dtype=dtype, device=device).eval()
+            for mixture in mixtures}
+
+
+def check_heads(cfg: StudyConfig, kind: str, mixtures: Sequence[str]) -> None:
+    """A FileNotFoundError naming the first of the `kind` heads `mixtures` that is not trained, and how to train
+    it; checked before anything loads."""
+    for mixture in mixtures:
         folder = head_checkpoint(cfg, kind, mixture)
         if not folder.is_dir():
             how = (f"run `taps search --config <cfg>` with search.kind {kind}" if mixture == SEARCHED else
                    f"run `taps train --config <cfg> --kind {kind} --mixture {mixture}` (or the sweep)")
             raise FileNotFoundError(f"no trained {kind} head for mixture {mixture!r} at {folder}; {how} first")
-        heads[mixture] = DraftHead.load(folder, dtype=dtype, device=device).eval()
-    return heads
+
+
+def check_proposers(cfg: StudyConfig, names: Sequence[str], kind: str) -> list[str]:
+    """`names` with their aliases resolved (`routed`), once each is a proposer this study builds and its `kind`
+    heads are trained: a misspelt name or a missing head fails in one line before the target loads."""
+    canonical = [check_name(name, [*cfg.head_mixtures(kind), SEARCHED]).name for name in names]
+    check_heads(cfg, kind, heads_needed(cfg, canonical))
+    return canonical
 
 
 def heads_needed(cfg: StudyConfig, names: Sequence[str]) -> list[str]:

@@ -22,16 +22,14 @@ from taps_ray.models.target import Target
 from taps_ray.drafting.setup import load_proposers
 from taps_ray.decoding.generate import run_loop
 from taps_ray.decoding.step import Generation, Verifier
+from taps_ray.drafting.proposer import Proposer
 from taps_ray.drafting.names import parse_proposer
 from taps_ray.drafting.registry import draft_reach
-from taps_ray.decoding.replay import GreedyTrace, record_traces, replay
+from taps_ray.decoding.replay import GreedyTrace, moved, record_traces, replay
 from taps_ray.decoding.target_batch import TargetBatch
 from taps_ray.decoding.verify import SamplingParams
 
 VerifierFactory = Callable[[tuple[int, ...]], Verifier]  # the target layers the proposer drafts from -> verifier
-# Questions of a replayed cell taken together, whatever `eval.batch_size` (which sizes live cells, where speed is
-# measured): their greedy traces decode in one batch, and a batched one-token forward costs little more than one.
-REPLAY_BATCH = 16
 
 
 def is_replayed(config: StudyConfig, cell: Cell) -> bool:
@@ -119,7 +117,9 @@ def run_cell(
     step_rows: list[dict] = []
     question_rows: list[dict] = []
     turns = max(len(q.turns) for q in questions)
-    batch_size = max(evaluation.batch_size, REPLAY_BATCH) if replayed else evaluation.batch_size
+    # a replayed cell's questions decode together `eval.replay_batch` at a time, whatever `eval.batch_size` (which
+    # sizes live cells, where speed is measured): a batched one-token forward costs little more than one
+    batch_size = evaluation.replay_batch if replayed else evaluation.batch_size
     for turn in range(turns):
         todo: list[Question] = [q for q in questions if len(q.turns) > turn]
         for batch in _batches(todo, batch_size):
@@ -131,7 +131,7 @@ def run_cell(
             if replayed:
                 keys = [(str(q.question_id), turn) for q in batch]
                 traced = _traces(cache, known, keys, prompts, lambda: make_verifier(layers), config, target)
-                generations = replay(proposer, traced, *budget)
+                generations = _replayed(proposer, traced, budget, target.device, evaluation.traces_on_host)
             else:
                 generations = run_loop(make_verifier(layers), proposer, prompts, params, *budget, seeds)
             batch_tokens = sum(len(g.tokens) for g in generations) or 1
@@ -166,9 +166,24 @@ def _traces(
             draft_reach(config.tree),
             continuations=[cache.continuation(keys[i], prompts[i]) for i in group] if decoded else None,
         )
+        if config.eval.traces_on_host:
+            new = [moved(trace, "cpu") for trace in new]
         known.update((keys[i], trace) for i, trace in zip(group, new))
         cache.decoded.update((keys[i], trace) for i, trace in zip(group, new))
     return [known[key] for key in keys]
+
+
+def _replayed(proposer: Proposer, traces: list[GreedyTrace], budget: tuple[int, list[int]], device: torch.device,
+              on_host: bool) -> list[Generation]:
+    """`replay` on the drafter's device; traces kept on the host go there for this batch, and the trees drafted
+    along them come back to the host with them."""
+    if not on_host:
+        return replay(proposer, traces, *budget)
+    local = [moved(trace, device) for trace in traces]
+    generations = replay(proposer, local, *budget)
+    for kept, used in zip(traces, local):
+        kept.drafted.update(moved(used, "cpu").drafted)
+    return generations
 
 
 def _question_row(base: dict, generation: Generation, batch_tokens: int) -> dict:

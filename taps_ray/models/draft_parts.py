@@ -28,9 +28,9 @@ import transformers
 from safetensors import safe_open
 from transformers.utils import cached_file
 
-from taps_ray.config import TargetConfig
+from taps_ray.config import TINY_TARGETS, TargetConfig
 from taps_ray.models.device import resolve_device
-from taps_ray.models.target import TINY_ALIAS, Target, load_target, load_tokenizer, model_source, torch_dtype
+from taps_ray.models.target import Target, load_target, load_tokenizer, model_source, torch_dtype
 from taps_ray.models.target import with_pad_token
 
 EMBED = "model.embed_tokens.weight"
@@ -201,7 +201,7 @@ def read_parts(files: dict[str, Path], tied: bool, dtype: torch.dtype, device: t
 def load_draft_target(config: TargetConfig, dtype: str | None = None) -> Target:
     """The target as a drafter needs it (`DraftParts` for a model); `dtype` overrides the config's."""
     device = resolve_device(config)
-    if config.name == TINY_ALIAS:
+    if config.name in TINY_TARGETS:
         whole = load_target(config, dtype)
         model = whole.model
         parts = parts_of(model.get_input_embeddings(), model.get_output_embeddings(), whole.dtype, device)
@@ -229,7 +229,7 @@ def load_training_target(config: TargetConfig, dtype: torch.dtype = torch.float3
     (training's `FrozenTarget` dtype, so no second copy is made) on the target's device, the tokenizer and the
     model config (head shapes); no decoder layer, no final norm (the stored features are post-norm)."""
     device = resolve_device(config)
-    if config.name == TINY_ALIAS:
+    if config.name in TINY_TARGETS:
         whole = load_target(config)
         model = whole.model
         embed = torch.nn.Embedding.from_pretrained(model.get_input_embeddings().weight.detach().to(dtype), freeze=True)

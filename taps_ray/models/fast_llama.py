@@ -1,4 +1,5 @@
-"""taps' own Llama forward for decoding: the target's verification step without transformers' model code.
+"""taps' own forward for decoding Llama-shaped targets (Llama, Mistral, Qwen2, Qwen3): the target's verification step
+without transformers' model code.
 
 Why: transformers' eager Llama spends ~40 small ops a layer (three q/k/v matmuls, two gate/up matmuls, a mask
 built per forward, `repeat_kv`, the output recorder's hooks) over a `DynamicCache` that copies itself every step,
@@ -12,6 +13,10 @@ rounding (RMSNorm in float32, RoPE's `q*cos + rotate_half(q)*sin`, softmax insid
 * grouped-query attention without `repeat_kv`: the query heads sharing a key/value head are folded into the
   query length (as transformers does for one query token, here for trees too, the mask repeated to match);
 * keys and values written in place into the batch's preallocated `KVCache`.
+The four families differ only in what this forward reads from the HF model: Qwen2's q/k/v biases (and Llama's
+optional ones) ride in the fused projections, Qwen3's per-head RMS norms of queries and keys run before RoPE as in
+`Qwen3Attention`, and sliding-window layers (Mistral's `sliding_window`, Qwen's `use_sliding_window` layers) get
+their window in the mask (`models/attention_windows.py`), never refused.
 RoPE's inverse frequencies and scaling are read from the HF model's rotary module (so Llama-3's `llama3`
 scaling, or linear scaling, is exactly HF's); rope types that change the frequencies with the position
 (dynamic, longrope) are not covered and fall back to transformers (`supported`).
@@ -42,10 +47,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from taps_ray.models.attention_windows import UnsupportedLayers, causal_mask, layer_windows, windowed_masks
 from taps_ray.models.cpu_linear import Projection, module_projection
 from taps_ray.models.kv_cache import KVCache
 
-SUPPORTED_MODEL_TYPES = ("llama",)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3")  # the inverse frequencies do not depend on the positions
 
 
@@ -61,6 +67,10 @@ def unsupported_reason(model: nn.Module) -> str | None:
         return f"rope type {rope_type!r} (covered: {', '.join(STATIC_ROPE_TYPES)})"
     if getattr(config, "pretraining_tp", 1) != 1:
         return "pretraining_tp > 1"
+    try:
+        layer_windows(config)
+    except UnsupportedLayers as error:
+        return str(error)
     return None
 
 
@@ -72,6 +82,8 @@ class _Layer:
     post_norm: torch.Tensor
     gate_up: Projection
     down: Projection
+    q_norm: torch.Tensor | None  # Qwen3's per-head RMS norms of queries and keys (None: Llama, Mistral, Qwen2)
+    k_norm: torch.Tensor | None
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -114,6 +126,7 @@ class FastLlama:
         rotary = inner.rotary_emb
         self.inv_freq = rotary.inv_freq.detach().float()
         self.rope_scaling = float(rotary.attention_scaling)
+        self.windows = layer_windows(config)  # each layer's sliding window, None for full attention
         self.compiled = compiled
         self.layers = [self._layer(block) for block in inner.layers[: config.num_hidden_layers]]
         self.lm_head = module_projection(model.lm_head)
@@ -122,10 +135,12 @@ class FastLlama:
     @staticmethod
     def _layer(block: nn.Module) -> _Layer:
         attn, mlp = block.self_attn, block.mlp
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         return _Layer(
             input_norm=block.input_layernorm.weight, qkv=Projection.fused([attn.q_proj, attn.k_proj, attn.v_proj]),
             o=Projection.fused([attn.o_proj]), post_norm=block.post_attention_layernorm.weight,
             gate_up=Projection.fused([mlp.gate_proj, mlp.up_proj]), down=Projection.fused([mlp.down_proj]),
+            q_norm=None if q_norm is None else q_norm.weight, k_norm=None if k_norm is None else k_norm.weight,
         )
 
     def _steps(self) -> None:
@@ -169,6 +184,9 @@ class FastLlama:
         h = _rms_norm(x, layer.input_norm, self.eps)
         qkv = layer.qkv(h).view(batch, length, -1, self.head_dim).transpose(1, 2)
         qk, v = qkv[:, : self.heads + self.kv_heads], qkv[:, self.heads + self.kv_heads :]
+        if layer.q_norm is not None:  # Qwen3: each head's queries and keys normed over head_dim before RoPE
+            qk = torch.cat([_rms_norm(qk[:, : self.heads], layer.q_norm, self.eps),
+                            _rms_norm(qk[:, self.heads :], layer.k_norm, self.eps)], dim=1)
         qk = qk * cos + _rotate_half(qk) * sin  # queries and keys rotated in one pass, element by element as HF
         q, k = qk[:, : self.heads], qk[:, self.heads :]
         return q.reshape(batch, self.kv_heads, (self.heads // self.kv_heads) * length, self.head_dim), k, v
@@ -192,11 +210,10 @@ class FastLlama:
         cos, sin = self.rope(positions, x.dtype)
         group = self.heads // self.kv_heads
         if mask is None and length > 1:  # causal after the cache: query i sees the cache and queries 0..i
-            past = cache.width
-            columns = torch.arange(past + length, device=x.device)
-            mask = (columns[None, :] <= past + torch.arange(length, device=x.device)[:, None])[None, None]
-        if mask is not None and group > 1 and length > 1:  # rows of the folded queries: head-major, then position
-            mask = mask.repeat(1, 1, group, 1)
+            mask = causal_mask(cache.width, length, x.device)
+        masks = windowed_masks(mask, positions, cache.width, set(self.windows))
+        if group > 1 and length > 1:  # rows of the folded queries: head-major, then position
+            masks = {window: m if m is None else m.repeat(1, 1, group, 1) for window, m in masks.items()}
         wanted = {i % (self.num_layers + 1) for i in hidden_layers}
         recorded: dict[int, torch.Tensor] = {0: x} if 0 in wanted else {}
         if self.compiled:  # the graphs read the weights as inputs: check them here, as an eager call does
@@ -206,6 +223,7 @@ class FastLlama:
         for index, layer in enumerate(self.layers):
             queries, k, v = self._inputs_step(x, layer, cos, sin)
             keys, values = cache.append(index, k, v)
+            mask = masks[self.windows[index]]
             attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=self.scale)
             x = self._output_step(x, attended, layer)
             if index + 1 in wanted and index + 1 < self.num_layers:

@@ -28,6 +28,15 @@ def _capacity(needed: int, current: int) -> int:
     return -(-wanted // GROWTH) * GROWTH
 
 
+def grown_capacity(prefill: int, final: int) -> int:
+    """The slots a cache holds once `prefill` slots were written in one forward and it then grew a few slots per
+    forward up to `final`: up to about twice `final` (`taps plan` sizes every KV cache with it)."""
+    capacity = _capacity(prefill, 0)
+    while capacity < final:
+        capacity = _capacity(capacity + 1, capacity)
+    return capacity
+
+
 class KVCache:
     """Keys and values of `num_layers` layers for `rows` sequences; buffers are allocated on the first append
     (the shapes come from the model's own key states, so any full-attention architecture fits)."""

@@ -5,7 +5,8 @@ published one, or one trained for either engine).
 EAGLE-3 (`eagle3`): config.json with `architectures: [LlamaForCausalLMEagle3]`, `num_hidden_layers: 1`,
 `draft_vocab_size`, `target_hidden_size` and the fused layers in `eagle_config.eagle_aux_hidden_state_layer_ids`;
 weights `fc.weight`, `midlayer.*`, `norm.weight`, `lm_head.weight`, `d2t` (int64 offsets: target id = draft id +
-d2t[draft id]) and `t2d` (bool over the target vocabulary).
+d2t[draft id]) and `t2d` (bool over the target vocabulary), both left out for vLLM when the draft vocabulary is the
+whole vocabulary (vLLM then has no parameter for them).
 EAGLE-1/2 (`eagle`, also HASS heads): config.json with `num_hidden_layers: 1`; weights `fc.*` and `layers.0.*`.
 Neither layout holds the target's embedding or, for EAGLE-2, its LM head: the serving engines take them from the
 target.
@@ -116,6 +117,10 @@ def published_tensors(head: DraftHead, engine: Engine = "vllm") -> dict[str, tor
                          + ("" if head.eagle3 else ", or export it for SGLang (--engine sglang)"))
     if engine == "sglang" and not head.eagle3 and "fc.bias" not in tensors:
         tensors["fc.bias"] = torch.zeros(head.fc.out_features, dtype=head.fc.weight.dtype)
+    if engine == "vllm" and head.eagle3 and head.lm_head.out_features == head.config.vocab_size:
+        # the whole vocabulary: vLLM builds no draft-to-target map then, and refuses a checkpoint holding one
+        # ("no module or parameter named 'draft_id_to_target_id'"); `load_published` reads its absence as identity
+        del tensors["d2t"], tensors["t2d"]
     return tensors
 
 

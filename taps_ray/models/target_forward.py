@@ -1,5 +1,6 @@
-"""Which forward a target's batches verify with (`target.forward` in the config): taps' fast Llama forward where
-it covers the architecture, transformers' model otherwise.
+"""Which forward a target's batches verify with (`target.forward` in the config): taps' fast forward where it
+covers the architecture (Llama, Mistral, Qwen2, Qwen3), transformers' decoder otherwise (which refuses, at load,
+what it cannot decode exactly; docs/targets.md).
 
 The choice travels with the model object (`attach_forward` at load time), so every `TargetBatch` built on it,
 in-process, in Serve or in a Ray verification actor, runs the same forward without threading a setting through

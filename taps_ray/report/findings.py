@@ -4,8 +4,8 @@ A claim is checked separately in every setting (head kind × temperature) where 
 carries a bootstrap interval over questions (paired where two proposers decode the same questions), oriented so
 that Δ > 0 favours the claim. A setting HOLDS when every interval lies above zero, DOES NOT HOLD when any lies
 below, and is WITHIN NOISE otherwise. The claim HOLDS when every measured setting holds, DOES NOT HOLD when one
-fails, is WITHIN NOISE otherwise, and NOT MEASURED when no setting has its cells. Point estimates are shown with
-✓ / ✗ next to each interval.
+fails, MOSTLY HOLDS when none fails and more than half hold, is WITHIN NOISE otherwise, and NOT MEASURED when no
+setting has its cells. Each check's mark is its interval's: ✓ above zero, ✗ below, ≈ straddling it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from taps_ray.report.uncertainty import (
     CONFIDENCE, Interval, Term, entropy_gap as gap_interval, share_above, tau_contrast, tau_difference,
 )
 
-HOLDS, FAILS, NOISE, UNMEASURED = "HOLDS", "DOES NOT HOLD", "WITHIN NOISE", "NOT MEASURED"
+HOLDS, MOSTLY, FAILS, NOISE, UNMEASURED = "HOLDS", "MOSTLY HOLDS", "DOES NOT HOLD", "WITHIN NOISE", "NOT MEASURED"
 MATH_BENCHES = ("gsm8k", "math_500", "svamp")
 NEAR_BEST = 0.02  # "near-best": an average within 2% of the best one
 
@@ -36,14 +36,20 @@ class Finding:
     evidence: list[str] = field(default_factory=list)
     settings: list[tuple[str, float, str]] = field(default_factory=list)  # (kind, T, HOLDS / FAILS / NOISE)
     intervals: list[Interval] = field(default_factory=list)  # oriented: Δ > 0 favours the claim
+    checks: list[tuple[str, Interval]] = field(default_factory=list)  # (where, interval), for the summary
 
-    def add(self, kind: str, temperature: float, text: str, intervals: list[Interval | None]) -> None:
-        """One setting, decided by its intervals (a check without one, e.g. a single question, is within noise)."""
+    def add(self, kind: str, temperature: float, text: str, intervals: list[Interval | None],
+            labels: list[str] | None = None) -> None:
+        """One setting, decided by its intervals (a check without one, e.g. a single question, is within noise).
+        `labels`: what each interval compares (a benchmark, a proposer), named in the summary."""
         signs = [i.sign if i else 0 for i in intervals]
         status = FAILS if -1 in signs else HOLDS if signs and all(x == 1 for x in signs) else NOISE
+        setting = f"{KIND_LABELS.get(kind, kind)}, T = {temperature:g}"
         self.settings.append((kind, temperature, status))
         self.intervals.extend(i for i in intervals if i)
-        self.evidence.append(f"{KIND_LABELS.get(kind, kind)}, T = {temperature:g}: {status} — {text}")
+        self.checks += [(f"{setting}{f' {label}' if label else ''}", i)
+                        for i, label in zip(intervals, labels or [""] * len(intervals)) if i]
+        self.evidence.append(f"{setting}: {status} — {text}")
 
     def decide(self, reason: str = "") -> "Finding":
         statuses = [status for *_, status in self.settings]
@@ -51,9 +57,36 @@ class Finding:
             self.verdict = UNMEASURED
             if reason:
                 self.evidence.insert(0, reason)
+        elif FAILS in statuses:
+            self.verdict = FAILS
+        elif all(x == HOLDS for x in statuses):
+            self.verdict = HOLDS
         else:
-            self.verdict = FAILS if FAILS in statuses else HOLDS if all(x == HOLDS for x in statuses) else NOISE
+            self.verdict = MOSTLY if statuses.count(HOLDS) > len(statuses) / 2 else NOISE
         return self
+
+    def deciding(self) -> str:
+        """The check that decides the verdict: the interval against the claim, else the one closest to zero."""
+        if not self.checks:
+            return "no interval (too few questions)"
+        against = [c for c in self.checks if c[1].sign == -1]
+        undecided = [c for c in self.checks if c[1].sign == 0]
+        if against:
+            where, interval = min(against, key=lambda c: c[1].high)
+            return f"against it: {where} {interval.text()}"
+        if undecided:
+            where, interval = min(undecided, key=lambda c: c[1].low)
+            more = f" (and {len(undecided) - 1} more)" if len(undecided) > 1 else ""
+            return f"within noise: {where} {interval.text()}{more}"
+        where, interval = min(self.checks, key=lambda c: c[1].low)
+        return f"every interval above zero, the closest: {where} {interval.text()}"
+
+    def summary_line(self) -> str:
+        held = [status for *_, status in self.settings]
+        if not held:
+            return f"- **({self.key}) {self.verdict}**: {self.claim} ({'; '.join(self.evidence) or 'no cells'})."
+        count = f" in {held.count(HOLDS)} of {len(held)} settings" if self.verdict != HOLDS else ""
+        return f"- **({self.key}) {self.verdict}**{count}: {self.claim}. Decided by {self.deciding()}."
 
     def markdown(self) -> str:
         count = ""
@@ -79,8 +112,12 @@ def _b(bench: str) -> str:
     return BENCH_LABELS.get(bench, bench)
 
 
-def _mark(ok: bool, tie: bool) -> str:
-    return "✓" + (" (tie)" if tie else "") if ok else "✗" + (" (tie)" if tie else "")
+def _mark(interval: Interval | None, ok: bool) -> str:
+    """The check's mark, its interval's verdict: ✓ for the claim, ✗ against it, ≈ within noise; without an
+    interval (one question), the point estimate's direction, marked as such."""
+    if interval is None:
+        return f"{'✓' if ok else '✗'} (point estimate only)"
+    return {1: "✓", -1: "✗", 0: "≈"}[interval.sign]
 
 
 def _common_average(data: ReportData, kind: str, temperature: float, proposers: list[str]) -> tuple[list[str], dict[str, float]]:
@@ -111,17 +148,21 @@ def specialisation(data: ReportData) -> Finding:
     if not (math_head and chat_head):
         return finding.decide("no head trained on mathinstruct alone and one on sharegpt alone")
     for kind, temperature in _settings(data):
-        checks, intervals = [], []
+        checks, intervals, labels = [], [], []
         for bench in (*MATH_BENCHES, "mt_bench"):
             m, c = data.value(kind, math_head, bench, temperature), data.value(kind, chat_head, bench, temperature)
             if math.isnan(m) or math.isnan(c):
                 continue
-            ok = c > m if bench == "mt_bench" else m > c
             interval = _difference(data, kind, temperature, math_head, chat_head, [bench])
-            intervals.append(interval.flipped() if interval and bench == "mt_bench" else interval)
-            checks.append(f"{_b(bench)} math {m:.2f} vs chat {c:.2f} {_mark(ok, m == c)}{_noise(interval)}")
+            if bench == "mt_bench":  # the chat head's benchmark: Δ = chat − math, so Δ > 0 favours the claim here too
+                interval = interval.flipped() if interval else None
+                checks.append(f"{_b(bench)} chat {c:.2f} vs math {m:.2f} {_mark(interval, c > m)}{_noise(interval)}")
+            else:
+                checks.append(f"{_b(bench)} math {m:.2f} vs chat {c:.2f} {_mark(interval, m > c)}{_noise(interval)}")
+            intervals.append(interval)
+            labels.append(_b(bench))
         if checks:
-            finding.add(kind, temperature, "; ".join(checks), intervals)
+            finding.add(kind, temperature, "; ".join(checks), intervals, labels)
     return finding.decide("math and chat heads not evaluated on a common benchmark")
 
 
@@ -147,13 +188,13 @@ def robustness(data: ReportData) -> Finding:
         gap = (averages[best] - averages[mixture]) / averages[best] if averages[best] else 0.0
         verdict = (f"best: {mixture}" if mixture == best else f"best: {best}; {mixture} is {gap:.1%} below it")
         finding.add(kind, temperature, f"average τ over {', '.join(map(_b, benches))}: {text}; {verdict}; "
-                    f"{mixture} − {1 - NEAR_BEST:g} × {rival} {_mark(ok, False)}{_noise(interval)}", [interval])
+                    f"{mixture} − {1 - NEAR_BEST:g} × {rival} {_mark(interval, ok)}{_noise(interval)}", [interval])
     return finding.decide("no mixture head evaluated next to another single head")
 
 
 def _pairwise(data: ReportData, finding: Finding, winners: list[str], loser: str, strict: bool) -> Finding:
     for kind, temperature in _settings(data):
-        checks, intervals = [], []
+        checks, intervals, labels = [], [], []
         for winner in winners:
             benches, averages = _common_average(data, kind, temperature, [winner, loser])
             if not benches:
@@ -161,11 +202,11 @@ def _pairwise(data: ReportData, finding: Finding, winners: list[str], loser: str
             ok = averages[winner] > averages[loser] if strict else averages[winner] >= averages[loser]
             interval = _difference(data, kind, temperature, winner, loser, benches)
             intervals.append(interval)
+            labels.append(f"{winner} vs {loser}")
             checks.append(f"{winner} {averages[winner]:.2f} vs {loser} {averages[loser]:.2f} "
-                          f"(average over {', '.join(map(_b, benches))}) "
-                          f"{_mark(ok, averages[winner] == averages[loser])}{_noise(interval)}")
+                          f"(average over {', '.join(map(_b, benches))}) {_mark(interval, ok)}{_noise(interval)}")
         if checks:
-            finding.add(kind, temperature, "; ".join(checks), intervals)
+            finding.add(kind, temperature, "; ".join(checks), intervals, labels)
     return finding.decide(f"{' / '.join(winners)} and {loser} not evaluated on a common benchmark")
 
 
@@ -187,7 +228,7 @@ def entropy_gap(data: ReportData) -> Finding:
                       f"Δ = {low}–{high} nats")
     steps = data.steps
     if steps.empty or "node_entropy" not in steps:
-        return finding.decide("no cell had both accepted and rejected drafted nodes")
+        return finding.decide(_no_steps(data, "no cell had both accepted and rejected drafted nodes"))
     for kind, temperature in _settings(data):
         setting = steps[(steps["head_kind"] == kind) & (steps["temperature"] == temperature)]
         gaps = {p: gap_interval(g) for p, g in setting.groupby("proposer", sort=True) if p != "plain"}
@@ -200,7 +241,7 @@ def entropy_gap(data: ReportData) -> Finding:
         failing = [f"{p} {gaps[p].text()}" for p in order if gaps[p].sign != 1]
         if failing:
             text += f"; not clearly > 0: {', '.join(failing)}"
-        finding.add(kind, temperature, text, list(gaps.values()))
+        finding.add(kind, temperature, text, list(gaps.values()), list(gaps))
     return finding.decide("no cell had both accepted and rejected drafted nodes")
 
 
@@ -211,7 +252,8 @@ def routing(data: ReportData) -> Finding:
     math_head, chat_head = data.specialist("mathinstruct"), data.specialist("sharegpt")
     per_question, frame = data.question_routing, data.routing
     if per_question.empty or not (math_head and chat_head):
-        return finding.decide("no routed questions" if per_question.empty else "no math and chat specialist heads")
+        return finding.decide(_no_steps(data, "no routed questions") if per_question.empty
+                              else "no math and chat specialist heads")
 
     def picks(kind: str, temperature: float, router: str, bench: str) -> pd.Series:
         return per_question.loc[(per_question["head_kind"] == kind) & (per_question["temperature"] == temperature)
@@ -223,7 +265,7 @@ def routing(data: ReportData) -> Finding:
         return float(rows.loc[rows["head"] == head, "fraction"].sum()) if not rows.empty else math.nan
 
     for kind, temperature in _settings(data):
-        checks, intervals = [], []
+        checks, intervals, labels = [], [], []
         for bench, head in (("gsm8k", math_head), ("mt_bench", chat_head)):
             judged = picks(kind, temperature, PER_QUESTION, bench)
             router = PER_QUESTION
@@ -234,8 +276,9 @@ def routing(data: ReportData) -> Finding:
             share = float((judged == head).mean())
             interval = share_above(list(judged == head))
             intervals.append(interval)
+            labels.append(f"{_b(bench)} share to {head} − 50%")
             text = (f"{_b(bench)} {share:.0%} of {len(judged)} questions to {head} ({router}) "
-                    f"{'✓' if share > 0.5 else '✗'} ({interval.text().replace('Δ', 'share − 50%')})")
+                    f"{_mark(interval, share > 0.5)} ({interval.text().replace('Δ', 'share − 50%')})")
             live = picks(kind, temperature, "confidence-routed", bench)
             if router == PER_QUESTION and not live.empty:
                 text += f"; confidence-routed: {float((live == head).mean()):.0%} of questions by majority of steps"
@@ -244,8 +287,16 @@ def routing(data: ReportData) -> Finding:
                 text += f", {steps:.0%} of steps to {head}"
             checks.append(text)
         if checks:
-            finding.add(kind, temperature, "; ".join(checks), intervals)
+            finding.add(kind, temperature, "; ".join(checks), intervals, labels)
     return finding.decide("no routed GSM8K or MT-Bench questions")
+
+
+def _no_steps(data: ReportData, reason: str) -> str:
+    """Why a claim read from the per-step records is not measured: a results copy without them says so."""
+    if data.from_copy and data.steps.empty:
+        return ("this results copy holds no per-step records (too big to copy, see results/STEPS_NOT_COPIED.txt); "
+                "rebuild the report from the results store to check this claim")
+    return reason
 
 
 def _gain_terms(kind: str, math_head: str, chat_head: str, weight: float) -> dict[str, list[Term]]:
@@ -295,6 +346,11 @@ def findings(data: ReportData) -> list[Finding]:
     return [claim(data) for claim in CLAIMS]
 
 
+def summary_md(results: list[Finding]) -> str:
+    """One line per claim: its verdict and the check that decides it (the full evidence is under Findings)."""
+    return "\n".join(f.summary_line() for f in results)
+
+
 def findings_md(data: ReportData, results: list[Finding] | None = None) -> str:
     results = results if results is not None else findings(data)
     summary = data.summary
@@ -308,5 +364,7 @@ def findings_md(data: ReportData, results: list[Finding] | None = None) -> str:
                  "noise of this many questions.")
     intro = ("Each TAPS claim checked against the tables above, separately per head kind × temperature, and decided "
              "by its intervals: a setting HOLDS when every interval lies above zero, DOES NOT HOLD when one lies "
-             "below, and is WITHIN NOISE otherwise; the claim HOLDS when every measured setting holds." + scale)
+             "below, and is WITHIN NOISE otherwise; the claim HOLDS when every measured setting holds, MOSTLY HOLDS "
+             "when none fails and more than half hold. Each check is marked by its interval: ✓ above zero (for the "
+             "claim), ✗ below, ≈ within noise." + scale)
     return intro + "\n\n" + "\n".join(f.markdown() for f in results)

@@ -24,13 +24,26 @@ def _bench_label(bench: str) -> str:
     return BENCH_LABELS.get(bench, bench)
 
 
+def proposer_colours(data: ReportData) -> dict[str, tuple]:
+    """One colour per proposer for every figure of the report: plain, then the TAPS layout of every head kind, then
+    any other proposer, each taking the next colour of tab20 (a proposer keeps its colour whatever subset a figure
+    shows)."""
+    order = [PLAIN]
+    for kind in data.kinds:
+        order += [p for p in [*layout_rows(data, kind), *sorted(data.proposers(kind))] if p not in order]
+    palette = plt.get_cmap("tab20").colors
+    return {name: palette[i % len(palette)] for i, name in enumerate(order)}
+
+
 def _grouped_bars(ax, groups: list[str], series: dict[str, list[float]], ylabel: str, title: str,
-                  intervals: dict[str, list[tuple[float, float] | None]] | None = None) -> None:
+                  intervals: dict[str, list[tuple[float, float] | None]] | None = None,
+                  colours: dict[str, tuple] | None = None) -> None:
     width = 0.8 / max(len(series), 1)
     x = np.arange(len(groups))
     for i, (name, values) in enumerate(series.items()):
         heights = [0.0 if math.isnan(v) else v for v in values]
-        bars = ax.bar(x + (i - (len(series) - 1) / 2) * width, heights, width, label=name)
+        bars = ax.bar(x + (i - (len(series) - 1) / 2) * width, heights, width, label=name,
+                      color=(colours or {}).get(name))
         if intervals:
             spans = [span or (h, h) for span, h in zip(intervals[name], heights)]
             below = [max(h - low, 0.0) for h, (low, _) in zip(heights, spans)]
@@ -64,7 +77,7 @@ def _measured(data: ReportData, kind: str, proposers: list[str], column: str) ->
 def _per_kind_bars(data: ReportData, out: Path, stem: str, column: str, ylabel: str, title: str,
                    include_plain: bool = False, baseline: float | None = None,
                    with_intervals: bool = False) -> list[Path] | str:
-    paths = []
+    paths, colours = [], proposer_colours(data)
     for kind in data.kinds:
         rows = [p for p in layout_rows(data, kind) if p in data.proposers(kind)]
         benches, rows = _measured(data, kind, ([PLAIN] if include_plain else []) + rows, column)
@@ -78,12 +91,25 @@ def _per_kind_bars(data: ReportData, out: Path, stem: str, column: str, ylabel: 
             intervals = {p: [tau_interval(data.questions, "none" if p == PLAIN else kind, temperature, p, b)
                              for b in benches] for p in rows} if with_intervals else None
             _grouped_bars(ax, [_bench_label(b) for b in benches], series, ylabel,
-                          f"{title} — {KIND_LABELS.get(kind, kind)}, T = {temperature:g}", intervals)
+                          f"{title} — {KIND_LABELS.get(kind, kind)}, T = {temperature:g}", intervals, colours)
+            if all(math.isnan(v) for values in series.values() for v in values):
+                ax.text(0.5, 0.5, _why_empty(data, kind, temperature, column), transform=ax.transAxes,
+                        ha="center", va="center", fontsize=9, wrap=True)
             if baseline is not None:
                 ax.axhline(baseline, color="black", linewidth=0.8, linestyle="--", label="plain decoding = 1×")
         axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), title="proposer")
         paths.append(_save(fig, out / f"{stem}_{kind}.png"))
     return paths or "no cells measured"
+
+
+def _why_empty(data: ReportData, kind: str, temperature: float, column: str) -> str:
+    """What an empty panel lacks: replayed cells have τ but no timing; otherwise the cells were not run."""
+    replayed = any(m.get("replayed") and m["head_kind"] == kind and m["temperature"] == temperature
+                   for m in data.meta)
+    if replayed and column in ("speedup", "tokens_per_s"):
+        return (f"not measured: the T = {temperature:g} cells are replayed\n(exact τ from one greedy decode per "
+                "question, no timing);\nspeed is measured in live cells only")
+    return f"no {kind} cells at T = {temperature:g}"
 
 
 def plot_tau(data: ReportData, out: Path) -> list[Path] | str:

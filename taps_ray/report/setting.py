@@ -33,7 +33,9 @@ def _distinct(meta: list[dict], key: str) -> str:
     return ", ".join(values)
 
 
-def setting_md(data: ReportData, command: str) -> str:
+def setting_md(data: ReportData, command: str, regenerate: str | None = None) -> str:
+    """The setting list; `regenerate`: the `taps report` command that rebuilds this report (default: `command`)."""
+    regenerate = regenerate or command
     config = data.config
     data_dir = config.resolved_data_dir()
     eval_dtype = config.eval.dtype or config.target.dtype
@@ -92,6 +94,7 @@ def setting_md(data: ReportData, command: str) -> str:
         + (f"; evaluation device recorded by the cells: {_distinct(data.meta, 'device')}" if _distinct(data.meta, "device") else "")
         + ".",
         f"- **Date**: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC}; **git commit**: `{git_commit()}`.",
-        f"- **Regenerate**: `make sweep` (evaluation and report), or `{command}` for the report alone.",
+        f"- **Regenerate**: `{regenerate}` rebuilds this report alone from its `results/` copy (no runs/ needed)"
+        + ("." if command == regenerate else f"; `{command}` produced it (`make sweep` reruns the whole study)."),
     ]
     return "\n".join(lines)

@@ -113,8 +113,34 @@ def speed_tables(data: ReportData) -> str:
             parts.append(f"#### {KIND_LABELS.get(kind, kind)}, {temp_label(temperature)}\n\n{md_table(header, rows)}")
     if not parts:
         return "No cells measured."
+    dtype = data.config.eval.dtype or data.config.target.dtype
+    rounding = ("" if "32" in str(dtype) else
+                f" In {dtype} that share is below 100% by rounding, not loss (the note after the tables says why); "
+                "replayed cells share one greedy decode per question, so their share is the same for every proposer.")
     return ("Cells: tokens/s (speedup over plain decoding of the same prompts)"
-            " · at T = 0, the share of answers token-identical to plain greedy decoding.\n\n" + "\n\n".join(parts))
+            " · at T = 0, the share of answers token-identical to plain greedy decoding." + rounding + " "
+            + speed_summary(data) + "\n\n" + "\n\n".join(parts))
+
+
+def speed_summary(data: ReportData) -> str:
+    """What the speed columns say and why: replayed cells have no timing; live speedups with their τ and the cost
+    of a drafted step they imply (speedup = τ ÷ (drafted step time ÷ plain step time))."""
+    summary = data.summary
+    if summary.empty:
+        return ""
+    lines = []
+    if any(meta.get("replayed") for meta in data.meta):
+        lines.append("Speed: T = 0 cells of draft proposers are replayed (exact τ, no timing), so speedups come from "
+                     "live cells only.")
+    live = summary[(summary["proposer"] != PLAIN) & summary["speedup"].notna() & (summary["speedup"] > 0)]
+    for temperature, rows in live.groupby("temperature"):
+        cost = rows["tau"] / rows["speedup"]
+        text = (f"Live at {temp_label(temperature)}: {rows['speedup'].min():.2f}–{rows['speedup'].max():.2f}× plain "
+                f"decoding at τ {rows['tau'].min():.2f}–{rows['tau'].max():.2f}; a drafted step took "
+                f"{cost.min():.1f}–{cost.max():.1f}× a plain step's time (τ ÷ speedup)")
+        lines.append(text + (", more than the tokens it committed, so drafting did not pay on this machine."
+                             if rows["speedup"].max() < 1 else "."))
+    return " ".join(lines)
 
 
 def entropy_md(data: ReportData) -> str:

@@ -54,11 +54,11 @@ from taps_ray.data.chat import render_ids
 from taps_ray.decoding.continuous import ContinuousBatcher, Result, TokenLogprob
 from taps_ray.decoding.continuous import Request as BatchRequest
 from taps_ray.decoding.verify import MIN_TEMPERATURE, SamplingParams
-from taps_ray.drafting.names import UnknownProposer, parse_proposer
+from taps_ray.drafting.names import ALIASES, UnknownProposer, parse_proposer
 from taps_ray.drafting.registry import combination, combination_names, single_names
 from taps_ray.drafting.setup import load_heads, load_proposers
 from taps_ray.models.target import load_target
-from taps_ray.ray_runtime import bind_replica_grpc_to_node, start_ray, start_serve
+from taps_ray.ray_runtime import bind_replica_grpc_to_node, process_runtime_env, start_serve
 from taps_ray.serve.api_errors import ERROR_RESPONSES, ApiError, install_error_handlers
 from taps_ray.serve.api_schemas import (
     ChatChoice,
@@ -85,7 +85,7 @@ from taps_ray.workdir import head_checkpoint, heads_root
 logger = logging.getLogger("ray.serve")
 
 APP_NAME = "taps"
-ALIASES = {"routed": "confidence-routed"}
+DEPLOYMENT = "TapsService"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MIN_TOP_P = 1e-6
 SHUTDOWN_GRACE_S = 5.0  # after Serve's own drain: how long the running batch may still finish
@@ -99,6 +99,16 @@ api = FastAPI(
     redoc_url=None,
 )
 install_error_handlers(api)
+
+
+@api.middleware("http")
+async def _json_whatever_the_content_type(request: Request, call_next: Callable) -> Any:
+    """Read every POST body as JSON, as OpenAI's API does: `curl -d` without `-H` sends a JSON body labelled
+    form-urlencoded, which FastAPI would not parse (a body that is not JSON still gets the 400 that says so)."""
+    if request.method == "POST" and "json" not in request.headers.get("content-type", ""):
+        headers = [(k, v) for k, v in request.scope["headers"] if k != b"content-type"]
+        request.scope["headers"] = [*headers, (b"content-type", b"application/json")]
+    return await call_next(request)
 
 
 @api.middleware("http")
@@ -138,7 +148,7 @@ def _resolve_paths(cfg: StudyConfig, base: Path) -> StudyConfig:
 # --- the deployment ------------------------------------------------------------------------------------------
 
 
-@serve.deployment(name="TapsService")
+@serve.deployment(name=DEPLOYMENT)
 @serve.ingress(api)
 class TapsService:
     """One replica: the target, every head that exists, and a proposer per servable model name."""
@@ -313,6 +323,12 @@ class TapsService:
     def check_health(self) -> None:
         """Serve's periodic health check: fails when the decode loop has work but makes no progress."""
         self.loop.check_health()
+
+    async def drain(self, timeout_s: float) -> str:
+        """`taps serve` stopping (serve/process.py): new requests get a 503 from now on; returns this replica's id
+        once its running requests have finished (streams with their last chunk and [DONE]) or after `timeout_s`."""
+        await self.loop.drain(timeout_s)
+        return serve.get_replica_context().replica_id.unique_id
 
     async def __del__(self) -> None:
         """Graceful shutdown (Serve has already drained in-flight requests for graceful_shutdown_timeout_s):
@@ -528,7 +544,8 @@ def build_app(cfg: StudyConfig, base_dir: str | Path | None = None) -> serve.App
     return TapsService.options(
         **scaling,
         max_ongoing_requests=max(s.max_ongoing_requests, s.max_batch_size + s.max_queued_requests + 1),
-        ray_actor_options=ray_requests.serve_replica(cfg).options(),
+        # the driver's settings and Hub token (ENV_KEYS), set before the replica imports anything
+        ray_actor_options={**ray_requests.serve_replica(cfg).options(), "runtime_env": process_runtime_env()},
     ).bind(cfg.model_dump(mode="json"))
 
 
@@ -553,25 +570,3 @@ def start(cfg: StudyConfig, host: str | None = None, port: int | None = None, ba
     start_serve(host, port)
     serve.run(build_app(cfg, base_dir), name=APP_NAME, route_prefix="/", blocking=False)
     return f"http://{host}:{port}"
-
-
-def cmd_serve(cfg: StudyConfig, host: str | None = None, port: int | None = None, blocking: bool = True) -> str:
-    """`taps serve`: a local loopback Ray (unless cfg.ray.address or RAY_ADDRESS names one to join), the app,
-    then block until Ctrl-C."""
-    import ray
-
-    started_ray = start_ray(cfg.ray)
-    url = start(cfg, host, port)
-    print(f"taps serve: {url}  (models: GET {url}/v1/models, health: GET {url}/healthz; Ctrl-C stops)", flush=True)
-    if not blocking:
-        return url
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        print("taps serve: shutting down", flush=True)
-    finally:
-        serve.shutdown()
-        if started_ray:
-            ray.shutdown()
-    return url

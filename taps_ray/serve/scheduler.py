@@ -114,12 +114,17 @@ class DecodeLoop:
             raise RuntimeError(f"the decode loop has {self.batcher.live} running and {self.batcher.waiting} waiting "
                                f"requests but finished no step for {idle:.0f} s (serve.stall_timeout_s)")
 
-    async def shutdown(self, timeout_s: float) -> None:
-        """Refuse new requests, let the running and queued ones finish for up to `timeout_s`, fail the rest."""
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new requests (503) from now on; return once the running and queued ones have finished, or after
+        `timeout_s`."""
         self._closing = True
         deadline = time.monotonic() + timeout_s
         while self.batcher.busy and time.monotonic() < deadline and self._task is not None and not self._task.done():
             await asyncio.sleep(0.05)
+
+    async def shutdown(self, timeout_s: float) -> None:
+        """Refuse new requests, let the running and queued ones finish for up to `timeout_s`, fail the rest."""
+        await self.drain(timeout_s)
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)

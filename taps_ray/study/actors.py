@@ -182,7 +182,11 @@ class DrafterActor:
             pass
 
     def _heads(self, kind: str) -> dict:
+        """The heads of one kind on the device; another kind's leave first (and the trees they drafted along the
+        traces with them): one kind's heads, not every kind's, is what the drafter's GPU share is sized for
+        (`taps plan`)."""
         if kind not in self.heads:
+            self.heads.clear()
             self.heads[kind] = unpack_heads(
                 self.config, kind, self.packed, eval_dtype(self.config), self.scratch / "heads", self.target.device
             )

@@ -25,7 +25,10 @@ import argparse
 import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from taps_ray import workdir
 from taps_ray.config import StudyConfig, load_config, with_overrides
@@ -35,7 +38,7 @@ from taps_ray.data.sources import load_questions
 from taps_ray.eval.cell import NO_HEAD
 from taps_ray.eval.commands import plan_cells, refresh_summary, results_store
 from taps_ray.eval.runner import eval_dtype
-from taps_ray.fsio import atomic_write_json
+from taps_ray.fsio import atomic_write_json, atomic_write_text
 from taps_ray.models.target import Target, load_tokenizer
 from taps_ray.ray_runtime import start_ray
 from taps_ray.report import build_report
@@ -161,10 +164,10 @@ def run_sweep(
         raise ValueError(f"unknown stages {unknown}; choose from {', '.join(STAGES)}")
     if quick:
         cfg = quick_config(cfg)
-    cfg = absolute_paths(cfg)
+    ran, cfg = cfg, absolute_paths(cfg)
     start_ray(cfg.ray)
     env = remote_env(cfg)
-    workdir.root(cfg).mkdir(parents=True, exist_ok=True)
+    log(f"config saved to {save_config(ran, workdir.study_config(cfg))} (give it to taps generate, serve or bench)")
     log(f"study {cfg.name}: stages {', '.join(stages)}; work dir {cfg.work_dir}; Ray {ray.cluster_resources()}")
     results: dict[str, Any] = {"config": cfg.name, "quick": quick, "stages": {}}
     sweep_start = time.perf_counter()
@@ -192,20 +195,17 @@ def run_sweep(
     return results
 
 
+def save_config(cfg: StudyConfig, path: Path) -> Path:
+    """`cfg` as the YAML `load_config` reads back to the same config, written atomically to `path`."""
+    atomic_write_text(path, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    return path
+
+
 def _jsonable(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
 # --- `taps sweep` (and jobs/sweep.py, which calls it) ----------------------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="study config, e.g. configs/cpu.yaml")
-    parser.add_argument("--quick", action="store_true", help="a shrunken study that finishes in minutes (own work dir)")
-    parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
-    parser.add_argument("--address", default=None, help="Ray address (default: ray.address of the config; 'auto' joins)")
-    parser.add_argument("--work-dir", default=None, help="override work_dir (use an absolute path on a cluster)")
-    parser.add_argument("--reports-dir", default=None, help="override reports_dir")
 
 
 def config_from_args(args: argparse.Namespace) -> StudyConfig:
@@ -216,7 +216,7 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
-    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()] if args.stages else None
     start_ray(cfg.ray, args.address)
     command = f"python jobs/sweep.py --config {args.config}" + (" --quick" if args.quick else "")
     results = run_sweep(cfg, quick=args.quick, stages=stages, command=command)

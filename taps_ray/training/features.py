@@ -225,7 +225,8 @@ def target_features(target: Target, sequences: Sequence[Sequence[int]], top_k: i
     for i, s in enumerate(sequences):
         ids[i, : len(s)] = torch.tensor(s, dtype=torch.long, device=device)
     attention = (torch.arange(t, device=device)[None, :] < lengths[:, None]).long()
-    output = model.model(input_ids=ids, attention_mask=attention, output_hidden_states=bool(layers))
+    # no KV cache: nothing decodes after this forward (at 8B, 8 x 2,048 tokens would keep 2.1 GB of it)
+    output = model.model(input_ids=ids, attention_mask=attention, output_hidden_states=bool(layers), use_cache=False)
     hidden = output.last_hidden_state  # post final norm
     aux = torch.cat([output.hidden_states[i] for i in layers], dim=-1) if layers else None
     lm_head = model.get_output_embeddings()

