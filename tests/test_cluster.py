@@ -177,8 +177,9 @@ def test_worker_gathers_sessions_into_one_forward(tiny_target, cfg, wait_ms):
     stops = tiny_target.stop_token_ids
     prompt_sets = [[[1, 5, 9, 14, 3], [1, 7, 2]], [[1, 22, 8], [1, 4, 4, 4, 6, 11, 2]]]
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8)]  # rows keep their own parameters
-    expected = [[g.tokens for g in generate(tiny_target.model, proposer(), p, r, 8, stops)]
-                for p, r in zip(prompt_sets, params)]
+    seeds = [[11, 12], [13, 14]]  # the T = 0.8 rows' draws, the same in both runs
+    expected = [[g.tokens for g in generate(tiny_target.model, proposer(), p, r, 8, stops, seeds=s)]
+                for p, r, s in zip(prompt_sets, params, seeds)]
 
     runner = _LoopThread()
     pool = VerificationPool(tiny_target.model, max_batch=4, max_wait_ms=wait_ms)
@@ -187,7 +188,7 @@ def test_worker_gathers_sessions_into_one_forward(tiny_target, cfg, wait_ms):
 
         def drafter(i: int) -> None:
             results[i] = [g.tokens for g in run_loop(_Proxy(runner, pool), proposer(), prompt_sets[i], params[i], 8,
-                                                     stops)]
+                                                     stops, seeds=seeds[i])]
 
         threads = [threading.Thread(target=drafter, args=(i,)) for i in range(2)]
         for thread in threads:

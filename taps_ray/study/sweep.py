@@ -196,8 +196,11 @@ def run_sweep(
 
 
 def save_config(cfg: StudyConfig, path: Path) -> Path:
-    """`cfg` as the YAML `load_config` reads back to the same config, written atomically to `path`."""
-    atomic_write_text(path, yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    """`cfg` as the YAML `load_config` reads back to the same config, written atomically to `path`; left as it is
+    when it already says the same (a report-only or resumed stage writes nothing)."""
+    text = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    if not path.is_file() or path.read_text() != text:
+        atomic_write_text(path, text)
     return path
 
 
