@@ -352,9 +352,9 @@ def test_sweep_report_stage_only_reads(ray_session, cfg):
 
     work = Path(cfg.work_dir)
 
-    def inputs() -> dict[Path, int]:  # everything but what the stage writes: the reports and sweep.json
+    def inputs() -> dict[Path, int]:  # everything but what the stage writes: the reports, sweep.json, its config
         return {p: p.stat().st_mtime_ns for p in work.rglob("*")
-                if p.relative_to(work).parts[0] != "reports" and p.name != "sweep.json"}
+                if p.relative_to(work).parts[0] != "reports" and p.name not in ("sweep.json", "config.yaml")}
 
     before = inputs()
     report = run_sweep(cfg, stages=["report"], log=lambda _: None)["stages"]["report"]
