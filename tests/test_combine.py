@@ -101,7 +101,8 @@ def probe(tiny_target):
 
 def test_registered_names():
     assert combination_names() == ["averaged-w0", "averaged-w0.25", "averaged", "averaged-w0.75", "averaged-w1",
-                                   "confidence-routed", "entropy-routed", "merged", "merged-dedup", "merged-budget"]
+                                   "confidence-routed", "entropy-routed", "merged", "merged-dedup", "merged-budget",
+                                   "learned-routed"]
     assert averaged_weight("averaged-w0.25") == 0.25 and averaged_weight("averaged") == 0.5
     assert averaged_weight("merged") is None
 

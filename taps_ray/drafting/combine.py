@@ -449,7 +449,7 @@ class Merged(AllPartsDrafting):
 # --- builders (named in drafting/registry.py) ----------------------------------------------------------------
 
 
-def _first_two(heads: dict[str, DraftHead], name: str) -> list[tuple[str, DraftHead]]:
+def first_two(heads: dict[str, DraftHead], name: str) -> list[tuple[str, DraftHead]]:
     if len(heads) < 2:
         raise ValueError(
             f"proposer {name!r} combines two heads (A = first, B = second in config order) but got "
@@ -458,7 +458,7 @@ def _first_two(heads: dict[str, DraftHead], name: str) -> list[tuple[str, DraftH
     return list(heads.items())[:2]
 
 
-def _single_heads(pairs: Sequence[tuple[str, DraftHead]], context: DraftContext, tree: TreeConfig) -> list[Proposer]:
+def single_heads(pairs: Sequence[tuple[str, DraftHead]], context: DraftContext, tree: TreeConfig) -> list[Proposer]:
     return [SingleHead(name, head, context, tree) for name, head in pairs]
 
 
@@ -466,36 +466,36 @@ def build_averaged(
     heads: dict[str, DraftHead], context: DraftContext, tree: TreeConfig, w: float = 0.5, name: str = "averaged"
 ) -> Proposer:
     """`averaged-w{w}`: one head whose weights are w·A + (1−w)·B (w = weight of head A)."""
-    (_, a), (_, b) = _first_two(heads, name)
+    (_, a), (_, b) = first_two(heads, name)
     if w in (0.0, 1.0):  # the average is exactly one of the heads: share its weights instead of copying
         return SingleHead(name, a if w == 1.0 else b, context, tree)
     return SingleHead(name, average_heads(a, b, w), context, tree)
 
 
 def build_confidence_routed(heads: dict[str, DraftHead], context: DraftContext, tree: TreeConfig) -> Proposer:
-    return ConfidenceRouted(_single_heads(_first_two(heads, "confidence-routed"), context, tree))
+    return ConfidenceRouted(single_heads(first_two(heads, "confidence-routed"), context, tree))
 
 
 def build_entropy_routed(heads: dict[str, DraftHead], context: DraftContext, tree: TreeConfig) -> Proposer:
     """Candidates as `names.entropy_candidates`: every head, then the averaged head when there are two."""
     if not heads:
         raise ValueError("proposer 'entropy-routed' needs at least one head")
-    parts = _single_heads(list(heads.items()), context, tree)
+    parts = single_heads(list(heads.items()), context, tree)
     if len(heads) >= 2:
         parts.append(build_averaged(heads, context, tree))
     return EntropyRouted(parts)
 
 
 def build_merged(heads: dict[str, DraftHead], context: DraftContext, tree: TreeConfig) -> Proposer:
-    return Merged(_single_heads(_first_two(heads, "merged"), context, tree), mode="concat", name="merged")
+    return Merged(single_heads(first_two(heads, "merged"), context, tree), mode="concat", name="merged")
 
 
 def build_merged_dedup(heads: dict[str, DraftHead], context: DraftContext, tree: TreeConfig) -> Proposer:
-    return Merged(_single_heads(_first_two(heads, "merged-dedup"), context, tree), mode="dedup", name="merged-dedup")
+    return Merged(single_heads(first_two(heads, "merged-dedup"), context, tree), mode="dedup", name="merged-dedup")
 
 
 def build_merged_budget(heads: dict[str, DraftHead], context: DraftContext, tree: TreeConfig) -> Proposer:
-    parts = _single_heads(_first_two(heads, "merged-budget"), context, tree)
+    parts = single_heads(first_two(heads, "merged-budget"), context, tree)
     return Merged(parts, mode="budget", budget=tree.total_token - 1, name="merged-budget")
 
 

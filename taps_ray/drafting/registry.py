@@ -29,6 +29,7 @@ from taps_ray.drafting.combine import (
     with_ngram,
 )
 from taps_ray.drafting.cost import CostAware
+from taps_ray.drafting.learned import build_learned_routed
 from taps_ray.drafting.names import (
     ALIASES,
     AVERAGED_SWEEP,
@@ -82,6 +83,7 @@ PROPOSERS: dict[str, Builder] = {
     "merged": _over_heads(build_merged),
     "merged-dedup": _over_heads(build_merged_dedup),
     "merged-budget": _over_heads(build_merged_budget),
+    "learned-routed": _over_heads(build_learned_routed),
 }
 
 

@@ -1,0 +1,155 @@
+"""`learned-routed` (ours, beyond TAPS): a per-sequence router that learns from verification which head to draft with
+(docs/algorithms.md#learned-routing).
+
+A merged step (both heads' trees under one root, as `merged`) costs one target call and tells, for every head, how
+many tokens of what the target committed its own tree held: full information, at no extra target call. The router
+keeps Hedge's exponential weights over the heads, p_h ∝ exp(η·S_h), where S_h is the discounted sum of those
+counts over the sequence's merged steps (discount γ per merged step, so a sequence whose topic moves, such as a
+second MT-Bench turn, moves its router too). It verifies merged trees while it is unsure (the leader's weight
+below `sure`, or fewer than `warmup` merged steps so far) and every `period` steps after; in between only the
+leader drafts, and the tree verified is the leader's alone: one head's drafting and a single tree's verification
+per step, against confidence routing's two heads drafting every step and merged trees' two heads plus a double-
+width verification every step (anchors: HedgeSpec, arXiv 2510.20064; MetaSD, arXiv 2604.05417).
+
+A head that sits a step out keeps the committed positions it missed (`backlog`) and reads them all the next time
+it drafts, as the loop does for a paused proposer, so its context stays whole. The rule is deterministic (no
+draw), so replay reproduces the live decode exactly at T = 0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
+
+import torch
+
+from taps_ray.config import TreeConfig
+from taps_ray.drafting.combine import OverParts, first_two, merge_trees, single_heads
+from taps_ray.drafting.eagle2 import DraftContext
+from taps_ray.drafting.proposer import Feedback
+from taps_ray.drafting.tree import DraftTree
+from taps_ray.models.draft_head import DraftHead
+
+MERGED = -1  # `last_head` of a merged step
+
+
+@dataclass(frozen=True)
+class LearnedState:
+    """One sequence's router: every head's own state and the committed positions it has yet to read, the
+    discounted acceptance each head would have had on merged steps (`scores`), and what drafted last."""
+
+    parts: tuple[Any, ...]
+    backlog: tuple[tuple[tuple[torch.Tensor, torch.Tensor], ...], ...]  # per head: (features, next tokens) missed
+    scores: tuple[float, ...]
+    merged_steps: int = 0
+    since_merged: int = 0
+    last_head: int = MERGED
+
+
+@dataclass
+class LearnedRouted(OverParts):
+    """Hedge over the heads, fed by merged steps' full-information acceptance; the leader drafts alone once sure."""
+
+    name: str = "learned-routed"
+    eta: float = 1.0  # Hedge's learning rate, per accepted token
+    discount: float = 0.7  # γ: weight of older merged steps' acceptance at each new merged step
+    sure: float = 0.9  # the leader drafts alone once its Hedge weight reaches this
+    warmup: int = 2  # merged steps every sequence starts with
+    period: int = 16  # a merged step at least this often, so a leader that stops fitting is noticed
+
+    initial_head: ClassVar[int] = MERGED
+
+    def init_state(self) -> LearnedState:
+        return LearnedState(parts=tuple(p.init_state() for p in self.parts),
+                            backlog=tuple(() for _ in self.parts), scores=tuple(0.0 for _ in self.parts))
+
+    def weights(self, state: LearnedState) -> list[float]:
+        """Hedge's weights over the heads: a softmax of η times the discounted scores."""
+        top = max(state.scores)
+        raw = [math.exp(self.eta * (s - top)) for s in state.scores]
+        return [r / sum(raw) for r in raw]
+
+    def choice(self, state: LearnedState) -> int:
+        """The head that drafts this step alone, or MERGED for a merged step (ties to the earlier head)."""
+        if state.merged_steps < self.warmup or state.since_merged + 1 >= self.period:
+            return MERGED
+        weights = self.weights(state)
+        leader = max(range(len(weights)), key=lambda h: (weights[h], -h))
+        return leader if weights[leader] >= self.sure else MERGED
+
+    def propose_batch(
+        self, states: list[LearnedState], features: list[torch.Tensor], next_tokens: list[torch.Tensor]
+    ) -> tuple[list[DraftTree], list[LearnedState]]:
+        """Every sequence's tree: the sequences of a merged step draft with every head, the others with their
+        leader; each head drafts all of its sequences in one `propose_batch`."""
+        choices = [self.choice(state) for state in states]
+        drafted: list[dict[int, DraftTree]] = [{} for _ in states]
+        new_parts = [list(state.parts) for state in states]
+        backlog = [[list(b) for b in state.backlog] for state in states]
+        for s in range(len(states)):
+            for h in range(len(self.parts)):
+                backlog[s][h].append((features[s], next_tokens[s]))
+        for h, part in enumerate(self.parts):
+            group = [s for s, c in enumerate(choices) if c in (MERGED, h)]
+            if not group:
+                continue
+            trees, part_states = part.propose_batch(
+                [new_parts[s][h] for s in group],
+                [_joined([f for f, _ in backlog[s][h]]) for s in group],
+                [_joined([t for _, t in backlog[s][h]]) for s in group],
+            )
+            for s, tree, part_state in zip(group, trees, part_states, strict=True):
+                drafted[s][h], new_parts[s][h], backlog[s][h] = tree, part_state, []
+        out_trees = [merge_trees([d[h] for h in sorted(d)]) if c == MERGED else d[c]
+                     for d, c in zip(drafted, choices, strict=True)]
+        out_states = [
+            replace(state, parts=tuple(parts), backlog=tuple(map(tuple, pending)), last_head=c,
+                    since_merged=0 if c == MERGED else state.since_merged + 1)
+            for state, parts, pending, c in zip(states, new_parts, backlog, choices, strict=True)
+        ]
+        return out_trees, out_states
+
+    def observe(self, states: list[LearnedState], feedback: list[Feedback]) -> list[LearnedState]:
+        """A merged step's acceptance per head (how much of what the target committed each head's subtree held)
+        updates the scores; a single head's step teaches nothing about the other, so it leaves them as they are."""
+        out = []
+        for state, fb in zip(states, feedback, strict=True):
+            if state.last_head != MERGED:
+                out.append(state)
+                continue
+            held = held_per_source(fb.tree, fb.tokens, len(self.parts))
+            scores = tuple(self.discount * s + a for s, a in zip(state.scores, held, strict=True))
+            out.append(replace(state, scores=scores, merged_steps=state.merged_steps + 1))
+        return out
+
+
+def held_per_source(tree: DraftTree, committed: list[int], sources: int) -> list[int]:
+    """Per source of a merged tree: the length of the longest path from the root, through that source's nodes
+    only, that spells a prefix of `committed` (the tokens verification kept). At T = 0 it is exactly what that
+    head alone would have had accepted: a longer match would have been accepted in the merged tree too."""
+    tokens, parents, source = torch.stack(
+        [tree.tokens, tree.parents, torch.cat([tree.source.new_full((1,), -1), tree.source.to(tree.tokens.device)])]
+    ).tolist()
+    children: dict[tuple[int, int, int], int] = {}  # (parent, source, token) -> node
+    for node in range(1, len(tokens)):
+        children.setdefault((parents[node], source[node], tokens[node]), node)
+    held = []
+    for head in range(sources):
+        node, length = 0, 0
+        for token in committed:
+            node = children.get((node, head, token), -1)
+            if node < 0:
+                break
+            length += 1
+        held.append(length)
+    return held
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def build_learned_routed(heads: dict[str, DraftHead], context: DraftContext, tree: TreeConfig) -> LearnedRouted:
+    """Over the first two heads in config order (A, B), as the other combinations."""
+    return LearnedRouted(single_heads(first_two(heads, "learned-routed"), context, tree))
