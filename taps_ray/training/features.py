@@ -478,6 +478,10 @@ def extract_shards(cfg: StudyConfig, folder: Path, spec: dict[str, Any], shards:
             extracted_tokens += meta["computed_tokens"]
             elapsed = time.perf_counter() - run_start
             bar.set_postfix(shard=f"{done}/{len(todo)}", tok_s=f"{extracted_tokens / max(elapsed, 1e-9):.0f}")
+            if not progress:  # in a Ray task: a line per shard, which Ray forwards to the driver's log
+                left = elapsed / done * (len(todo) - done) / 60
+                print(f"features {folder.name}: shard {done}/{len(todo)}, {extracted_tokens / max(elapsed, 1e-9):.0f} "
+                      f"tokens/s, about {left:.0f} min left", flush=True)
     finally:
         bar.close()
     return extracted_tokens
