@@ -238,3 +238,7 @@ def test_heads_report_compares_dataset_and_target_answers(tiny_config, tmp_path,
     assert "| math | eagle2 | eagle2-math-dataset / eagle2-math | 0.520 | 0.610 | 0.300 | 0.300 | 1.500 | 2.000 |" in text
     assert "| chat | eagle2 | eagle2-chat-dataset / eagle2-chat | – | 0.440 | – | 0.300 | – | – |" in text
     assert "`math` 24 conversations (mathinstruct 1, target answers)" in text
+    # what each head's budget bought: its data, its minutes and its own tau per domain (math-dataset on MT-Bench 99)
+    assert "## What each head's budget bought" in text
+    assert "| eagle2-math | target | 24 | 1.0 | 10 | 0.0 | 0.0 | 2.00 | – |" in text
+    assert "| eagle2-math-dataset | dataset | 24 | 1.0 | 10 | 0.0 | 0.0 | 1.50 | 99.00 |" in text

@@ -37,7 +37,8 @@ def heads_summary(cfg: StudyConfig, domains: Sequence[str] = DEFAULT_DOMAINS) ->
         trained = (final / "model.safetensors").is_file()
         state = {k: v for k, v in load_final_metrics(final).items() if k != "feature_stats"} if trained else {}
         heads.append({"kind": kind, "mixture": mixture, "path": in_workdir(cfg, final),
-                      "state": state or None, "agreement": read_agreement(cfg, final, domains) if trained else None})
+                      "state": state or None, "agreement": read_agreement(cfg, final, domains) if trained else None,
+                      "tau": {d: _tau(cfg, kind, mixture, b) for d, b in DOMAIN_BENCHMARKS.items()}})
     machines = sorted({h["state"]["machine"] for h in heads if h["state"] and h["state"].get("machine")})
     return {
         "config": cfg.name,
@@ -133,7 +134,7 @@ def _label(h: dict) -> str:
 
 
 def render_heads_md(s: dict, domains: Sequence[str]) -> str:
-    return "\n".join([*_setting_md(s), *_agreement_md(s, domains), *_comparison_md(s), *_features_md(s),
+    return "\n".join([*_setting_md(s), *_budget_md(s), *_agreement_md(s, domains), *_comparison_md(s), *_features_md(s),
                       *_training_md(s, domains), *_method_md()])
 
 
@@ -171,6 +172,33 @@ def _setting_md(s: dict) -> list[str]:
 def _budget(name: str, m: dict) -> str:
     corpora = " + ".join(f"{c} {r:g}" for c, r in m["mixture"].items())
     return f"`{name}` {m['size']} conversations ({corpora}, {m.get('answers', 'dataset')} answers)"
+
+
+def _budget_md(s: dict) -> list[str]:
+    """What each head's budget bought: its data (conversations x epochs), its minutes, and the tau it drafts at."""
+    if not any(h["state"] for h in s["heads"]):
+        return []
+    lines = ["## What each head's budget bought", "",
+             "Conversations x epochs trained on (the held-out share excluded), the minutes its features and its "
+             "training took, and its T = 0 tau on each domain's benchmarks (" + "; ".join(
+                 f"{d}: {', '.join(b)}" for d, b in DOMAIN_BENCHMARKS.items()) + "; – before the sweep's evaluation). "
+             "Feature minutes are the mixture's own extraction (0 when every conversation was copied from a larger "
+             "mixture that holds it).", "",
+             "| head | answers | conversations | epochs | trained tokens | feature min | train min | "
+             + " | ".join(f"tau {d}" for d in DOMAIN_BENCHMARKS) + " |",
+             "|---|---|---|---|---|---|---|" + "---|" * len(DOMAIN_BENCHMARKS)]
+    for h in s["heads"]:
+        st, mixture = h["state"], s["mixtures"][h["mixture"]]
+        if not st:
+            continue
+        features = s["features"].get(h["mixture"]) or {}
+        computed = features.get("computed_tokens", features.get("tokens"))
+        feature_min = (features.get("extract_s") or 0.0) / 60 if computed else 0.0
+        epochs = st["tokens"] / max(1, st.get("epoch_size_tokens") or st["tokens"])
+        taus = " | ".join(_fmt((h.get("tau") or {}).get(d), 2) for d in DOMAIN_BENCHMARKS)
+        lines.append(f"| {_label(h)} | {mixture.get('answers', 'dataset')} | {mixture['size']} | {epochs:.1f} | "
+                     f"{st['tokens']} | {feature_min:.1f} | {st['train_seconds'] / 60:.1f} | {taus} |")
+    return [*lines, ""]
 
 
 def _agreement_md(s: dict, domains: Sequence[str]) -> list[str]:
