@@ -157,7 +157,8 @@ def test_a_check_whose_interval_straddles_zero_is_within_noise(tmp_path):
 def test_findings_follow_the_numbers(tmp_path):
     config, store = _store(tmp_path / "fwd", specialised=True)
     verdicts = {f.key: f.verdict for f in findings(load_report_data(config, store))}
-    assert verdicts == {"a": HOLDS, "b": HOLDS, "c": HOLDS, "d": HOLDS, "e": HOLDS, "f": HOLDS, "g": UNMEASURED}
+    assert verdicts == {"a": HOLDS, "b": HOLDS, "c": HOLDS, "d": HOLDS, "e": HOLDS, "f": HOLDS, "g": UNMEASURED,
+                        "h": UNMEASURED}
 
     config, store = _store(tmp_path / "rev", specialised=False)
     result = {f.key: f for f in findings(load_report_data(config, store))}
@@ -180,6 +181,23 @@ def test_specialisation_gain_of_eagle3_against_another_kind(tmp_path, stronger):
     gain = (_tau(best) if stronger else _tau(weak)) - _tau(BAD)
     assert f"EAGLE-3 {gain:+.2f}" in result.evidence[0] and f"EAGLE-2 {_tau(GOOD) - _tau(BAD):+.2f}" in result.evidence[0]
     assert result.intervals[0].delta == pytest.approx(gain - (_tau(GOOD) - _tau(BAD)))
+
+
+def test_learned_router_against_confidence_routing_and_merged_trees(tmp_path):
+    """(h): per benchmark against confidence routing, on average within 2% of merged trees, and its drafting cost
+    read from the steps it verified merged (head -1)."""
+    config, store = _store(tmp_path)
+    _write(store, "eagle2", "learned-routed", "gsm8k", [[3, 3], [3]], heads=[[-1, 0], [0]])  # τ 4.00
+    _write(store, "eagle2", "learned-routed", "mt_bench", [[3, 3], [3, 3]], heads=[[-1, 1], [1, 1]])  # τ 4.00
+    result = {f.key: f for f in findings(load_report_data(config, store))}["h"]
+    assert result.verdict == HOLDS
+    evidence = result.evidence[0]
+    assert "GSM8K 4.00 vs 3.00 ✓" in evidence and "MT-Bench 4.00 vs 3.00 ✓" in evidence
+    assert "average 4.00 vs merged 3.50" in evidence
+    assert "drafting cost: 29% merged steps, 1.29 heads drafted per step" in evidence  # mean of 1/3 and 1/4
+
+    _write(store, "eagle2", "learned-routed", "mt_bench", [[0, 0], [0, 0]], heads=[[-1, 1], [1, 1]])  # τ 1.00
+    assert {f.key: f for f in findings(load_report_data(config, store))}["h"].verdict == FAILS
 
 
 def test_paired_bootstrap_interval_of_a_tau_difference(tmp_path):
@@ -212,11 +230,11 @@ def test_unmeasured_claims_and_empty_store(tmp_path):
     store = ResultsStore(results_dir(config))
     _write(store, "eagle2", "math", "gsm8k", GOOD)
     result = {f.key: f.verdict for f in findings(load_report_data(config, store))}
-    assert result == dict.fromkeys("abcdfg", UNMEASURED) | {"e": HOLDS}
+    assert result == dict.fromkeys("abcdfgh", UNMEASURED) | {"e": HOLDS}
 
     empty = _config(tmp_path / "empty")
     readme = build_report(empty).read_text()
-    assert readme.count(UNMEASURED) == 14 and "*skipped*" in readme  # in the summary and under Findings
+    assert readme.count(UNMEASURED) == 16 and "*skipped*" in readme  # in the summary and under Findings
     assert json.loads((tmp_path / "empty" / "reports" / "summary.json").read_text()) == []
 
 

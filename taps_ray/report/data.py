@@ -24,7 +24,7 @@ from taps_ray.workdir import results_dir
 
 BENCH_LABELS = {"mt_bench": "MT-Bench", "gsm8k": "GSM8K", "math_500": "MATH-500", "svamp": "SVAMP"}
 KIND_LABELS = {"eagle2": "EAGLE-2", "hass": "HASS", "eagle3": "EAGLE-3", "none": "none"}
-OURS = ("merged-dedup", "merged-budget")
+OURS = ("merged-dedup", "merged-budget", "learned-routed")
 PER_QUESTION = "per-question confidence"  # TAPS's routing table: each question to the head of higher mean confidence
 COMBINED = ("averaged", "confidence-routed", "entropy-routed", "merged", *OURS)
 CELLS_FILE = "cells.json"  # in a report's results/ copy: done.json of every cell and the failures
@@ -218,8 +218,9 @@ def question_routing(steps: pd.DataFrame, head_names: list[str]) -> pd.DataFrame
 
 
 def routing_table(steps: pd.DataFrame, head_names: list[str], per_question: pd.DataFrame) -> pd.DataFrame:
-    """Which head drafted: per question (`question_routing`), confidence-routed also per verification step,
-    entropy-routed per sequence (question × turn)."""
+    """Which head drafted: per question (`question_routing`), confidence-routed and learned-routed also per
+    verification step ("merged" for the learned router's merged steps), entropy-routed per sequence (question ×
+    turn)."""
     columns = ["head_kind", "proposer", "benchmark", "temperature", "head", "fraction", "unit"]
     if steps.empty:
         return pd.DataFrame(columns=columns)
@@ -230,7 +231,7 @@ def routing_table(steps: pd.DataFrame, head_names: list[str], per_question: pd.D
         for head, fraction in group["head"].value_counts(normalize=True).sort_index().items():
             rows.append({"head_kind": kind, "proposer": router, "benchmark": bench, "temperature": temperature,
                          "head": head, "fraction": float(fraction), "unit": "questions"})
-    routed = steps[steps["proposer"].isin(["confidence-routed", "entropy-routed"])]
+    routed = steps[steps["proposer"].isin(["confidence-routed", "entropy-routed", "learned-routed"])]
     for (kind, proposer, bench, temperature), group in routed.groupby(
         ["head_kind", "proposer", "benchmark", "temperature"], sort=True
     ):

@@ -337,8 +337,57 @@ def _common(data: ReportData, temperature: float, terms: dict[str, list[Term]]) 
             if all(not math.isnan(data.value(kind, p, b, temperature)) for kind, p, _ in t)}
 
 
+LEARNED, ROUTED, MERGED = "learned-routed", "confidence-routed", "merged"
+
+
+def learned_routing(data: ReportData) -> Finding:
+    """(h), ours: the router that learns from merged steps' acceptance against confidence routing (per benchmark)
+    and merged trees (average, within `NEAR_BEST`), with its drafting cost (the share of merged steps)."""
+    finding = Finding("h", f"The learned router is at least as good as confidence routing on every benchmark and "
+                      f"within {NEAR_BEST:.0%} of merged trees (average τ), at a lower drafting cost (ours)",
+                      "not in TAPS (a Hedge router over verification's acceptance, docs/algorithms.md#learned-routing)")
+    for kind, temperature in _settings(data):
+        if not (_measured(data, kind, temperature, LEARNED) and _measured(data, kind, temperature, ROUTED)):
+            continue
+        checks, intervals, labels = [], [], []
+        for bench in data.benchmarks:
+            learned, routed = (data.value(kind, p, bench, temperature) for p in (LEARNED, ROUTED))
+            if math.isnan(learned) or math.isnan(routed):
+                continue
+            interval = _difference(data, kind, temperature, LEARNED, ROUTED, [bench])
+            intervals.append(interval)
+            labels.append(f"{_b(bench)} vs {ROUTED}")
+            checks.append(f"{_b(bench)} {learned:.2f} vs {routed:.2f} {_mark(interval, learned >= routed)}"
+                          f"{_noise(interval)}")
+        benches, averages = _common_average(data, kind, temperature, [LEARNED, MERGED])
+        if benches:
+            ok = averages[LEARNED] >= averages[MERGED] * (1 - NEAR_BEST)
+            interval = _difference(data, kind, temperature, LEARNED, MERGED, benches, scale=1 - NEAR_BEST)
+            intervals.append(interval)
+            labels.append(f"vs {1 - NEAR_BEST:g} × {MERGED}")
+            checks.append(f"average {averages[LEARNED]:.2f} vs merged {averages[MERGED]:.2f}: {LEARNED} − "
+                          f"{1 - NEAR_BEST:g} × {MERGED} {_mark(interval, ok)}{_noise(interval)}")
+        checks.append(_merged_share(data, kind, temperature))
+        finding.add(kind, temperature, "; ".join(checks), intervals, labels)
+    return finding.decide(f"{LEARNED} and {ROUTED} not evaluated together")
+
+
+def _merged_share(data: ReportData, kind: str, temperature: float) -> str:
+    """The learned router's drafting cost: the share of its steps that were merged (both heads drafted, both trees
+    verified); the rest drafted with one head, where confidence routing drafts with two every step."""
+    r = data.routing
+    rows = r[(r["head_kind"] == kind) & (r["proposer"] == LEARNED) & (r["temperature"] == temperature)
+             & (r["unit"] == "steps")] if len(r) else r
+    merged = rows[rows["head"] == "merged"]["fraction"]
+    if not len(merged):
+        return "drafting cost: no per-step records"
+    share = float(merged.mean())
+    return f"drafting cost: {share:.0%} merged steps, {1 + share:.2f} heads drafted per step (confidence routing 2)"
+
+
 CLAIMS: list[Callable[[ReportData], Finding]] = [
     specialisation, robustness, beats_averaging, confidence_vs_entropy, entropy_gap, routing, specialisation_by_kind,
+    learned_routing,
 ]
 
 
