@@ -1,5 +1,5 @@
-"""The depth-1 children arithmetic of benchmarks/children_acceptance.py (taps_ray/eval/children.py), on
-distributions small enough to check by hand."""
+"""The depth-1 children arithmetic of benchmarks/children_acceptance.py (taps_ray/eval/children.py) on
+distributions small enough to check by hand, and the pooled mean its report prints."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from taps_ray.eval.children import children_acceptance
+from taps_ray.report.uncertainty import pooled_mean
 
 
 def test_hand_computed_rows():
@@ -46,3 +47,10 @@ def test_never_above_one():
 def test_shapes_must_match():
     with pytest.raises(ValueError, match="same rows and ids"):
         children_acceptance(torch.ones(2, 3) / 3, torch.ones(2, 4) / 4, 1)
+
+
+def test_pooled_mean_weighs_questions_by_their_positions():
+    interval = pooled_mean([1.0, 3.0], [1, 3])  # 4 positions, all accepted
+    assert interval.delta == pytest.approx(1.0) and interval.low == interval.high == pytest.approx(1.0)
+    spread = pooled_mean([0.0, 3.0], [1, 3])
+    assert spread.delta == pytest.approx(0.75) and spread.low == 0.0 and spread.high == 1.0
