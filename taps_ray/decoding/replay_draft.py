@@ -29,7 +29,7 @@ from taps_ray.drafting.proposer import Proposer
 from taps_ray.drafting.proposers import SingleHead
 from taps_ray.drafting.eagle2 import Candidates, ConfidenceStop, DraftContext, expand_levels, select_nodes
 from taps_ray.drafting.tree import DraftTree, build_tree
-from taps_ray.models.draft_head import DraftHead
+from taps_ray.models.draft_head import DraftHead, KVCache
 from taps_ray.syncs import to_device
 
 CONTEXT_BUDGET = 1 << 22  # traces per causal head forward: batch x length^2 (the attention scores) at most this
@@ -167,6 +167,26 @@ def _groups(lengths: list[int], rows: list[int], k: int) -> list[list[int]]:
     return groups
 
 
+def teacher_forced(
+    head: DraftHead, ctx: DraftContext, sequences: Sequence[list[int]], features: Sequence[torch.Tensor],
+    stops: Sequence[int],
+) -> tuple[torch.Tensor, KVCache]:
+    """One causal head forward over every trace at once, trace b up to root position `stops[b]` - 1: head
+    position i reads (feature i, token i + 1), so output c - 1 is what the head drafts a root at c's children
+    from. Returns the outputs [B, width, d] (right-padded) and the head's K/V."""
+    weight = next(head.parameters())
+    dtype, device = weight.dtype, weight.device
+    width = max(max(stop - 1, 1) for stop in stops)
+    padded = [sequence[1:stop] + [0] * (width - (stop - 1)) for sequence, stop in zip(sequences, stops)]
+    tokens = to_device(padded, device, torch.long)  # one transfer for the whole group
+    inputs = torch.zeros(len(stops), width, features[0].shape[-1], dtype=dtype, device=device)
+    for b, stop in enumerate(stops):
+        inputs[b, : stop - 1] = features[b][: stop - 1].to(device=device, dtype=dtype)
+    positions = torch.arange(width, device=device).expand(len(stops), -1)
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    return head(ctx.embed(tokens).to(dtype), inputs, positions, causal[None, None], None)
+
+
 def _draft_group(
     head: DraftHead, ctx: DraftContext, tree: TreeConfig, traces: list[tuple[list[int], torch.Tensor, range]]
 ) -> list[TraceTrees]:
@@ -176,16 +196,9 @@ def _draft_group(
     dtype, device = weight.dtype, weight.device
     k, n_draft = tree.top_k, tree.total_token - 1
 
-    # (1) teacher-forced head forward: head position i reads (feature i, token i + 1); a root at c reads output c-1
-    width = max(max(r.stop - 1, 1) for r in roots)
-    padded = [sequence[1 : r.stop] + [0] * (width - (r.stop - 1)) for sequence, r in zip(sequences, roots)]
-    tokens = to_device(padded, device, torch.long)  # one transfer for the whole group
-    inputs = torch.zeros(len(roots), width, features[0].shape[-1], dtype=dtype, device=device)
-    for b, r in enumerate(roots):
-        inputs[b, : r.stop - 1] = features[b][: r.stop - 1].to(device=device, dtype=dtype)
-    positions = torch.arange(width, device=device).expand(len(roots), -1)
-    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-    context, kv = head(ctx.embed(tokens).to(dtype), inputs, positions, causal[None, None], None)
+    # (1) teacher-forced head forward; a root at c reads output c-1
+    context, kv = teacher_forced(head, ctx, sequences, features, [r.stop for r in roots])
+    width = context.shape[1]
 
     # one row per (trace, root position), trace-major
     trace_of = to_device([b for b, r in enumerate(roots) for _ in r], device, torch.long)

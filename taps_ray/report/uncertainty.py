@@ -120,6 +120,13 @@ def share_above(picks: list[bool], threshold: float = 0.5, resamples: int = RESA
                        lambda sums: sums[..., 0] / np.maximum(sums[..., 1], 1) - threshold, resamples, seed)
 
 
+def pooled_mean(sums: list[float], counts: list[int], resamples: int = RESAMPLES, seed: int = 0) -> Interval | None:
+    """Σ sums / Σ counts over questions (a mean over all their positions, `sums[i]` over `counts[i]` of question
+    i's) with its interval over questions; None when there are none."""
+    values = np.column_stack([np.asarray(sums, dtype=float), np.asarray(counts, dtype=float)])
+    return _stratified(values, np.zeros(len(values)), lambda s: s[..., 0] / np.maximum(s[..., 1], 1), resamples, seed)
+
+
 Term = tuple[str, str, float]  # (head kind, proposer, weight)
 
 
