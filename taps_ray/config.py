@@ -322,6 +322,11 @@ class ServeConfig(_Strict):
         None, gt=0, description="draft only while fewer requests than this decode in one batch; larger batches decode "
         "plainly (lossless either way). None: always draft. Speculation pays while the target's forward is "
         "memory-bound: small batches on a GPU; on a CPU only batch 1 (`benchmarks/serve_load.py` measures it)")
+    cost_model: bool = Field(
+        True, description="every drafting model runs under the per-sequence cost model (`auto-<name>`, "
+        "docs/algorithms.md#cost-model): a sequence drafts only while its measured drafting and verification pay "
+        "for the tokens they commit, so a weak head or a busy batch never makes a model slower than `plain`; false "
+        "serves the proposers as they are (to measure them raw)")
     max_queued_requests: int = Field(
         64, gt=0, description="requests one replica holds waiting to join the running batch; beyond it: 503 + Retry-After")
     stall_timeout_s: float = Field(

@@ -53,6 +53,7 @@ def _serve_config(tiny_config, work: Path, **serve_update):
         replica_num_cpus=0.5,
         num_replicas=1,
         draft_below=3,  # batches of 3-4 start undrafted and resume drafting as their sequences finish
+        cost_model=False,  # the proposers as they are: these tests check what each one drafts (one test: the default)
     )
     update.update(serve_update)
     return tiny_config.model_copy(update={"work_dir": str(work), "serve": tiny_config.serve.model_copy(update=update)})
@@ -503,6 +504,28 @@ def test_missing_heads_serve_plain_only(service, tiny_config, tmp_path):
         assert ok.status_code == 200, ok.text
     finally:
         serve.delete("taps-noheads")
+
+
+def test_drafting_models_run_under_the_cost_model_by_default(service, tiny_config, tiny_target):
+    """The default (`serve.cost_model: true`): `math` keeps its name, its first step is plain (the cost model
+    measures a plain step first), and the output is still the target's greedy one."""
+    serve = service.serve
+    cfg = service.cfg.model_copy(update={"serve": service.cfg.serve.model_copy(update={"cost_model": True})})
+    serve.run(build_app(cfg), name="taps-cost", route_prefix="/cost")
+    try:
+        health = _wait_healthy(f"{service.url}/cost")
+        assert "math" in health["models"] and "routed" in health["models"]
+        question = "What is 7 times 6? Explain briefly."
+        for model in ("math", "routed"):
+            response = httpx.post(f"{service.url}/cost/v1/chat/completions", timeout=TIMEOUT, json={
+                "model": model, "messages": [{"role": "user", "content": question}], "temperature": 0,
+                "max_tokens": 24})
+            assert response.status_code == 200, response.text
+            body = response.json()
+            assert body["choices"][0]["message"]["content"] == _expected_chat(tiny_target, question, 24)
+            assert body["speculative"]["head_fractions"].get("none", 0) > 0  # the cost model's plain steps
+    finally:
+        serve.delete("taps-cost")
 
 
 # --- the three ways to build it --------------------------------------------------------------------------------

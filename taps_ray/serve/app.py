@@ -54,7 +54,8 @@ from taps_ray.data.chat import render_ids
 from taps_ray.decoding.continuous import ContinuousBatcher, Result, TokenLogprob
 from taps_ray.decoding.continuous import Request as BatchRequest
 from taps_ray.decoding.verify import MIN_TEMPERATURE, SamplingParams
-from taps_ray.drafting.names import ALIASES, UnknownProposer, parse_proposer
+from taps_ray.drafting.cost import CostAware
+from taps_ray.drafting.names import ALIASES, PLAIN, UnknownProposer, parse_proposer
 from taps_ray.drafting.registry import combination, combination_names, single_names
 from taps_ray.drafting.setup import load_heads, load_proposers
 from taps_ray.models.target import load_target
@@ -175,6 +176,9 @@ class TapsService:
                     self.proposers.update(load_proposers(self.cfg, [name], target=self.target, heads=self.heads))
                 except Exception as error:  # a combination that cannot use these heads is left out, not fatal
                     logger.warning("combination %r left out: %s", name, error)
+        if serve_cfg.cost_model:  # the model keeps its name; what runs is `auto-<name>`, drafting only where it pays
+            self.proposers = {name: p if name == PLAIN else CostAware(p, name=name)
+                              for name, p in self.proposers.items()}
         self.max_tokens_limit = serve_cfg.max_tokens_limit
         self.default_max_tokens = min(serve_cfg.default_max_tokens, serve_cfg.max_tokens_limit)
         self.created = int(time.time())
