@@ -105,7 +105,7 @@ def batch_verifier(model: torch.nn.Module, prompt: list[int], forward: FastLlama
     batch.start([prompt], SamplingParams(), [0])
 
     def verify(tree: DraftTree) -> None:
-        batch.verify([tree])
+        batch.forward_trees([tree])
         batch.commit([[]])  # keep nothing: the cache is back to the prompt
 
     return verify

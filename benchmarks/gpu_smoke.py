@@ -237,7 +237,8 @@ def tree_batch_logits(model, starts: list[list[int]], tree) -> torch.Tensor:
     """Logits of one verification step: a ragged prefill, then `tree` on every row, as float64 [B, nodes, V]."""
     batch = TargetBatch(model)
     batch.prefill(starts)
-    return torch.stack([out.logits.double() for out in batch.verify([tree] * len(starts))])
+    logits, _, _ = batch.forward_trees([tree] * len(starts))
+    return logits.double()
 
 
 def forward_agreement(config, dtype: torch.dtype, device: torch.device, with_reference: bool) -> dict:

@@ -218,7 +218,7 @@ class ContinuousBatcher:
     def _verify(self) -> None:
         """One `decode_step` over the running batch (its rows, in order; none is finished here)."""
         rows = list(range(len(self._running)))
-        decode_step(self._running, lambda trees: self._batch.step_rows(rows, trees), self.draft_below, self.node_stats)
+        decode_step(self._running, lambda trees: self._batch.step(trees, rows), self.draft_below, self.node_stats)
         for seq in self._running:
             seq.max_batch = max(seq.max_batch, len(rows))
 
