@@ -41,8 +41,7 @@ sys.path.insert(0, str(ROOT))
 from taps_ray.config import StudyConfig, load_config  # noqa: E402
 from taps_ray.fsio import atomic_write_json, atomic_write_text  # noqa: E402
 from taps_ray.machine import cpu_line  # noqa: E402
-from taps_ray.report.setting import git_commit  # noqa: E402
-from taps_ray.report.tables import fmt, md_table  # noqa: E402
+from taps_ray.markdown import fmt, git_commit, md_table  # noqa: E402
 
 CONFIG = "configs/ttt_audit.yaml"
 KIND, MIXTURE = "eagle3", "math"

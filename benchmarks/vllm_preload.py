@@ -32,8 +32,7 @@ from taps_ray.interop.bench_peer import run_peer  # noqa: E402
 from taps_ray.interop.side import side_vllm  # noqa: E402
 from taps_ray.machine import cpu_line  # noqa: E402
 from taps_ray.models.target import load_target  # noqa: E402
-from taps_ray.report.setting import git_commit  # noqa: E402
-from taps_ray.report.tables import md_table  # noqa: E402
+from taps_ray.markdown import git_commit, md_table  # noqa: E402
 
 MODES = {"preload": True, "no preload": False}
 
