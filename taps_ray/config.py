@@ -322,7 +322,7 @@ class ServeConfig(_Strict):
     draft_below: int | None = Field(
         None, gt=0, description="draft only while fewer requests than this decode in one batch; larger batches decode "
         "plainly (lossless either way). None: always draft. Speculation pays while the target's forward is "
-        "memory-bound: small batches on a GPU; on a CPU only batch 1 (`benchmarks/serve_load.py` measures it)")
+        "memory-bound: small batches on a GPU; on a CPU only batch 1 (`benchmarks/serving/serve_load.py` measures it)")
     max_queued_requests: int = Field(
         64, gt=0, description="requests one replica holds waiting to join the running batch; beyond it: 503 + Retry-After")
     stall_timeout_s: float = Field(
