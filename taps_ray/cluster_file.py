@@ -11,9 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, ValidationError
 
+from taps_ray.config import read_yaml_mapping
 from taps_ray.spelling import did_you_mean
 
 
@@ -70,17 +70,8 @@ class ClusterSpec(BaseModel):
 def read_cluster(path: str | Path) -> ClusterSpec:
     """The validated cluster config at `path`, or a `ClusterFileError` naming its first problem."""
     path = Path(path)
-    if not path.is_file():
-        raise ClusterFileError(f"cluster file {path} not found; pass a Ray cluster config such as cluster.yaml")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as error:
-        where = getattr(error, "problem_mark", None)
-        line = f" at line {where.line + 1}" if where is not None else ""
-        raise ClusterFileError(f"cluster file {path} is not valid YAML{line}; fix its syntax") from None
-    if not isinstance(data, dict):
-        got = "empty" if data is None else f"a {type(data).__name__}"
-        raise ClusterFileError(f"cluster file {path} is {got}, not a mapping of Ray cluster keys; see cluster.yaml")
+    data = read_yaml_mapping(path, "cluster file", ClusterFileError, "pass a Ray cluster config such as cluster.yaml",
+                             "Ray cluster keys; see cluster.yaml")
     try:
         return ClusterSpec.model_validate(data)
     except ValidationError as error:

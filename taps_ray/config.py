@@ -31,6 +31,17 @@ TRAIN_CORPORA = ("mathinstruct", "sharegpt")
 BENCHMARKS = ("mt_bench", "gsm8k", "math_500", "svamp")
 
 
+def _known_and_positive(value: dict[str, Any], known: tuple[str, ...], noun: str, amount: str) -> dict[str, Any]:
+    """`value` when every key is one of `known` and every number > 0 (a mixture's ratios, the benchmarks' question
+    counts), else the error naming the first bad entry: "unknown {noun} ..." or "{amount} 'key' must be > 0"."""
+    for key, number in value.items():
+        if key not in known:
+            raise ValueError(f"unknown {noun} {key!r}; use one of {', '.join(known)}")
+        if number <= 0:
+            raise ValueError(f"{amount} {key!r} must be > 0, got {number}")
+    return value
+
+
 class ConfigError(ValueError):
     """A config that cannot be used; the message names the file, the field and what to change."""
 
@@ -107,12 +118,7 @@ class MixtureConfig(_Strict):
     def _known_positive(cls, value: dict[str, float]) -> dict[str, float]:
         if not value:
             raise ValueError("must name at least one corpus, e.g. {mathinstruct: 0.5, sharegpt: 0.5}")
-        for corpus, ratio in value.items():
-            if corpus not in TRAIN_CORPORA:
-                raise ValueError(f"unknown corpus {corpus!r}; use one of {', '.join(TRAIN_CORPORA)}")
-            if ratio <= 0:
-                raise ValueError(f"ratio of {corpus!r} must be > 0, got {ratio}")
-        return value
+        return _known_and_positive(value, TRAIN_CORPORA, "corpus", "ratio of")
 
 
 class FeatureConfig(_Strict):
@@ -248,12 +254,7 @@ class EvalConfig(_Strict):
     @field_validator("benchmarks")
     @classmethod
     def _known(cls, value: dict[str, int]) -> dict[str, int]:
-        for name, count in value.items():
-            if name not in BENCHMARKS:
-                raise ValueError(f"unknown benchmark {name!r}; use one of {', '.join(BENCHMARKS)}")
-            if count <= 0:
-                raise ValueError(f"question count for {name!r} must be > 0, got {count}")
-        return value
+        return _known_and_positive(value, BENCHMARKS, "benchmark", "question count for")
 
     @field_validator("temperatures")
     @classmethod
@@ -321,7 +322,7 @@ class ServeConfig(_Strict):
     draft_below: int | None = Field(
         None, gt=0, description="draft only while fewer requests than this decode in one batch; larger batches decode "
         "plainly (lossless either way). None: always draft. Speculation pays while the target's forward is "
-        "memory-bound: small batches on a GPU; on a CPU only batch 1 (`benchmarks/serve_load.py` measures it)")
+        "memory-bound: small batches on a GPU; on a CPU only batch 1 (`benchmarks/serving/serve_load.py` measures it)")
     cost_model: bool = Field(
         True, description="every drafting model runs under the per-sequence cost model (`auto-<name>`, "
         "docs/algorithms.md#cost-model): a sequence drafts only while its measured drafting and verification pay "
@@ -447,16 +448,28 @@ def parse_config(data: dict, source: str = "<dict>") -> StudyConfig:
         raise ConfigError(_describe(error, source)) from None
 
 
-def load_config(path: str | os.PathLike) -> StudyConfig:
-    path = Path(path)
+def read_yaml_mapping(path: Path, label: str, error: type[Exception], missing_hint: str, keys: str) -> dict:
+    """The YAML mapping at `path`, or `error` with the one line that says what is wrong with the file: missing,
+    not YAML (at which line), or not a mapping (`keys`: what its keys should be and where to see some). The study
+    config and the Ray cluster file are read alike; `label` names which one ("config file")."""
     if not path.is_file():
-        raise ConfigError(f"config file {path} not found; pass one of the files in configs/ (e.g. configs/cpu.yaml)")
+        raise error(f"{label} {path} not found; {missing_hint}")
     try:
         data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as error:
-        raise ConfigError(f"config {path} is not valid YAML: {error}") from None
+    except yaml.YAMLError as problem:
+        where = getattr(problem, "problem_mark", None)
+        line = f" at line {where.line + 1}" if where is not None else ""
+        raise error(f"{label} {path} is not valid YAML{line}; fix its syntax") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"config {path} must be a YAML mapping of fields, got {type(data).__name__}")
+        got = "empty" if data is None else f"a {type(data).__name__}"
+        raise error(f"{label} {path} is {got}, not a mapping of {keys}")
+    return data
+
+
+def load_config(path: str | os.PathLike) -> StudyConfig:
+    path = Path(path)
+    data = read_yaml_mapping(path, "config file", ConfigError, "pass one of the files in configs/ (e.g. configs/cpu.yaml)",
+                             "study config fields; see configs/cpu.yaml")
     return parse_config(data, str(path))
 
 

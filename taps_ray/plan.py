@@ -53,7 +53,7 @@ CUDA_CONTEXT = 1.5 * GB  # CUDA context and allocator slack per GPU process
 LIBRARIES = 3.0 * GB  # Python, torch, CUDA and transformers libraries in host memory
 HEADROOM = 0.10  # an actor fits when its need leaves this share of its GPU (and of its host memory request) free
 # on a GPU, SDPA runs a fused kernel (flash or memory-efficient) that allocates no [heads, T, T] attention scores;
-# the CPU's math path does (benchmarks/gpu_smoke.py reports which kernel a GPU runs)
+# the CPU's math path does (benchmarks/gpu/gpu_smoke.py reports which kernel a GPU runs)
 FUSED_ATTENTION = True
 TREE_BYTES = 8 + 8 + 4 + 4  # a drafted node kept for replay: token, parent (int64), confidence, entropy (fp32)
 # bytes per logit that verifying a tree by sampling (T > 0) allocates beside the logits themselves: its fp32

@@ -5,7 +5,7 @@ output shape depends on values (`nonzero`, boolean-mask indexing, `unique`, `tor
 host (`.cpu()`, `.numpy()`, `.to("cpu")` of a device tensor) blocks the host until the device has finished all the
 work queued before it: the host stops queueing, the device idles, and a step pays the launch latency again. On a
 CPU nothing waits, so `SyncCounter` counts the calls that WOULD wait on a GPU; tests hold the loop to a budget
-(tests/test_syncs.py) and benchmarks/host_overhead.py reports the count per step.
+(tests/test_syncs.py) and benchmarks/speed/host_overhead.py reports the count per step.
 
 Uploads wait too: `torch.tensor(data, device=cuda)` copies from pageable memory with a blocking copy, which
 synchronises the stream (`memcpy_and_sync`), so it is counted as a sync ("upload"). `to_device` is the upload that

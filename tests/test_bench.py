@@ -1,5 +1,5 @@
 """`taps bench` end to end on the tiny random target (every method decodes the same prompts, ours stay greedy),
-its pure parts (prompt choice, speed table, goals, limits), and the pure helpers of `benchmarks/serve_load.py`
+its pure parts (prompt choice, speed table, goals, limits), and the pure helpers of `benchmarks/serving/serve_load.py`
 (stream reading, outcome classes, the overload verdict)."""
 
 from __future__ import annotations
@@ -146,10 +146,10 @@ def test_goals_per_row_and_what_limits():
 
 
 def _serve_load():
-    """benchmarks/serve_load.py as a module (benchmarks/ is not a package)."""
+    """benchmarks/serving/serve_load.py as a module (benchmarks/ is not a package)."""
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "serve_load.py"
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "serving" / "serve_load.py"
     spec = importlib.util.spec_from_file_location("serve_load", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there

@@ -1,4 +1,4 @@
-"""The depth-1 children arithmetic of benchmarks/children_acceptance.py (taps_ray/eval/children.py) on
+"""The depth-1 children arithmetic of benchmarks/training/children_acceptance.py (taps_ray/eval/children.py) on
 distributions small enough to check by hand, and the pooled mean its report prints."""
 
 from __future__ import annotations

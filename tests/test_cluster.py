@@ -218,7 +218,7 @@ def test_stepping_some_rows_leaves_the_others_untouched(tiny_target, cfg, steppe
     still = [r for r in range(3) if r not in stepped]
     layers = range(shared.cache.num_layers)
     before = [shared.cache.layer(i)[0][still].clone() for i in layers]
-    got = shared.step_rows(stepped, trees)
+    got = shared.step(trees, stepped)
     lengths = [len(p) for p in prompts]
     for row, tree, result in zip(stepped, trees, got):
         alone = TargetBatch(tiny_target.model)

@@ -365,7 +365,7 @@ def test_merged_sampling_is_lossless_chi_square(small_vocab_target, name, prompt
         assert tree.size == 7 and 1 in tree.source.tolist()  # n-gram nodes made the budget
     batch = TargetBatch(model)
     batch.prefill([prompt])
-    logits = batch.verify([tree])[0].logits
+    logits = batch.forward_trees([tree])[0][0]
     vocab = config.vocab_size
     p1 = processed_probs(model(torch.tensor([prompt + [root]])).logits[0, -1], params)
     p2 = torch.stack(

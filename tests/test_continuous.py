@@ -6,6 +6,8 @@ neighbours use, a sequence's tokens are what it would decode alone (T=0: the tar
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -26,11 +28,14 @@ def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-def _request(results: dict, key, prompt, proposer, n, params=GREEDY, seed=0, **extra) -> Request:
+def _submit(batcher: ContinuousBatcher, results: dict, key, prompt, proposer, n, params=GREEDY, seed=0,
+            on_tokens=None, **extra) -> Callable[[], None]:
+    """Submit a request whose result lands in `results[key]`; returns its cancel function."""
     def done(result: Result) -> None:
         results[key] = result
 
-    return Request(prompt=prompt, proposer=proposer, params=params, max_tokens=n, seed=seed, on_done=done, **extra)
+    request = Request(prompt=prompt, proposer=proposer, params=params, max_tokens=n, seed=seed, **extra)
+    return batcher.submit(request, on_tokens=on_tokens, on_done=done)
 
 
 def _drain(batcher: ContinuousBatcher, limit: int = 500) -> list[int]:
@@ -58,13 +63,13 @@ def test_requests_joining_mid_batch_decode_exactly_with_mixed_proposers(setup):
     results: dict = {}
     budgets = [20, 30, 12, 16]
     proposers = [oracle, PlainDecoding(), oracle, oracle]
-    batcher.submit(_request(results, 0, prompts[0], proposers[0], budgets[0]))
-    batcher.submit(_request(results, 1, prompts[1], proposers[1], budgets[1]))
+    _submit(batcher, results, 0, prompts[0], proposers[0], budgets[0])
+    _submit(batcher, results, 1, prompts[1], proposers[1], budgets[1])
     for _ in range(3):
         batcher.step()
     assert batcher.live == 2
-    batcher.submit(_request(results, 2, prompts[2], proposers[2], budgets[2]))  # joins a running batch
-    batcher.submit(_request(results, 3, prompts[3], proposers[3], budgets[3]))  # waits: max_batch_size=3
+    _submit(batcher, results, 2, prompts[2], proposers[2], budgets[2])  # joins a running batch
+    _submit(batcher, results, 3, prompts[3], proposers[3], budgets[3])  # waits: max_batch_size=3
     batcher.step()
     assert batcher.live == 3 and batcher.waiting == 1
     sizes = _drain(batcher)
@@ -87,8 +92,8 @@ def test_draft_below_decides_per_step_from_the_live_batch(setup):
     oracle = GreedyOracle(model, first_token=bos, depth=4)
     batcher = ContinuousBatcher(model, stop_ids=[], max_batch_size=4, draft_below=2, node_stats=True)
     results: dict = {}
-    batcher.submit(_request(results, "short", prompts[0], oracle, 5))
-    batcher.submit(_request(results, "long", prompts[1], oracle, 30))
+    _submit(batcher, results, "short", prompts[0], oracle, 5)
+    _submit(batcher, results, "long", prompts[1], oracle, 30)
     torch.manual_seed(0)  # the oracle's confidences
     _drain(batcher)
     long = results["long"].generation
@@ -117,9 +122,9 @@ def test_sampling_parameters_are_per_sequence_and_follow_each_seed(setup):
     alone = run_loop(TargetBatch(model), PlainDecoding(), [prompts[1]], sampled, 12, [], seeds=[11])[0].tokens
     batcher = ContinuousBatcher(model, stop_ids=[], max_batch_size=4)
     results: dict = {}
-    batcher.submit(_request(results, "greedy", prompts[0], PlainDecoding(), 10))
+    _submit(batcher, results, "greedy", prompts[0], PlainDecoding(), 10)
     batcher.step()
-    batcher.submit(_request(results, "sampled", prompts[1], PlainDecoding(), 12, params=sampled, seed=11))
+    _submit(batcher, results, "sampled", prompts[1], PlainDecoding(), 12, params=sampled, seed=11)
     _drain(batcher)
     assert results["sampled"].generation.tokens == alone
     assert results["greedy"].generation.tokens == _hf_greedy(model, prompts[0], 10)
@@ -140,8 +145,8 @@ def test_stop_condition_ends_decoding_at_the_step_that_completes_it(setup):
     batcher = ContinuousBatcher(model, stop_ids=[], max_batch_size=2)
     results: dict = {}
     steps: list[list[int]] = []
-    batcher.submit(_request(results, 0, prompts[2], GreedyOracle(model, first_token=bos), 24, stop=stop,
-                            on_tokens=lambda tokens, _: steps.append(tokens)))
+    _submit(batcher, results, 0, prompts[2], GreedyOracle(model, first_token=bos), 24, stop=stop,
+                            on_tokens=lambda tokens, _: steps.append(tokens))
     _drain(batcher)
     generation = results[0].generation
     assert generation.tokens == expected[: first + 1] and generation.finished_by == "stop"
@@ -153,8 +158,8 @@ def test_logprobs_come_from_the_target_distribution(setup):
     model, bos, prompts = setup
     batcher = ContinuousBatcher(model, stop_ids=[], max_batch_size=2)
     results: dict = {}
-    batcher.submit(_request(results, 0, prompts[0], GreedyOracle(model, first_token=bos), 8, top_logprobs=3))
-    batcher.submit(_request(results, 1, prompts[1], PlainDecoding(), 4))
+    _submit(batcher, results, 0, prompts[0], GreedyOracle(model, first_token=bos), 8, top_logprobs=3)
+    _submit(batcher, results, 1, prompts[1], PlainDecoding(), 4)
     _drain(batcher)
     tokens, logprobs = results[0].generation.tokens, results[0].logprobs
     assert [lp.token for lp in logprobs] == tokens and results[1].logprobs == []
@@ -171,16 +176,14 @@ def test_cancelled_and_failed_requests_end_cleanly(setup):
     model, _, prompts = setup
     batcher = ContinuousBatcher(model, stop_ids=[], max_batch_size=2)
     results: dict = {}
-    keep = _request(results, "keep", prompts[0], PlainDecoding(), 10)
-    gone = _request(results, "gone", prompts[1], PlainDecoding(), 30)
-    batcher.submit(keep)
-    batcher.submit(gone)
+    _submit(batcher, results, "keep", prompts[0], PlainDecoding(), 10)
+    cancel_gone = _submit(batcher, results, "gone", prompts[1], PlainDecoding(), 30)
     batcher.step()
-    gone.cancelled = True
+    cancel_gone()
     _drain(batcher)
     assert results["gone"].generation.finished_by == "cancelled"
     assert results["keep"].generation.tokens == _hf_greedy(model, prompts[0], 10)
-    batcher.submit(_request(results, "late", prompts[2], PlainDecoding(), 10))
+    _submit(batcher, results, "late", prompts[2], PlainDecoding(), 10)
     batcher.fail_all("shutting down")
     assert results["late"].error == "RuntimeError: shutting down" and not batcher.busy
 
@@ -189,8 +192,8 @@ def test_a_request_done_at_its_first_token_never_reaches_a_verification_step(set
     model, _, prompts = setup
     batcher = ContinuousBatcher(model, stop_ids=[], max_batch_size=2)
     results: dict = {}
-    batcher.submit(_request(results, "one", prompts[0], PlainDecoding(), 1))
-    batcher.submit(_request(results, "more", prompts[1], PlainDecoding(), 3))
+    _submit(batcher, results, "one", prompts[0], PlainDecoding(), 1)
+    _submit(batcher, results, "more", prompts[1], PlainDecoding(), 3)
     _drain(batcher)
     assert results["one"].generation.tokens == _hf_greedy(model, prompts[0], 1)
     assert results["one"].generation.steps == [] and len(results["more"].generation.steps) == 2

@@ -90,11 +90,11 @@ def test_tree_verified_logits_equal_sequential_logits(forward_target):
     tree = build_tree(torch.tensor([11, 12, 13, 14, 15, 16]), torch.tensor([-1, 0, 0, 1, 1, 2]))
     batch = TargetBatch(model)
     batch.prefill([prompt])
-    out = batch.verify([tree])[0]
+    logits = batch.forward_trees([tree])[0][0]
     for node in range(tree.size):
         path = tree.mask[node].nonzero().flatten()
         sequential = model(torch.tensor([prompt + tree.tokens[path].tolist()])).logits[0, -1]
-        torch.testing.assert_close(out.logits[node], sequential, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(logits[node], sequential, atol=1e-4, rtol=1e-4)
 
 
 def test_eager_attention_masks_the_tree_like_sdpa(tiny_config):
@@ -108,12 +108,12 @@ def test_eager_attention_masks_the_tree_like_sdpa(tiny_config):
     tree = build_tree(torch.tensor([11, 12, 13, 14, 15, 16]), torch.tensor([-1, 0, 0, 1, 1, 2]))
     batch = TargetBatch(eager.model)
     batch.prefill([prompt, prompt[:4]])  # a padded batch: the shorter row's padding must be masked too
-    out = batch.verify([tree, tree])
+    logits = batch.forward_trees([tree, tree])[0]
     for b, context in enumerate((prompt, prompt[:4])):
         for node in range(tree.size):
             path = tree.mask[node].nonzero().flatten()
             sequential = eager.model(torch.tensor([context + tree.tokens[path].tolist()])).logits[0, -1]
-            torch.testing.assert_close(out[b].logits[node], sequential, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(logits[b, node], sequential, atol=1e-4, rtol=1e-4)
 
 
 def test_draft_stable_cache_equals_fresh_prefill(tiny_target):

@@ -90,8 +90,9 @@ def _verify(model: torch.nn.Module, feature_layers: tuple[int, ...] = ()) -> lis
     prompts = [list(range(3, 40)), list(range(50, 70))]
     batch = TargetBatch(model, feature_layers=feature_layers)
     outs = batch.prefill(prompts)
-    trees = batch.verify([TREE, CHAIN])
-    return [o.logits.double() for o in outs] + [t.logits.double() for t in trees] + [t.hidden.double() for t in trees]
+    logits, features, _ = batch.forward_trees([TREE, CHAIN])
+    trees = [(logits[b, : t.size], features[b, : t.size]) for b, t in enumerate((TREE, CHAIN))]
+    return [o.logits.double() for o in outs] + [x.double() for x, _ in trees] + [h.double() for _, h in trees]
 
 
 def _three_ways(dtype: torch.dtype, compile_mode: str = "none", **overrides: object) -> tuple[list, list, list]:
@@ -242,9 +243,10 @@ def _scored(model: torch.nn.Module) -> tuple[list[list[int]], torch.Tensor]:
     committed, sequences = [list(p) for p in prompts], [list(p) for p in prompts]
     logits = [o.logits[0] for o in batch.prefill(prompts)]
     for accepted in ([0, 1, 3], [0, 1]), ([0, 2, 5, 6], [0, 1, 2, 3]):
-        for row, (nodes, out) in enumerate(zip((TREE_NODES, CHAIN_NODES), batch.verify([TREE, CHAIN]))):
+        step_logits = batch.forward_trees([TREE, CHAIN])[0]
+        for row, nodes in enumerate((TREE_NODES, CHAIN_NODES)):
             sequences += [committed[row] + _path(nodes, node) for node in range(len(nodes[0]))]
-            logits += list(out.logits)
+            logits += list(step_logits[row, : len(nodes[0])])
             committed[row] += [nodes[0][node] for node in accepted[row]]
         batch.commit(list(accepted))
     return sequences, torch.stack(logits).double()

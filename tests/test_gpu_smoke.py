@@ -1,4 +1,4 @@
-"""The GPU smoke's CPU fallback (benchmarks/gpu_smoke.py --cpu): the same checks on small shapes, in a process
+"""The GPU smoke's CPU fallback (benchmarks/gpu/gpu_smoke.py --cpu): the same checks on small shapes, in a process
 where Ray, datasets and gguf cannot be imported, as on the bare GPU machine the smoke is for."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ BLOCKED = ("ray", "datasets", "gguf")  # absent on the borrowed GPU machine
 
 def test_gpu_smoke_refuses_to_fall_back_quietly_without_cuda(tmp_path):
     """Without --cpu, a machine whose torch sees no GPU is an error (exit 2), never a CPU run called a GPU one."""
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_smoke.py"), "--out", str(tmp_path / "g.md")],
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu" / "gpu_smoke.py"), "--out", str(tmp_path / "g.md")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "CUDA is unavailable" in proc.stderr and "--cpu" in proc.stderr
     assert not (tmp_path / "g.md").exists()
@@ -26,7 +26,7 @@ def test_gpu_smoke_cpu_fallback_runs_without_ray_and_is_lossless(tmp_path):
     code = ("import runpy, sys\n"
             + "".join(f"sys.modules[{name!r}] = None\n" for name in BLOCKED)  # `import ray` raises ImportError
             + f"sys.argv = ['gpu_smoke.py', '--cpu', '--out', {str(out)!r}]\n"
-            + f"runpy.run_path({str(REPO / 'benchmarks' / 'gpu_smoke.py')!r}, run_name='__main__')\n")
+            + f"runpy.run_path({str(REPO / 'benchmarks' / 'gpu' / 'gpu_smoke.py')!r}, run_name='__main__')\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=900)

@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "taps_ray"
 # serve and study, and study and bench, do not import each other; nothing but cli imports bench.
 LAYERS = (
     ("config", "fsio", "relpaths", "machine", "syncs", "spelling"),
-    ("workdir", "ray_runtime", "ray_requests", "cluster_file"),
+    ("workdir", "ray_runtime", "ray_requests", "cluster_file", "markdown"),
     ("data", "models"),
     ("drafting", "training"),
     ("decoding",),

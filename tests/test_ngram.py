@@ -149,7 +149,7 @@ def test_continuous_batching_keeps_each_sequence_its_ngram_state(tiny_target, he
     results: dict = {}
     proposers = [NgramProposer(), build_proposer("math+ngram", tiny_target, heads, TREE)]
     for i, (p, proposer) in enumerate([(prompt, proposers[0]), (other, proposers[0]), (prompt, proposers[1])]):
-        batcher.submit(Request(p, proposer, GREEDY, 24, seed=0, on_done=lambda r, i=i: results.__setitem__(i, r)))
+        batcher.submit(Request(p, proposer, GREEDY, 24, seed=0), on_done=lambda r, i=i: results.__setitem__(i, r))
     while batcher.busy:
         batcher.step()
     assert results[0].generation.tokens == want and results[2].generation.tokens == want

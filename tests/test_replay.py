@@ -177,8 +177,8 @@ def _served(model, proposer, prompts: list[list[int]], budget: int, stops: list[
     """The prompts decoded together by Serve's continuous batcher (all admitted at the first step)."""
     batcher, results = ContinuousBatcher(model, stops, max_batch_size=len(prompts), node_stats=True), {}
     for i, prompt in enumerate(prompts):
-        batcher.submit(Request(prompt, proposer, GREEDY, budget, seed=i,
-                               on_done=lambda result, i=i: results.__setitem__(i, result)))
+        batcher.submit(Request(prompt, proposer, GREEDY, budget, seed=i),
+                       on_done=lambda result, i=i: results.__setitem__(i, result))
     while batcher.busy:
         batcher.step()
     return [results[i].generation for i in range(len(prompts))]

@@ -104,9 +104,10 @@ def decoding_error(model: torch.nn.Module) -> float:
     committed, sequences = [list(p) for p in PROMPTS], [list(p) for p in PROMPTS]
     logits = [o.logits[0] for o in batch.prefill(PROMPTS)]
     for accepted in [0, 1, 3], [0, 2]:
-        for row, out in enumerate(batch.verify([tree, tree])):
+        step_logits = batch.forward_trees([tree, tree])[0]
+        for row in range(len(PROMPTS)):
             sequences += [committed[row] + _path(node) for node in range(len(TREE_NODES[0]))]
-            logits += list(out.logits)
+            logits += list(step_logits[row])
             committed[row] += [TREE_NODES[0][node] for node in accepted]
         batch.commit([accepted, accepted])
     with torch.no_grad():

@@ -14,7 +14,7 @@ import torch
 from taps_ray.config import StudyConfig
 from taps_ray.fsio import atomic_write_text
 from taps_ray.machine import cpu_line
-from taps_ray.report.tables import fmt, md_table
+from taps_ray.markdown import fmt, md_table
 
 SPEED_GOAL = 2.0  # best proposer over our plain loop on the first benchmark (GSM8K), output identical to greedy
 CHAT_GOAL = 1.0  # best proposer over our plain loop on the second benchmark (MT-Bench): strictly above

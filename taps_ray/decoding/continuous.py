@@ -12,8 +12,12 @@ T=0 they equal plain greedy decoding) whoever shares its batch, and `draft_below
 text-level stop conditions (stop strings) come in as `Request.stop`, so decoding ends at the step that completes
 one; log-probabilities; streaming each step's tokens.
 
+One request type from the HTTP body to the engine: Serve builds a `Request` once from the validated body and
+hands it down unchanged. The caller's callbacks (`on_tokens`, `on_done`) are arguments of `submit`, kept with the
+sequence, never written onto the request; `submit` returns the function that cancels it.
+
 Plain PyTorch, no Ray and no asyncio: the caller runs `step` in one worker thread and hears back through the
-request's callbacks (called from that thread).
+callbacks (called from that thread).
 """
 
 from __future__ import annotations
@@ -56,9 +60,9 @@ class Result:
     error: str | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class Request:
-    """One sequence to decode. Callbacks run on the decoding thread and must be quick."""
+    """One sequence to decode, as Serve validated it: the engine only reads it."""
 
     prompt: list[int]
     proposer: Proposer
@@ -67,19 +71,27 @@ class Request:
     seed: int
     top_logprobs: int | None = None  # None: no log-probabilities; k: the chosen token's and the k most likely
     stop: Callable[[list[int], int], int | None] | None = None  # (tokens, new) -> cut length if the last `new` ended it
-    on_tokens: Callable[[list[int], list[TokenLogprob]], None] | None = None  # what each step added
-    on_done: Callable[[Result], None] | None = None
-    cancelled: bool = False  # set from any thread: the sequence leaves at the next step
+
+
+OnTokens = Callable[[list[int], list[TokenLogprob]], None]  # what each step added
+OnDone = Callable[[Result], None]
 
 
 @dataclass
 class _Sequence(Decoding):
-    """A request's sequence: the loop's `Decoding` plus what Serve adds to each commit."""
+    """A request's sequence: the loop's `Decoding` plus what Serve adds to each commit, and the caller's
+    callbacks (run on the decoding thread: they must be quick)."""
 
     request: Request = field(kw_only=True)
+    on_tokens: OnTokens | None = field(default=None, kw_only=True)
+    on_done: OnDone | None = field(default=None, kw_only=True)
+    cancelled: bool = False  # set from any thread (`cancel`): the sequence leaves at the next step
     logprobs: list[TokenLogprob] = field(default_factory=list)
     max_batch: int = 0
     admitted: float = 0.0
+
+    def cancel(self) -> None:
+        self.cancelled = True
 
     def commit(self, committed: Committed) -> int:
         """The loop's commit, then a completed stop string cuts the output (`Request.stop`), the kept tokens'
@@ -96,9 +108,9 @@ class _Sequence(Decoding):
         new = generation.tokens[before:]
         logprobs = _logprobs(committed, new, request.top_logprobs) if request.top_logprobs is not None else []
         self.logprobs.extend(logprobs)
-        if new and request.on_tokens is not None:
+        if new and self.on_tokens is not None:
             try:
-                request.on_tokens(new, logprobs)
+                self.on_tokens(new, logprobs)
             except Exception:  # a vanished client must not stop the batch
                 logger.debug("on_tokens failed", exc_info=True)
         return kept
@@ -147,20 +159,25 @@ class ContinuousBatcher:
     def busy(self) -> bool:
         return bool(self._running or self._waiting)
 
-    def submit(self, request: Request) -> None:
+    def submit(
+        self, request: Request, on_tokens: OnTokens | None = None, on_done: OnDone | None = None
+    ) -> Callable[[], None]:
+        """Queue `request`; returns the function that cancels it (from any thread: it leaves at the next step)."""
         if request.max_tokens < 1 or not request.prompt:
             raise ValueError("a request needs a prompt and max_tokens >= 1")
         if request.top_logprobs is not None and not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}")
         with self._lock:
             drafting = Drafting(request.proposer, request.proposer.init_state())
-            self._waiting.append(_Sequence(Generation(prompt=list(request.prompt)), drafting, request.max_tokens,
-                                           self.stop_ids, request=request))
+            seq = _Sequence(Generation(prompt=list(request.prompt)), drafting, request.max_tokens, self.stop_ids,
+                            request=request, on_tokens=on_tokens, on_done=on_done)
+            self._waiting.append(seq)
+        return seq.cancel
 
     def step(self) -> None:
         """Admit what fits, then one verification step over every live sequence."""
         for seq in self._running:
-            if seq.request.cancelled and not seq.generation.finished_by:
+            if seq.cancelled and not seq.generation.finished_by:
                 seq.generation.finished_by = "cancelled"
         self._drop_finished()
         self._admit()
@@ -189,7 +206,7 @@ class ContinuousBatcher:
             fresh: list[_Sequence] = []
             while self._waiting and len(self._running) + len(fresh) < self.max_batch_size:
                 seq = self._waiting.popleft()
-                if seq.request.cancelled:
+                if seq.cancelled:
                     self._finish(seq, "cancelled")
                 else:
                     fresh.append(seq)
@@ -218,7 +235,7 @@ class ContinuousBatcher:
     def _verify(self) -> None:
         """One `decode_step` over the running batch (its rows, in order; none is finished here)."""
         rows = list(range(len(self._running)))
-        decode_step(self._running, lambda trees: self._batch.step_rows(rows, trees), self.draft_below, self.node_stats)
+        decode_step(self._running, lambda trees: self._batch.step(trees, rows), self.draft_below, self.node_stats)
         for seq in self._running:
             seq.max_batch = max(seq.max_batch, len(rows))
 
@@ -238,9 +255,9 @@ class ContinuousBatcher:
     def _finish(self, seq: _Sequence, reason: str, error: str | None = None) -> None:
         seq.generation.finished_by = reason
         seq.generation.wall_s = time.perf_counter() - seq.admitted if seq.admitted else 0.0
-        if seq.request.on_done is not None:
+        if seq.on_done is not None:
             try:
-                seq.request.on_done(Result(seq.generation, seq.logprobs, seq.max_batch, error))
+                seq.on_done(Result(seq.generation, seq.logprobs, seq.max_batch, error))
             except Exception:
                 logger.debug("on_done failed", exc_info=True)
 

@@ -80,20 +80,22 @@ def results_to(results: list[Committed | None], device: torch.device | str) -> l
 
 @dataclass
 class TreeOutput:
-    """What the target computed for one sequence's tree."""
+    """What the target computed for one prompt at prefill."""
 
-    logits: torch.Tensor  # [T, V]; after a prefill only the last token's [1, V]
+    logits: torch.Tensor  # [1, V]: the last token's only
     hidden: torch.Tensor  # [T, d] post-norm features, or [T, k*d] the batch's `feature_layers`
 
 
 class TargetBatch:
     """Sequences are numbered in the order they joined: `start`'s prompts, then each `merge`d batch's.
 
-    Two ways to step, for two callers:
-    * `step(trees)`, the engine loop's: trees indexed by sequence; a None tree means the sequence is done for
+    One way to step, `step(trees, rows=None)`, read two ways by its two callers:
+    * without `rows` (the engine loop's): trees indexed by sequence; a None tree means the sequence is done for
       good and its row leaves the cache (`live` says which sequence each row holds).
-    * `step_rows(rows, trees)`, the Ray pool's: trees for some cache rows only; the other rows, and rows whose
-      tree is None, sit this step out and keep their cache and length. `keep_rows` evicts.
+    * with `rows` (the Ray pool's and the continuous batcher's): trees for those cache rows only; the other rows,
+      and rows whose tree is None, sit this step out and keep their cache and length. `keep_rows` evicts.
+    `forward_trees` is the step's forward alone (no acceptance, no commit): benchmarks and tests read every
+    node's logits through it, then `commit` what they keep.
 
     Sequence b draws its tokens at T > 0 with the uniforms of its seed and each position (`position_uniforms`),
     so a row's tokens depend on its prompt, parameters and seed only, whoever shares the forward.
@@ -151,9 +153,18 @@ class TargetBatch:
             started.append(Committed([root], out.hidden.clone(), next_tokens, logits=logits))  # clones: own storage
         return started
 
-    def step(self, trees: list[DraftTree | None]) -> list[Committed | None]:
-        """Verify every tree in one forward, accept, and commit the accepted tokens to the cache; the rows of
-        sequences whose tree is None (finished) leave the cache first."""
+    @torch.no_grad()
+    def step(self, trees: list[DraftTree | None], rows: list[int] | None = None) -> list[Committed | None]:
+        """Verify the trees in one forward, accept, and commit the accepted tokens to the cache. Without `rows`,
+        `trees` is indexed by sequence and the rows of sequences whose tree is None (finished) leave the cache
+        first; with `rows`, `trees` belongs to those cache rows (None sits out) and the other rows keep their
+        cache and length."""
+        if rows is None:
+            return self._step_sequences(trees)
+        return self._step_rows(rows, trees)
+
+    def _step_sequences(self, trees: list[DraftTree | None]) -> list[Committed | None]:
+        """`step` by sequence: finished sequences' rows leave the cache, the rest step as one batch."""
         results: list[Committed | None] = [None] * len(trees)
         rows = [row for row, b in enumerate(self.live) if trees[b] is not None]
         if not rows:
@@ -164,13 +175,12 @@ class TargetBatch:
             results[b] = result
         return results
 
-    @torch.no_grad()
-    def step_rows(self, rows: list[int], trees: list[DraftTree | None]) -> list[Committed | None]:
-        """`step` for the cache rows `rows` only (trees in the same order; None sits out); the other rows keep their
-        cache and length. Two ways, whichever moves less: when at least half the rows step, one forward over the
-        whole batch in place, the rows sitting out with no tree (a padding node each that attends only itself and
-        is dropped at commit: no cache is copied); when fewer do, their caches are copied out, stepped as a batch
-        of their own and written back (a copy of a few rows instead of padded rows for all the others)."""
+    def _step_rows(self, rows: list[int], trees: list[DraftTree | None]) -> list[Committed | None]:
+        """`step` for the cache rows `rows` only. Two ways, whichever moves less: when at least half the rows
+        step, one forward over the whole batch in place, the rows sitting out with no tree (a padding node each
+        that attends only itself and is dropped at commit: no cache is copied); when fewer do, their caches are
+        copied out, stepped as a batch of their own and written back (a copy of a few rows instead of padded
+        rows for all the others)."""
         if len(rows) * 2 >= self.batch_size:
             by_row: list[DraftTree | None] = [None] * self.batch_size
             for row, tree in zip(rows, trees, strict=True):
@@ -242,7 +252,7 @@ class TargetBatch:
         if all(tree is None for tree in trees):
             return [None] * len(trees)
         t0 = time.perf_counter()
-        logits, features, padded = self._verify_padded(trees)
+        logits, features, padded = self.forward_trees(trees)
         t1 = time.perf_counter()
         uniforms = None
         if not all(row.greedy for row in self.row_params):  # the draws for positions length + 1 .. length + W
@@ -306,17 +316,11 @@ class TargetBatch:
         return [TreeOutput(last[b : b + 1], features[b, : len(p)]) for b, p in enumerate(prompts)]
 
     @torch.no_grad()
-    def verify(self, trees: list[DraftTree | None]) -> list[TreeOutput | None]:
-        """One forward over every sequence's tree (None: the sequence sits this step out)."""
-        if all(tree is None for tree in trees):
-            return [None] * len(trees)
-        logits, features, _ = self._verify_padded(trees)
-        return [None if tree is None else TreeOutput(logits[b, : tree.size], features[b, : tree.size])
-                for b, tree in enumerate(trees)]
-
-    def _verify_padded(self, trees: list[DraftTree | None]) -> tuple[torch.Tensor, torch.Tensor, PaddedTrees]:
-        """The forward of `verify`, as the batch's right-padded logits [B, W, V] and features [B, W, d] (W: the
-        widest tree), which acceptance reads in one pass, and the padded trees both read."""
+    def forward_trees(self, trees: list[DraftTree | None]) -> tuple[torch.Tensor, torch.Tensor, PaddedTrees]:
+        """The forward of a step, alone: one per cache row's tree (None: the row sits out), as the batch's
+        right-padded logits [B, W, V] and features [B, W, d] (W: the widest tree), which acceptance reads in one
+        pass, and the padded trees both read. Nothing is accepted or committed: the trees' slots stay after the
+        committed region until `commit` keeps some (a step does both; tests and benchmarks read every node)."""
         if len(trees) != self.batch_size:
             raise ValueError(f"got {len(trees)} trees for a batch of {self.batch_size} sequences")
         width = max((t.size for t in trees if t is not None), default=0)

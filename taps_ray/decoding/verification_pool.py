@@ -5,13 +5,13 @@ A *session* is the batch of prompts one drafter decodes together (one `run_loop`
 draft from the same target layers (what one forward must share; each row keeps its own sampling parameters and
 seed) share a *group*: one `TargetBatch` (one right-padded KV cache) holding all their
 sequences, up to `max_batch` sequences. A drafter's `step(trees)` request is queued on its session; the
-scheduler runs ONE `TargetBatch.step_rows` over a group as soon as
+scheduler runs ONE `TargetBatch.step` with `rows` over a group as soon as
 
   * every session of the group has submitted its trees, or
   * the submitted sequences reach `max_batch`, or
   * the oldest queued request of the group has waited `max_wait_ms`;
 
-sessions that did not submit in time sit that step out and keep their cache and length (`TargetBatch.step_rows`:
+sessions that did not submit in time sit that step out and keep their cache and length (`TargetBatch.step` with `rows`:
 in place beside padded rows when most rows step, on a copy of the few rows' caches otherwise). A new session is
 prefilled alone, then merged into a group with room (`TargetBatch.merge`); a closed or idle session is
 evicted (`TargetBatch.keep_rows`). The pool only schedules: every cache edit is a `TargetBatch` method. One
@@ -246,7 +246,7 @@ class VerificationPool:
             verified = [t for t in trees if t is not None]
             start = time.perf_counter()
             try:
-                results = await loop.run_in_executor(self._executor, group.batch.step_rows, rows, trees)
+                results = await loop.run_in_executor(self._executor, group.batch.step, trees, rows)
             except Exception as error:  # the group's cache may be half-updated: drop the whole group
                 log.exception("verification failed; dropping %d sessions", len(group.sessions))
                 for session in submitted:

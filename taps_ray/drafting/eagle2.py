@@ -381,10 +381,20 @@ def draft_eagle2(
     passes = tree.depth
     hidden, caches, roots = extend_batch(head, ctx, caches, features, next_tokens, reserve=passes * k)
     sequences, n = len(caches), head.stacked
-    rows, dtype, device = n * sequences, hidden.dtype, hidden.device
     candidates = Candidates(ctx, hidden, k)
-    # Tree K/V go after the longest sequence's cache; each row sees its own committed slots, then its tree
-    # columns = each frontier node's ancestors + self.
+    forward = _cached_level_forward(head, ctx, caches, k, passes, hidden.dtype, hidden.device)
+    stop = ConfidenceStop(tree.min_confidence, n * sequences, hidden.device)
+    expand_levels(ctx, candidates, passes, stop, forward)
+    trees = _selected_trees(candidates, stop, roots.repeat(n), n_draft)
+    return [trees[s::sequences] for s in range(sequences)], caches
+
+
+def _cached_level_forward(head: DraftHead, ctx: DraftContext, caches: list[HeadCache], k: int, passes: int,
+                          dtype: torch.dtype, device: torch.device) -> LevelForward:
+    """Live drafting's `LevelForward`: the tree K/V go after the longest sequence's cache; each row (n*S + s) sees
+    its own sequence's committed slots, then its tree columns = each frontier node's ancestors + self."""
+    sequences, n = len(caches), head.stacked
+    rows = n * sequences
     start = max(c.length for c in caches)
     lengths = to_device([c.length for c in caches], device)
     mask = torch.zeros(rows, k, start + passes * k, dtype=torch.bool, device=device)
@@ -403,10 +413,7 @@ def draft_eagle2(
             sequences=sequences,
         ).reshape(rows, k, -1)
 
-    stop = ConfidenceStop(tree.min_confidence, rows, device)
-    expand_levels(ctx, candidates, passes, stop, forward)
-    trees = _selected_trees(candidates, stop, roots.repeat(n), n_draft)
-    return [trees[s::sequences] for s in range(sequences)], caches
+    return forward
 
 
 def _selected_trees(candidates: Candidates, stop: ConfidenceStop, roots: torch.Tensor, n_draft: int

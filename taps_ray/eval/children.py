@@ -1,5 +1,5 @@
 """What a tree node's children accept at T > 0, per position: deterministic top-k children against one child
-sampled from the draft (docs/algorithms.md#sampling-and-losslessness; benchmarks/children_acceptance.py).
+sampled from the draft (docs/algorithms.md#sampling-and-losslessness; benchmarks/training/children_acceptance.py).
 
 Our trees take a node's children as the head's top-k tokens (draft probability treated as q = 1), so with the
 target's processed distribution p at the node, some child is accepted with probability Σ_{c in top-k(q)} p(c).

@@ -33,8 +33,7 @@ from taps_ray.models.draft_head import DraftHead
 from taps_ray.models.published import export_head
 from taps_ray.models.target import Target, load_target
 from taps_ray.machine import cpu_line
-from taps_ray.report.setting import git_commit
-from taps_ray.report.tables import fmt, md_table
+from taps_ray.markdown import fmt, git_commit, md_table
 from taps_ray.workdir import head_checkpoint
 
 GREEDY = SamplingParams()

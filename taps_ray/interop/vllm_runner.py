@@ -1,6 +1,6 @@
 """Runs in vLLM's side venv (`make vllm-venv`), never imported by the project: one vLLM `LLM` decodes given prompt
 ids greedily, one prompt at a time (batch 1, as `taps bench` decodes) or in groups submitted together (`batches`,
-benchmarks/batch_throughput.py), and writes the outputs, seconds and vLLM's speculative-decoding counters per group
+benchmarks/peers/batch_throughput.py), and writes the outputs, seconds and vLLM's speculative-decoding counters per group
 to a JSON file.
 
     <side venv>/bin/python vllm_runner.py request.json result.json

@@ -9,7 +9,7 @@ Why: at decoding sizes a CPU forward is the weights' matmuls (a 135M target at b
   once into its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's CPU freezing pass
   uses) runs up to ~2.7x faster than `F.linear` (fp32 LM head at 4 rows; bf16 ~1.2-2x at 1-16 rows: without AMX
   torch's plain bf16 matmul is slower than its fp32 one).
-Measured with `benchmarks/cpu_linear.py` (reports/cpu_linear.md); reports/plain_decode.md and
+Measured with `benchmarks/speed/cpu_linear.py` (reports/cpu_linear.md); reports/plain_decode.md and
 reports/forward_width.md have the effect on decoding. The reordered
 weight is a second copy (oneDNN's layout is opaque); the [in, out] layout is not: the HF model's fp32 parameters
 become views of it, so transformers' forward computes with the same storage (and gets the faster one-row path

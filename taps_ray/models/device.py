@@ -5,7 +5,7 @@ Ray granted it (`ray.get_gpu_ids()`, i.e. its `num_gpus`), since a CPU actor on 
 node's GPUs; outside Ray it is whatever torch can use. `cuda` where there is none is a config error, and so
 is a Ray grant of a GPU that torch cannot use (`gpu_check`): `auto` must not quietly put an 8B target on the CPU.
 Ray is not imported here: a process that never imported it is no Ray worker, and the engine then runs where
-Ray is not installed at all (benchmarks/gpu_smoke.py on a bare GPU machine).
+Ray is not installed at all (benchmarks/gpu/gpu_smoke.py on a bare GPU machine).
 """
 
 from __future__ import annotations

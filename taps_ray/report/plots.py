@@ -11,6 +11,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
 
 from taps_ray.eval.cell import PLAIN  # noqa: E402
 from taps_ray.report.data import BENCH_LABELS, KIND_LABELS, PER_QUESTION, ReportData, averaged_weight  # noqa: E402
@@ -147,13 +148,18 @@ def plot_averaging(data: ReportData, out: Path) -> list[Path] | str:
     return paths or "no averaged-w{w} cells (the interpolation sweep was not run)"
 
 
+def _by_kind(data: ReportData, frame: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
+    """Each head kind of the report with its rows of `frame`, kinds without rows left out: a figure per kind (an
+    empty frame may lack the columns)."""
+    parts = [(kind, frame[frame["head_kind"] == kind]) for kind in data.kinds] if not frame.empty else []
+    return [(kind, part) for kind, part in parts if not part.empty]
+
+
 def plot_routing(data: ReportData, out: Path) -> list[Path] | str:
-    frame = data.routing
-    if frame.empty:
+    if data.routing.empty:
         return "no confidence-routed or entropy-routed cells"
     paths = []
-    for kind in data.kinds:
-        part = frame[frame["head_kind"] == kind]
+    for kind, part in _by_kind(data, data.routing):
         part = part[part["unit"] != "steps"]  # one unit per router: questions, or question turns (entropy routing)
         routers = [r for r in (PER_QUESTION, "confidence-routed", "entropy-routed") if r in set(part["proposer"])]
         if not routers:
@@ -188,14 +194,8 @@ def plot_routing(data: ReportData, out: Path) -> list[Path] | str:
 
 
 def plot_entropy(data: ReportData, out: Path) -> list[Path] | str:
-    frame = data.entropy
-    if frame.empty:
-        return "no drafted nodes in the store"
     paths = []
-    for kind in data.kinds:
-        part = frame[frame["head_kind"] == kind]
-        if part.empty:
-            continue
+    for kind, part in _by_kind(data, data.entropy):
         temps = sorted(set(part["temperature"]))
         order = [p for p in layout_rows(data, kind) if p in set(part["proposer"])]
         order += sorted(set(part["proposer"]) - set(order), key=lambda p: (averaged_weight(p) is None, p))

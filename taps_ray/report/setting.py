@@ -3,21 +3,13 @@
 from __future__ import annotations
 
 import datetime as dt
-import subprocess
 from pathlib import Path
 
 from taps_ray.data.sources import DataUnavailable, resolve
 from taps_ray.machine import cpu_line
-from taps_ray.relpaths import REPO, shown_path
+from taps_ray.markdown import git_commit
+from taps_ray.relpaths import shown_path
 from taps_ray.report.data import BENCH_LABELS, ReportData
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return out.stdout.strip() or "unknown"
 
 
 def _source(name: str, data_dir: Path | None) -> tuple[str, bool]:

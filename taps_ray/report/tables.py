@@ -6,20 +6,9 @@ import math
 from collections.abc import Sequence
 
 from taps_ray.eval.cell import PLAIN
+from taps_ray.markdown import MISSING, fmt, md_table
 from taps_ray.report.data import BENCH_LABELS, COMBINED, KIND_LABELS, OURS, ReportData, averaged_weight
 from taps_ray.report.paper import PAPER_BENCHMARKS, PAPER_SOURCE, PAPER_TAU
-
-MISSING = "–"
-
-
-def fmt(value: float, digits: int = 2, suffix: str = "") -> str:
-    return MISSING if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}{suffix}"
-
-
-def md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def mean_or_nan(values: Sequence[float]) -> float:

@@ -12,7 +12,8 @@ head by its mixture (`math`, `chat`, ...), `routed` (= `confidence-routed`), `me
 registered combination. Every response carries `usage` and a `speculative` block (tau, steps, the fraction
 of steps each head drafted, how many sequences shared the verification batch).
 
-Batching is continuous: every prompt becomes one `Job`, handed to the replica's decode loop
+Batching is continuous: every prompt becomes one engine `Request` (decoding/continuous.py), built once from the
+validated body and handed as it is to the replica's decode loop
 (serve/scheduler.py around decoding/continuous.py). It joins the running batch at the next verification step
 (up to `serve.max_batch_size` sequences; beyond that it waits, up to `serve.max_queued_requests`, then 503)
 and leaves when finished. One target forward per step verifies every live sequence's tree, whatever its model
@@ -37,7 +38,6 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +52,7 @@ from taps_ray import ray_requests
 from taps_ray.config import HeadKind, StudyConfig, load_config, parse_config, with_overrides
 from taps_ray.data.chat import render_ids
 from taps_ray.decoding.continuous import ContinuousBatcher, Result, TokenLogprob
-from taps_ray.decoding.continuous import Request as BatchRequest
+from taps_ray.decoding.continuous import Request as DecodeRequest  # `Request` is FastAPI's
 from taps_ray.decoding.verify import MIN_TEMPERATURE, SamplingParams
 from taps_ray.drafting.cost import CostAware
 from taps_ray.drafting.names import ALIASES, PLAIN, UnknownProposer, parse_proposer
@@ -119,23 +119,6 @@ async def _count_requests(request: Request, call_next: Callable) -> Any:
     if request.method == "POST":
         serve_metrics().request(getattr(request.state, "model", "unknown"), response.status_code)
     return response
-
-# --- decoding jobs -------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Job:
-    """One prompt of a validated request: what the engine decodes."""
-
-    proposer: str
-    temperature: float
-    top_p: float
-    top_k: int
-    prompt: list[int]
-    max_tokens: int
-    seed: int
-    top_logprobs: int | None = None
-
 
 def _resolve_paths(cfg: StudyConfig, base: Path) -> StudyConfig:
     """Absolute work_dir / reports_dir, so replicas find the heads whatever their working directory."""
@@ -217,6 +200,7 @@ class TapsService:
         return [reverse.get(name, name) for name in self.proposers]
 
     def _proposer_for(self, model: str) -> str:
+        """The served proposer's name for the body's `model` (an alias resolved), or the 404 that says why not."""
         name = ALIASES.get(model, model)
         if name in self.proposers:
             return name
@@ -241,7 +225,8 @@ class TapsService:
 
     # -- validation shared by both endpoints -----------------------------------------------------------------
 
-    def _job(self, body: SamplingFields, prompt: list[int], top_logprobs: int | None) -> Job:
+    def _request(self, body: SamplingFields, prompt: list[int], top_logprobs: int | None) -> DecodeRequest:
+        """One prompt of a validated body as the engine's request: the one object that goes down to the batch."""
         proposer = self._proposer_for(body.model)
         if not prompt:
             raise ApiError(400, "the prompt has no tokens; send some text", "prompt", "empty_prompt")
@@ -269,7 +254,9 @@ class TapsService:
         # so requests below it share one batch group.
         temperature = body.temperature if body.temperature == 0 else max(body.temperature, MIN_TEMPERATURE)
         top_p = max(body.top_p, MIN_TOP_P)
-        return Job(proposer, temperature, top_p, body.top_k, prompt, max_tokens, seed, top_logprobs)
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=body.top_k)
+        return DecodeRequest(prompt=prompt, proposer=self.proposers[proposer], params=params, max_tokens=max_tokens,
+                             seed=seed, top_logprobs=top_logprobs, stop=self.output.stop_rule(body.stop_strings))
 
     def _completion_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -297,16 +284,12 @@ class TapsService:
 
     # -- decoding ----------------------------------------------------------------------------------------------
 
-    def _submit(self, jobs: list[Job], stops: list[str], model: str,
+    def _submit(self, requests: list[DecodeRequest], model: str,
                 updates: asyncio.Queue | None = None) -> list[Ticket]:
-        """Hand the jobs to the decode loop; all or none (a full queue is a 503 with Retry-After)."""
+        """Hand the requests to the decode loop; all or none (a full queue is a 503 with Retry-After)."""
         tickets: list[Ticket] = []
         try:
-            for index, job in enumerate(jobs):
-                params = SamplingParams(temperature=job.temperature, top_p=job.top_p, top_k=job.top_k)
-                request = BatchRequest(prompt=job.prompt, proposer=self.proposers[job.proposer], params=params,
-                                  max_tokens=job.max_tokens, seed=job.seed, top_logprobs=job.top_logprobs,
-                                  stop=self.output.stop_rule(stops))
+            for index, request in enumerate(requests):
                 tickets.append(self.loop.submit(request, model, updates, index))
         except Overloaded as error:
             for ticket in tickets:
@@ -400,18 +383,18 @@ class TapsService:
                 "choices": [{"index": index, "text": piece, "finish_reason": reason, "logprobs": logprobs(index, taken)}],
             }
 
-        def response(results: list[Result], jobs: list[Job]) -> CompletionResponse:
+        def response(results: list[Result]) -> CompletionResponse:
             choices = []
             for index, result in enumerate(results):
                 text, finish = self.output.finish(result, body.stop_strings)
                 choices.append(CompletionChoice(index=index, text=text, finish_reason=finish,
                                                 logprobs=self._completion_logprobs(body, result)))
             return CompletionResponse(id=rid, created=created, model=body.model, choices=choices,
-                                      usage=usage(results), speculative=self._speculative(results, jobs))
+                                      usage=usage(results), speculative=self._speculative(body.model, results))
 
         top = body.logprobs
-        jobs = [self._job(body, self._completion_prompt(p), top) for p in body.prompts]
-        return await self._respond(body, jobs, chunk, response, "text_completion")
+        requests = [self._request(body, self._completion_prompt(p), top) for p in body.prompts]
+        return await self._respond(body, requests, chunk, response, "text_completion")
 
     @api.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERROR_RESPONSES, summary="chat completion")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
@@ -430,49 +413,50 @@ class TapsService:
                 "choices": [{"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}],
             }
 
-        def response(results: list[Result], jobs: list[Job]) -> ChatCompletionResponse:
+        def response(results: list[Result]) -> ChatCompletionResponse:
             (result,) = results
             text, finish = self.output.finish(result, body.stop_strings)
             logprobs = self.output.chat_logprobs(result.logprobs) if body.logprobs else None
             choice = ChatChoice(index=0, message=ChatCompletionMessage(content=text), finish_reason=finish,
                                 logprobs=logprobs)
             return ChatCompletionResponse(id=rid, created=created, model=body.model, choices=[choice],
-                                          usage=usage(results), speculative=self._speculative(results, jobs))
+                                          usage=usage(results), speculative=self._speculative(body.model, results))
 
         top = (body.top_logprobs or 0) if body.logprobs else None
-        jobs = [self._job(body, self._chat_prompt(body.messages), top)]
-        return await self._respond(body, jobs, chunk, response, "chat.completion.chunk")
+        requests = [self._request(body, self._chat_prompt(body.messages), top)]
+        return await self._respond(body, requests, chunk, response, "chat.completion.chunk")
 
     def _completion_logprobs(self, body: CompletionRequest, result: Result) -> CompletionLogprobs | None:
         return None if body.logprobs is None else self.output.completion_logprobs(result.logprobs)
 
-    def _speculative(self, results: list[Result], jobs: list[Job]) -> Speculative:
-        proposer = self.proposers[jobs[0].proposer]
-        return speculative(results, jobs[0].proposer, list(proposer.head_names))
+    def _speculative(self, model: str, results: list[Result]) -> Speculative:
+        """The `speculative` block for the body's `model` (validated: its proposer is served)."""
+        name = self._proposer_for(model)
+        return speculative(results, name, list(self.proposers[name].head_names))
 
-    async def _respond(self, body: SamplingFields, jobs: list[Job], chunk: Callable[..., dict],
-                       response: Callable[[list[Result], list[Job]], BaseModel], chunk_object: str):
-        """Decode a request's prompts; stream chunks (SSE) or return the whole response built by `response`."""
+    async def _respond(self, body: SamplingFields, requests: list[DecodeRequest], chunk: Callable[..., dict],
+                       response: Callable[[list[Result]], BaseModel], chunk_object: str):
+        """Decode a body's prompts; stream chunks (SSE) or return the whole response built by `response`."""
         if body.stream:
-            return self._stream(body, jobs, chunk, chunk_object)
-        tickets = self._submit(jobs, body.stop_strings, body.model)
+            return self._stream(body, requests, chunk, chunk_object)
+        tickets = self._submit(requests, body.model)
         results = [self._result(await ticket.wait()) for ticket in tickets]
-        return response(results, jobs)
+        return response(results)
 
-    def _stream(self, body: SamplingFields, jobs: list[Job], make_chunk: Callable[..., dict],
+    def _stream(self, body: SamplingFields, requests: list[DecodeRequest], make_chunk: Callable[..., dict],
                 chunk_object: str) -> StreamingResponse:
         """Server-sent events: per choice, one chunk per verification step as it decodes (text that can no longer
         change, see `ChoiceStream`), then its finish chunk; with `stream_options.include_usage` a last chunk with
         empty choices and the usage; then [DONE]."""
         updates: asyncio.Queue = asyncio.Queue()
-        tickets = self._submit(jobs, body.stop_strings, body.model, updates)  # a 503 before the stream starts
-        choices = [ChoiceStream(self.output, body.stop_strings) for _ in jobs]
+        tickets = self._submit(requests, body.model, updates)  # a 503 before the stream starts
+        choices = [ChoiceStream(self.output, body.stop_strings) for _ in requests]
 
         def event(payload: dict[str, Any]) -> str:
             return f"data: {json.dumps(payload)}\n\n"
 
         async def events() -> AsyncIterator[str]:
-            results: list[Result | None] = [None] * len(jobs)
+            results: list[Result | None] = [None] * len(requests)
             try:
                 while any(r is None for r in results):
                     index, update = await updates.get()
@@ -487,9 +471,7 @@ class TapsService:
                     if rest:
                         yield event(make_chunk(index, rest, None, stream.take_logprobs()))
                     last = make_chunk(index, "", finish, stream.take_logprobs())
-                    last["speculative"] = speculative(
-                        [result], jobs[index].proposer, list(self.proposers[jobs[index].proposer].head_names)
-                    ).model_dump()
+                    last["speculative"] = self._speculative(body.model, [result]).model_dump()
                     yield event(last)
             except Exception as error:  # the decode failed after the stream began: say so in the stream
                 logger.exception("streamed decode failed")

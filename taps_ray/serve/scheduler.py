@@ -13,6 +13,7 @@ import logging
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from taps_ray.serve.metrics import ServeMetrics
@@ -38,8 +39,9 @@ class Update:
 
 @dataclass
 class Ticket:
-    """A submitted request and its final result, delivered on the event loop. With an `updates` queue, each
-    step's tokens arrive there as (index, Update), and (index, None) once the result is ready."""
+    """The event loop's handle on a submitted request: its final result, delivered on the event loop, and the
+    batcher's cancel function. With an `updates` queue, each step's tokens arrive there as (index, Update), and
+    (index, None) once the result is ready."""
 
     request: Request
     model: str
@@ -48,6 +50,7 @@ class Ticket:
     index: int = 0
     arrived: float = field(default_factory=time.perf_counter)
     last_token: float = 0.0
+    leave: Callable[[], None] = lambda: None  # the batcher's cancel (`ContinuousBatcher.submit`)
 
     async def wait(self) -> Result:
         """The result; if the caller goes away (cancelled), the sequence leaves the batch at the next step."""
@@ -59,7 +62,7 @@ class Ticket:
 
     def cancel(self) -> None:
         if not self.result.done():
-            self.request.cancelled = True
+            self.leave()
 
 
 def head_steps(result: Result, head_names: list[str]) -> dict[str, int]:
@@ -100,8 +103,7 @@ class DecodeLoop:
         def on_done(result: Result) -> None:
             loop.call_soon_threadsafe(self._done, ticket, result)
 
-        request.on_tokens, request.on_done = on_tokens, on_done
-        self.batcher.submit(request)
+        ticket.leave = self.batcher.submit(request, on_tokens, on_done)
         self._ensure_running()
         self._wake.set()
         return ticket

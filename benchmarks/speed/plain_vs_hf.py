@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Our plain loop (and the head-free proposers) against HF `generate` in one process, on the same prompts.
 
-    python benchmarks/plain_vs_hf.py --prompts 4 --max-new-tokens 64 --repetitions 2
+    python benchmarks/speed/plain_vs_hf.py --prompts 4 --max-new-tokens 64 --repetitions 2
 
 SmolLM2-135M-Instruct in fp32, batch 1, T=0. Methods are interleaved (the order rotates every repetition) so
 a noisy machine slows them alike; every output is checked against HF greedy's. Prints tokens/s and the ratio
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Training tokens/s of each head kind on a config's target, on batches shaped like its training batches.
 
 Random features stand in for the cached ones (the cost of a step does not depend on their values), so no
-feature extraction is needed: `python benchmarks/train_throughput.py --config configs/cpu.yaml --steps 6`.
+feature extraction is needed: `python benchmarks/training/train_throughput.py --config configs/cpu.yaml --steps 6`.
 One torch thread by default, as a Ray Tune trial trains.
 """
 

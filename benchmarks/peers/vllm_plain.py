@@ -1,8 +1,8 @@
 #!/usr/bin/env python
-"""vLLM-CPU plain decoding on given prompt ids, batch 1, greedy: run by benchmarks/plain_decode.py with a vLLM
+"""vLLM-CPU plain decoding on given prompt ids, batch 1, greedy: run by benchmarks/speed/plain_decode.py with a vLLM
 venv's python (it imports nothing from taps_ray). Not a test.
 
-    <vLLM venv>/bin/python benchmarks/vllm_plain.py job.json result.json
+    <vLLM venv>/bin/python benchmarks/peers/vllm_plain.py job.json result.json
 
 job.json: {"model": folder, "dtype": "float32"|"bfloat16", "prompts": [[ids]], "stops": [ids], "max_new_tokens": n,
 "repetitions": r}. Writes result.json: {"tokens_per_s": ..., "outputs": [[ids]] (the first repetition)} (a file,

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What one target verification costs by tree size on each target forward, in the same run. Not a test.
 
-    python benchmarks/forward_width.py --config configs/speed.yaml --dtypes float32 bfloat16 \\
+    python benchmarks/speed/forward_width.py --config configs/speed.yaml --dtypes float32 bfloat16 \\
         --out reports/forward_width.md
 
 Tree size is the lever of every speculative method: a tree of k nodes pays when its accepted tokens outweigh what
@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
@@ -105,7 +105,7 @@ def batch_verifier(model: torch.nn.Module, prompt: list[int], forward: FastLlama
     batch.start([prompt], SamplingParams(), [0])
 
     def verify(tree: DraftTree) -> None:
-        batch.verify([tree])
+        batch.forward_trees([tree])
         batch.commit([[]])  # keep nothing: the cache is back to the prompt
 
     return verify
@@ -157,7 +157,7 @@ def main() -> int:
     lines = [
         "# Target forward by tree size: taps' fast forward against transformers'",
         "",
-        f"Regenerate: `python benchmarks/forward_width.py --config {args.config} --dtypes {' '.join(args.dtypes)}"
+        f"Regenerate: `python benchmarks/speed/forward_width.py --config {args.config} --dtypes {' '.join(args.dtypes)}"
         f" --out reports/forward_width.md`. {cpu_line()}; torch threads {torch.get_num_threads()}, torch "
         f"{torch.__version__}. Context {args.context} tokens, median of "
         f"{args.repetitions} interleaved verifications per forward and size, LM head included. `old`: transformers' "

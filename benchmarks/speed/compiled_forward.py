@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """The fast forward compiled (`target.compile: inductor`) against the same forward eager, in the same run. Not a test.
 
-    nice python benchmarks/compiled_forward.py --configs configs/tiny.yaml configs/speed.yaml \\
+    nice python benchmarks/speed/compiled_forward.py --configs configs/tiny.yaml configs/speed.yaml \\
         --out reports/compiled_forward.md
 
 Two copies of the target (same weights) verify the same chains and binary trees of 1, 4 and 16 nodes against the
-same context, interleaved and repeated, with the cache cropped back after each (benchmarks/forward_width.py's
+same context, interleaved and repeated, with the cache cropped back after each (benchmarks/speed/forward_width.py's
 verifier); the median of each is reported, with the seconds the compiled copy's first verifications took to
 compile. The LM head (eager in both) is included. fp32, as the equality tests.
 """
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
@@ -77,7 +77,7 @@ def main() -> int:
     lines = [
         "# The fast forward compiled (target.compile: inductor) against eager",
         "",
-        f"Regenerate: `nice python benchmarks/compiled_forward.py --configs {' '.join(args.configs)} --out "
+        f"Regenerate: `nice python benchmarks/speed/compiled_forward.py --configs {' '.join(args.configs)} --out "
         f"reports/compiled_forward.md`. {cpu_line()}; torch threads {torch.get_num_threads()}, torch "
         f"{torch.__version__}. Context {args.context} tokens, median of {args.repetitions} interleaved verifications "
         "per forward and tree, LM head included (eager in both). `chain`: a chain (one node is plain decoding); "

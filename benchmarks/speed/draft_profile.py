@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Draft milliseconds per step, this tree's drafting vs a baseline commit's, in the same run. Not a test.
 
-    python benchmarks/draft_profile.py --config configs/speed.yaml --baseline bf5d537 --out reports/draft_profile.md
+    python benchmarks/speed/draft_profile.py --config configs/speed.yaml --baseline bf5d537 --out reports/draft_profile.md
 
 The target greedy-decodes a few GSM8K and MT-Bench prompts once with the first head and the draft inputs of every
 step (committed features and tokens) are recorded. Each proposer then replays that sequence of draft calls
@@ -27,7 +27,7 @@ import types
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
@@ -178,7 +178,7 @@ def main() -> int:
         rows.append((name, per_step["baseline"], per_step["this tree"], per_step["this tree"] / per_step["baseline"],
                      f"{same}/{total}", f"{shaped}/{total}"))
 
-    command = "python benchmarks/draft_profile.py " + shlex.join(sys.argv[1:])
+    command = "python benchmarks/speed/draft_profile.py " + shlex.join(sys.argv[1:])
     lines = [
         f"Draft ms per step, {steps} recorded steps x {args.repetitions} repetitions, target dtype "
         f"{target.dtype}, tree {cfg.tree.total_token}/{cfg.tree.depth}/{cfg.tree.top_k}, "

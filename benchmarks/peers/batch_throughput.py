@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """SmolLM2 tokens/s at batch 1, 4 and 16: our loop against vLLM-CPU at the same concurrency. Not a test.
 
-    python benchmarks/batch_throughput.py --config configs/interop.yaml --dtype float32 --batches 1 4 16 \
+    python benchmarks/peers/batch_throughput.py --config configs/interop.yaml --dtype float32 --batches 1 4 16 \
         --per-benchmark 8 --vllm-venv .venv-vllm --out reports/batch_throughput.md
 
 The same prompt ids (`taps bench`'s: GSM8K and MT-Bench first turns) are decoded greedily at every batch size, in
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
@@ -135,7 +135,7 @@ def main() -> int:
             results[batch].update(peers[batch])
 
     reference = results[args.batches[0]]["plain"]["outputs"]
-    command = (f"python benchmarks/batch_throughput.py --config {args.config} --dtype {args.dtype} --batches "
+    command = (f"python benchmarks/peers/batch_throughput.py --config {args.config} --dtype {args.dtype} --batches "
                f"{' '.join(map(str, args.batches))} --per-benchmark {args.per_benchmark} --max-new-tokens "
                f"{args.max_new_tokens} --repetitions {args.repetitions} --k {args.k}"
                + (" --vllm-venv <vLLM side venv>" if args.vllm_venv else "") + " --out <file>")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Host syncs and host milliseconds per decoding step at batch 1, 4 and 16, on the tiny target. Not a test.
 
-    python benchmarks/host_overhead.py --vocabs 49152 512 --temperatures 0 0.8 \
+    python benchmarks/speed/host_overhead.py --vocabs 49152 512 --temperatures 0 0.8 \
         --json reports/results/host_overhead.json --before reports/results/host_overhead_before.json --out reports/host_overhead.md
 
 The tiny target (configs/tiny.yaml: random weights, 2 layers of width 64) decodes random prompts greedily through
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
@@ -162,7 +162,7 @@ def main() -> int:
         atomic_write_json(args.json, record)
     before = json.loads(Path(args.before).read_text()) if args.before else None
 
-    command = "python benchmarks/host_overhead.py" + "".join(
+    command = "python benchmarks/speed/host_overhead.py" + "".join(
         f" --{k} {v}" for k, v in (("vocabs", " ".join(map(str, args.vocabs or []))),
                                    ("temperatures", " ".join(f"{t:g}" for t in args.temperatures)
                                     if args.temperatures != [0.0] else ""),

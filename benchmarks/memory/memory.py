@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Memory bounded by design, measured: writes reports/memory.md. Not a test.
 
-    python benchmarks/memory.py --config configs/cpu.yaml
+    python benchmarks/memory/memory.py --config configs/cpu.yaml
 
 1. Actors: a loopback Ray (`runtime.start_ray`), the config's `EvalPool` with one target worker and one drafter;
    each actor reports its own memory (`memory()`: RSS, USS, PSS, psutil) once both are ready, and again after
@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from taps_ray.config import StudyConfig, load_config  # noqa: E402
 from taps_ray.fsio import report_lines  # noqa: E402
@@ -235,7 +235,7 @@ def main() -> None:
     lines = [
         "# Memory",
         "",
-        f"Regenerate: `python benchmarks/memory.py {shlex.join(sys.argv[1:])}`",
+        f"Regenerate: `python benchmarks/memory/memory.py {shlex.join(sys.argv[1:])}`",
         f"{cpu_line()}.",
         "",
         *actors_section(cfg, memory),

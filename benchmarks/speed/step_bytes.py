@@ -7,7 +7,7 @@ SmolLM2 target with a `Verifier` that pickles those very messages (protocol 5, a
 then projects them to Llama-3-8B: tree bytes depend only on the tree shape; a result carries one target
 feature row (hidden size x dtype bytes) per committed token, and a start one per prompt token.
 
-    PYTHONPATH=. HF_HUB_OFFLINE=1 TAPS_DATA_DIR=<data> python benchmarks/step_bytes.py --config configs/paper.yaml
+    PYTHONPATH=. HF_HUB_OFFLINE=1 TAPS_DATA_DIR=<data> python benchmarks/speed/step_bytes.py --config configs/paper.yaml
 
 The draft head is random (no trained head is needed to count bytes): it fixes the tree shape, which is the
 config's, but accepts few drafts, so the measured results carry ~1 feature row per sequence; the projection
