@@ -323,6 +323,11 @@ class ServeConfig(_Strict):
         None, gt=0, description="draft only while fewer requests than this decode in one batch; larger batches decode "
         "plainly (lossless either way). None: always draft. Speculation pays while the target's forward is "
         "memory-bound: small batches on a GPU; on a CPU only batch 1 (`benchmarks/serving/serve_load.py` measures it)")
+    prefill_tokens: int | None = Field(
+        2048, gt=0, description="the most prompt tokens one scheduling iteration prefills (at least one request "
+        "joins), so a flood of joining requests is admitted over several steps while the running ones keep "
+        "decoding (vLLM's per-step token budget, 2048 by default there too); joining prompts are prefilled in "
+        "groups of similar lengths. None: admit every request that fits the batch at once")
     cost_model: bool = Field(
         True, description="every drafting model runs under the per-sequence cost model (`auto-<name>`, "
         "docs/algorithms.md#cost-model): a sequence drafts only while its measured drafting and verification pay "

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from taps_ray.decoding.continuous import ContinuousBatcher, Request, Result
+from taps_ray.decoding.continuous import ContinuousBatcher, Request, Result, length_groups
 from taps_ray.decoding.generate import run_loop
 from taps_ray.drafting.proposer import NOT_DRAFTED
 from taps_ray.decoding.target_batch import TargetBatch
@@ -198,3 +198,30 @@ def test_a_request_done_at_its_first_token_never_reaches_a_verification_step(set
     assert results["one"].generation.tokens == _hf_greedy(model, prompts[0], 1)
     assert results["one"].generation.steps == [] and len(results["more"].generation.steps) == 2
     assert results["more"].max_batch == 1  # the finished request left before the first step
+
+
+def test_a_burst_joins_under_the_prefill_budget_in_length_groups(setup):
+    """A burst of ragged prompts is admitted over several iterations (the running rows keep decoding between
+    them), prefilled in groups of similar lengths, and every sequence still decodes the target's greedy tokens."""
+    model, bos, prompts = setup
+    ragged = [p * k for p, k in zip(prompts, (1, 3, 2, 6))]  # 3 to ~40 tokens
+    budget = max(len(p) for p in ragged)
+    batcher = ContinuousBatcher(model, stop_ids=[], max_batch_size=4, prefill_tokens=budget)
+    results: dict = {}
+    for i, prompt in enumerate(ragged):
+        _submit(batcher, results, i, prompt, PlainDecoding(), 6)
+    batcher.step()
+    assert 1 <= batcher.live < 4 and batcher.waiting == 4 - batcher.live  # the budget held some back
+    _drain(batcher)
+    for i, prompt in enumerate(ragged):
+        assert results[i].generation.tokens == _hf_greedy(model, prompt, 6), i
+    assert max(r.max_batch for r in results.values()) >= 2
+
+    class Seq:  # what length_groups reads of a sequence
+        def __init__(self, n: int) -> None:
+            self.request = type("R", (), {"prompt": [0] * n})()
+
+    groups = length_groups([Seq(n) for n in (30, 300, 280, 35, 290, 5)])
+    assert [[len(s.request.prompt) for s in g] for g in groups] == [[300, 290, 280], [35, 30], [5]]
+    with pytest.raises(ValueError, match="prefill_tokens"):
+        ContinuousBatcher(model, stop_ids=[], max_batch_size=2, prefill_tokens=0)

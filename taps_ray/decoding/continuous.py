@@ -131,16 +131,21 @@ class ContinuousBatcher:
 
     def __init__(
         self, model: PreTrainedModel, stop_ids: list[int], max_batch_size: int, draft_below: int | None = None,
-        feature_layers: tuple[int, ...] = (), node_stats: bool = False,
+        feature_layers: tuple[int, ...] = (), node_stats: bool = False, prefill_tokens: int | None = None,
     ) -> None:
         """`feature_layers`: the target layers the replica's proposers draft from (`Proposer.feature_layers`).
         `node_stats`: keep per-node diagnostics in the step records (`step.decode_step`), off unless asked: Serve
-        reports none of them."""
+        reports none of them. `prefill_tokens`: the most prompt tokens one scheduling iteration prefills (at least
+        one request is admitted), so a flood of joining requests is admitted over several steps and the running
+        sequences keep decoding between them (vLLM's per-step token budget, at request granularity); None: no
+        limit."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
+        if prefill_tokens is not None and prefill_tokens < 1:
+            raise ValueError(f"prefill_tokens must be at least 1 (or None: no limit), got {prefill_tokens}")
         check_draft_below(draft_below)
         self.model, self.stop_ids = model, set(stop_ids)
-        self.max_batch_size, self.draft_below = max_batch_size, draft_below
+        self.max_batch_size, self.draft_below, self.prefill_tokens = max_batch_size, draft_below, prefill_tokens
         self.feature_layers, self.node_stats = feature_layers, node_stats
         self._waiting: deque[_Sequence] = deque()
         self._lock = threading.Lock()
@@ -202,16 +207,30 @@ class ContinuousBatcher:
     # -- scheduling ------------------------------------------------------------------------------------------
 
     def _admit(self) -> None:
+        """Admit what fits the batch and the prefill budget, prefilled in groups of similar prompt lengths."""
+        for group in length_groups(self._take_fresh()):
+            self._prefill(group)
+
+    def _take_fresh(self) -> list[_Sequence]:
+        """The waiting requests this iteration admits, in arrival order: up to the batch's free rows and the
+        prefill budget (the first always fits); cancelled ones finish here."""
+        fresh: list[_Sequence] = []
+        budget = self.prefill_tokens
         with self._lock:
-            fresh: list[_Sequence] = []
             while self._waiting and len(self._running) + len(fresh) < self.max_batch_size:
-                seq = self._waiting.popleft()
+                seq = self._waiting[0]
                 if seq.cancelled:
-                    self._finish(seq, "cancelled")
-                else:
-                    fresh.append(seq)
-        if not fresh:
-            return
+                    self._finish(self._waiting.popleft(), "cancelled")
+                    continue
+                if budget is not None and fresh and len(seq.request.prompt) > budget:
+                    break
+                fresh.append(self._waiting.popleft())
+                budget = None if budget is None else budget - len(seq.request.prompt)
+        return fresh
+
+    def _prefill(self, fresh: list[_Sequence]) -> None:
+        """Prefill `fresh` in one right-padded forward, commit their first tokens and merge their rows into the
+        running batch."""
         batch = TargetBatch(self.model, keep_logits=True, feature_layers=self.feature_layers)
         try:
             t0 = time.perf_counter()
@@ -268,3 +287,23 @@ class ContinuousBatcher:
                 self._finish(seq, seq.generation.finished_by)
             else:
                 self._finish(seq, "error", f"{type(error).__name__}: {error}")
+
+
+PAD_SLACK = 1.25  # a prefill group's padded slots may exceed its real prompt tokens by this factor
+
+
+def length_groups(fresh: list[_Sequence]) -> list[list[_Sequence]]:
+    """`fresh` split into prefill groups of similar prompt lengths (sorted, longest first), each as wide as its
+    longest prompt with at most `PAD_SLACK` times its real tokens in padded slots: a right-padded prefill of ragged
+    prompts computes every padded slot, so a 30-token question beside a 300-token one would cost ten times its own
+    work; a few narrower forwards cost less."""
+    groups: list[list[_Sequence]] = []
+    for seq in sorted(fresh, key=lambda s: -len(s.request.prompt)):
+        group = groups[-1] if groups else None
+        if group is not None:
+            width, real = len(group[0].request.prompt), sum(len(s.request.prompt) for s in group)
+            if width * (len(group) + 1) <= PAD_SLACK * (real + len(seq.request.prompt)):
+                group.append(seq)
+                continue
+        groups.append([seq])
+    return groups

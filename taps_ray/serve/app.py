@@ -171,7 +171,8 @@ class TapsService:
         if len(layers) > 1:
             raise ValueError(f"the served heads draft from different target layers: {sorted(layers)}")
         self.batcher = ContinuousBatcher(self.target.model, self.stop_ids, serve_cfg.max_batch_size,
-                                         serve_cfg.draft_below, layers.pop() if layers else ())
+                                         serve_cfg.draft_below, layers.pop() if layers else (),
+                                         prefill_tokens=serve_cfg.prefill_tokens)
         self.loop = DecodeLoop(self.batcher, serve_cfg.max_queued_requests, serve_cfg.stall_timeout_s, serve_metrics())
         logger.info(
             "taps serve: target %s, %s heads %s, models %s", self.cfg.target.name, self.kind,
