@@ -103,11 +103,15 @@ def vllm_server(venv: Path, dtype: str, max_seqs: int, port: int, log: Path) -> 
     return Server("vLLM", command, env, port, log)
 
 
-def taps_server(config_path: str, dtype: str, max_seqs: int, port: int, folder: Path, log: Path) -> Server:
-    """`taps serve` on a copy of the config with the target's dtype, the batch cap and the port set."""
+def taps_server(config_path: str, dtype: str, max_seqs: int, threads: int, port: int, folder: Path,
+                log: Path) -> Server:
+    """`taps serve` on a copy of the config with the target's dtype, the batch cap, the replica's threads and the
+    port set."""
     data = yaml.safe_load(Path(config_path).read_text())
     data.setdefault("target", {})["dtype"] = dtype
-    data.setdefault("serve", {}).update(max_batch_size=max_seqs, port=port, host="127.0.0.1")
+    data.setdefault("serve", {}).update(max_batch_size=max_seqs, port=port, host="127.0.0.1",
+                                        replica_num_cpus=threads)
+    data.setdefault("ray", {})["num_cpus"] = max(threads, int(data.get("ray", {}).get("num_cpus", 1)))
     derived = folder / f"taps-{dtype}.yaml"
     derived.write_text(yaml.safe_dump(data))
     command = [sys.executable, "-m", "taps_ray.cli", "serve", "--config", str(derived)]
@@ -171,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-seqs", type=int, default=16, help="sequences decoded at once, on both servers")
+    parser.add_argument("--replica-cpus", type=int, default=None,
+                        help="taps serve's replica threads (serve.replica_num_cpus); default: the config's")
     parser.add_argument("--out", default="reports/serve_vs_vllm.md")
     args = parser.parse_args(argv)
     venv = Path(args.vllm_venv).resolve()
@@ -180,14 +186,15 @@ def main(argv: list[str] | None = None) -> int:
     folder = Path(tempfile.mkdtemp(prefix="taps-serve-vs-vllm-"))
     dataset = folder / "prompts.jsonl"
     count = write_prompts(args.config, args.prompts, dataset)
-    replica_threads = int(load_config(args.config).serve.replica_num_cpus)
+    replica_threads = args.replica_cpus or int(load_config(args.config).serve.replica_num_cpus)
     rows, raw = [], []
     start = time.perf_counter()
     for dtype in args.dtypes.split(","):
         plan = [("vLLM", ["plain"], "OMP_NUM_THREADS unset (vLLM's choice: 1 torch thread)",
                  lambda port: vllm_server(venv, dtype, args.max_seqs, port, folder / f"vllm-{dtype}.log")),
                 ("taps", args.models.split(","), f"{replica_threads} torch thread(s) (serve.replica_num_cpus)",
-                 lambda port: taps_server(args.config, dtype, args.max_seqs, port, folder, folder / f"taps-{dtype}.log"))]
+                 lambda port: taps_server(args.config, dtype, args.max_seqs, replica_threads, port, folder,
+                                          folder / f"taps-{dtype}.log"))]
         for server_name, models, threads, start_server in plan:
             port = free_port()
             server = start_server(port)
