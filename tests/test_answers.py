@@ -17,7 +17,7 @@ from taps_ray.models.draft_head import new_head
 from taps_ray.models.target import Target
 from taps_ray.drafting.setup import heads_needed, load_proposers
 from taps_ray.drafting.registry import proposer_names
-from taps_ray.report.heads import answers_twin, heads_summary, render_heads_md
+from taps_ray.report.heads import heads_summary, render_heads_md
 from taps_ray.training import answers as answers_mod
 from taps_ray.training.answers import AnswerCache, regenerate_answers
 from taps_ray.training.features import (
@@ -86,12 +86,21 @@ def test_answers_per_mixture_and_compare_heads_parse(tiny_config):
         parse_config({**data, "features": {**data["features"], "regenerate_answers": True}})
 
 
-def test_shipped_configs_train_on_target_answers_with_dataset_twins():
+def test_the_study_follows_taps_recipe_with_target_answer_twins():
+    """configs/cpu.yaml: the data sets' answers, TAPS's mixture shapes (math, chat, the 1:1 mix and the doubled mix,
+    both mixes inside the math and chat samples so their features are copied), few epochs; the target-answer heads
+    stay as twins that draft alone. speed.yaml's deployment heads keep the target's answers."""
     cpu, speed = load_config(REPO / "configs" / "cpu.yaml"), load_config(REPO / "configs" / "speed.yaml")
-    assert {cpu.mixtures[m].answers for m in cpu.train.mixtures} == {"target"}
-    assert cpu.train.compare == {"math-dataset": ["eagle2"], "chat-dataset": ["eagle2"]}
-    assert answers_twin(cpu, "math-dataset") == "math" and answers_twin(cpu, "chat-dataset") == "chat"
-    assert {"math-dataset", "chat-dataset"} <= set(cpu.eval.proposers)
+    assert cpu.train.mixtures == ["math", "chat", "mixed", "mixed-2x"]
+    assert {cpu.mixtures[m].answers for m in cpu.train.mixtures} == {"dataset"}
+    math, chat, mixed, doubled = (cpu.mixtures[m] for m in cpu.train.mixtures)
+    assert mixed.mixture == doubled.mixture == {"mathinstruct": 0.5, "sharegpt": 0.5}
+    assert mixed.size == (math.size + chat.size) // 2 and doubled.size == math.size + chat.size
+    assert cpu.train.epochs <= 2
+    assert cpu.train.compare == {"math-target": ["eagle2"], "chat-target": ["eagle2"]}
+    assert {cpu.mixtures[m].answers for m in cpu.train.compare} == {"target"}
+    assert {"math-target", "chat-target", "mixed-2x", "learned-routed"} <= set(cpu.eval.proposers)
+    assert "learned-routed" in cpu.eval.live_proposers
     assert {speed.mixtures[m].answers for m in speed.train.mixtures} == {"target"}
 
 
