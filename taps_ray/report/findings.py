@@ -85,8 +85,9 @@ class Finding:
         held = [status for *_, status in self.settings]
         if not held:
             return f"- **({self.key}) {self.verdict}**: {self.claim} ({'; '.join(self.evidence) or 'no cells'})."
-        count = f" in {held.count(HOLDS)} of {len(held)} settings" if self.verdict != HOLDS else ""
-        return f"- **({self.key}) {self.verdict}**{count}: {self.claim}. Decided by {self.deciding()}."
+        count = (f" (holds in {held.count(HOLDS)} of {len(held)} settings, {held.count(NOISE)} within noise, "
+                 f"{held.count(FAILS)} against)" if self.verdict != HOLDS else "")
+        return f"- **({self.key}) {self.verdict}**{count}: {self.claim}. Deciding check, {self.deciding()}."
 
     def markdown(self) -> str:
         count = ""
