@@ -12,7 +12,7 @@ from taps_ray.config import TreeConfig
 from taps_ray.models.draft_head import new_head
 from taps_ray.drafting.cost import MIN_PAUSE, CostAware, TreeCost, best_size
 from taps_ray.decoding.generate import generate
-from taps_ray.drafting.proposer import NOT_DRAFTED, Proposer
+from taps_ray.drafting.proposer import NOT_DRAFTED, Feedback, Proposer
 from taps_ray.drafting.registry import build_proposer, heads_used
 from taps_ray.drafting.tree import DraftTree, build_tree
 from taps_ray.decoding.verify import SamplingParams
@@ -158,3 +158,27 @@ def test_auto_proposers_are_lossless_with_accepting_drafts(tiny_target):
     assert proposer.name == "auto-math+ngram" and proposer.head_names == ["math"]
     assert heads_used("auto-math+ngram", ["math", "chat"]) == ["math"]
     assert generate(model, proposer, [prompt], SamplingParams(), 16, [])[0].tokens == want.tolist()
+
+
+def test_the_inner_proposer_hears_what_was_accepted_of_its_own_trees():
+    """A learning proposer (the learned router) keeps learning under the cost model: `observe` reaches it for the
+    steps it drafted, not for the root-only ones (the plain baseline step, pauses)."""
+    clock = FakeClock()
+
+    @dataclass
+    class Listening(ChainDrafter):
+        heard: list[int] = field(default_factory=list)
+
+        def observe(self, states, feedback):
+            self.heard += [f.accepted for f in feedback]
+            return states
+
+    inner = Listening(clock)
+    proposer = CostAware(inner, clock=clock)
+    tree, state = proposer.propose(proposer.init_state(), torch.zeros(5, 1), torch.arange(5))
+    for step in range(4):
+        (state,) = proposer.observe([state], [Feedback(tree, list(range(min(2, tree.size - 1) + 1)), [7])])
+        clock.now += PLAIN_STEP_S + NODE_S * (tree.size - 1)
+        committed = [100 + step] if tree.size == 1 else [1, 2, 100 + step]  # two drafts accepted, then the bonus
+        tree, state = proposer.propose(state, torch.zeros(len(committed), 1), torch.tensor(committed))
+    assert inner.heard == [2, 2, 2]  # the first step verified only its root: not the inner's tree

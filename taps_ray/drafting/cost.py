@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 import torch
 
 from taps_ray.drafting.names import AUTO_PREFIX
-from taps_ray.drafting.proposer import NOT_DRAFTED, Proposer
+from taps_ray.drafting.proposer import NOT_DRAFTED, Feedback, Proposer
 from taps_ray.drafting.tree import DraftTree, path_scores, ranked_nodes, root_only, subtree
 
 SMOOTHING = 0.5  # weight of the newest step in a running cost
@@ -161,6 +161,19 @@ class CostAware(Proposer):
         return tree, replace(state, inner=inner, pending=(), kept=kept, promised=sum(ranked[:kept]),
                              draft_s=done - now, returned_at=done,
                              last_head=self.inner.head_of(inner) if kept else NOT_DRAFTED)
+
+    def observe(self, states: list[CostState], feedback: list[Feedback]) -> list[CostState]:
+        """The inner proposer hears what was accepted of the steps it drafted (a tree verified beyond its root):
+        a router that learns from verification keeps learning under the cost model. Root-only steps, paused or
+        pruned to nothing, are not its trees."""
+        drafted = [i for i, state in enumerate(states) if state.kept > 0]
+        if not drafted:
+            return states
+        inner = self.inner.observe([states[i].inner for i in drafted], [feedback[i] for i in drafted])
+        out = list(states)
+        for i, state in zip(drafted, inner, strict=True):
+            out[i] = replace(states[i], inner=state)
+        return out
 
     def _measure(self, state: CostState, now: float, committed: int) -> CostState:
         """Fold the last step into a (root-only verification) or j, b and κ (a drafted tree); after a drafted step,
