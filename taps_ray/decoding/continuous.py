@@ -207,9 +207,19 @@ class ContinuousBatcher:
     # -- scheduling ------------------------------------------------------------------------------------------
 
     def _admit(self) -> None:
-        """Admit what fits the batch and the prefill budget, prefilled in groups of similar prompt lengths."""
-        for group in length_groups(self._take_fresh()):
+        """Admit what fits the batch and the prefill budget, prefilled in groups of similar prompt lengths; the
+        joined rows then take their arrival order, so sequences draft in the order they came, as in the other
+        loops (a proposer drawing from a shared generator sees the same calls)."""
+        fresh = self._take_fresh()
+        before = len(self._running)
+        for group in length_groups(fresh):
             self._prefill(group)
+        arrival = {id(seq): rank for rank, seq in enumerate(fresh)}
+        joined = sorted(range(before, len(self._running)), key=lambda row: arrival[id(self._running[row])])
+        if joined != list(range(before, len(self._running))):
+            rows = [*range(before), *joined]
+            self._batch.keep_rows(rows)
+            self._running = [self._running[row] for row in rows]
 
     def _take_fresh(self) -> list[_Sequence]:
         """The waiting requests this iteration admits, in arrival order: up to the batch's free rows and the
