@@ -204,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
                     for load in loads:
                         print(f"{server_name} {dtype} {model} {load} ...", flush=True)
                         result = run_client(venv, port, model, dataset, count, args.max_tokens, load, folder)
+                        # the client records the tokenizer's folder: a machine path, not for a committed report
+                        result["tokenizer_id"] = smollm2_folder().name
                         raw.append({"server": server_name, "dtype": dtype, "model": model, "load": load, **result})
                         rows.append({"server": server_name, "dtype": dtype, "model": model, "load": load,
                                      "threads": threads, **summary(result)})
