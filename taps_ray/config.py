@@ -331,8 +331,9 @@ class ServeConfig(_Strict):
     cost_model: bool = Field(
         True, description="every drafting model runs under the per-sequence cost model (`auto-<name>`, "
         "docs/algorithms.md#cost-model): a sequence drafts only while its measured drafting and verification pay "
-        "for the tokens they commit, so a weak head or a busy batch never makes a model slower than `plain`; false "
-        "serves the proposers as they are (to measure them raw)")
+        "for the tokens they commit, so a weak head decoding alone pays for itself; it does not see the batch (a "
+        "drafted tree widens every row's forward: `draft_below` guards batches); false serves the proposers as they "
+        "are (to measure them raw)")
     max_queued_requests: int = Field(
         64, gt=0, description="requests one replica holds waiting to join the running batch; beyond it: 503 + Retry-After")
     stall_timeout_s: float = Field(
