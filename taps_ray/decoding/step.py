@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from taps_ray.drafting.proposer import NOT_DRAFTED, Feedback, Proposer
+from taps_ray.drafting.proposer import NOT_DRAFTED, Feedback, Proposer, join_pending
 from taps_ray.drafting.tree import DraftTree, root_only
 
 if TYPE_CHECKING:  # annotations only: the step runs over any `Verifier`, the target batch is one of them
@@ -208,8 +208,7 @@ def draft(sequences: list[Drafting], drafting: bool) -> None:
     for seq in sequences:
         groups.setdefault(id(seq.proposer), []).append(seq)
     for group in groups.values():
-        features = [_joined([f for f, _ in seq.pending]) for seq in group]
-        next_tokens = [_joined([t for _, t in seq.pending]) for seq in group]
+        features, next_tokens = map(list, zip(*(join_pending(seq.pending) for seq in group)))
         t0 = time.perf_counter()
         proposer = group[0].proposer
         trees, states = proposer.propose_batch([seq.state for seq in group], features, next_tokens)
@@ -231,11 +230,6 @@ def observe(verified: list[tuple[Drafting, DraftTree, Committed]]) -> None:
         states = group[0][0].proposer.observe([seq.state for seq, _ in group], [f for _, f in group])
         for (seq, _), state in zip(group, states, strict=True):
             seq.state = state
-
-
-def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
-    """The pending tensors as one (no copy for the usual single one)."""
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 # --- the step ------------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 import torch
 
 from taps_ray.drafting.names import AUTO_PREFIX
-from taps_ray.drafting.proposer import NOT_DRAFTED, Feedback, Proposer
+from taps_ray.drafting.proposer import NOT_DRAFTED, Feedback, Proposer, join_pending
 from taps_ray.drafting.tree import DraftTree, path_scores, ranked_nodes, root_only, subtree
 
 SMOOTHING = 0.5  # weight of the newest step in a running cost
@@ -149,8 +149,7 @@ class CostAware(Proposer):
             tree = root_only(int(next_tokens[-1]), next_tokens.device)
             return tree, replace(state, kept=0, promised=0.0, draft_s=None, paused_left=max(state.paused_left - 1, 0),
                                  returned_at=self.clock(), last_head=NOT_DRAFTED)
-        all_features = torch.cat([f for f, _ in state.pending])
-        all_tokens = torch.cat([t for _, t in state.pending])
+        all_features, all_tokens = join_pending(state.pending)
         drafted, inner = self.inner.propose(state.inner, all_features, all_tokens)
         order, scores = ranked_nodes(drafted), path_scores(drafted)
         ranked = [scores[j] for j in order]

@@ -27,7 +27,7 @@ import torch
 from taps_ray.config import TreeConfig
 from taps_ray.drafting.combine import OverParts, first_two, merge_trees, single_heads
 from taps_ray.drafting.eagle2 import DraftContext
-from taps_ray.drafting.proposer import Feedback
+from taps_ray.drafting.proposer import Feedback, join_pending
 from taps_ray.drafting.tree import DraftTree
 from taps_ray.models.draft_head import DraftHead
 
@@ -94,11 +94,9 @@ class LearnedRouted(OverParts):
             group = [s for s, c in enumerate(choices) if c in (MERGED, h)]
             if not group:
                 continue
-            trees, part_states = part.propose_batch(
-                [new_parts[s][h] for s in group],
-                [_joined([f for f, _ in backlog[s][h]]) for s in group],
-                [_joined([t for _, t in backlog[s][h]]) for s in group],
-            )
+            features_h, tokens_h = zip(*(join_pending(backlog[s][h]) for s in group))
+            trees, part_states = part.propose_batch([new_parts[s][h] for s in group], list(features_h),
+                                                    list(tokens_h))
             for s, tree, part_state in zip(group, trees, part_states, strict=True):
                 drafted[s][h], new_parts[s][h], backlog[s][h] = tree, part_state, []
         out_trees = [merge_trees([d[h] for h in sorted(d)]) if c == MERGED else d[c]
@@ -144,10 +142,6 @@ def held_per_source(tree: DraftTree, committed: list[int], sources: int) -> list
             length += 1
         held.append(length)
     return held
-
-
-def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def build_learned_routed(heads: dict[str, DraftHead], context: DraftContext, tree: TreeConfig) -> LearnedRouted:

@@ -14,7 +14,7 @@ router's choice; `observe`: what verification accepted, for proposers that learn
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -37,6 +37,16 @@ class Feedback:
     def accepted(self) -> int:
         """Drafted tokens accepted (the root is the previous step's, not a draft)."""
         return len(self.nodes) - 1
+
+
+Pending = Sequence[tuple[torch.Tensor, torch.Tensor]]  # committed (features, next tokens) a proposer has yet to read
+
+
+def join_pending(pending: Pending) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pending pieces as one (features, next tokens) pair, for one `propose` call (no copy for a single piece)."""
+    if len(pending) == 1:
+        return pending[0]
+    return torch.cat([f for f, _ in pending]), torch.cat([t for _, t in pending])
 
 
 class Proposer(ABC):
