@@ -324,6 +324,9 @@ class AdaptConfig(_Strict):
     steps_per_round: int = Field(40, gt=0, description="optimizer steps of one training round")
     batch_size: int = Field(4, gt=0, description="recorded sequences per training step")
     lr: float = Field(2e-4, gt=0, description="AdamW learning rate of online training (constant)")
+    precision: Literal["fp32", "bf16-mixed"] | None = Field(
+        None, description="online training's forward precision; None: train.precision (a CPU without AMX trains "
+        "faster in fp32)")
     min_gain: float = Field(0.0, ge=0, description="held-out agreement a candidate must beat the served version by")
     poll_s: float = Field(2.0, gt=0, description="how often a replica looks for a published version, between steps")
     rollback_requests: int = Field(8, gt=0, description="finished requests per version before live acceptance is "

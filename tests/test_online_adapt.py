@@ -10,8 +10,10 @@ import asyncio
 import os
 import time
 
+import httpx
 import pytest
 import torch
+from ray import serve
 
 from taps_ray.adapt.buffer import TrafficBuffer
 from taps_ray.adapt.record import Recorder
@@ -19,16 +21,20 @@ from taps_ray.adapt.replica import ReplicaAdaptation
 from taps_ray.adapt.swap import LiveStats, ServedModel, should_roll_back
 from taps_ray.adapt.trainer_actor import OnlineTrainer, model_buffer, model_store
 from taps_ray.adapt.versions import VersionStore
+from taps_ray.config import TreeConfig
 from taps_ray.decoding.continuous import ContinuousBatcher, Request, Result
 from taps_ray.decoding.generate import generate
 from taps_ray.decoding.verify import SamplingParams
 from taps_ray.drafting.registry import build_proposer
 from taps_ray.models.draft_head import DraftHead, new_head
+from taps_ray.ray_runtime import start_serve
+from taps_ray.serve.app import build_app
 from taps_ray.serve.scheduler import DecodeLoop
 from taps_ray.training.features import Example
 from taps_ray.workdir import head_checkpoint
 
 from oracles import fit_head
+from test_serve import _free_port, _text, _wait_healthy
 
 GREEDY = SamplingParams()
 MAX_NEW = 12
@@ -82,9 +88,7 @@ def fitted(tiny_target, prompts, expected) -> DraftHead:
     return fit_head(tiny_target, [p + e for p, e in zip(prompts, expected)], steps=60)
 
 
-def _tree():
-    from taps_ray.config import TreeConfig
-
+def _tree() -> TreeConfig:
     return TreeConfig(total_token=8, depth=3, top_k=3)
 
 
@@ -252,6 +256,49 @@ def test_rollback_rule_and_roll_back(tiny_target, tmp_path):
     served.finished(1, _stats(1, 1.0))  # pooled 2.25 < 3.0 over two requests: roll back
     assert served.rollback_due == 1
     assert served.poll() and served.version == 0 and installed[-1] is installed[0]  # the old proposer, kept
+    assert served.previous is None and served.rollback_due is None  # nothing left to compare version 0 with
     state = store.current()
     assert state.number == 0
     assert store.publish(new_head(tiny_target.model.config, seed=3), {}).number == 2  # 1 is never reused
+
+
+def test_a_serve_replica_records_trains_swaps_and_stays_greedy(ray_session, tiny_config, tiny_target, tmp_path):
+    """The deployment with serve.adapt on, over HTTP: the replica records, its trainer actor publishes a version
+    trained on that traffic, the replica swaps it in, and every answer before and after is the greedy one."""
+    cfg = _adapt_config(tiny_config, tmp_path, lr=3e-3, steps_per_round=30, min_new_tokens=1, flush_tokens=1,
+                        poll_s=0.2, trainer_num_cpus=0.5)
+    cfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={
+        "max_batch_size": 4, "replica_num_cpus": 0.5, "num_replicas": 1, "cost_model": False})})
+    for seed, mixture in enumerate(("math", "chat"), start=5):
+        new_head(tiny_target.model.config, seed=seed).save(head_checkpoint(cfg, "eagle2", mixture))
+    tok, stops = tiny_target.tokenizer, tiny_target.stop_token_ids
+    texts = ["Hello there, how are you", "2+2=", "a long prompt about numbers 1 2 3 4"]
+    plain = build_proposer("plain", tiny_target, {}, cfg.tree)
+    greedy = {t: _text(tok, g.tokens, stops) for t, g in
+              zip(texts, generate(tiny_target.model, plain, [tok.encode(t) for t in texts], GREEDY, 16, stops))}
+    store = model_store(cfg, "eagle2", "math")
+    port = _free_port()
+    start_serve(port=port)
+    try:
+        serve.run(build_app(cfg), name="taps-adapt-test", route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url)
+
+        def complete(text: str) -> str:
+            body = {"model": "math", "prompt": text, "max_tokens": 16, "temperature": 0}
+            response = httpx.post(f"{url}/v1/completions", json=body, timeout=120.0)
+            assert response.status_code == 200, response.text
+            return response.json()["choices"][0]["text"]
+
+        deadline = time.monotonic() + 90
+        while store.current().number == 0:  # traffic until the trainer has published a version
+            assert time.monotonic() < deadline, "no version published"
+            for text in texts:
+                assert complete(text) == greedy[text]
+        assert model_buffer(cfg, "eagle2", "math").tokens > 0
+        time.sleep(1.0)  # past the replica's next poll: the new version serves
+        for text in texts:
+            assert complete(text) == greedy[text]
+        assert httpx.get(f"{url}/healthz", timeout=10.0).json()["head_versions"]["math"] >= 1
+    finally:
+        serve.shutdown()

@@ -65,6 +65,7 @@ class Recorder:
         self._lock = threading.Lock()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="taps-adapt-record")
         self.recorded = 0
+        self.buffer_tokens = buffer.tokens  # after the last write (the metrics read it: no file read per request)
 
     def start(self, prompt: list[int]) -> Recording | None:
         """A recording for a new request, or None: not drawn, or the minute's quota is spent."""
@@ -102,3 +103,4 @@ class Recorder:
         if pending:
             self.buffer.add(pending)
             self.recorded += len(pending)
+            self.buffer_tokens = self.buffer.tokens

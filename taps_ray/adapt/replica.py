@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from taps_ray.adapt.record import Recorder, Recording
 from taps_ray.adapt.swap import LiveStats, ServedModel
@@ -20,14 +21,22 @@ from taps_ray.config import StudyConfig
 from taps_ray.decoding.continuous import OnCommit, Request, Result
 from taps_ray.drafting.proposer import Proposer
 from taps_ray.models.draft_head import DraftHead
-from taps_ray.serve.metrics import ServeMetrics
 
 logger = logging.getLogger("ray.serve")
 
 
+class AdaptMetrics(Protocol):
+    """What adaptation reports (Serve's `ServeMetrics` is one; adapt sits below serve in the layers)."""
+
+    def version_finished(self, model: str, version: int, tau: float, accepted: int, drafted: int, completion: int,
+                         live_tau: float, buffer_tokens: int) -> None: ...
+
+    def swapped(self, model: str, version: int, kind: str) -> None: ...
+
+
 class ReplicaAdaptation:
     def __init__(self, cfg: StudyConfig, models: list[str], build: Callable[[str, DraftHead], Proposer],
-                 install: Callable[[str, Proposer], None], metrics: ServeMetrics | None = None,
+                 install: Callable[[str, Proposer], None], metrics: AdaptMetrics | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """`build(model, head)`: the served proposer of `model` drafting with `head`; `install(model, proposer)`
         puts it in the replica's table. The current versions are served at once."""
@@ -40,7 +49,7 @@ class ReplicaAdaptation:
         }
         self.recorders = {m: Recorder(model_buffer(cfg, kind, m), a.sample, a.max_recorded_per_minute,
                                       a.flush_tokens, seed=cfg.train.seed + i) for i, m in enumerate(models)}
-        self._recordings: dict[int, tuple[Request, Recording]] = {}
+        self._recordings: dict[int, tuple[Request, Recorder, Recording]] = {}  # by id(request), kept alive here
         for served in self.models.values():
             served.poll()
         self._polled = clock()
@@ -56,27 +65,26 @@ class ReplicaAdaptation:
         found = self._served(request)
         if found is None:
             return None
-        recording = self.recorders[found[0].name].start(request.prompt)
+        recorder = self.recorders[found[0].name]
+        recording = recorder.start(request.prompt)
         if recording is None:
             return None
-        self._recordings[id(request)] = (request, recording)
+        self._recordings[id(request)] = (request, recorder, recording)
         return recording.on_commit
 
     def on_done(self, request: Request, result: Result) -> None:
         kept = self._recordings.pop(id(request), None)
-        found = self._served(request)
-        if found is None:
-            return
-        served, version = found
-        recorder = self.recorders[served.name]
         if kept is not None:
-            recorder.finish(kept[1], result.error is None)
-        if result.error is None:
+            kept[1].finish(kept[2], result.error is None)
+        found = self._served(request)  # None once its version is two swaps old: it no longer counts
+        if found is not None and result.error is None:
+            served, version = found
             one = LiveStats.of(result)
             total = served.finished(version, one)
             if self.metrics is not None:
                 self.metrics.version_finished(served.name, version, result.generation.tau, one.accepted, one.drafted,
-                                              len(result.generation.tokens), total.tau, recorder.buffer.tokens)
+                                              len(result.generation.tokens), total.tau,
+                                              self.recorders[served.name].buffer_tokens)
 
     def between_steps(self) -> None:
         now = self.clock()

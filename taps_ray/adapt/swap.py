@@ -79,7 +79,8 @@ class ServedModel:
     def poll(self) -> bool:
         """Serve the store's current version (built on first use); returns whether the served version changed.
         Runs between decode steps: a roll back asked for by `finished` is written to the store first."""
-        if self.rollback_due is not None:
+        rolled_back = self.rollback_due is not None
+        if rolled_back:
             logger.warning("adapt %s: version %d's live tau %.2f is below version %s's %.2f; rolling back",
                            self.name, self.rollback_due, self.stats[self.rollback_due].tau, self.previous,
                            self.stats[self.previous].tau)
@@ -88,17 +89,18 @@ class ServedModel:
         current = self.store.current()
         if current.number == self.version:
             return False
-        if current.number not in self.proposers:
-            head = DraftHead.load(current.path)
-            self.proposers[current.number] = self.build(head)
-        self.install(self.proposers[current.number])
-        if self.version >= 0:
-            self.previous = self.version
+        proposer = self.proposers.get(current.number)
+        if proposer is None:
+            proposer = self.build(DraftHead.load(current.path))
+        if self.version >= 0:  # after a roll back there is nothing to compare with: no previous version
+            self.previous = None if rolled_back else self.version
             self.swaps += 1
+        # a new table, never an edit: the event loop reads it (`version_of`) while this runs on the decoding thread;
+        # older versions' proposers go (their requests still decoding keep their own reference)
+        self.proposers = {v: p for v, p in self.proposers.items() if v == self.previous} | {current.number: proposer}
+        self.install(proposer)
         self.version = current.number
         self.stats.setdefault(self.version, LiveStats())
-        keep = {self.version, self.previous}  # older versions' proposers go once their requests are done
-        self.proposers = {v: p for v, p in self.proposers.items() if v in keep}
         logger.info("adapt %s: serving version %d", self.name, self.version)
         return True
 

@@ -10,7 +10,8 @@ weights and optimizer across rounds (training continues); when the served versio
 another trainer), it restarts from the served one.
 
 `OnlineTrainerActor` is the Ray actor around it, with its own CPUs (`serve.adapt.trainer_num_cpus`, also its torch
-threads): `run` loops rounds until `stop`; `pause`/`resume` let a benchmark measure what training costs serving.
+threads): `run` loops rounds until `stop`; `pause`, `resume` and `train_for` (rounds back to back) let a benchmark
+measure what training costs serving.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ class OnlineTrainer:
         vocab = draft_vocabulary(cfg, target.tokenizer, target.stop_token_ids)
         self.frozen = FrozenTarget.from_model(target.model, torch.float32, vocab)
         self.full_lm_head = target.model.get_output_embeddings().weight.detach().float()
-        self.settings = LossSettings.for_kind(self.kind, cfg.train, cfg.tree.depth)
+        train = cfg.train.model_copy(update={"precision": self.adapt.precision or cfg.train.precision})
+        self.settings = LossSettings.for_kind(self.kind, train, cfg.tree.depth)
         self.passes = max(1, cfg.train.hca_passes)
         self.rng = random.Random(cfg.train.seed)
         self.generator = torch.Generator().manual_seed(cfg.train.seed)
@@ -85,10 +87,11 @@ class OnlineTrainer:
         self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=self.adapt.lr, betas=(0.9, 0.95),
                                            weight_decay=self.cfg.train.weight_decay)
 
-    def round(self) -> RoundResult | None:
-        """One round, or None while fewer than `min_new_tokens` positions arrived since the last one."""
+    def round(self, force: bool = False) -> RoundResult | None:
+        """One round, or None while fewer than `min_new_tokens` positions arrived since the last one (`force`:
+        train on what is there anyway) or the buffer holds fewer than two sequences."""
         shards = self.buffer.shards()
-        if sum(s.tokens for s in shards if s.file not in self.seen) < self.adapt.min_new_tokens:
+        if not force and sum(s.tokens for s in shards if s.file not in self.seen) < self.adapt.min_new_tokens:
             return None
         start = time.perf_counter()
         self.seen = {s.file for s in shards}
@@ -153,6 +156,7 @@ class OnlineTrainerActor:
         self._running.set()
         self._stop = threading.Event()
         self._looping = threading.Lock()
+        self._training = threading.Lock()  # one round at a time, whoever asks
 
     def run(self, idle_s: float = 1.0) -> int:
         """Rounds until `stop` (one loop: a second call returns at once); returns the rounds run."""
@@ -160,12 +164,25 @@ class OnlineTrainerActor:
             return len(self.history)
         while not self._stop.is_set():
             self._running.wait(timeout=idle_s)
-            result = self.trainer.round() if self._running.is_set() else None
+            result = self._round(force=False) if self._running.is_set() else None
             if result is None:
                 self._stop.wait(idle_s)
-            else:
-                self.history.append({**asdict(result), "time": time.time()})
         return len(self.history)
+
+    def train_for(self, seconds: float) -> int:
+        """Rounds back to back for `seconds`, new traffic or not; returns how many ran."""
+        end, rounds = time.monotonic() + seconds, 0
+        while time.monotonic() < end:
+            rounds += self._round(force=True) is not None
+        return rounds
+
+    def _round(self, force: bool) -> RoundResult | None:
+        with self._training:
+            started = time.time()
+            result = self.trainer.round(force)
+        if result is not None:
+            self.history.append({**asdict(result), "started": started, "ended": time.time()})
+        return result
 
     def pause(self) -> None:
         self._running.clear()

@@ -356,6 +356,7 @@ class TapsService:
             "models": self.model_names(),
             "running": self.batcher.live,
             "waiting": self.batcher.waiting,
+            "head_versions": {m: served.version for m, served in self.adapt.models.items()} if self.adapt else {},
         }
 
     @api.get("/v1/models", response_model=ModelList, summary="the models (proposers) this service can use")
