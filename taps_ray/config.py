@@ -329,10 +329,10 @@ class AdaptConfig(_Strict):
         "faster in fp32)")
     min_gain: float = Field(0.0, ge=0, description="held-out agreement a candidate must beat the served version by")
     poll_s: float = Field(2.0, gt=0, description="how often a replica looks for a published version, between steps")
-    rollback_requests: int = Field(8, gt=0, description="finished requests per version before live acceptance is "
+    rollback_requests: int = Field(16, gt=0, description="finished requests per version before live acceptance is "
                                    "compared; fewer: no rollback")
-    rollback_margin: float = Field(0.0, ge=0, description="roll back when the new version's live tau is below the "
-                                   "previous one's by more than this")
+    rollback_margin: float = Field(0.05, ge=0, description="roll back when the new version's live tau is below the "
+                                   "previous one's by more than this (tau over a few requests is noisy)")
     trainer_num_cpus: float = Field(1.0, gt=0, description="CPUs Ray reserves for the trainer actor (its torch threads)")
     dir: str = Field("adapt", description="versions and buffers, under work_dir")
 

@@ -177,7 +177,7 @@ def test_a_swap_between_decode_steps_keeps_greedy_output(tiny_config, tiny_targe
         first = [loop.submit(request(p), "math") for p in prompts]
         while batcher.live == 0 or all(len(s.generation.tokens) < 2 for s in batcher._running):
             await asyncio.sleep(0.001)
-        model_store(cfg, "eagle2", "math").publish(fitted, {"heldout_acc": 1.0})
+        model_store(cfg, "eagle2", "math").publish(fitted, {"heldout_acc": 1.0}, over=0)
         while adapt.models["math"].version != 1:  # swapped in by the loop, between two steps
             await asyncio.sleep(0.001)
         assert any(not t.result.done() for t in first)  # in flight across the swap
@@ -250,16 +250,16 @@ def test_rollback_rule_and_roll_back(tiny_target, tmp_path):
     assert served.poll() and served.version == 0
     for _ in range(2):
         served.finished(0, _stats(1, 3.0))
-    store.publish(new_head(tiny_target.model.config, seed=2), {"heldout_acc": 0.5})
+    store.publish(new_head(tiny_target.model.config, seed=2), {"heldout_acc": 0.5}, over=0)
     assert served.poll() and served.version == 1 and served.previous == 0
     served.finished(1, _stats(1, 3.5))
     served.finished(1, _stats(1, 1.0))  # pooled 2.25 < 3.0 over two requests: roll back
     assert served.rollback_due == 1
     assert served.poll() and served.version == 0 and installed[-1] is installed[0]  # the old proposer, kept
     assert served.previous is None and served.rollback_due is None  # nothing left to compare version 0 with
-    state = store.current()
-    assert state.number == 0
-    assert store.publish(new_head(tiny_target.model.config, seed=3), {}).number == 2  # 1 is never reused
+    assert store.current().number == 0 and store.rejected() == [1]
+    assert store.publish(new_head(tiny_target.model.config, seed=3), {}, over=1) is None  # scored against v1: stale
+    assert store.publish(new_head(tiny_target.model.config, seed=3), {}, over=0).number == 2  # 1 is never reused
 
 
 def test_a_serve_replica_records_trains_swaps_and_stays_greedy(ray_session, tiny_config, tiny_target, tmp_path):

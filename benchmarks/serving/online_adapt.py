@@ -40,10 +40,11 @@ from pathlib import Path
 for _name, _value in (("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false"), ("OMP_WAIT_POLICY", "PASSIVE")):
     os.environ.setdefault(_name, _value)
 
+import ray  # noqa: E402
 import torch  # noqa: E402
 
 from taps_ray.adapt.replica import ReplicaAdaptation  # noqa: E402
-from taps_ray.adapt.trainer_actor import start_trainer  # noqa: E402
+from taps_ray.adapt.trainer_actor import model_store, start_trainer  # noqa: E402
 from taps_ray.config import StudyConfig, load_config, with_overrides  # noqa: E402
 from taps_ray.data.chat import render_ids  # noqa: E402
 from taps_ray.data.sources import load_questions  # noqa: E402
@@ -55,6 +56,7 @@ from taps_ray.drafting.setup import load_heads, load_proposers  # noqa: E402
 from taps_ray.fsio import report_lines  # noqa: E402
 from taps_ray.machine import cpu_line  # noqa: E402
 from taps_ray.models.target import Target, load_target  # noqa: E402
+from taps_ray.relpaths import shown_path  # noqa: E402
 from taps_ray.ray_runtime import loopback_cluster  # noqa: E402
 from taps_ray.serve.scheduler import DecodeLoop  # noqa: E402
 
@@ -86,7 +88,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=int, default=20, help="requests per row of the tau-over-time table")
     p.add_argument("--baseline-every", type=int, default=2, help="static baselines on every n-th stream prompt")
     p.add_argument("--sample", type=float, default=1.0, help="serve.adapt.sample: share of requests recorded")
-    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--lr", type=float, default=1.5e-4)
     p.add_argument("--precision", default="fp32", help="serve.adapt.precision (this CPU has no AMX: fp32 is faster)")
     p.add_argument("--steps-per-round", type=int, default=40)
     p.add_argument("--min-new-tokens", type=int, default=768)
@@ -207,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
 
             adapt = ReplicaAdaptation(cfg, [MODEL], build, proposers.__setitem__)
             trainer = start_trainer(cfg, MODEL)
+            ray.get(trainer.rounds.remote())  # fails here, not after the stream, when the actor cannot start
             batcher = ContinuousBatcher(target.model, target.stop_token_ids, args.concurrency)
             loop = DecodeLoop(batcher, 4 * args.concurrency, 600.0, adapt=adapt)
             print(f"stream: {len(chat_prompts)} chat then {len(math_prompts)} math requests", flush=True)
@@ -215,9 +218,6 @@ def main(argv: list[str] | None = None) -> int:
                                               args))
             stream_end = time.time()
             adapt.flush()
-
-            import ray
-
             print("throughput cost: static math head, trainer paused vs training", flush=True)
             ray.get(trainer.pause.remote())
             cost_prompts = (chat_prompts * 2)[: args.cost_prompts]
@@ -235,29 +235,30 @@ def main(argv: list[str] | None = None) -> int:
             rounds = ray.get(trainer.rounds.remote())
             ray.get(trainer.stop.remote())
         finally:
-            import ray
-
             ray.shutdown()
             cluster.shutdown()
 
         print("greedy check: plain decoding of every stream prompt", flush=True)
         greedy, _ = decode(target, plain, [s.prompt for s in served], args.max_tokens, 8)
         versions = sorted({p.name for p in (adapt_dir / f"eagle2-{MODEL}" / "versions").glob("v*")})
+        rejected = model_store(cfg, "eagle2", MODEL).rejected()
 
     paused_rate, training_rate = paused_tok / paused_s, training_tok / training_s
     cost = 100.0 * (1.0 - training_rate / paused_rate)
-    in_stream = [r for r in rounds if r["started"] < stream_end]
+    for r in rounds:
+        r["during"] = "stream" if r["started"] < stream_end else "cost A/B"
+    in_stream = [r for r in rounds if r["during"] == "stream"]
     busy_s = sum(min(r["ended"], stream_end) - r["started"] for r in in_stream)
     duty = busy_s / (stream_end - stream_start)
     failed = sum(s.result.error is not None for s in served)
     mismatched = [s.index for s, g in zip(served, greedy) if s.result.generation.tokens != g.generation.tokens]
-    lines = report(args, served, baseline, sampled, rounds, versions, paused_rate, training_rate, cost, duty, failed,
+    lines = report(args, served, baseline, rounds, versions, rejected, paused_rate, training_rate, cost, duty, failed,
                    mismatched, time.perf_counter() - wall)
     report_lines(lines, args.out)
     return 1 if failed or mismatched else 0
 
 
-def report(args, served: list[Served], baseline, sampled, rounds, versions, paused_rate: float, training_rate: float,
+def report(args, served: list[Served], baseline, rounds, versions, rejected, paused_rate: float, training_rate: float,
            cost: float, duty: float, failed: int, mismatched: list[int], wall_s: float) -> list[str]:
     chat = [s for s in served if s.phase == "chat"]
     w = args.window
@@ -284,25 +285,30 @@ def report(args, served: list[Served], baseline, sampled, rounds, versions, paus
         "version's; the replica looks for one every second, between decode steps.",
         "",
         f"Stream: {len(chat)} chat prompts (MT-Bench turns, single-turn, seeded shuffle; no head trained on "
-        f"MT-Bench), then {len(served) - len(chat)} GSM8K test questions. Why so few: on 2 CPU cores the fp32 "
-        "target drafts and verifies at about 15 tokens/s in a batch of 4, so a request costs about 3 s; the "
-        "stream, the static baselines, the cost A/B and the greedy check of every request fit in about 25 min at "
-        "this size.",
+        f"MT-Bench), then {len(served) - len(chat)} GSM8K test questions. Why so few: on this 2-core CPU (shared "
+        f"with other work while it ran) the fp32 target with the math head decodes {paused_rate:.1f} tokens/s in a "
+        f"batch of {args.concurrency} (measured below), about {args.max_tokens / paused_rate * args.concurrency:.0f} s "
+        "per request per row; the stream, the static baselines, the cost A/B and the greedy check of every request "
+        "fit in about 25 min at this size.",
         "",
         "## tau over time",
         "",
         f"Pooled tau (tokens per verification step) per window of {w} requests, in arrival order. The static "
-        f"columns decode every {args.baseline_every}th prompt of the same window with the fixed heads (nothing "
-        "recorded, no trainer running).",
+        f"columns decode one prompt in {args.baseline_every} of the same window with the fixed heads (nothing "
+        "recorded, no trainer running): prompts differ in how predictable they are, so compare a row's columns, not "
+        "rows.",
         "",
         "| requests | traffic | versions serving | online (adapting math head) | static math head | offline chat head |",
         "|---|---|---|---:|---:|---:|",
     ]
+    last_chat = None
     for window in windows:
         phase = window[0].phase if len({s.phase for s in window}) == 1 else "chat→math"
         vs = sorted({s.version for s in window})
         static = {head: [baseline[head, s.phase][i] for s in window
                          for i in [position(served, s)] if i in baseline[head, s.phase]] for head in ("math", "chat")}
+        if phase == "chat":
+            last_chat = (pooled([s.result for s in window]), pooled(static["math"]), pooled(static["chat"]))
         lines.append(f"| {window[0].index + 1}-{window[-1].index + 1} | {phase} | {', '.join(map(str, vs))} | "
                      f"{pooled([s.result for s in window]):.2f} | {pooled(static['math']):.2f} | "
                      f"{pooled(static['chat']):.2f} |")
@@ -312,6 +318,9 @@ def report(args, served: list[Served], baseline, sampled, rounds, versions, paus
         per_phase.append(f"| {phase} | {len(mine)} | {pooled([s.result for s in mine]):.2f} | "
                          f"{pooled(list(baseline['math', phase].values())):.2f} | "
                          f"{pooled(list(baseline['chat', phase].values())):.2f} |")
+    if last_chat is not None:
+        lines += ["", f"Last chat window: the adapted math head {last_chat[0]:.2f}, the static math head "
+                      f"{last_chat[1]:.2f}, the offline chat head {last_chat[2]:.2f}."]
     lines += [
         "",
         "| traffic | requests | online | static math (sampled prompts) | offline chat (sampled prompts) |",
@@ -320,14 +329,18 @@ def report(args, served: list[Served], baseline, sampled, rounds, versions, paus
         "",
         "## The trainer",
         "",
-        f"Rounds: {len(rounds)}; versions published: {len(versions)} ({', '.join(versions) or 'none'}).",
+        f"Rounds: {len(rounds)}; versions published: {len(versions)} ({', '.join(versions) or 'none'}); rolled back "
+        f"by the replica on live tau: {', '.join(f'v{v}' for v in rejected) or 'none'} (serve.adapt.rollback_requests "
+        f"and rollback_margin at their defaults).",
         "",
-        "| round | served version | held-out sequences | agreement served | agreement candidate | published | s |",
-        "|---:|---:|---:|---:|---:|---|---:|",
-        *(f"| {i + 1} | {r['served']} | {r['heldout_sequences']} | {r['served_acc']:.3f} | {r['candidate_acc']:.3f} | "
-          f"{'v%d' % r['published'] if r['published'] else 'no'} | {r['seconds']:.0f} |" for i, r in enumerate(rounds)),
+        "| round | during | served version | held-out sequences | agreement served | agreement candidate | published "
+        "| s |",
+        "|---:|---|---:|---:|---:|---:|---|---:|",
+        *(f"| {i + 1} | {r['during']} | {r['served']} | {r['heldout_sequences']} | {r['served_acc']:.3f} | "
+          f"{r['candidate_acc']:.3f} | {'v%d' % r['published'] if r['published'] else 'no'} | {r['seconds']:.0f} |"
+          for i, r in enumerate(rounds)),
         "",
-        "The last rounds are the cost A/B's (the trainer training back to back on what the stream recorded).",
+        "Rounds during the cost A/B train back to back on what the stream recorded (forced, whatever arrived).",
         "",
         "## Cost to serving and exactness",
         "",
@@ -351,8 +364,8 @@ def command_args(args: argparse.Namespace) -> list[str]:
         if action.dest in ("help", "adapt_dir"):
             continue
         value = getattr(args, action.dest)
-        if action.dest == "out" and value:
-            value = f"reports/{Path(value).name}"
+        if action.dest in ("out", "work_dir") and value:
+            value = shown_path(value)
         if value is not None:
             out += [action.option_strings[0], str(value)]
     return out

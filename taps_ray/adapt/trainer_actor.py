@@ -5,9 +5,9 @@ split the buffer by recency (the newest `heldout_fraction` of its sequences is h
 version will meet), run `steps_per_round` optimizer steps of the project's own loss (`losses.run_passes`,
 `LossSettings.for_kind`: EAGLE-2's, HASS's or EAGLE-3's) on the rest, then score the candidate and the served
 version on the held-out traffic with the trainer's `evaluate` (top-1 agreement with the target). The candidate is
-published only when its agreement beats the served version's by more than `min_gain`. The candidate keeps its
-weights and optimizer across rounds (training continues); when the served version changes under it (a rollback,
-another trainer), it restarts from the served one.
+published only when its agreement beats the served version's by more than `min_gain`, and only if that version
+still serves. The candidate keeps its weights and optimizer across rounds (training continues); when the served
+version changes under it (a roll back), it restarts from the served one.
 
 `OnlineTrainerActor` is the Ray actor around it, with its own CPUs (`serve.adapt.trainer_num_cpus`, also its torch
 threads): `run` loops rounds until `stop`; `pause`, `resume` and `train_for` (rounds back to back) let a benchmark
@@ -109,8 +109,11 @@ class OnlineTrainer:
         published = None
         if candidate_acc > served_acc + self.adapt.min_gain:
             metrics = {"heldout_acc": candidate_acc, "served_acc": served_acc, "heldout_sequences": len(held)}
-            published = self.store.publish(self.head, metrics).number
-            self.base = published
+            version = self.store.publish(self.head, metrics, over=served.number)
+            if version is None:  # rolled back while this round trained: start again from what serves now
+                self._start_from(self.store.current().number)
+            else:
+                published = self.base = version.number
         return RoundResult(served.number, candidate_acc, served_acc, published, len(train), len(held),
                            time.perf_counter() - start)
 

@@ -40,13 +40,21 @@ class VersionStore:
         state = self._state()
         return self._version(state["version"], state)
 
+    def rejected(self) -> list[int]:
+        """The versions rolled back, never served again."""
+        return list(self._state()["rejected"])
+
     def version(self, number: int) -> Version:
         return self._version(number, self._state())
 
-    def publish(self, head: DraftHead, metrics: dict[str, Any]) -> Version:
-        """Save `head` as the next version and make it current (the served one becomes its `previous`)."""
+    def publish(self, head: DraftHead, metrics: dict[str, Any], over: int) -> Version | None:
+        """Save `head` as the next version and make it current, its `previous` the served one; only while the served
+        version is still `over`, the one the candidate was scored against (None otherwise: a replica rolled back
+        meanwhile, and the candidate is stale)."""
         with folder_lock(self.folder):
             state = self._state()
+            if state["version"] != over:
+                return None
             number = max([state["version"], *state["rejected"], *self._numbers()]) + 1
             with atomic_dir(self._path(number)) as staging:
                 head.save(staging)

@@ -13,8 +13,9 @@ text-level stop conditions (stop strings) come in as `Request.stop`, so decoding
 one; log-probabilities; streaming each step's tokens.
 
 One request type from the HTTP body to the engine: Serve builds a `Request` once from the validated body and
-hands it down unchanged. The caller's callbacks (`on_tokens`, `on_done`) are arguments of `submit`, kept with the
-sequence, never written onto the request; `submit` returns the function that cancels it.
+hands it down unchanged. The caller's callbacks (`on_tokens`, `on_done`, and `on_commit` for a request Serve records
+for online adaptation) are arguments of `submit`, kept with the sequence, never written onto the request; `submit`
+returns the function that cancels it.
 
 Plain PyTorch, no Ray and no asyncio: the caller runs `step` in one worker thread and hears back through the
 callbacks (called from that thread).
