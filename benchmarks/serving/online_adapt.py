@@ -287,9 +287,10 @@ def report(args, served: list[Served], baseline, rounds, versions, rejected, pau
         f"Stream: {len(chat)} chat prompts (MT-Bench turns, single-turn, seeded shuffle; no head trained on "
         f"MT-Bench), then {len(served) - len(chat)} GSM8K test questions. Why so few: on this 2-core CPU (shared "
         f"with other work while it ran) the fp32 target with the math head decodes {paused_rate:.1f} tokens/s in a "
-        f"batch of {args.concurrency} (measured below), about {args.max_tokens / paused_rate * args.concurrency:.0f} s "
-        "per request per row; the stream, the static baselines, the cost A/B and the greedy check of every request "
-        "fit in about 25 min at this size.",
+        f"batch of {args.concurrency} (measured below): a {args.max_tokens}-token request takes about "
+        f"{args.max_tokens / paused_rate * args.concurrency:.0f} s with {args.concurrency} decoding side by side; the "
+        "stream, the static baselines, the cost A/B and the greedy check of every request fit in about 25 min at "
+        "this size.",
         "",
         "## tau over time",
         "",
