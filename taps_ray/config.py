@@ -321,8 +321,13 @@ class ServeConfig(_Strict):
     replica_resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per replica")
     draft_below: int | None = Field(
         None, gt=0, description="draft only while fewer requests than this decode in one batch; larger batches decode "
-        "plainly (lossless either way). None: always draft. Speculation pays while the target's forward is "
-        "memory-bound: small batches on a GPU; on a CPU only batch 1 (`benchmarks/serving/serve_load.py` measures it)")
+        "plainly (lossless either way). None: no cap. Speculation pays while the target's forward is memory-bound: "
+        "small batches on a GPU; on a CPU only batch 1 (`benchmarks/serving/serve_load.py` measures it)")
+    measure_drafting: bool = Field(
+        True, description="below `draft_below`, a batch drafts only where drafting measures faster at its size: per "
+        "batch-size bucket (1, 2, 3-4, 5-8, ...) the replica keeps the running committed tokens per second of "
+        "drafted and of undrafted steps, runs the faster and re-measures the other every 32nd step "
+        "(decoding/draft_gate.py); false: every batch below the cap drafts")
     prefill_tokens: int | None = Field(
         2048, gt=0, description="the most prompt tokens one scheduling iteration prefills (at least one request "
         "joins), so a flood of joining requests is admitted over several steps while the running ones keep "
@@ -332,7 +337,7 @@ class ServeConfig(_Strict):
         True, description="every drafting model runs under the per-sequence cost model (`auto-<name>`, "
         "docs/algorithms.md#cost-model): a sequence drafts only while its measured drafting and verification pay "
         "for the tokens they commit, so a weak head decoding alone pays for itself; it does not see the batch (a "
-        "drafted tree widens every row's forward: `draft_below` guards batches); false serves the proposers as they "
+        "drafted tree widens every row's forward: `measure_drafting` and `draft_below` decide for the batch); false serves the proposers as they "
         "are (to measure them raw)")
     max_queued_requests: int = Field(
         64, gt=0, description="requests one replica holds waiting to join the running batch; beyond it: 503 + Retry-After")

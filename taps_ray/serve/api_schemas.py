@@ -233,7 +233,9 @@ class Speculative(BaseModel):
     steps: int = Field(description="target verification steps")
     accepted_tokens: int = Field(description="drafted tokens the target accepted")
     head_fractions: dict[str, float] = Field(description="fraction of steps whose verified tree each head drafted "
-                                            "(\"merged\": a merged tree; \"none\": drafting paused by serve.draft_below)")
+                                            "(\"merged\": a merged tree; \"none\": only the root verified: the batch "
+                                            "did not draft (serve.draft_below, serve.measure_drafting) or the cost "
+                                            "model paused the sequence)")
     batch_size: int = Field(description="the most sequences that shared one of this request's verification steps")
     decode_s: float = Field(description="seconds from joining the running batch to the last token")
 

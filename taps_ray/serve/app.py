@@ -53,6 +53,7 @@ from taps_ray.config import HeadKind, StudyConfig, load_config, parse_config, wi
 from taps_ray.data.chat import render_ids
 from taps_ray.decoding.continuous import ContinuousBatcher, Result, TokenLogprob
 from taps_ray.decoding.continuous import Request as DecodeRequest  # `Request` is FastAPI's
+from taps_ray.decoding.draft_gate import DraftGate
 from taps_ray.decoding.verify import MIN_TEMPERATURE, SamplingParams
 from taps_ray.drafting.cost import CostAware
 from taps_ray.drafting.names import ALIASES, PLAIN, UnknownProposer, parse_proposer
@@ -170,8 +171,9 @@ class TapsService:
         layers = {p.feature_layers for p in self.proposers.values()} - {()}  # plain drafts from no feature
         if len(layers) > 1:
             raise ValueError(f"the served heads draft from different target layers: {sorted(layers)}")
+        gate = DraftGate(serve_cfg.draft_below, measured=serve_cfg.measure_drafting)
         self.batcher = ContinuousBatcher(self.target.model, self.stop_ids, serve_cfg.max_batch_size,
-                                         serve_cfg.draft_below, layers.pop() if layers else (),
+                                         gate, layers.pop() if layers else (),
                                          prefill_tokens=serve_cfg.prefill_tokens)
         self.loop = DecodeLoop(self.batcher, serve_cfg.max_queued_requests, serve_cfg.stall_timeout_s, serve_metrics())
         logger.info(
