@@ -139,6 +139,18 @@ def test_the_measured_gate_keeps_the_batch_exact_and_learns_from_every_step(setu
     assert {(2, True), (2, False)} <= measured  # three live sequences: bucket 3-4, both kinds measured
 
 
+def test_ignore_eos_decodes_past_the_stop_tokens_to_the_budget(setup):
+    model, _, prompts = setup
+    greedy = _hf_greedy(model, prompts[0], 8)
+    batcher = ContinuousBatcher(model, stop_ids=[greedy[0]], max_batch_size=2)  # the first greedy token stops
+    results: dict = {}
+    _submit(batcher, results, "stops", prompts[0], PlainDecoding(), 8)
+    _submit(batcher, results, "ignores", prompts[0], PlainDecoding(), 8, ignore_eos=True)
+    _drain(batcher)
+    assert results["stops"].generation.tokens == greedy[:1] and results["stops"].generation.finished_by == "stop"
+    assert results["ignores"].generation.tokens == greedy and results["ignores"].generation.finished_by == "length"
+
+
 def test_a_batch_of_plain_requests_teaches_the_gate_nothing(setup):
     model, _, prompts = setup
     gate = DraftGate(measured=True)

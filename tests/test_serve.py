@@ -384,6 +384,9 @@ def test_openai_fields_at_neutral_values_are_accepted(service, client, tiny_targ
                                            best_of=1, frequency_penalty=0, presence_penalty=0, logit_bias={}, user="u",
                                            suffix=None, logprobs=None)
     assert completion.choices[0].finish_reason in ("stop", "length")
+    fixed = client.chat.completions.create(model="plain", messages=HI, temperature=0, max_tokens=9,
+                                           extra_body={"ignore_eos": True})  # vLLM's extension, as its client sends
+    assert fixed.usage.completion_tokens == 9 and fixed.choices[0].finish_reason == "length"
 
 
 def test_openai_client_with_default_arguments(client):

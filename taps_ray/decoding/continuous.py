@@ -73,6 +73,7 @@ class Request:
     seed: int
     top_logprobs: int | None = None  # None: no log-probabilities; k: the chosen token's and the k most likely
     stop: Callable[[list[int], int], int | None] | None = None  # (tokens, new) -> cut length if the last `new` ended it
+    ignore_eos: bool = False  # decode past the stop tokens, to max_tokens (vLLM's extension, for benchmarks)
 
 
 OnTokens = Callable[[list[int], list[TokenLogprob]], None]  # what each step added
@@ -177,7 +178,8 @@ class ContinuousBatcher:
             raise ValueError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}")
         with self._lock:
             drafting = Drafting(request.proposer, request.proposer.init_state())
-            seq = _Sequence(Generation(prompt=list(request.prompt)), drafting, request.max_tokens, self.stop_ids,
+            stops = set() if request.ignore_eos else self.stop_ids
+            seq = _Sequence(Generation(prompt=list(request.prompt)), drafting, request.max_tokens, stops,
                             request=request, on_tokens=on_tokens, on_done=on_done)
             self._waiting.append(seq)
         return seq.cancel

@@ -82,6 +82,8 @@ class SamplingFields(_Body):
     repetition_penalty: float | None = Field(None, description="vLLM extension; only 1")
     logit_bias: dict[str, float] | None = Field(None, description="only {}")
     store: bool | None = Field(None, description="only false")
+    ignore_eos: bool = Field(False, description="vLLM extension: decode past the model's stop tokens up to max_tokens "
+                             "(benchmark clients send it to fix the output length)")
 
     @field_validator("frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "store")
     @classmethod

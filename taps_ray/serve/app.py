@@ -259,7 +259,8 @@ class TapsService:
         top_p = max(body.top_p, MIN_TOP_P)
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=body.top_k)
         return DecodeRequest(prompt=prompt, proposer=self.proposers[proposer], params=params, max_tokens=max_tokens,
-                             seed=seed, top_logprobs=top_logprobs, stop=self.output.stop_rule(body.stop_strings))
+                             seed=seed, top_logprobs=top_logprobs, stop=self.output.stop_rule(body.stop_strings),
+                             ignore_eos=body.ignore_eos)
 
     def _completion_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
