@@ -329,10 +329,13 @@ class ServeConfig(_Strict):
         "drafted and of undrafted steps, runs the faster and re-measures the other every 32nd step "
         "(decoding/draft_gate.py); false: every batch below the cap drafts")
     prefill_tokens: int | None = Field(
-        2048, gt=0, description="the most prompt tokens one scheduling iteration prefills (at least one request "
-        "joins), so a flood of joining requests is admitted over several steps while the running ones keep "
-        "decoding (vLLM's per-step token budget, 2048 by default there too); joining prompts are prefilled in "
-        "groups of similar lengths. None: admit every request that fits the batch at once")
+        512, gt=0, description="the most prompt tokens one scheduling iteration prefills (at least one request "
+        "joins), so a flood of joining requests is admitted over several steps and the first of them start "
+        "decoding while the rest are prefilled (vLLM's per-step token budget, at request granularity); joining "
+        "prompts are prefilled in groups of similar lengths. 512 on a 2-core CPU: 16 requests arriving together "
+        "got their first token at p50 1.8 s against 5.1 s with 2048, at the same throughput; a GPU, where a "
+        "prefill of 2048 tokens costs little more than one of 512, takes a larger budget. None: admit every "
+        "request that fits the batch at once")
     cost_model: bool = Field(
         True, description="every drafting model runs under the per-sequence cost model (`auto-<name>`, "
         "docs/algorithms.md#cost-model): a sequence drafts only while its measured drafting and verification pay "
