@@ -178,9 +178,11 @@ class TrainConfig(_Strict):
         "ref: the reference's unshifted mask of x_t (docs/algorithms.md#loss-mask-alignment)",
     )
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine decay floor, as a fraction of lr")
-    precision: Literal["fp32", "bf16-mixed"] = Field(
-        "fp32", description="bf16-mixed: forward passes under bfloat16 autocast (backward follows their dtypes), weights and optimizer in fp32 "
-        "(about 2x the tokens/s on GPUs and on CPUs with AMX or AVX512-BF16; slower on CPUs without them)")
+    precision: Literal["fp32", "bf16-mixed", "auto"] = Field(
+        "fp32", description="bf16-mixed: forward passes under bfloat16 autocast (backward follows their dtypes), "
+        "weights and optimizer in fp32 (about 2x the tokens/s on GPUs and on CPUs with AMX; on an AVX512-BF16 Xeon "
+        "without AMX eagle2 trained at 0.45-0.6x fp32's tokens/s, benchmarks/training/train_throughput.py); auto: "
+        "bf16-mixed on a GPU or a CPU with AMX, fp32 on other CPUs")
     eval_batch_size: int = Field(8, gt=0)
     shuffle_shards: int = Field(
         4, gt=0, description="feature shards read at once while training: each epoch shuffles the shard order, then "
