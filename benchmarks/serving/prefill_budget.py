@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -24,56 +23,16 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from taps_ray.bench.closed_loop import closed_loop, percentile  # noqa: E402
 from taps_ray.bench.prompts import first_turns  # noqa: E402
 from taps_ray.config import load_config  # noqa: E402
 from taps_ray.data.chat import render_ids  # noqa: E402
-from taps_ray.decoding.continuous import ContinuousBatcher, Request  # noqa: E402
-from taps_ray.decoding.verify import SamplingParams  # noqa: E402
+from taps_ray.decoding.continuous import ContinuousBatcher  # noqa: E402
 from taps_ray.drafting.proposers import PlainDecoding  # noqa: E402
 from taps_ray.fsio import atomic_write_text  # noqa: E402
 from taps_ray.machine import cpu_line  # noqa: E402
 from taps_ray.markdown import md_table  # noqa: E402
 from taps_ray.models.target import load_target  # noqa: E402
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[round(q * (len(ordered) - 1))]
-
-
-def closed_loop(model, stop_ids: list[int], prompts: list[list[int]], budget: int, concurrency: int,
-                max_tokens: int) -> dict[str, float]:
-    """Decode every prompt with `concurrency` in flight; tokens/s, TTFT and inter-token latency (seconds)."""
-    batcher = ContinuousBatcher(model, stop_ids, concurrency, prefill_tokens=budget)
-    finished, first, gaps, produced = [0], [], [], [0]
-
-    def submit(prompt: list[int]) -> None:
-        arrived, last = time.perf_counter(), [0.0]
-
-        def on_tokens(tokens: list[int], _logprobs) -> None:
-            now = time.perf_counter()
-            if last[0]:
-                gaps.append((now - last[0]) / len(tokens))
-            else:
-                first.append(now - arrived)
-            last[0] = now
-            produced[0] += len(tokens)
-
-        request = Request(prompt=prompt, proposer=PlainDecoding(), params=SamplingParams(), max_tokens=max_tokens,
-                          seed=0, ignore_eos=True)
-        batcher.submit(request, on_tokens=on_tokens, on_done=lambda _: finished.__setitem__(0, finished[0] + 1))
-
-    queue = list(prompts)
-    start = time.perf_counter()
-    for _ in range(min(concurrency, len(queue))):
-        submit(queue.pop(0))
-    while finished[0] < len(prompts):
-        batcher.step()
-        while queue and len(prompts) - len(queue) - finished[0] < concurrency:
-            submit(queue.pop(0))
-    wall = time.perf_counter() - start
-    return {"tok_s": produced[0] / wall, "ttft_p50": percentile(first, 0.5), "ttft_p99": percentile(first, 0.99),
-            "itl_p50": percentile(gaps, 0.5), "itl_p99": percentile(gaps, 0.99)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,8 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[int, list[dict[str, float]]] = {b: [] for b in budgets}
     for repetition in range(args.repetitions):
         for budget in budgets:
-            runs[budget].append(closed_loop(target.model, target.stop_token_ids, prompts, budget, args.concurrency,
-                                            args.max_tokens))
+            batcher = ContinuousBatcher(target.model, target.stop_token_ids, args.concurrency, prefill_tokens=budget)
+            times = closed_loop(batcher, prompts, PlainDecoding(), args.concurrency, args.max_tokens)
+            runs[budget].append({"tok_s": times.tokens_per_s, "ttft_p50": percentile(times.first, 0.5),
+                                 "ttft_p99": percentile(times.first, 0.99), "itl_p50": percentile(times.gaps, 0.5),
+                                 "itl_p99": percentile(times.gaps, 0.99)})
             print(f"repetition {repetition} budget {budget}: {runs[budget][-1]}", flush=True)
     rows = []
     for budget in budgets:
