@@ -17,6 +17,7 @@ Every output is checked against plain decoding's (fp32: token for token).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -88,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     command = "python benchmarks/serving/draft_gate.py " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = ["# Speculation in Serve, with and without the measured drafting gate", "",
              f"Regenerate: `{command}`. Machine: {cpu_line()}; {args.threads} torch threads; target "
-             f"{config.target.name} in {config.target.dtype}; {args.kind} heads of `{args.config}`.", "",
+             f"{config.target.name} in {config.target.dtype}; {args.kind} heads of `{args.config}`; load average "
+             "at the end {:.1f} / {:.1f} / {:.1f} (1 / 5 / 15 min; above 2, other work shared the cores and the "
+             "ratios are noisy).".format(*os.getloadavg()), "",
              f"Serve's engine (`ContinuousBatcher`, no HTTP; drafting models under the per-sequence cost model, as "
              f"a replica serves them), a closed loop of N requests in flight over {len(prompts)} prompts (half "
              f"GSM8K, half MT-Bench first turns), {args.max_tokens} tokens each, T = 0; `gate off`: every batch "
