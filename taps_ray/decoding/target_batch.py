@@ -306,12 +306,15 @@ class TargetBatch:
         lengths, width = self.lengths, max(self.host_lengths)
         ids = to_device([p + [0] * (width - len(p)) for p in prompts], self.device, torch.long)  # right-padded
         columns = torch.arange(width, device=self.device)
-        causal = columns[None, :] <= columns[:, None]
-        valid = columns[None, :] < lengths[:, None]  # [B, width]
-        mask = causal[None] & valid[:, None, :]
-        mask |= torch.eye(width, dtype=torch.bool, device=self.device)[None]  # padded rows attend to themselves: no NaN rows
+        mask = None  # prompts of one length: plain causal attention, which the flash kernels take
+        if min(self.host_lengths) < width:
+            causal = columns[None, :] <= columns[:, None]
+            valid = columns[None, :] < lengths[:, None]  # [B, width]
+            mask = causal[None] & valid[:, None, :]
+            mask |= torch.eye(width, dtype=torch.bool, device=self.device)[None]  # padded rows see themselves: no NaN
+            mask = mask[:, None]
         self.cache.reset(len(prompts))
-        hidden, features = self._forward(ids, columns.expand(len(prompts), -1), mask[:, None])
+        hidden, features = self._forward(ids, columns.expand(len(prompts), -1), mask)
         last = self.target_forward.logits(hidden[torch.arange(len(prompts), device=self.device), lengths - 1])  # [B, V]
         return [TreeOutput(last[b : b + 1], features[b, : len(p)]) for b, p in enumerate(prompts)]
 
