@@ -109,7 +109,7 @@ class FastLlama:
     batch where it needs logits.
     """
 
-    def __init__(self, model: nn.Module, compiled: bool = False) -> None:
+    def __init__(self, model: nn.Module, compiled: bool = False, captured: bool = False) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"taps' fast forward does not cover this target: {reason}; use target.forward: hf")
@@ -128,6 +128,7 @@ class FastLlama:
         self.rope_scaling = float(rotary.attention_scaling)
         self.windows = layer_windows(config)  # each layer's sliding window, None for full attention
         self.compiled = compiled
+        self.captured = captured  # steps run as one captured graph (`target.compile: step`, decoding/captured_step.py)
         self.layers = [self._layer(block) for block in inner.layers[: config.num_hidden_layers]]
         self.lm_head = module_projection(model.lm_head)
         self._steps()
@@ -155,6 +156,7 @@ class FastLlama:
         the copy compiles its own (`__setstate__`)."""
         state = dict(self.__dict__)
         del state["_inputs_step"], state["_output_step"]
+        state.pop("step_graphs", None)  # the captured steps (decoding/captured_step.py), bound to this object too
         return state
 
     def __setstate__(self, state: dict) -> None:

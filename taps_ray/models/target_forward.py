@@ -22,7 +22,7 @@ from taps_ray.models.fast_llama import FastLlama, unsupported_reason
 from taps_ray.models.hf_forward import HFForward
 
 ForwardKind = Literal["fast", "hf"]
-CompileMode = Literal["none", "inductor"]
+CompileMode = Literal["none", "inductor", "step"]
 TargetForward = FastLlama | HFForward
 _ATTRIBUTE = "taps_target_forward"
 
@@ -53,13 +53,16 @@ def attach_forward(model: nn.Module, kind: ForwardKind, compile_mode: CompileMod
     if reason is not None:
         log.info("target.forward fast does not cover this target (%s): using transformers' forward", reason)
     fast = kind == "fast" and reason is None
-    compiled = compile_mode == "inductor"
+    compiled = compile_mode != "none"
     if compiled and not fast:
-        log.warning("target.compile inductor compiles taps' fast forward only: transformers' forward runs eager")
-    elif compiled and (missing := compile_unavailable_reason(model.device)) is not None:
-        log.warning("target.compile inductor cannot run: %s; the forward runs eager", missing)
+        log.warning("target.compile %s compiles taps' fast forward only: transformers' forward runs eager",
+                    compile_mode)
         compiled = False
-    forward: TargetForward = FastLlama(model, compiled=compiled) if fast else HFForward(model)
+    elif compiled and (missing := compile_unavailable_reason(model.device)) is not None:
+        log.warning("target.compile %s cannot run: %s; the forward runs eager", compile_mode, missing)
+        compiled = False
+    forward: TargetForward = (FastLlama(model, compiled=compiled and compile_mode == "inductor",
+                                        captured=compiled and compile_mode == "step") if fast else HFForward(model))
     object.__setattr__(model, _ATTRIBUTE, forward)  # a plain attribute: not a submodule, not in the state dict
     return forward
 
