@@ -75,8 +75,10 @@ class KVCache:
         current = 0 if old_k is None else old_k.shape[2]
         rows = max(rows, self.rows, 0 if old_k is None else old_k.shape[0])
         shape = (rows, like.shape[1], _capacity(needed, current), like.shape[3])
-        new_k = torch.empty(shape, dtype=like.dtype, device=like.device)
-        new_v = torch.empty(shape, dtype=like.dtype, device=like.device)
+        # zeros, not empty: a captured step attends over the whole capacity, and a masked slot's value still
+        # enters the product with weight 0, where uninitialised memory's NaN would make NaN
+        new_k = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        new_v = torch.zeros(shape, dtype=like.dtype, device=like.device)
         if old_k is not None and self.width:
             new_k[: self.rows, :, : self.width] = old_k[: self.rows, :, : self.width]
             new_v[: self.rows, :, : self.width] = old_v[: self.rows, :, : self.width]
