@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from taps_ray.decoding.verify import SamplingParams, packed_paths, shared_choices
-from taps_ray.drafting.tree import PaddedTrees
+from taps_ray.drafting.tree import tree_structure
 from taps_ray.models.fast_llama import FastLlama
 from taps_ray.models.kv_cache import move_slots
 
@@ -61,17 +61,18 @@ class StepGraph:
 
     def step(
         self, keys: list[torch.Tensor], values: list[torch.Tensor], tokens: torch.Tensor, parents: torch.Tensor,
-        depth: torch.Tensor, tree_mask: torch.Tensor, sizes: torch.Tensor, lengths: torch.Tensor,
-        start: torch.Tensor, uniforms: torch.Tensor | None,
+        sizes: torch.Tensor, lengths: torch.Tensor, start: torch.Tensor, uniforms: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """One step of padded trees [B, W] over buffers of capacity C whose committed region is `start` slots
-        wide (a 0-d tensor): (packed paths [B, 2W + 2] as `packed_paths`, the features and, with `keep_logits`,
-        the logits of each row's path nodes [B, W, ...], root first). The accepted slots are moved down in the
-        buffers."""
+        """One step of padded trees [B, W] (`tree.packed_fields`: tokens and parents, pads -1) over buffers of
+        capacity C whose committed region is `start` slots wide (a 0-d tensor): (packed paths [B, 2W + 2] as
+        `packed_paths`, the features and, with `keep_logits`, the logits of each row's path nodes [B, W, ...],
+        root first). The accepted slots are moved down in the buffers."""
         batch, width = tokens.shape
         capacity, device = keys[0].shape[2], tokens.device
         nodes = torch.arange(width, device=device)
         real = nodes < sizes[:, None]  # [B, W]
+        depth, tree_mask = tree_structure(parents)  # a pad (parent -1) is a root of its own, depth 0
+        tree_mask = tree_mask & real[:, :, None] & real[:, None, :]  # pad rows and columns empty, as `pad_trees`
         slots = start + nodes  # the tree's slots, after the committed region
         context = torch.arange(capacity, device=device) < lengths[:, None]  # [B, C]
         own = torch.eye(width, dtype=torch.bool, device=device) & ~real[:, :, None]  # padding sees itself: no NaN
@@ -107,16 +108,15 @@ class StepGraph:
         """Whether every layer's window is at least the cache's capacity (or full attention)."""
         return all(window is None or window >= capacity for window in self.forward.windows)
 
-    def __call__(self, keys: list[torch.Tensor], values: list[torch.Tensor], trees: PaddedTrees,
-                 lengths: torch.Tensor, start: torch.Tensor, uniforms: torch.Tensor | None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """`step` of bucket-padded trees; on CUDA the new cache buffers are marked static first. The outputs of a
-        CUDA graph are overwritten by its next replay: callers copy what they keep."""
+    def __call__(self, keys: list[torch.Tensor], values: list[torch.Tensor], tokens: torch.Tensor,
+                 parents: torch.Tensor, sizes: torch.Tensor, lengths: torch.Tensor, start: torch.Tensor,
+                 uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`step`; on CUDA the new cache buffers are marked static first. The outputs of a CUDA graph are
+        overwritten by its next replay: callers copy what they keep."""
         if self.cuda_graphs:
             _mark_static([*keys, *values])  # a buffer `reserve` reallocated is new
         self.forward.check_sources()
-        return self.run(keys, values, trees.tokens, trees.parents, trees.depth, trees.mask, trees.sizes, lengths,
-                        start, uniforms)
+        return self.run(keys, values, tokens, parents, sizes, lengths, start, uniforms)
 
 
 def _mark_static(tensors: list[torch.Tensor]) -> None:
@@ -127,7 +127,7 @@ def _mark_static(tensors: list[torch.Tensor]) -> None:
 
 
 def step_graph(forward: FastLlama, params: SamplingParams, feature_layers: tuple[int, ...], keep_logits: bool,
-               compiled: bool = True) -> StepGraph:
+               compiled: bool) -> StepGraph:
     """The forward's captured step for these settings, made once and kept on the forward (graphs are bound to the
     object they were compiled for; a new object would compile again)."""
     graphs: dict[tuple, StepGraph] = forward.__dict__.setdefault("step_graphs", {})

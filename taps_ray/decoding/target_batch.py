@@ -36,7 +36,7 @@ from taps_ray.decoding.captured_step import StepGraph, bucket, step_graph
 from taps_ray.decoding.verify import (
     POINT_MASS, AcceptanceRule, PointMass, SamplingParams, Verdict, position_uniforms, target_choices, verdicts_of,
 )
-from taps_ray.drafting.tree import DraftTree, PaddedTrees, pad_trees, trees_to
+from taps_ray.drafting.tree import DraftTree, PaddedTrees, pad_trees, packed_fields, trees_to
 from taps_ray.models.kv_cache import KVCache
 from taps_ray.models.target_forward import TargetForward, target_forward
 from taps_ray.syncs import to_device
@@ -284,11 +284,12 @@ class TargetBatch:
         """The captured step (`target.compile: step`, decoding/captured_step.py) where it covers this step: taps'
         fast forward built for it, the point-mass acceptance, one `SamplingParams` for every row."""
         forward = self.target_forward
-        if not getattr(forward, "captured", False) or type(self.acceptance) is not PointMass:
+        if getattr(forward, "captured", None) is None or type(self.acceptance) is not PointMass:
             return None
         if len(set(self.row_params)) != 1:
             return None
-        return step_graph(forward, self.row_params[0], self.feature_layers, self.keep_logits)
+        return step_graph(forward, self.row_params[0], self.feature_layers, self.keep_logits,
+                          compiled=forward.captured == "compile")
 
     def _captured_step(self, graph: StepGraph, trees: list[DraftTree | None]) -> list[Committed | None]:
         """`_step` through the captured graph: the trees padded to the bucket, one launch, one read of the paths;
@@ -299,18 +300,18 @@ class TargetBatch:
         width = bucket(max(t.size for t in trees if t is not None))
         keys, values = self.cache.reserve(rows, self.cache.width + width)
         if not graph.covers(keys[0].shape[2]):
-            graph.forward.captured = False  # for good: the cache only grows
+            graph.forward.captured = None  # for good: the cache only grows
             return self._step(trees)
-        padded = pad_trees([*trees, *[None] * (rows - batch)], width, self.device)
+        tokens, parents, sizes = packed_fields(trees, rows, width, self.device)
         lengths = F.pad(self.lengths, (0, rows - batch))
         uniforms = None
         if not graph.params.greedy:  # the draws for positions length + 1 .. length + width
             seeds = F.pad(self.seeds, (0, rows - batch))
             uniforms = position_uniforms(seeds, lengths[:, None] + torch.arange(1, width + 1, device=self.device))
         start = to_device(self.cache.width, self.device, torch.long)
-        packed, features, logits = graph(keys, values, padded, lengths, start, uniforms)
+        packed, features, logits = graph(keys, values, tokens, parents, sizes, lengths, start, uniforms)
         t1 = time.perf_counter()
-        verdicts = verdicts_of(packed, padded.present[:batch])  # the step's one read
+        verdicts = verdicts_of(packed, [tree is not None for tree in trees])  # the step's one read
         new_lengths = [length + (0 if v is None else len(v.nodes)) for length, v in zip(self.host_lengths, verdicts)]
         self.cache.stepped(max(new_lengths))
         self._set_lengths(new_lengths)

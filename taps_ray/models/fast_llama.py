@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +54,7 @@ from taps_ray.models.kv_cache import KVCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3")  # the inverse frequencies do not depend on the positions
+CapturedMode = Literal["compile", "eager"] | None
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
@@ -109,7 +111,7 @@ class FastLlama:
     batch where it needs logits.
     """
 
-    def __init__(self, model: nn.Module, compiled: bool = False, captured: bool = False) -> None:
+    def __init__(self, model: nn.Module, compiled: bool = False, captured: CapturedMode = None) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"taps' fast forward does not cover this target: {reason}; use target.forward: hf")
@@ -128,7 +130,9 @@ class FastLlama:
         self.rope_scaling = float(rotary.attention_scaling)
         self.windows = layer_windows(config)  # each layer's sliding window, None for full attention
         self.compiled = compiled
-        self.captured = captured  # steps run as one captured graph (`target.compile: step`, decoding/captured_step.py)
+        # steps as one graph (`target.compile: step`, decoding/captured_step.py): "compile" captures it, "eager"
+        # runs the same step function uncompiled (what tests compare the graph with, benchmarks count ops of)
+        self.captured = captured
         self.layers = [self._layer(block) for block in inner.layers[: config.num_hidden_layers]]
         self.lm_head = module_projection(model.lm_head)
         self._steps()

@@ -62,7 +62,7 @@ def attach_forward(model: nn.Module, kind: ForwardKind, compile_mode: CompileMod
         log.warning("target.compile %s cannot run: %s; the forward runs eager", compile_mode, missing)
         compiled = False
     forward: TargetForward = (FastLlama(model, compiled=compiled and compile_mode == "inductor",
-                                        captured=compiled and compile_mode == "step") if fast else HFForward(model))
+                                        captured="compile" if compiled and compile_mode == "step" else None) if fast else HFForward(model))
     object.__setattr__(model, _ATTRIBUTE, forward)  # a plain attribute: not a submodule, not in the state dict
     return forward
 
