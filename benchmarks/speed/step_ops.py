@@ -49,7 +49,8 @@ class OpCounter(TorchDispatchMode):
 def eight_b_shaped(seed: int = 0) -> transformers.PreTrainedModel:
     """A random bf16 Llama with the 8B's layers and heads and small widths, its projections as on a GPU."""
     data = json.loads(CONFIG.read_text())
-    data.pop("torch_dtype", None)
+    for key in ("torch_dtype", "bos_token_id", "eos_token_id"):  # token ids outside the small vocabulary
+        data.pop(key)
     data.update(SMALL_WIDTHS)
     config = transformers.AutoConfig.for_model(data.pop("model_type"), **data)
     torch.manual_seed(seed)

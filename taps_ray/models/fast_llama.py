@@ -31,11 +31,12 @@ weights' sizes stay static, which keeps the guards checked at every call cheap (
 symbolic and cost ~0.3 ms of guards and input unpacking per call, 60 calls per SmolLM2 forward). The cache
 write and attention stay eager between the two graphs: the write is Python-side slot bookkeeping the graph
 would guard on (a recompile per cache width), and on a CPU inductor leaves SDPA to the same aten kernel anyway.
-CUDA graphs (`mode="reduce-overhead"`) are not offered: a graph is replayed for one set of shapes while the
-cache length grows every step, and CUDA graph trees start a new iteration at every call of a compiled function,
-reusing the memory of the previous call's outputs, which the per-layer calls here (and the recorded hidden
-states) still hold; making that correct would need the whole step in one graph over a fixed-capacity cache,
-tested on a GPU.
+CUDA graphs (`mode="reduce-overhead"`) are not offered here: a graph replays one set of shapes while the cache
+length grows every step, and CUDA graph trees reuse the memory of a call's outputs at the next call, which the
+per-layer calls still hold. `target.compile: step` captures the whole step over a fixed-capacity cache instead
+(decoding/captured_step.py, through `decode` with its own cache write).
+Attention: one additive mask per forward (`attention_masks`), none for a one-token step, and SDPA's `is_causal`
+for a prefill of equal lengths, so the fused kernels can run.
 """
 
 from __future__ import annotations

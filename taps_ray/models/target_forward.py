@@ -5,7 +5,8 @@ what it cannot decode exactly; docs/targets.md).
 The choice travels with the model object (`attach_forward` at load time), so every `TargetBatch` built on it,
 in-process, in Serve or in a Ray verification actor, runs the same forward without threading a setting through
 each caller; a model that was not loaded through `load_target` gets transformers' forward.
-`target.compile: inductor` builds the fast forward's compiled path (models/fast_llama.py); where it cannot run
+`target.compile: inductor` builds the fast forward's compiled path (models/fast_llama.py), `step` its captured
+decode step (decoding/captured_step.py); where they cannot run
 (transformers' forward, no C++ compiler for inductor's CPU code, no Triton on a GPU) the forward runs eager and
 a log line says why and what to install.
 """
@@ -61,8 +62,9 @@ def attach_forward(model: nn.Module, kind: ForwardKind, compile_mode: CompileMod
     elif compiled and (missing := compile_unavailable_reason(model.device)) is not None:
         log.warning("target.compile %s cannot run: %s; the forward runs eager", compile_mode, missing)
         compiled = False
-    forward: TargetForward = (FastLlama(model, compiled=compiled and compile_mode == "inductor",
-                                        captured="compile" if compiled and compile_mode == "step" else None) if fast else HFForward(model))
+    captured = "compile" if compiled and compile_mode == "step" else None
+    forward: TargetForward = (FastLlama(model, compiled=compiled and compile_mode == "inductor", captured=captured)
+                              if fast else HFForward(model))
     object.__setattr__(model, _ATTRIBUTE, forward)  # a plain attribute: not a submodule, not in the state dict
     return forward
 
