@@ -74,7 +74,8 @@ class KVCache:
         old_k, old_v = self._keys[layer], self._values[layer]
         current = 0 if old_k is None else old_k.shape[2]
         rows = max(rows, self.rows, 0 if old_k is None else old_k.shape[0])
-        shape = (rows, like.shape[1], _capacity(needed, current), like.shape[3])
+        capacity = current if needed <= current else _capacity(needed, current)  # `reserve` may want rows only
+        shape = (rows, like.shape[1], capacity, like.shape[3])
         # zeros, not empty: a captured step attends over the whole capacity, and a masked slot's value still
         # enters the product with weight 0, where uninitialised memory's NaN would make NaN
         new_k = torch.zeros(shape, dtype=like.dtype, device=like.device)
