@@ -66,8 +66,10 @@ def gpu_like(forward: FastLlama) -> None:
     forward.lm_head.cpu, forward.lm_head.packed = False, None
 
 
-def random_tree(size: int, depth: int, vocab: int, generator: torch.Generator) -> DraftTree:
-    """A tree of `size` nodes (root included) at most `depth` levels below the root, parents before children."""
+def random_tree(size: int, depth: int, vocab: int, generator: torch.Generator, root: int | None = None
+                ) -> DraftTree:
+    """A tree of `size` nodes (root included, `root` its token if given) at most `depth` levels below the root,
+    parents before children, random tokens."""
     parents, depths = [-1], [0]
     while len(parents) < size:
         parent = int(torch.randint(len(parents), (1,), generator=generator))
@@ -75,6 +77,8 @@ def random_tree(size: int, depth: int, vocab: int, generator: torch.Generator) -
             parents.append(parent)
             depths.append(depths[parent] + 1)
     tokens = torch.randint(3, vocab, (size,), generator=generator)
+    if root is not None:
+        tokens[0] = root
     return build_tree(tokens, torch.tensor(parents))
 
 
