@@ -158,8 +158,10 @@ def main() -> int:
     ops = step_ops()
     ops_lines = _ops_lines(ops)
     if args.ops_only:
-        report_lines(["# Aten ops per target step, Llama-3-8B shape", "", f"{cpu_line()}; torch {torch.__version__}.",
-                      "", *ops_lines], args.out)
+        command = "python benchmarks/speed/host_overhead.py --ops-only" + (f" --out {args.out}" if args.out else "")
+        report_lines(["# Aten ops per target step, Llama-3-8B shape", "",
+                      f"Regenerate with `{command}`. {cpu_line()}; torch {torch.__version__} (the counts do not "
+                      "depend on the machine).", "", *ops_lines], args.out)
         return 0
 
     torch.manual_seed(0)
