@@ -54,10 +54,7 @@ class StepGraph:
             self.run = torch.compile(self.step, fullgraph=True, dynamic=False,
                                      mode="reduce-overhead" if self.cuda_graphs else None)
         if self.cuda_graphs:
-            _mark_static([forward.embed, forward.norm, forward.lm_head.weight, *(
-                tensor for layer in forward.layers for tensor in (
-                    layer.input_norm, layer.post_norm, layer.qkv.weight, layer.o.weight, layer.gate_up.weight,
-                    layer.down.weight))])
+            _mark_static(_weights(forward))
 
     def step(
         self, keys: list[torch.Tensor], values: list[torch.Tensor], tokens: torch.Tensor, parents: torch.Tensor,
@@ -117,6 +114,15 @@ class StepGraph:
             _mark_static([*keys, *values])  # a buffer `reserve` reallocated is new
         self.forward.check_sources()
         return self.run(keys, values, tokens, parents, sizes, lengths, start, uniforms)
+
+
+def _weights(forward: FastLlama) -> list[torch.Tensor]:
+    """Every tensor the step reads from the forward: embeddings, norms, projections' weights and biases."""
+    projections = [forward.lm_head, *(p for layer in forward.layers for p in (layer.qkv, layer.o, layer.gate_up,
+                                                                            layer.down))]
+    norms = [n for layer in forward.layers for n in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm)]
+    tensors = [forward.embed, forward.norm, *norms, *(t for p in projections for t in (p.weight, p.bias))]
+    return [t for t in tensors if t is not None]
 
 
 def _mark_static(tensors: list[torch.Tensor]) -> None:
