@@ -12,6 +12,8 @@ from __future__ import annotations
 import copy
 import logging
 import pickle
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -208,3 +210,17 @@ def test_the_captured_step_function_is_lossless(tiny_variants, small_vocab_targe
         monkeypatch.setattr(target_forward(target.model), "captured", "eager")
     test_engine.test_greedy_oracle_accepts_and_stays_lossless_batch_and_alone(tiny_variants("cpu", "fast"))
     test_engine.test_sampling_is_lossless_chi_square(small_vocab_target, SamplingParams(temperature=0.7, top_p=0.9))
+
+
+def test_a_captured_step_launches_a_few_ops_whatever_the_batch(tiny_target):
+    """What the host launches around the captured step (benchmarks/speed/step_ops.py counts it; the graph is one
+    launch): the trees packed in a fixed number of ops, one read, a copy of each row's results; at batch 16 with
+    the paper's tree within the goal of 150 (issue #42), and nothing else that grows with the batch."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "speed"))
+    from step_ops import PAPER_TREE, count_step
+
+    one, sixteen = (count_step(tiny_target.model, "eager", batch, PAPER_TREE[0], context=16) for batch in (1, 16))
+    assert one["graphs"] == sixteen["graphs"] == 1
+    assert sixteen["launched"] <= 150
+    assert sixteen["launched"] - one["launched"] <= 4 * 15  # per extra row: its features, tokens and one padding op
+    assert target_forward(tiny_target.model).captured is None
