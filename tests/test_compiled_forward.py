@@ -165,7 +165,9 @@ def test_captured_step_decodes_as_eager_in_one_graph_per_bucket(tiny_target, ste
 
 
 def test_captured_step_samples_as_eager_with_the_same_seeds(tiny_target, step_target, prompts):
-    params = SamplingParams(temperature=1.0, top_p=0.9)
+    """Temperature only: top-p's sort over the vocabulary doubles the compile time; the chi-square test below
+    samples with top-p through the same function."""
+    params = SamplingParams(temperature=0.8)
     four = _four_prompts(prompts)
     got = _oracle_decode(step_target, four, params, [3, 7, 5, 9])
     assert [g.tokens for g in got] == [g.tokens for g in _oracle_decode(tiny_target, four, params, [3, 7, 5, 9])]
