@@ -80,13 +80,18 @@ class TargetConfig(_Strict):
         "over the preallocated cache (fused projections, no per-step cache copy; transformers' is used where it "
         "does not cover the architecture); hf, transformers' decoder (docs/targets.md: every family's forward, "
         "or why it is refused). Both compute the same tokens (fp32 greedy)")
-    compile: Literal["none", "inductor"] = Field(
+    compile: Literal["none", "inductor", "step"] = Field(
         "none", description="none: the fast forward runs eager; inductor: its per-layer computation (norms, "
         "projections, RoPE, MLP) runs through torch.compile (the cache write and attention stay eager), compiled "
-        "on first use (seconds to a minute; a batch or tree width change recompiles once); needs a C++ compiler on "
-        "a CPU, Triton on a GPU, else it runs eager with a log line saying what to install. Same fp32 tokens as "
-        "eager; on a CPU not faster (reports/compiled_forward.md). CUDA graphs are not offered (docs/algorithms.md, "
-        "The cache and the forward)")
+        "on first use (seconds to a minute; a batch or tree width change recompiles once); step: the whole decode "
+        "step (verify forward, acceptance, the accepted slots' moves) as one graph over the cache's fixed-capacity "
+        "buffers, compiled whole (fullgraph) per bucket of batch size, tree width (powers of two) and capacity, "
+        "a CUDA graph on a GPU (mode reduce-overhead): one launch per step instead of ~35 per layer; steps it "
+        "does not cover (rows with different sampling parameters, another acceptance rule) run eager. Both need a "
+        "C++ compiler on a CPU, Triton on a GPU, else the forward runs eager with a log line saying what to "
+        "install. Same fp32 tokens as eager; on a CPU neither is faster (reports/compiled_forward.md); the "
+        "default stays none until a GPU run measures step against eager (benchmarks/gpu/gpu_smoke.py; "
+        "docs/algorithms.md, The cache and the forward)")
     device: Device = Field(
         "auto", description="auto: CUDA when the process was given a GPU (in Ray: its num_gpus), else the CPU; "
         "cuda where none exists is an error. Heads, drafting, verification and training follow the target")
@@ -178,9 +183,11 @@ class TrainConfig(_Strict):
         "ref: the reference's unshifted mask of x_t (docs/algorithms.md#loss-mask-alignment)",
     )
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine decay floor, as a fraction of lr")
-    precision: Literal["fp32", "bf16-mixed"] = Field(
-        "fp32", description="bf16-mixed: forward passes under bfloat16 autocast (backward follows their dtypes), weights and optimizer in fp32 "
-        "(about 2x the tokens/s on GPUs and on CPUs with AMX or AVX512-BF16; slower on CPUs without them)")
+    precision: Literal["fp32", "bf16-mixed", "auto"] = Field(
+        "fp32", description="bf16-mixed: forward passes under bfloat16 autocast (backward follows their dtypes), "
+        "weights and optimizer in fp32 (about 2x the tokens/s on GPUs and on CPUs with AMX; on an AVX512-BF16 Xeon "
+        "without AMX eagle2 trained at 0.45-0.6x fp32's tokens/s, benchmarks/training/train_throughput.py); auto: "
+        "bf16-mixed on a GPU or a CPU with AMX, fp32 on other CPUs")
     eval_batch_size: int = Field(8, gt=0)
     shuffle_shards: int = Field(
         4, gt=0, description="feature shards read at once while training: each epoch shuffles the shard order, then "
@@ -324,7 +331,7 @@ class AdaptConfig(_Strict):
     steps_per_round: int = Field(40, gt=0, description="optimizer steps of one training round")
     batch_size: int = Field(4, gt=0, description="recorded sequences per training step")
     lr: float = Field(2e-4, gt=0, description="AdamW learning rate of online training (constant)")
-    precision: Literal["fp32", "bf16-mixed"] | None = Field(
+    precision: Literal["fp32", "bf16-mixed", "auto"] | None = Field(
         None, description="online training's forward precision; None: train.precision (a CPU without AMX trains "
         "faster in fp32)")
     min_gain: float = Field(0.0, ge=0, description="held-out agreement a candidate must beat the served version by")
@@ -353,18 +360,26 @@ class ServeConfig(_Strict):
     replica_resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per replica")
     draft_below: int | None = Field(
         None, gt=0, description="draft only while fewer requests than this decode in one batch; larger batches decode "
-        "plainly (lossless either way). None: always draft. Speculation pays while the target's forward is "
-        "memory-bound: small batches on a GPU; on a CPU only batch 1 (`benchmarks/serving/serve_load.py` measures it)")
+        "plainly (lossless either way). None: no cap. Speculation pays while the target's forward is memory-bound: "
+        "small batches on a GPU; on a CPU only batch 1 (`benchmarks/serving/serve_load.py` measures it)")
+    measure_drafting: bool = Field(
+        True, description="below `draft_below`, a batch drafts only where drafting measures faster at its size: per "
+        "batch-size bucket (1, 2, 3-4, 5-8, ...) the replica keeps the running committed tokens per second of "
+        "drafted and of undrafted steps, runs the faster and re-measures the other every 32nd step "
+        "(decoding/draft_gate.py); false: every batch below the cap drafts")
     prefill_tokens: int | None = Field(
-        2048, gt=0, description="the most prompt tokens one scheduling iteration prefills (at least one request "
-        "joins), so a flood of joining requests is admitted over several steps while the running ones keep "
-        "decoding (vLLM's per-step token budget, 2048 by default there too); joining prompts are prefilled in "
-        "groups of similar lengths. None: admit every request that fits the batch at once")
+        512, gt=0, description="the most prompt tokens one scheduling iteration prefills (at least one request "
+        "joins), so a flood of joining requests is admitted over several steps and the first of them start "
+        "decoding while the rest are prefilled (vLLM's per-step token budget, at request granularity); joining "
+        "prompts are prefilled in groups of similar lengths. 512 on a 2-core CPU: 16 requests arriving together "
+        "got their first token at p50 1.8 s against 5.1 s with 2048, at the same throughput; a GPU, where a "
+        "prefill of 2048 tokens costs little more than one of 512, takes a larger budget. None: admit every "
+        "request that fits the batch at once")
     cost_model: bool = Field(
         True, description="every drafting model runs under the per-sequence cost model (`auto-<name>`, "
         "docs/algorithms.md#cost-model): a sequence drafts only while its measured drafting and verification pay "
         "for the tokens they commit, so a weak head decoding alone pays for itself; it does not see the batch (a "
-        "drafted tree widens every row's forward: `draft_below` guards batches); false serves the proposers as they "
+        "drafted tree widens every row's forward: `measure_drafting` and `draft_below` decide for the batch); false serves the proposers as they "
         "are (to measure them raw)")
     max_queued_requests: int = Field(
         64, gt=0, description="requests one replica holds waiting to join the running batch; beyond it: 503 + Retry-After")

@@ -12,6 +12,8 @@ from __future__ import annotations
 import copy
 import logging
 import pickle
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,3 +117,112 @@ def test_compile_falls_back_to_eager_with_a_line_naming_the_fix(tiny_config, mon
     forward = target_forward(eager.model)
     assert isinstance(forward, FastLlama) and not forward.compiled
     assert "cannot run" in caplog.text and "apt-get install g++" in caplog.text
+
+
+# --- the captured step (target.compile: step) ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def step_target(tiny_config) -> Target:
+    target = load_target(tiny_config.target.model_copy(update={"compile": "step"}))
+    assert target_forward(target.model).captured == "compile"
+    return target
+
+
+def _breaks() -> int:
+    return sum(counters["graph_break"].values())
+
+
+def _oracle_decode(target: Target, prompts: list[list[int]], params: SamplingParams, seeds: list[int],
+                   batch: TargetBatch | None = None) -> list:
+    """Every prompt to the same budget: the oracle accepts alike in every row, so the batch never shrinks (a
+    smaller batch would be another bucket)."""
+    oracle = GreedyOracle(target.model, first_token=prompts[0][0], depth=4)
+    return run_loop(batch or TargetBatch(target.model), oracle, prompts, params, 20, [], seeds=seeds)
+
+
+def _four_prompts(prompts: list[list[int]]) -> list[list[int]]:
+    return [*prompts, prompts[1] + prompts[0][1:], prompts[0] + prompts[1][1:]]
+
+
+def test_captured_step_decodes_as_eager_in_one_graph_per_bucket(tiny_target, step_target, prompts):
+    """Greedy through the captured step is eager's tokens, with drafts accepted; the whole step is one graph
+    (fullgraph: a graph break would raise), and batches of 3 and 4 sequences (one bucket) with other prompt
+    lengths and a growing cache compile it once."""
+    breaks, graphs = _breaks(), counters["stats"]["unique_graphs"]
+    three = _four_prompts(prompts)[:3]
+    got = _oracle_decode(step_target, three, SamplingParams(), [0, 1, 2])
+    assert [g.tokens for g in got] == [g.tokens for g in _oracle_decode(tiny_target, three, SamplingParams(),
+                                                                        [0, 1, 2])]
+    assert max(step.accepted for g in got for step in g.steps) == 4
+    assert counters["stats"]["unique_graphs"] == graphs + 1
+    four = _four_prompts(prompts)
+    got = _oracle_decode(step_target, four, SamplingParams(), [0, 1, 2, 3])
+    assert [g.tokens for g in got] == [g.tokens for g in _oracle_decode(tiny_target, four, SamplingParams(),
+                                                                        [0, 1, 2, 3])]
+    assert counters["stats"]["unique_graphs"] == graphs + 1  # batch 4: the same bucket, no recompile
+    assert _breaks() == breaks
+
+
+def test_captured_step_samples_as_eager_with_the_same_seeds(tiny_target, step_target, prompts):
+    """Temperature only: top-p's sort over the vocabulary doubles the compile time; the chi-square test below
+    samples with top-p through the same function."""
+    params = SamplingParams(temperature=0.8)
+    four = _four_prompts(prompts)
+    got = _oracle_decode(step_target, four, params, [3, 7, 5, 9])
+    assert [g.tokens for g in got] == [g.tokens for g in _oracle_decode(tiny_target, four, params, [3, 7, 5, 9])]
+    assert sum(step.accepted for g in got for step in g.steps) > 0
+
+
+def test_captured_step_logits_are_within_the_float64_bound(tiny_config, step_target, prompts):
+    """The logits a captured step keeps (`keep_logits`) are as close to the float64 model's as transformers' own
+    fp32 forward is (the bound of tests/test_fast_forward.py), at every committed token of a few steps."""
+    exact = copy.deepcopy(step_target.model).double()
+    batch = TargetBatch(step_target.model, keep_logits=True)
+    oracle = GreedyOracle(step_target.model, first_token=prompts[0][0], depth=4)
+    committed = batch.start(prompts, SamplingParams(), [0, 1])
+    states = [oracle.init_state() for _ in prompts]
+    tokens = [list(p) for p in prompts]
+    for _ in range(3):
+        trees = []
+        for b, c in enumerate(committed):
+            tree, states[b] = oracle.propose(states[b], c.features, c.next_tokens)
+            tokens[b] += c.tokens
+            trees.append(tree)
+        committed = batch.step(trees)
+        for b, c in enumerate(committed):
+            sequence = torch.tensor([tokens[b] + c.tokens[:-1]])  # the root, then the accepted drafts
+            n = len(c.tokens)
+            truth = exact(sequence).logits[0, -n:]
+            hf_error = (step_target.model(sequence).logits[0, -n:].double() - truth).abs().max().item()
+            bound = 8 * max(hf_error, torch.finfo(torch.float32).eps * truth.abs().max().item())
+            assert (c.logits.double() - truth).abs().max().item() <= bound
+    assert sum(len(c.tokens) - 1 for c in committed) > 0  # the last step accepted drafts: paths, not roots only
+
+
+@pytest.mark.parametrize("small_vocab_target", ["fast"], indirect=True)
+def test_the_captured_step_function_is_lossless(tiny_variants, small_vocab_target, monkeypatch):
+    """The lossless tests of tests/test_engine.py on the captured step's function, run uncompiled (`captured:
+    eager`; the graph computes its tokens, as the tests above hold): greedy decoding of the oracle's trees is
+    transformers' greedy output, batched and alone, and sampling from a tree with duplicate siblings has the
+    target's joint distribution (chi-square)."""
+    import test_engine
+
+    for target in (tiny_variants("cpu", "fast"), small_vocab_target):
+        monkeypatch.setattr(target_forward(target.model), "captured", "eager")
+    test_engine.test_greedy_oracle_accepts_and_stays_lossless_batch_and_alone(tiny_variants("cpu", "fast"))
+    test_engine.test_sampling_is_lossless_chi_square(small_vocab_target, SamplingParams(temperature=0.7, top_p=0.9))
+
+
+def test_a_captured_step_launches_a_few_ops_whatever_the_batch(tiny_target):
+    """What the host launches around the captured step (benchmarks/speed/step_ops.py counts it; the graph is one
+    launch): the trees packed in a fixed number of ops, one read, a copy of each row's results; at batch 16 with
+    the paper's tree within the goal of 150 (issue #42), and nothing else that grows with the batch."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "speed"))
+    from step_ops import PAPER_TREE, count_step
+
+    one, sixteen = (count_step(tiny_target.model, "eager", batch, PAPER_TREE[0], context=16) for batch in (1, 16))
+    assert one["graphs"] == sixteen["graphs"] == 1
+    assert sixteen["launched"] <= 150
+    assert sixteen["launched"] - one["launched"] <= 4 * 15  # per extra row: its features, tokens and one padding op
+    assert target_forward(tiny_target.model).captured is None

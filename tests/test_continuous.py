@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from taps_ray.decoding.continuous import ContinuousBatcher, Request, Result, length_groups
+from taps_ray.decoding.draft_gate import DraftGate
 from taps_ray.decoding.generate import run_loop
 from taps_ray.drafting.proposer import NOT_DRAFTED
 from taps_ray.decoding.target_batch import TargetBatch
@@ -90,7 +91,7 @@ def test_requests_joining_mid_batch_decode_exactly_with_mixed_proposers(setup):
 def test_draft_below_decides_per_step_from_the_live_batch(setup):
     model, bos, prompts = setup
     oracle = GreedyOracle(model, first_token=bos, depth=4)
-    batcher = ContinuousBatcher(model, stop_ids=[], max_batch_size=4, draft_below=2, node_stats=True)
+    batcher = ContinuousBatcher(model, stop_ids=[], max_batch_size=4, gate=DraftGate(2), node_stats=True)
     results: dict = {}
     _submit(batcher, results, "short", prompts[0], oracle, 5)
     _submit(batcher, results, "long", prompts[1], oracle, 30)
@@ -114,6 +115,50 @@ def test_draft_below_decides_per_step_from_the_live_batch(setup):
                 b.accepted, b.tree_size, b.head, b.node_accepted, b.node_confidence)
             assert a.new_tokens <= b.new_tokens
     assert any(s.node_accepted for s in results["long"].generation.steps)  # asked for: recorded as the loop does
+
+
+def test_the_measured_gate_keeps_the_batch_exact_and_learns_from_every_step(setup):
+    """Serve's default gate: a batch drafts its warm-up steps, then runs undrafted ones, then whichever measured
+    faster at its size (probing the other); output stays greedy and the drafted steps accepted drafts."""
+    model, bos, prompts = setup
+    oracle = GreedyOracle(model, first_token=bos, depth=4)
+    gate = DraftGate(measured=True, warmup=2, probe_every=4)
+    batcher = ContinuousBatcher(model, stop_ids=[], max_batch_size=4, gate=gate)
+    results: dict = {}
+    budgets = [40, 36, 8]
+    for key, (prompt, budget) in enumerate(zip(prompts, budgets)):
+        _submit(batcher, results, key, prompt, oracle, budget)
+    _drain(batcher)
+    for key, budget in enumerate(budgets):
+        generation = results[key].generation
+        assert generation.tokens == _hf_greedy(model, prompts[key], budget), key
+    steps = results[0].generation.steps
+    assert [s.head for s in steps[:4]] == [0, 0, NOT_DRAFTED, NOT_DRAFTED]  # warm-up: two drafted, two undrafted
+    assert max(s.accepted for s in steps if s.head == 0) == 4
+    measured = {key for key, rate in gate.rates.items() if rate.steps >= 2}
+    assert {(2, True), (2, False)} <= measured  # three live sequences: bucket 3-4, both kinds measured
+
+
+def test_ignore_eos_decodes_past_the_stop_tokens_to_the_budget(setup):
+    model, _, prompts = setup
+    greedy = _hf_greedy(model, prompts[0], 8)
+    batcher = ContinuousBatcher(model, stop_ids=[greedy[0]], max_batch_size=2)  # the first greedy token stops
+    results: dict = {}
+    _submit(batcher, results, "stops", prompts[0], PlainDecoding(), 8)
+    _submit(batcher, results, "ignores", prompts[0], PlainDecoding(), 8, ignore_eos=True)
+    _drain(batcher)
+    assert results["stops"].generation.tokens == greedy[:1] and results["stops"].generation.finished_by == "stop"
+    assert results["ignores"].generation.tokens == greedy and results["ignores"].generation.finished_by == "length"
+
+
+def test_a_batch_of_plain_requests_teaches_the_gate_nothing(setup):
+    model, _, prompts = setup
+    gate = DraftGate(measured=True)
+    batcher = ContinuousBatcher(model, stop_ids=[], max_batch_size=4, gate=gate)
+    results: dict = {}
+    _submit(batcher, results, 0, prompts[0], PlainDecoding(), 6)
+    _drain(batcher)
+    assert results[0].generation.tokens == _hf_greedy(model, prompts[0], 6) and gate.rates == {}
 
 
 def test_sampling_parameters_are_per_sequence_and_follow_each_seed(setup):

@@ -54,8 +54,9 @@ class ChainDrafter(Proposer):
 
 
 def decode(proposer: CostAware, clock: FakeClock, accepted: Callable[[int], int], steps: int):
-    """Runs the fake machine: verifying a tree of k drafted nodes costs PLAIN_STEP_S + k·NODE_S and commits
-    1 + min(accepted(step), k) tokens. Returns the kept sizes, the recorded heads and everything handed in."""
+    """Runs the fake machine as a loop does: verifying a tree of k drafted nodes costs PLAIN_STEP_S + k·NODE_S and
+    commits 1 + min(accepted(step), k) tokens, which the loop's `observe` reports. Returns the kept sizes, the
+    recorded heads and everything handed in."""
     tree, state = proposer.propose(proposer.init_state(), torch.zeros(5, 1), torch.arange(5))
     handed, kept, heads = list(range(5)), [], []
     for step in range(steps):
@@ -64,6 +65,7 @@ def decode(proposer: CostAware, clock: FakeClock, accepted: Callable[[int], int]
         clock.now += PLAIN_STEP_S + NODE_S * (tree.size - 1)
         committed = list(range(100 + step, 101 + step + min(accepted(step), tree.size - 1)))
         handed += committed
+        (state,) = proposer.observe([state], [Feedback(tree, list(range(len(committed))), committed)])
         tree, state = proposer.propose(state, torch.zeros(len(committed), 1), torch.tensor(committed))
     return kept, heads, handed, state
 
@@ -177,8 +179,8 @@ def test_the_inner_proposer_hears_what_was_accepted_of_its_own_trees():
     proposer = CostAware(inner, clock=clock)
     tree, state = proposer.propose(proposer.init_state(), torch.zeros(5, 1), torch.arange(5))
     for step in range(4):
-        (state,) = proposer.observe([state], [Feedback(tree, list(range(min(2, tree.size - 1) + 1)), [7])])
         clock.now += PLAIN_STEP_S + NODE_S * (tree.size - 1)
         committed = [100 + step] if tree.size == 1 else [1, 2, 100 + step]  # two drafts accepted, then the bonus
+        (state,) = proposer.observe([state], [Feedback(tree, list(range(len(committed))), committed)])
         tree, state = proposer.propose(state, torch.zeros(len(committed), 1), torch.tensor(committed))
     assert inner.heard == [2, 2, 2]  # the first step verified only its root: not the inner's tree

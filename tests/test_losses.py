@@ -264,3 +264,18 @@ def test_target_logits_under_bf16_autocast_move_the_loss_by_rounding_only():
     cls_exact, cls_fast = token_terms(log_q, exact)["cls"], token_terms(log_q, fast)["cls"]
     assert float(cls_fast) == pytest.approx(float(cls_exact), rel=1e-2)
     assert (fast.argmax == exact.argmax).float().mean() > 0.9
+
+
+def test_auto_precision_is_bf16_where_bf16_is_fast(monkeypatch):
+    """`train.precision: auto`: bf16 autocast on a GPU or a CPU with AMX, fp32 on other CPUs (slower in bf16)."""
+    from taps_ray.config import TrainConfig
+    from taps_ray.training import losses
+
+    for amx, cpu_precision in ((True, "bf16-mixed"), (False, "fp32")):
+        monkeypatch.setattr(losses, "has_amx", lambda amx=amx: amx)
+        assert losses.resolve_precision("auto") == cpu_precision
+        assert losses.resolve_precision("auto", torch.device("cuda")) == "bf16-mixed"
+        assert losses.resolve_precision("fp32", torch.device("cuda")) == "fp32"
+        train = TrainConfig(precision="auto")
+        expected = torch.bfloat16 if amx else None
+        assert LossSettings.for_kind("eagle2", train, device=torch.device("cpu")).autocast == expected

@@ -53,6 +53,7 @@ def _serve_config(tiny_config, work: Path, **serve_update):
         replica_num_cpus=0.5,
         num_replicas=1,
         draft_below=3,  # batches of 3-4 start undrafted and resume drafting as their sequences finish
+        measure_drafting=False,  # below the cap every batch drafts (one test: the measured rule)
         cost_model=False,  # the proposers as they are: these tests check what each one drafts (one test: the default)
     )
     update.update(serve_update)
@@ -383,6 +384,9 @@ def test_openai_fields_at_neutral_values_are_accepted(service, client, tiny_targ
                                            best_of=1, frequency_penalty=0, presence_penalty=0, logit_bias={}, user="u",
                                            suffix=None, logprobs=None)
     assert completion.choices[0].finish_reason in ("stop", "length")
+    fixed = client.chat.completions.create(model="plain", messages=HI, temperature=0, max_tokens=9,
+                                           extra_body={"ignore_eos": True})  # vLLM's extension, as its client sends
+    assert fixed.usage.completion_tokens == 9 and fixed.choices[0].finish_reason == "length"
 
 
 def test_openai_client_with_default_arguments(client):
@@ -507,10 +511,12 @@ def test_missing_heads_serve_plain_only(service, tiny_config, tmp_path):
 
 
 def test_drafting_models_run_under_the_cost_model_by_default(service, tiny_config, tiny_target):
-    """The default (`serve.cost_model: true`): `math` keeps its name, its first step is plain (the cost model
-    measures a plain step first), and the output is still the target's greedy one."""
+    """The defaults (`serve.cost_model: true`, `serve.measure_drafting: true`, no cap): `math` keeps its name, its
+    first step is plain (the cost model measures a plain step first), and the output is still the target's greedy
+    one while the drafting gate measures and exports its step rates."""
     serve = service.serve
-    cfg = service.cfg.model_copy(update={"serve": service.cfg.serve.model_copy(update={"cost_model": True})})
+    defaults = {"cost_model": True, "measure_drafting": True, "draft_below": None}
+    cfg = service.cfg.model_copy(update={"serve": service.cfg.serve.model_copy(update=defaults)})
     serve.run(build_app(cfg), name="taps-cost", route_prefix="/cost")
     try:
         health = _wait_healthy(f"{service.url}/cost")

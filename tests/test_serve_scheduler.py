@@ -16,6 +16,8 @@ from taps_ray.serve.scheduler import DecodeLoop, Overloaded
 class Gated(PlainDecoding):
     """Plain decoding whose drafting waits for a gate: a decode step that makes no progress."""
 
+    drafts = True  # a proposer the loop calls each step (plain decoding's root-only trees are made without a call)
+
     def __init__(self, timeout_s: float = 30.0) -> None:
         self.gate, self.timeout_s = threading.Event(), timeout_s
 

@@ -20,6 +20,9 @@ target's own greedy output, so its drafts are accepted. Then:
    the host time per step; and the verification cost by tree size;
 4. the fast forward compiled (`target.compile: inductor`) against it eager, fp32 (SmolLM2 shape): the same
    tokens with drafts accepted, and the verification forward per step as a ratio within this run;
+5. the captured decode step (`target.compile: step`, one CUDA graph per bucket) against the eager step: the same
+   fp32 tokens (SmolLM2 shape, batch 4), and on the 8B shape (bf16) the time per step at batch 1 and 16 with the
+   paper's tree, with the seconds the first step took to compile;
 
 and writes the report (`--out`). Budget: under 8 minutes on one H200. Without CUDA (or with `--cpu`) it runs the
 same checks on small shapes in seconds: the CPU fallback `tests/test_gpu_smoke.py` runs in `make test`; its
@@ -42,6 +45,7 @@ REPO = Path(__file__).resolve().parents[2]
 WHEELS = REPO / "benchmarks" / "gpu" / "wheels"
 MODELS = REPO / "configs" / "models"
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks" / "speed"))
 
 
 def carry_wheels() -> list[str]:
@@ -81,6 +85,7 @@ from taps_ray.fsio import atomic_write_json, atomic_write_text  # noqa: E402
 from taps_ray.models.draft_head import new_head  # noqa: E402
 from taps_ray.models.target_forward import attach_forward, compile_unavailable_reason  # noqa: E402
 from taps_ray.training.losses import Batch, FrozenTarget, LossSettings, run_passes  # noqa: E402
+from step_ops import random_tree  # noqa: E402
 
 PAPER_TREE = TreeConfig(total_token=60, depth=5, top_k=10)
 TREES = [TreeConfig(total_token=10, depth=3, top_k=4), TreeConfig(total_token=30, depth=4, top_k=8), PAPER_TREE,
@@ -306,10 +311,12 @@ def timing(device: torch.device, small: bool, fit_steps: int, batches: tuple[int
             run = timed(model, proposer(model, head, tree), batch, max(8, new_tokens // 2))
             by_tree.append({"tree": f"{tree.total_token}/{tree.depth}/{tree.top_k}", "batch": batch,
                           "verify_ms_per_step": run["verify_ms_per_step"], "tau": run["tau"]})
+    captured = captured_vs_eager(model, (batches[0], batches[-1]), 6 if small else 12)
     match = bf16_match("Llama-3-8B-Instruct" + (" (shrunk)" if small else ""), model, head)
     profiled = profile_steps(model, spec, batches[-1], PROFILED_STEPS)
     memory = memory_vs_plan(model, spec, small)
-    return {"fit": fit, "rows": rows, "trees": by_tree, "bf16_match": match, "profile": profiled, "memory": memory}
+    return {"fit": fit, "rows": rows, "trees": by_tree, "bf16_match": match, "profile": profiled, "memory": memory,
+            "captured": captured}
 
 
 def _peak(device: torch.device, work) -> tuple[float, float]:
@@ -431,7 +438,9 @@ def compiled_vs_eager(device: torch.device, small: bool, head, batches: tuple[in
         runs[mode] = {"tokens": [g.tokens for g in out], "accepted": accepted(out), "first_s": time.perf_counter() - start,
                       "verify_ms": [timed(model, spec, batch, new_tokens)["verify_ms_per_step"] for batch in batches]}
     eager, compiled = runs["none"], runs["inductor"]
-    return {"equal_eager": compiled["tokens"] == eager["tokens"],
+    attach_forward(model, "fast")
+    return {"captured": captured_vs_eager(model, (4,), 4),
+            "equal_eager": compiled["tokens"] == eager["tokens"],
             "equal_hf": compiled["tokens"] == [hf_greedy(model, p, 24) for p in starts],
             "accepted": compiled["accepted"], "compile_s": compiled["first_s"] - eager["first_s"],
             "rows": [{"batch": b, "eager_verify_ms": e, "compiled_verify_ms": c, "ratio": e / c}
@@ -526,8 +535,64 @@ def report(results: dict) -> str:
                   "| batch | eager verify ms/step | compiled verify ms/step | eager / compiled |", "|---:|---:|---:|---:|"]
         lines += [f"| {r['batch']} | {r['eager_verify_ms']:.1f} | {r['compiled_verify_ms']:.1f} | {r['ratio']:.2f}x |"
                   for r in c["rows"]]
+    lines += ["", "## Captured decode step (target.compile: step) vs the eager step", "",
+              "Random trees of the paper's shape on random prompts of 32 tokens, the same trees for both; time per "
+              "target step (forward, acceptance, commit; median after the first step, which compiles the bucket). "
+              "Ratio > 1: captured faster. fp32: the tokens must be equal; bf16: a different rounding may flip a "
+              "near-tie."]
+    for label, captured in (("SmolLM2 shape, fp32", c.get("captured")), ("Llama-3-8B shape, bf16", t["captured"])):
+        if captured is None or "skipped" in captured:
+            lines += ["", f"{label}: not run" + (f": {captured['skipped']}." if captured else ".")]
+            continue
+        lines += ["", f"{label}; CUDA graph skips: {captured['cudagraph_skips']}.", "",
+                  "| batch | tokens equal | eager ms/step | captured ms/step | eager / captured | compile s |",
+                  "|---:|---|---:|---:|---:|---:|"]
+        lines += [f"| {r['batch']} | {r['equal']} | {r['eager_ms']:.1f} | {r['captured_ms']:.1f} | {r['ratio']:.2f}x | "
+                  f"{r['compile_s']:.0f} |" for r in captured["rows"]]
     lines += ["", f"Total {results['seconds']:.0f} s.", ""]
     return "\n".join(lines)
+
+
+def stepped(model, mode: str, batch: int, steps: int, seed: int) -> dict:
+    """`steps` target steps of `batch` rows over random paper-shaped trees (the same trees for the same tokens),
+    the forward built with `target.compile` `mode`: the committed tokens, the first step's seconds (compiling, when
+    captured) and the median of the others' ms per step."""
+    attach_forward(model, "fast", mode)
+    vocab = model.config.vocab_size
+    target = TargetBatch(model)
+    roots = [c.tokens[-1] for c in target.start(prompts(vocab, batch, 32, seed), GREEDY, list(range(batch)))]
+    generator = torch.Generator().manual_seed(seed)
+    tokens, times = [[] for _ in range(batch)], []
+    for _ in range(steps):
+        trees = [random_tree(PAPER_TREE.total_token, PAPER_TREE.depth, vocab, generator, root) for root in roots]
+        sync(model.device)
+        start = time.perf_counter()
+        out = target.step(trees)
+        sync(model.device)
+        times.append(time.perf_counter() - start)
+        for row, committed in zip(tokens, out):
+            row += committed.tokens
+        roots = [c.tokens[-1] for c in out]
+    attach_forward(model, "fast")
+    return {"tokens": tokens, "first_s": times[0], "ms_per_step": 1e3 * statistics.median(times[1:])}
+
+
+def captured_vs_eager(model, batches: tuple[int, ...], steps: int) -> dict:
+    """The captured step against the eager step on `model`, per batch: tokens equal, time per step, compile time.
+    Skipped (with the reason) where inductor cannot run."""
+    reason = compile_unavailable_reason(model.device)
+    if reason is not None:
+        return {"skipped": reason}
+    from torch._dynamo.utils import counters
+
+    rows = []
+    for batch in batches:
+        eager, captured = (stepped(model, mode, batch, steps, 500 + batch) for mode in ("none", "step"))
+        rows.append({"batch": batch, "equal": eager["tokens"] == captured["tokens"],
+                     "eager_ms": eager["ms_per_step"], "captured_ms": captured["ms_per_step"],
+                     "ratio": eager["ms_per_step"] / captured["ms_per_step"],
+                     "compile_s": captured["first_s"] - eager["first_s"]})
+    return {"rows": rows, "cudagraph_skips": int(counters["inductor"].get("cudagraph_skips", 0))}
 
 
 def _driver() -> str:
@@ -581,7 +646,8 @@ def main(argv: list[str] | None = None) -> int:
     print(out.read_text())
     ok = results["lossless_fp32"]["equal_plain"] and results["lossless_fp32"]["equal_hf"]
     compiled = results["compiled"]
-    compiled_ok = "skipped" in compiled or (compiled["equal_eager"] and compiled["equal_hf"] and compiled["accepted"])
+    compiled_ok = "skipped" in compiled or (compiled["equal_eager"] and compiled["equal_hf"] and compiled["accepted"]
+                                            and all(r["equal"] for r in compiled["captured"]["rows"]))
     return 0 if ok and compiled_ok and results["lossless_fp32"]["accepted"] > 0 else 1
 
 

@@ -18,6 +18,12 @@ which on a GPU runs while the device idles.
   `forward ms` is the share inside the target's forward (`TargetBatch.timings`), the part a device would run.
 
 `--before` adds the numbers of an earlier run (the JSON another checkout wrote with `--json`) as a baseline.
+
+* aten ops/step on the Llama-3-8B shape (benchmarks/speed/step_ops.py: no weights, no GPU): the ops a target step
+  dispatches from Python, for plain decoding and the paper tree (60/5/10) at batch 1 and 16, eager and with the
+  step captured (`target.compile: step`), split into the ops outside and inside the captured region; launched
+  counts a captured graph as one. The last line ends with `ops/step plain=A spec_b1=B spec_b16=C` (captured).
+  `--ops-only` runs this part alone (seconds).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
@@ -47,6 +54,7 @@ from taps_ray.machine import cpu_line  # noqa: E402
 from taps_ray.models.draft_head import new_head  # noqa: E402
 from taps_ray.models.target import load_target  # noqa: E402
 from taps_ray.syncs import SyncCounter  # noqa: E402
+from step_ops import step_ops  # noqa: E402
 
 
 class CountedTarget:
@@ -144,7 +152,17 @@ def main() -> int:
     parser.add_argument("--json", default=None, help="also write the numbers here (a later run's --before)")
     parser.add_argument("--before", default=None, help="an earlier run's --json, shown as the baseline")
     parser.add_argument("--out", default=None, help="write the markdown here (else print it)")
+    parser.add_argument("--ops-only", action="store_true", help="only the aten ops per step on the 8B shape")
     args = parser.parse_args()
+
+    ops = step_ops()
+    ops_lines = _ops_lines(ops)
+    if args.ops_only:
+        command = "python benchmarks/speed/host_overhead.py --ops-only" + (f" --out {args.out}" if args.out else "")
+        report_lines(["# Aten ops per target step, Llama-3-8B shape", "",
+                      f"Regenerate with `{command}`. {cpu_line()}; torch {torch.__version__} (the counts do not "
+                      "depend on the machine).", "", *ops_lines], args.out)
+        return 0
 
     torch.manual_seed(0)
     config = load_config(ROOT / args.config)
@@ -205,12 +223,28 @@ def main() -> int:
     lines += ["", f"Syncs at the largest batch (vocabulary {vocab}), by call: " + ", ".join(
         f"{name} {n}" for name, n in batches[str(max(args.batches))]["by_name"].items()) + "."]
     small, large = batches[str(min(args.batches))], batches[str(max(args.batches))]
-    lines += ["", f"The summary line is the vocabulary-{vocab}, T {greedy:g} run's.", "",
+    lines += ["", f"The summary line's syncs and host ms are the vocabulary-{vocab}, T {greedy:g} run's."]
+    lines += ["", *ops_lines[:-1], "",
               f"syncs/step b{min(args.batches)}={small['syncs_per_step']:.1f} "
               f"b{max(args.batches)}={large['syncs_per_step']:.1f}; host_ms/step "
-              f"b{min(args.batches)}={small['host_ms']:.1f} b{max(args.batches)}={large['host_ms']:.1f}"]
+              f"b{min(args.batches)}={small['host_ms']:.1f} b{max(args.batches)}={large['host_ms']:.1f}; "
+              + ops_lines[-1]]
     report_lines(lines, args.out)
     return 0
+
+
+def _ops_lines(ops: dict[str, dict[str, dict[str, int]]]) -> list[str]:
+    """The ops table (eager and captured) and the summary `ops/step plain=A spec_b1=B spec_b16=C` (captured)."""
+    lines = ["Aten ops per target step on the Llama-3-8B shape (benchmarks/speed/step_ops.py: the 8B's 32 layers "
+             "and 32/8 heads at small widths, bf16, projections as on a GPU; one `TargetBatch.step` from trees to "
+             "results, drafting excluded). Captured: the ops of the step's graph are counted inside, launched "
+             "counts the graph as one.", "",
+             "| step | run | outside | inside captured | launched from Python |", "|---|---|---:|---:|---:|"]
+    for mode, runs in ops.items():
+        for name, r in runs.items():
+            lines.append(f"| {mode} | {name} | {r['outside']} | {r['inside']} | {r['launched']} |")
+    captured = ops["captured"]
+    return [*lines, "", "ops/step " + " ".join(f"{name}={r['launched']}" for name, r in captured.items())]
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--length", type=int, default=None, help="tokens per conversation (default: features.max_len/2)")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--precision", choices=["fp32", "bf16-mixed"], default=None,
+    parser.add_argument("--precision", choices=["fp32", "bf16-mixed", "auto"], default=None,
                         help="default: the config's train.precision")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

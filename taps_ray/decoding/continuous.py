@@ -7,8 +7,9 @@ target forward, commit, record), and drop the finished rows. Requests for differ
 sampling parameters share the forward (parameters are per row).
 
 Exact like `run_loop`, whose step it is: a sequence's tokens depend only on its prompt, parameters and seed (at
-T=0 they equal plain greedy decoding) whoever shares its batch, and `draft_below` pauses drafting by the same rule
-(decided per step from the live batch size). What Serve adds is its sequences' commit (`_Sequence.commit`):
+T=0 they equal plain greedy decoding) whoever shares its batch, and its `DraftGate` decides per step from the live
+batch size whether the batch drafts (a fixed `draft_below` cap, as in the other loops, or Serve's measured rule:
+draft where drafted steps commit more tokens per second than undrafted ones at this batch size). What Serve adds is its sequences' commit (`_Sequence.commit`):
 text-level stop conditions (stop strings) come in as `Request.stop`, so decoding ends at the step that completes
 one; log-probabilities; streaming each step's tokens.
 
@@ -31,7 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from taps_ray.decoding.step import Decoding, Drafting, Generation, check_draft_below, decode_step
+from taps_ray.decoding.draft_gate import DraftGate
+from taps_ray.decoding.step import Decoding, Drafting, Generation, decode_step
 from taps_ray.decoding.target_batch import Committed, TargetBatch
 from taps_ray.decoding.verify import SamplingParams
 from taps_ray.drafting.proposer import Proposer
@@ -72,6 +74,7 @@ class Request:
     seed: int
     top_logprobs: int | None = None  # None: no log-probabilities; k: the chosen token's and the k most likely
     stop: Callable[[list[int], int], int | None] | None = None  # (tokens, new) -> cut length if the last `new` ended it
+    ignore_eos: bool = False  # decode past the stop tokens, to max_tokens (vLLM's extension, for benchmarks)
 
 
 OnTokens = Callable[[list[int], list[TokenLogprob]], None]  # what each step added
@@ -135,10 +138,11 @@ class ContinuousBatcher:
     """The running batch of one replica. `submit` is thread-safe; `step` runs on one thread at a time."""
 
     def __init__(
-        self, model: PreTrainedModel, stop_ids: list[int], max_batch_size: int, draft_below: int | None = None,
+        self, model: PreTrainedModel, stop_ids: list[int], max_batch_size: int, gate: DraftGate | None = None,
         feature_layers: tuple[int, ...] = (), node_stats: bool = False, prefill_tokens: int | None = None,
     ) -> None:
-        """`feature_layers`: the target layers the replica's proposers draft from (`Proposer.feature_layers`).
+        """`gate`: whether a step drafts (None: always); it hears every step's time and tokens while a drafting
+        proposer is in the batch. `feature_layers`: the target layers the replica's proposers draft from (`Proposer.feature_layers`).
         `node_stats`: keep per-node diagnostics in the step records (`step.decode_step`), off unless asked: Serve
         reports none of them. `prefill_tokens`: the most prompt tokens one scheduling iteration prefills (at least
         one request is admitted), so a flood of joining requests is admitted over several steps and the running
@@ -148,9 +152,9 @@ class ContinuousBatcher:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         if prefill_tokens is not None and prefill_tokens < 1:
             raise ValueError(f"prefill_tokens must be at least 1 (or None: no limit), got {prefill_tokens}")
-        check_draft_below(draft_below)
         self.model, self.stop_ids = model, set(stop_ids)
-        self.max_batch_size, self.draft_below, self.prefill_tokens = max_batch_size, draft_below, prefill_tokens
+        self.max_batch_size, self.prefill_tokens = max_batch_size, prefill_tokens
+        self.gate = gate if gate is not None else DraftGate()
         self.feature_layers, self.node_stats = feature_layers, node_stats
         self._waiting: deque[_Sequence] = deque()
         self._lock = threading.Lock()
@@ -181,7 +185,8 @@ class ContinuousBatcher:
             raise ValueError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}")
         with self._lock:
             drafting = Drafting(request.proposer, request.proposer.init_state())
-            seq = _Sequence(Generation(prompt=list(request.prompt)), drafting, request.max_tokens, self.stop_ids,
+            stops = set() if request.ignore_eos else self.stop_ids
+            seq = _Sequence(Generation(prompt=list(request.prompt)), drafting, request.max_tokens, stops,
                             request=request, on_tokens=on_tokens, on_done=on_done, on_commit=on_commit)
             self._waiting.append(seq)
         return seq.cancel
@@ -269,9 +274,15 @@ class ContinuousBatcher:
         self._running.extend(fresh)
 
     def _verify(self) -> None:
-        """One `decode_step` over the running batch (its rows, in order; none is finished here)."""
+        """One `decode_step` over the running batch (its rows, in order; none is finished here), drafted if the gate
+        says so; the gate hears how it went when a proposer in the batch drafts at all."""
         rows = list(range(len(self._running)))
-        decode_step(self._running, lambda trees: self._batch.step(trees, rows), self.draft_below, self.node_stats)
+        gated = any(seq.drafting.proposer.drafts for seq in self._running)
+        drafting = gated and self.gate.drafts(len(rows))
+        t0 = time.perf_counter()
+        tokens = decode_step(self._running, lambda trees: self._batch.step(trees, rows), drafting, self.node_stats)
+        if gated:
+            self.gate.observe(len(rows), drafting, time.perf_counter() - t0, tokens)
         for seq in self._running:
             seq.max_batch = max(seq.max_batch, len(rows))
 

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from taps_ray.decoding.step import Decoding, Drafting, Generation, Verifier, check_draft_below, decode_step
+from taps_ray.decoding.draft_gate import DraftGate
+from taps_ray.decoding.step import Decoding, Drafting, Generation, Verifier, decode_step
 from taps_ray.decoding.target_batch import TargetBatch
 from taps_ray.decoding.verify import SamplingParams
 from taps_ray.drafting.proposer import Proposer
@@ -57,7 +58,7 @@ def run_loop(
     proposers = list(proposer) if isinstance(proposer, list) else [proposer] * len(prompts)
     if len(proposers) != len(prompts):
         raise ValueError(f"got {len(proposers)} proposers for {len(prompts)} prompts: pass one for all or one each")
-    check_draft_below(draft_below)
+    gate = DraftGate(draft_below)
     seeds = list(seeds) if seeds is not None else fresh_seeds(len(prompts))
     stops = set(stop_ids)
     start = time.perf_counter()
@@ -72,7 +73,8 @@ def run_loop(
     for seq, committed in zip(sequences, started, strict=True):
         seq.extend(committed)
     while any(not seq.generation.finished_by for seq in sequences):
-        decode_step(sequences, verifier.step, draft_below)
+        live = sum(not seq.generation.finished_by for seq in sequences)
+        decode_step(sequences, verifier.step, gate.drafts(live))
     wall = time.perf_counter() - start
     generations = [seq.generation for seq in sequences]
     for generation in generations:

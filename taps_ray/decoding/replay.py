@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from weakref import WeakKeyDictionary
 
 import torch
+import torch.nn.functional as F
 
 from taps_ray.decoding.generate import run_loop
 from taps_ray.decoding.replay_draft import TraceTrees, TreeMemo, replay_drafters
@@ -32,6 +33,7 @@ from taps_ray.decoding.target_batch import Committed
 from taps_ray.decoding.verify import POINT_MASS, AcceptanceRule, SamplingParams, Verdict
 from taps_ray.drafting.proposer import Proposer
 from taps_ray.drafting.tree import DraftTree, pad_trees, root_only
+from taps_ray.syncs import to_device
 
 GREEDY = SamplingParams()
 NO_TOKEN = -1  # past the recorded continuation: matches no drafted token
@@ -146,12 +148,6 @@ def replay(proposer: Proposer, traces: list[GreedyTrace], max_new_tokens: int, s
     return generations
 
 
-def _recorded(sequence: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """The recorded tokens at `positions`, NO_TOKEN past the end of the record."""
-    inside = positions < sequence.numel()
-    return torch.where(inside, sequence[positions.clamp(max=sequence.numel() - 1)], NO_TOKEN)
-
-
 class TraceVerifier:
     """The loop's `Verifier` for a replay: the target's answers read from greedy traces instead of computed.
 
@@ -163,6 +159,11 @@ class TraceVerifier:
     def __init__(self, traces: list[GreedyTrace], acceptance: AcceptanceRule = POINT_MASS) -> None:
         self.traces, self.acceptance = traces, acceptance
         self.sequences = [torch.tensor(t.sequence, device=t.features.device) for t in traces]
+        # every record in one tensor, NO_TOKEN after its end (a column more than the longest): a step reads the
+        # recorded token after every node of every tree in one gather, no per-sequence loop
+        longest = max((s.numel() for s in self.sequences), default=0) + 1
+        self.records = torch.stack([F.pad(s, (0, longest - s.numel()), value=NO_TOKEN) for s in self.sequences]) \
+            if traces else None
         self.lengths = [0] * len(traces)  # committed positions; a sequence's root (last output token) sits there
 
     def start(self, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list[Committed]:
@@ -177,8 +178,9 @@ class TraceVerifier:
         if not live:
             return [None] * len(trees)
         padded = pad_trees(trees, max(tree.size for tree in live), live[0].tokens.device)
-        target_next = torch.stack([_recorded(self.sequences[b], self.lengths[b] + 1 + padded.depth[b])
-                                   for b in range(len(trees))])
+        lengths = to_device(self.lengths, padded.depth.device, torch.long)
+        positions = (lengths[:, None] + 1 + padded.depth).clamp(max=self.records.shape[1] - 1)
+        target_next = self.records.gather(1, positions)
         verdicts = self.acceptance.greedy_verdicts(padded, target_next)
         return [None if verdict is None else self._accept(b, verdict) for b, verdict in enumerate(verdicts)]
 

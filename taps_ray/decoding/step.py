@@ -11,9 +11,10 @@ streaming: `Decoding.commit` is the seam).
 
 Drafting is one proposer call per proposer per step: the sequences sharing a proposer draft in one
 `propose_batch`. Each sequence keeps `pending`, the (features, next tokens) its target committed since its proposer
-last drafted. While drafting is paused (`draft_below`: a large batch, where a batched target forward over many tree
-tokens is compute-bound and speculation costs more than it saves) a step verifies only the root and the pending
-list keeps growing; the first step that drafts again hands the proposer all of it, so its context stays whole.
+last drafted. While drafting is paused (the loop's `draft_gate.DraftGate`: a large batch, where a batched target
+forward over many tree tokens is compute-bound and speculation costs more than it saves) a step verifies only the
+root and the pending list keeps growing; the first step that drafts again hands the proposer all of it, so its
+context stays whole.
 """
 
 from __future__ import annotations
@@ -189,12 +190,6 @@ class Drafting:
     proposed: bool = False
 
 
-def check_draft_below(draft_below: int | None) -> None:
-    """Refuse a `draft_below` that could never draft (a loop checks it before its first step)."""
-    if draft_below is not None and draft_below < 1:
-        raise ValueError(f"draft_below must be at least 1 (or None to always draft), got {draft_below}")
-
-
 def draft(sequences: list[Drafting], drafting: bool) -> None:
     """Every sequence's next tree (`Drafting.tree`). `drafting` False: root-only trees, pending kept. Else the
     sequences sharing a proposer draft in one `propose_batch` call, and `draft_s` is that call's time (as a
@@ -261,17 +256,18 @@ class Decoding:
 def decode_step(
     sequences: Sequence[Decoding],
     verify: Callable[[list[DraftTree | None]], Sequence[Committed | None]],
-    draft_below: int | None,
+    drafting: bool,
     node_stats: bool = True,
-) -> None:
-    """One step of every unfinished sequence: draft (paused unless fewer than `draft_below` are unfinished), verify
-    every tree in one `verify` call (trees in the order of `sequences`, None for a finished sequence: the
-    `Verifier.step` contract), commit and record, then tell each proposer what was accepted (`observe`).
-    `draft_s` is the sequence's drafting call, `verify_s` the verify call. `node_stats`: record every node's
-    confidence, entropy, source and acceptance (eval and replay read them; reading them back costs a device sync
-    and host work per step, so Serve leaves them out unless asked)."""
+) -> int:
+    """One step of every unfinished sequence: draft (root-only trees unless `drafting`: the loop's `DraftGate`
+    decides from the batch), verify every tree in one `verify` call (trees in the order of `sequences`, None for a
+    finished sequence: the `Verifier.step` contract), commit and record, then tell each proposer what was accepted
+    (`observe`). `draft_s` is the sequence's drafting call, `verify_s` the verify call. `node_stats`: record every
+    node's confidence, entropy, source and acceptance (eval and replay read them; reading them back costs a device
+    sync and host work per step, so Serve leaves them out unless asked). Returns the tokens the step's records
+    count as new, summed over the batch."""
     live = [seq for seq in sequences if not seq.generation.finished_by]
-    draft([seq.drafting for seq in live], draft_below is None or len(live) < draft_below)
+    draft([seq.drafting for seq in live], drafting)
     trees = [None if seq.generation.finished_by else seq.drafting.tree for seq in sequences]
     t0 = time.perf_counter()
     results = verify(trees)
@@ -279,12 +275,15 @@ def decode_step(
     stepped = [(seq, tree, committed) for seq, tree, committed in zip(sequences, trees, results, strict=True)
                if tree is not None]
     nodes = node_values([tree for _, tree, _ in stepped]) if node_stats else [None] * len(stepped)
+    total = 0
     for (seq, tree, committed), tree_nodes in zip(stepped, nodes):
         if committed is None:
             raise RuntimeError("the verifier returned no result for a tree it was given; a Verifier answers every "
                                "tree of a step (None only for a finished sequence's None tree)")
         seq.drafting.tree = None
         new_tokens = seq.commit(committed)
+        total += new_tokens
         seq.generation.steps.append(record_step(tree, committed.verdict, new_tokens, seq.drafting.draft_s, verify_s,
                                                 seq.drafting.head, tree_nodes))
     observe([(seq.drafting, tree, committed) for seq, tree, committed in stepped])
+    return total

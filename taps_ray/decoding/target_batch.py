@@ -30,11 +30,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
+from taps_ray.decoding.captured_step import StepGraph, bucket, step_graph
 from taps_ray.decoding.verify import (
-    POINT_MASS, AcceptanceRule, SamplingParams, Verdict, position_uniforms, target_choices,
+    POINT_MASS, AcceptanceRule, PointMass, SamplingParams, Verdict, position_uniforms, target_choices, verdicts_of,
 )
-from taps_ray.drafting.tree import DraftTree, PaddedTrees, pad_trees, trees_to
+from taps_ray.drafting.tree import DraftTree, PaddedTrees, pad_trees, packed_fields, trees_to
 from taps_ray.models.kv_cache import KVCache
 from taps_ray.models.target_forward import TargetForward, target_forward
 from taps_ray.syncs import to_device
@@ -251,6 +253,9 @@ class TargetBatch:
         trees = trees_to(trees, self.device)
         if all(tree is None for tree in trees):
             return [None] * len(trees)
+        graph = self._step_graph()
+        if graph is not None:
+            return self._captured_step(graph, trees)
         t0 = time.perf_counter()
         logits, features, padded = self.forward_trees(trees)
         t1 = time.perf_counter()
@@ -264,18 +269,60 @@ class TargetBatch:
         t3 = time.perf_counter()
         for key, seconds in (("forward", t1 - t0), ("accept", t2 - t1), ("commit", t3 - t2)):
             self.timings[key] += seconds
-        return [
-            None
-            if verdict is None
-            else Committed(
-                tokens=verdict.tokens[1:] + [verdict.bonus],
-                features=features[b, verdict.nodes],  # indexing by a list copies: the result owns its rows
-                next_tokens=to_device(verdict.tokens[1:] + [verdict.bonus], self.device),
-                verdict=verdict,
-                logits=logits[b, verdict.nodes] if self.keep_logits else None,
-            )
+        return [  # indexing by a list copies: each result owns its rows
+            None if verdict is None else self._committed(
+                verdict, features[b, verdict.nodes], logits[b, verdict.nodes] if self.keep_logits else None)
             for b, verdict in enumerate(verdicts)
         ]
+
+    def _committed(self, verdict: Verdict, features: torch.Tensor, logits: torch.Tensor | None) -> Committed:
+        """A row's result from its verdict and the features (and logits) of its accepted nodes."""
+        tokens = verdict.tokens[1:] + [verdict.bonus]
+        return Committed(tokens, features, to_device(tokens, self.device), verdict, logits)
+
+    def _step_graph(self) -> StepGraph | None:
+        """The captured step (`target.compile: step`, decoding/captured_step.py) where it covers this step: taps'
+        fast forward built for it, the point-mass acceptance, one `SamplingParams` for every row."""
+        forward = self.target_forward
+        if getattr(forward, "captured", None) is None or type(self.acceptance) is not PointMass:
+            return None
+        if len(set(self.row_params)) != 1:
+            return None
+        return step_graph(forward, self.row_params[0], self.feature_layers, self.keep_logits,
+                          compiled=forward.captured == "compile")
+
+    def _captured_step(self, graph: StepGraph, trees: list[DraftTree | None]) -> list[Committed | None]:
+        """`_step` through the captured graph: the trees padded to the bucket, one launch, one read of the paths;
+        the graph moved the accepted slots itself. A cache whose capacity a sliding window does not span steps
+        eager."""
+        t0 = time.perf_counter()
+        batch, rows = len(trees), bucket(len(trees))
+        width = bucket(max(t.size for t in trees if t is not None))
+        keys, values = self.cache.reserve(rows, self.cache.width + width)
+        if not graph.covers(keys[0].shape[2]):
+            graph.forward.captured = None  # for good: the cache only grows
+            return self._step(trees)
+        tokens, parents, sizes = packed_fields(trees, rows, width, self.device)
+        lengths = F.pad(self.lengths, (0, rows - batch))
+        uniforms = None
+        if not graph.params.greedy:  # the draws for positions length + 1 .. length + width
+            seeds = F.pad(self.seeds, (0, rows - batch))
+            uniforms = position_uniforms(seeds, lengths[:, None] + torch.arange(1, width + 1, device=self.device))
+        start = to_device(self.cache.width, self.device, torch.long)
+        packed, features, logits = graph(keys, values, tokens, parents, sizes, lengths, start, uniforms)
+        t1 = time.perf_counter()
+        verdicts = verdicts_of(packed, [tree is not None for tree in trees])  # the step's one read
+        new_lengths = [length + (0 if v is None else len(v.nodes)) for length, v in zip(self.host_lengths, verdicts)]
+        self.cache.stepped(max(new_lengths))
+        self._set_lengths(new_lengths)
+        results = [  # copies: a CUDA graph's next replay overwrites its outputs
+            None if v is None else self._committed(
+                v, features[b, : len(v.nodes)].clone(), None if logits is None else logits[b, : len(v.nodes)].clone())
+            for b, v in enumerate(verdicts)
+        ]
+        self.timings["forward"] += t1 - t0
+        self.timings["accept"] += time.perf_counter() - t1
+        return results
 
     @property
     def device(self) -> torch.device:
@@ -306,12 +353,15 @@ class TargetBatch:
         lengths, width = self.lengths, max(self.host_lengths)
         ids = to_device([p + [0] * (width - len(p)) for p in prompts], self.device, torch.long)  # right-padded
         columns = torch.arange(width, device=self.device)
-        causal = columns[None, :] <= columns[:, None]
-        valid = columns[None, :] < lengths[:, None]  # [B, width]
-        mask = causal[None] & valid[:, None, :]
-        mask |= torch.eye(width, dtype=torch.bool, device=self.device)[None]  # padded rows attend to themselves: no NaN rows
+        mask = None  # prompts of one length: plain causal attention, which the flash kernels take
+        if min(self.host_lengths) < width:
+            causal = columns[None, :] <= columns[:, None]
+            valid = columns[None, :] < lengths[:, None]  # [B, width]
+            mask = causal[None] & valid[:, None, :]
+            mask |= torch.eye(width, dtype=torch.bool, device=self.device)[None]  # padded rows see themselves: no NaN
+            mask = mask[:, None]
         self.cache.reset(len(prompts))
-        hidden, features = self._forward(ids, columns.expand(len(prompts), -1), mask[:, None])
+        hidden, features = self._forward(ids, columns.expand(len(prompts), -1), mask)
         last = self.target_forward.logits(hidden[torch.arange(len(prompts), device=self.device), lengths - 1])  # [B, V]
         return [TreeOutput(last[b : b + 1], features[b, : len(p)]) for b, p in enumerate(prompts)]
 

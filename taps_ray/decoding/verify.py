@@ -136,8 +136,15 @@ def target_choices(logits: torch.Tensor, params: list[SamplingParams], uniforms:
         raise ValueError("sampling (temperature > 0) needs per-position uniforms (position_uniforms)")
     for row, members in groups.items():
         index = to_device(members, logits.device)
-        choices[index] = _sample(processed_probs(logits[index], row), uniforms[index])
+        choices[index] = shared_choices(logits[index], row, uniforms[index])
     return choices
+
+
+def shared_choices(logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor | None) -> torch.Tensor:
+    """`target_choices` of rows sharing `params`, with no host loop or upload (a captured step's)."""
+    if params.greedy:
+        return greedy_tokens(logits)
+    return _sample(processed_probs(logits, params), uniforms)
 
 
 # --- acceptance ------------------------------------------------------------------------------------------------
@@ -207,10 +214,17 @@ def longest_paths(trees: PaddedTrees, target_next: torch.Tensor) -> list[Verdict
     """Per row, the deepest node whose path matches the target's token after each node (`target_next` [B, W]), in
     vectorised passes on the device; the host reads one small tensor. On equal depths (duplicate siblings) the
     path that comes first in DFS preorder wins."""
-    tokens, parents, depth, mask = trees.tokens, trees.parents, trees.depth, trees.mask
-    batch, width, device = tokens.shape[0], trees.width, tokens.device
+    packed = packed_paths(trees.tokens, trees.parents, trees.depth, trees.mask, trees.sizes, target_next)
+    return verdicts_of(packed, trees.present)
+
+
+def packed_paths(tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor, mask: torch.Tensor,
+                 sizes: torch.Tensor, target_next: torch.Tensor) -> torch.Tensor:
+    """`longest_paths` on the device only, no host read (a captured step runs it inside its graph): per row
+    [n, the W path nodes root first (W pads), their W tokens, the bonus token] of padded trees' fields."""
+    batch, width, device = tokens.shape[0], tokens.shape[1], tokens.device
     nodes = torch.arange(width, device=device)
-    valid = nodes < trees.sizes[:, None]
+    valid = nodes < sizes[:, None]
     ok = (tokens == target_next.gather(1, parents.clamp(min=0))) | (nodes == 0)
     accepted = ~(mask & ~ok[:, None, :]).any(-1) & valid  # every node on the path matches
     key = torch.where(accepted, depth * (width + 1) + (width - _preorder(parents, mask, valid)), -1)
@@ -218,11 +232,16 @@ def longest_paths(trees: PaddedTrees, target_next: torch.Tensor) -> list[Verdict
     rows = torch.arange(batch, device=device)
     path = torch.where(mask[rows, best], nodes, width).sort(-1).values  # root-to-node order, `width` pads
     path_tokens = tokens.gather(1, path.clamp(max=width - 1))
-    packed = torch.cat([depth[rows, best, None] + 1, path, path_tokens, target_next[rows, best, None]], dim=1)
+    return torch.cat([depth[rows, best, None] + 1, path, path_tokens, target_next[rows, best, None]], dim=1)
+
+
+def verdicts_of(packed: torch.Tensor, present: list[bool]) -> list[Verdict | None]:
+    """The verdicts of `packed_paths`' rows (one host read for the batch); rows without a tree get None."""
+    width = (packed.shape[1] - 2) // 2
     verdicts: list[Verdict | None] = []
-    for present, row in zip(trees.present, packed.tolist()):
+    for here, row in zip(present, packed.tolist()):
         n = row[0]
-        verdicts.append(None if not present else
+        verdicts.append(None if not here else
                         Verdict(nodes=row[1 : 1 + n], tokens=row[1 + width : 1 + width + n], bonus=row[-1]))
     return verdicts
 

@@ -4,9 +4,10 @@ A step's verification costs about a for a root-only tree and a + j + b·k for a 
 any tree adds, such as a wider forward and a tree mask; b: each node). It commits 1 + (accepted drafts) tokens,
 in expectation 1 + κ·E_k: E_k is the sum of the path confidences of the k nodes (each node's chance of
 acceptance, if the proposer were calibrated) and κ the sequence's calibration, the drafts it got accepted over what their confidences promised. The wrapper measures
-a, j, b, κ and the draft time d per sequence from its own calls: the time from one `propose` returning to the next
-being called is that step's verification (target forward, acceptance, commit, the batch's other drafts), the
-call itself its draft, and the length of the next `next_tokens` is what the step committed.
+a, j, b, κ and the draft time d per sequence from its own calls: the time from `propose` returning to the loop's
+`observe` of that step is the step's verification (target forward, acceptance, commit, the batch's other drafts),
+the call itself its draft, and the feedback's tokens are what the step committed. Steps the loop ran without
+drafting (its `DraftGate` paused the batch) reach neither call, so they are not taken for this sequence's steps.
 
 Each drafted step keeps the k most confident nodes that minimise the expected cost per token of verification,
 cost(k) / (1 + κ·E_k), so a shaky tree shrinks (to its root, when no tree pays for itself). Once the step is
@@ -71,7 +72,6 @@ class TreeCost:
 class CostState:
     inner: Any  # the wrapped proposer's state
     pending: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()  # committed (features, next tokens) it has not seen
-    steps: int = 0  # calls so far
     returned_at: float = 0.0  # clock when the last `propose` returned
     kept: int = 0  # drafted nodes in the last verified tree
     promised: float = 0.0  # their summed confidence (E_k)
@@ -143,8 +143,7 @@ class CostAware(Proposer):
 
     def propose(self, state: CostState, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[DraftTree, CostState]:
         now = self.clock()
-        state = self._measure(state, now, int(next_tokens.numel()))
-        state = replace(state, pending=(*state.pending, (features, next_tokens)), steps=state.steps + 1)
+        state = replace(state, pending=(*state.pending, (features, next_tokens)))
         if state.plain_s is None or state.paused_left > 0:
             tree = root_only(int(next_tokens[-1]), next_tokens.device)
             return tree, replace(state, kept=0, promised=0.0, draft_s=None, paused_left=max(state.paused_left - 1, 0),
@@ -162,25 +161,25 @@ class CostAware(Proposer):
                              last_head=self.inner.head_of(inner) if kept else NOT_DRAFTED)
 
     def observe(self, states: list[CostState], feedback: list[Feedback]) -> list[CostState]:
-        """The inner proposer hears what was accepted of the steps it drafted (a tree verified beyond its root):
-        a router that learns from verification keeps learning under the cost model. Root-only steps, paused or
-        pruned to nothing, are not its trees."""
-        drafted = [i for i, state in enumerate(states) if state.kept > 0]
+        """Measure the step each state proposed for (its verification time and committed tokens); then the inner
+        proposer hears what was accepted of the trees it drafted (verified beyond the root), so a router that
+        learns from verification keeps learning under the cost model. Root-only steps, paused or pruned to
+        nothing, are not its trees."""
+        now = self.clock()
+        out = [self._measure(state, now, len(f.tokens)) for state, f in zip(states, feedback, strict=True)]
+        drafted = [i for i, state in enumerate(out) if state.kept > 0]
         if not drafted:
-            return states
-        inner = self.inner.observe([states[i].inner for i in drafted], [feedback[i] for i in drafted])
-        out = list(states)
+            return out
+        inner = self.inner.observe([out[i].inner for i in drafted], [feedback[i] for i in drafted])
         for i, state in zip(drafted, inner, strict=True):
-            out[i] = replace(states[i], inner=state)
+            out[i] = replace(out[i], inner=state)
         return out
 
     def _measure(self, state: CostState, now: float, committed: int) -> CostState:
         """Fold the last step into a (root-only verification) or j, b and κ (a drafted tree); after a drafted step,
         judge drafting on its running outlook and pause if it loses. The outlook is each drafted step's expected
         cost and tokens, so one low-confidence tree (verified as its root) weighs in without pausing a head that
-        pays on most steps. The first call's tokens are the prompt's: there is no step to measure."""
-        if state.steps == 0:
-            return state
+        pays on most steps."""
         verify_s = now - state.returned_at
         if state.kept == 0:
             state = replace(state, plain_s=_running(state.plain_s, verify_s))

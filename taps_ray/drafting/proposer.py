@@ -6,9 +6,9 @@ lets a Ray actor hold the states of many sequences.
 
 A new proposer subclasses `Proposer`, implements `init_state` and `propose`, and overrides only the capabilities
 it has: each has a default that is right for a proposer without it, so the loop and replay call them all without
-probing (`propose_batch`: batched drafting; `feature_layers`: EAGLE-3's fused target layers; `head_of`: a
-router's choice; `observe`: what verification accepted, for proposers that learn online; `map_heads` and
-`replay_refusal`: how replay swaps in precomputed trees).
+probing (`drafts`: whether it ever drafts beyond the root; `propose_batch`: batched drafting; `feature_layers`:
+EAGLE-3's fused target layers; `head_of`: a router's choice; `observe`: what verification accepted, for proposers
+that learn online; `map_heads` and `replay_refusal`: how replay swaps in precomputed trees).
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ class Proposer(ABC):
     head_names: list[str]  # the heads a `StepRecord.head` index refers to (empty: no head)
     feature_layers: tuple[int, ...] = ()  # target layers to fuse for `propose` (EAGLE-3); (): the post-norm last
     replay_refusal: ClassVar[str | None] = None  # why replay cannot stand in for live decoding, if it cannot
+    drafts: ClassVar[bool] = True  # False: only root-only trees (plain decoding), so a loop's DraftGate ignores it
 
     @abstractmethod
     def init_state(self) -> Any:

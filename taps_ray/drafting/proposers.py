@@ -44,6 +44,7 @@ class PlainDecoding(Proposer):
 
     name = "plain"
     head_names: list[str] = []
+    drafts = False
 
     def init_state(self) -> None:
         return None

@@ -109,6 +109,24 @@ def pad_trees(trees: Sequence[DraftTree | None], width: int, device: torch.devic
                        [t is not None for t in trees], _padded_draft_probs(trees, width, device))
 
 
+def packed_fields(trees: Sequence[DraftTree | None], rows: int, width: int, device: torch.device | str
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokens and parents [rows, width] (pads -1) and sizes [rows] of `trees` (padded with empty rows to `rows`),
+    in a fixed number of ops whatever the batch: the nodes of all trees concatenated and scattered into place
+    (`pad_trees` pads each tree: a few ops per tree). Depths and masks follow from the parents on the device
+    (`tree_structure`), as a captured step computes them."""
+    present = [t for t in trees if t is not None]
+    sizes = [0 if t is None else t.size for t in trees] + [0] * (rows - len(trees))
+    at = [(b, j) for b, size in enumerate(sizes) for j in range(size)]
+    index = to_device([[b for b, _ in at], [j for _, j in at]], device, torch.long)
+    fields = []
+    for name in ("tokens", "parents"):
+        flat = torch.cat([getattr(t, name) for t in present])
+        fields.append(torch.full((rows, width), -1, dtype=torch.long, device=device).index_put_((index[0], index[1]),
+                                                                                               flat))
+    return fields[0], fields[1], to_device(sizes, device, torch.long)
+
+
 def _padded_draft_probs(trees: Sequence[DraftTree | None], width: int, device: torch.device | str
                         ) -> torch.Tensor | None:
     """`PaddedTrees.draft_prob`, or None when a tree carries none."""

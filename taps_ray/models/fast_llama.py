@@ -31,17 +31,19 @@ weights' sizes stay static, which keeps the guards checked at every call cheap (
 symbolic and cost ~0.3 ms of guards and input unpacking per call, 60 calls per SmolLM2 forward). The cache
 write and attention stay eager between the two graphs: the write is Python-side slot bookkeeping the graph
 would guard on (a recompile per cache width), and on a CPU inductor leaves SDPA to the same aten kernel anyway.
-CUDA graphs (`mode="reduce-overhead"`) are not offered: a graph is replayed for one set of shapes while the
-cache length grows every step, and CUDA graph trees start a new iteration at every call of a compiled function,
-reusing the memory of the previous call's outputs, which the per-layer calls here (and the recorded hidden
-states) still hold; making that correct would need the whole step in one graph over a fixed-capacity cache,
-tested on a GPU.
+CUDA graphs (`mode="reduce-overhead"`) are not offered here: a graph replays one set of shapes while the cache
+length grows every step, and CUDA graph trees reuse the memory of a call's outputs at the next call, which the
+per-layer calls still hold. `target.compile: step` captures the whole step over a fixed-capacity cache instead
+(decoding/captured_step.py, through `decode` with its own cache write).
+Attention: one additive mask per forward (`attention_masks`), none for a one-token step, and SDPA's `is_causal`
+for a prefill of equal lengths, so the fused kernels can run.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +55,7 @@ from taps_ray.models.kv_cache import KVCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3")  # the inverse frequencies do not depend on the positions
+CapturedMode = Literal["compile", "eager"] | None
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
@@ -109,7 +112,7 @@ class FastLlama:
     batch where it needs logits.
     """
 
-    def __init__(self, model: nn.Module, compiled: bool = False) -> None:
+    def __init__(self, model: nn.Module, compiled: bool = False, captured: CapturedMode = None) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"taps' fast forward does not cover this target: {reason}; use target.forward: hf")
@@ -128,6 +131,9 @@ class FastLlama:
         self.rope_scaling = float(rotary.attention_scaling)
         self.windows = layer_windows(config)  # each layer's sliding window, None for full attention
         self.compiled = compiled
+        # steps as one graph (`target.compile: step`, decoding/captured_step.py): "compile" captures it, "eager"
+        # runs the same step function uncompiled (what tests compare the graph with, benchmarks count ops of)
+        self.captured = captured
         self.layers = [self._layer(block) for block in inner.layers[: config.num_hidden_layers]]
         self.lm_head = module_projection(model.lm_head)
         self._steps()
@@ -155,6 +161,7 @@ class FastLlama:
         the copy compiles its own (`__setstate__`)."""
         state = dict(self.__dict__)
         del state["_inputs_step"], state["_output_step"]
+        state.pop("step_graphs", None)  # the captured steps (decoding/captured_step.py), bound to this object too
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -200,32 +207,52 @@ class FastLlama:
         gate, up = layer.gate_up(h).chunk(2, dim=-1)
         return x + layer.down(F.silu(gate) * up)
 
-    @torch.no_grad()
-    def __call__(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache: KVCache,
-        hidden_layers: Sequence[int] = (),
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        batch, length = input_ids.shape
-        x = F.embedding(input_ids, self.embed)
-        cos, sin = self.rope(positions, x.dtype)
+    def attention_masks(self, mask: torch.Tensor | None, positions: torch.Tensor, past: int, dtype: torch.dtype
+                        ) -> tuple[dict[int | None, torch.Tensor | None], bool]:
+        """Each window's additive float mask [B, 1, group*T, S] (None: no mask), built once per forward, and
+        whether the attention is plainly causal (a prefill of equal lengths: no past, no mask). Why additive and
+        once: SDPA turns a boolean mask into a float one at every call, that is in every layer, and a mask rules
+        out the flash kernels, which a causal prefill and a one-token step (mask None) can take."""
+        length = positions.shape[1]
+        causal = mask is None and length > 1 and past == 0  # `is_causal`: top-left aligned, exact without a past
+        if mask is None and length > 1 and past > 0:  # causal after the cache: query i sees the cache and 0..i
+            mask = causal_mask(past, length, positions.device)
+        masks = windowed_masks(mask, positions, past, set(self.windows))
         group = self.heads // self.kv_heads
-        if mask is None and length > 1:  # causal after the cache: query i sees the cache and queries 0..i
-            mask = causal_mask(cache.width, length, x.device)
-        masks = windowed_masks(mask, positions, cache.width, set(self.windows))
         if group > 1 and length > 1:  # rows of the folded queries: head-major, then position
             masks = {window: m if m is None else m.repeat(1, 1, group, 1) for window, m in masks.items()}
+        return {window: m if m is None else additive_mask(m, dtype) for window, m in masks.items()}, causal
+
+    def attend(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+               causal: bool) -> torch.Tensor:
+        """SDPA of folded queries; a causal prefill unfolds them (the folding would break the causal alignment)
+        and lets SDPA share the key/value heads itself."""
+        if causal and mask is None:
+            batch, _, rows, _ = queries.shape
+            unfolded = queries.reshape(batch, self.heads, rows * self.kv_heads // self.heads, self.head_dim)
+            return F.scaled_dot_product_attention(unfolded, keys, values, is_causal=True, scale=self.scale,
+                                                  enable_gqa=self.heads != self.kv_heads)
+        return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=self.scale)
+
+    def decode(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, masks: dict[int | None, torch.Tensor | None],
+        causal: bool, write: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        hidden_layers: Sequence[int] = (), compiled_layers: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layers over a cache that `write(layer, k, v)` appends to (returning the layer's keys and values to
+        attend): the preallocated `KVCache` of a forward, or the fixed-capacity buffers of a captured step
+        (decoding/captured_step.py), which traces this whole. `compiled_layers`: through the per-layer graphs."""
+        x = F.embedding(input_ids, self.embed)
+        cos, sin = self.rope(positions, x.dtype)
+        inputs_step, output_step = ((self._inputs_step, self._output_step) if compiled_layers
+                                    else (self.attention_inputs, self.layer_output))
         wanted = {i % (self.num_layers + 1) for i in hidden_layers}
         recorded: dict[int, torch.Tensor] = {0: x} if 0 in wanted else {}
-        if self.compiled:  # the graphs read the weights as inputs: check them here, as an eager call does
-            for layer in self.layers:
-                for projection in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                    projection.check_sources()
         for index, layer in enumerate(self.layers):
-            queries, k, v = self._inputs_step(x, layer, cos, sin)
-            keys, values = cache.append(index, k, v)
-            mask = masks[self.windows[index]]
-            attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=self.scale)
-            x = self._output_step(x, attended, layer)
+            queries, k, v = inputs_step(x, layer, cos, sin)
+            keys, values = write(index, k, v)
+            attended = self.attend(queries, keys, values, masks[self.windows[index]], causal)
+            x = output_step(x, attended, layer)
             if index + 1 in wanted and index + 1 < self.num_layers:
                 recorded[index + 1] = x
         last = _rms_norm(x, self.norm, self.eps)
@@ -233,3 +260,27 @@ class FastLlama:
             return last, last
         recorded[self.num_layers] = last
         return last, torch.cat([recorded[i % (self.num_layers + 1)] for i in hidden_layers], dim=-1)
+
+    def check_sources(self) -> None:
+        """Lay the projections out again if their weights changed in place: a graph reads the weights as inputs
+        and cannot check them, so its caller does, as an eager call does."""
+        for layer in self.layers:
+            for projection in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                projection.check_sources()
+        self.lm_head.check_sources()
+
+    @torch.no_grad()
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache: KVCache,
+        hidden_layers: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        masks, causal = self.attention_masks(mask, positions, cache.width, self.embed.dtype)
+        if self.compiled:
+            self.check_sources()
+        return self.decode(input_ids, positions, masks, causal, cache.append, hidden_layers, self.compiled)
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True: may attend) as SDPA's additive one: 0 where True, -inf where False (the values SDPA
+    converts a boolean mask to, so the attention computes the same)."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))

@@ -68,14 +68,18 @@ class KVCache:
         buffer_v[: self.rows, :, self.width : end] = values
         return buffer_k[: self.rows, :, :end], buffer_v[: self.rows, :, :end]
 
-    def _grown(self, layer: int, like: torch.Tensor, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's buffers reallocated to hold `needed` slots, the committed region copied over."""
+    def _grown(self, layer: int, like: torch.Tensor, needed: int, rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's buffers reallocated to hold `needed` slots (and at least `rows` rows), the committed region
+        copied over."""
         old_k, old_v = self._keys[layer], self._values[layer]
         current = 0 if old_k is None else old_k.shape[2]
-        rows = max(self.rows, 0 if old_k is None else old_k.shape[0])
-        shape = (rows, like.shape[1], _capacity(needed, current), like.shape[3])
-        new_k = torch.empty(shape, dtype=like.dtype, device=like.device)
-        new_v = torch.empty(shape, dtype=like.dtype, device=like.device)
+        rows = max(rows, self.rows, 0 if old_k is None else old_k.shape[0])
+        capacity = current if needed <= current else _capacity(needed, current)  # `reserve` may want rows only
+        shape = (rows, like.shape[1], capacity, like.shape[3])
+        # zeros, not empty: a captured step attends over the whole capacity, and a masked slot's value still
+        # enters the product with weight 0, where uninitialised memory's NaN would make NaN
+        new_k = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        new_v = torch.zeros(shape, dtype=like.dtype, device=like.device)
         if old_k is not None and self.width:
             new_k[: self.rows, :, : self.width] = old_k[: self.rows, :, : self.width]
             new_v[: self.rows, :, : self.width] = old_v[: self.rows, :, : self.width]
@@ -96,14 +100,25 @@ class KVCache:
         """Row b's slots `source[b]` go to its slots `target[b]` ([rows, n] each; a pair may repeat), in place for
         every layer, then the region is `width` slots wide. Only the moved slots are read and written: a batch of
         ragged sequences moves its few accepted tree slots, not the span between its shortest and longest."""
-        for buffers in (self._keys, self._values):
-            for buffer in buffers:
-                if buffer is None:
-                    continue
-                rows = buffer[: self.rows]
-                shape = (-1, buffer.shape[1], -1, buffer.shape[3])
-                moved = rows.gather(2, source[:, None, :, None].expand(shape))  # a copy: sources may be targets
-                rows.scatter_(2, target[:, None, :, None].expand(shape), moved)
+        for buffer in (*self._keys, *self._values):
+            if buffer is not None:
+                move_slots(buffer[: self.rows], source, target)
+        self.width = width
+
+    def reserve(self, rows: int, slots: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every layer's whole buffers, keys then values [>= rows, heads, capacity >= slots, head_dim], reallocated
+        (the committed region copied) where smaller: the fixed-capacity cache a captured step writes and moves
+        slots in itself (decoding/captured_step.py); its capacity changes a logarithmic number of times."""
+        for layer, buffer in enumerate(self._keys):
+            if buffer is None:
+                raise ValueError(f"layer {layer} of the cache holds nothing yet (no forward has run)")
+            if buffer.shape[0] < rows or buffer.shape[2] < slots:
+                self._grown(layer, buffer, slots, rows)
+        return list(self._keys), list(self._values)
+
+    def stepped(self, width: int) -> None:
+        """A captured step wrote its slots and moved the accepted ones into `reserve`'s buffers itself: the
+        region is now `width` slots wide."""
         self.width = width
 
     def keep_rows(self, index: torch.Tensor, width: int) -> None:
@@ -167,3 +182,11 @@ class KVCache:
         if keys is None or values is None:
             raise ValueError(f"layer {index} of the cache holds nothing yet (no forward has run)")
         return keys[: self.rows, :, : self.width], values[: self.rows, :, : self.width]
+
+
+def move_slots(rows: torch.Tensor, source: torch.Tensor, target: torch.Tensor) -> None:
+    """Row b's slots `source[b]` to its slots `target[b]` ([rows, n] each) of one buffer [rows, heads, slots, d],
+    in place (a pair may repeat)."""
+    shape = (-1, rows.shape[1], -1, rows.shape[3])
+    moved = rows.gather(2, source[:, None, :, None].expand(shape))  # a copy: sources may be targets
+    rows.scatter_(2, target[:, None, :, None].expand(shape), moved)

@@ -5,7 +5,8 @@ what it cannot decode exactly; docs/targets.md).
 The choice travels with the model object (`attach_forward` at load time), so every `TargetBatch` built on it,
 in-process, in Serve or in a Ray verification actor, runs the same forward without threading a setting through
 each caller; a model that was not loaded through `load_target` gets transformers' forward.
-`target.compile: inductor` builds the fast forward's compiled path (models/fast_llama.py); where it cannot run
+`target.compile: inductor` builds the fast forward's compiled path (models/fast_llama.py), `step` its captured
+decode step (decoding/captured_step.py); where they cannot run
 (transformers' forward, no C++ compiler for inductor's CPU code, no Triton on a GPU) the forward runs eager and
 a log line says why and what to install.
 """
@@ -22,7 +23,7 @@ from taps_ray.models.fast_llama import FastLlama, unsupported_reason
 from taps_ray.models.hf_forward import HFForward
 
 ForwardKind = Literal["fast", "hf"]
-CompileMode = Literal["none", "inductor"]
+CompileMode = Literal["none", "inductor", "step"]
 TargetForward = FastLlama | HFForward
 _ATTRIBUTE = "taps_target_forward"
 
@@ -53,13 +54,17 @@ def attach_forward(model: nn.Module, kind: ForwardKind, compile_mode: CompileMod
     if reason is not None:
         log.info("target.forward fast does not cover this target (%s): using transformers' forward", reason)
     fast = kind == "fast" and reason is None
-    compiled = compile_mode == "inductor"
+    compiled = compile_mode != "none"
     if compiled and not fast:
-        log.warning("target.compile inductor compiles taps' fast forward only: transformers' forward runs eager")
-    elif compiled and (missing := compile_unavailable_reason(model.device)) is not None:
-        log.warning("target.compile inductor cannot run: %s; the forward runs eager", missing)
+        log.warning("target.compile %s compiles taps' fast forward only: transformers' forward runs eager",
+                    compile_mode)
         compiled = False
-    forward: TargetForward = FastLlama(model, compiled=compiled) if fast else HFForward(model)
+    elif compiled and (missing := compile_unavailable_reason(model.device)) is not None:
+        log.warning("target.compile %s cannot run: %s; the forward runs eager", compile_mode, missing)
+        compiled = False
+    captured = "compile" if compiled and compile_mode == "step" else None
+    forward: TargetForward = (FastLlama(model, compiled=compiled and compile_mode == "inductor", captured=captured)
+                              if fast else HFForward(model))
     object.__setattr__(model, _ATTRIBUTE, forward)  # a plain attribute: not a submodule, not in the state dict
     return forward
 

@@ -139,8 +139,11 @@ def render_heads_md(s: dict, domains: Sequence[str]) -> str:
 
 
 def _precision(train: dict) -> str:
-    if train.get("precision", "fp32") == "bf16-mixed":
+    precision = train.get("precision", "fp32")
+    if precision == "bf16-mixed":
         return "with bf16 autocast (fp32 weights and optimizer)"
+    if precision == "auto":
+        return "with `train.precision: auto` (bf16 autocast on a GPU or a CPU with AMX, fp32 on other CPUs)"
     return "in fp32"
 
 

@@ -82,6 +82,8 @@ class SamplingFields(_Body):
     repetition_penalty: float | None = Field(None, description="vLLM extension; only 1")
     logit_bias: dict[str, float] | None = Field(None, description="only {}")
     store: bool | None = Field(None, description="only false")
+    ignore_eos: bool = Field(False, description="vLLM extension: decode past the model's stop tokens up to max_tokens "
+                             "(benchmark clients send it to fix the output length)")
 
     @field_validator("frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "store")
     @classmethod
@@ -233,7 +235,9 @@ class Speculative(BaseModel):
     steps: int = Field(description="target verification steps")
     accepted_tokens: int = Field(description="drafted tokens the target accepted")
     head_fractions: dict[str, float] = Field(description="fraction of steps whose verified tree each head drafted "
-                                            "(\"merged\": a merged tree; \"none\": drafting paused by serve.draft_below)")
+                                            "(\"merged\": a merged tree; \"none\": only the root verified: the batch "
+                                            "did not draft (serve.draft_below, serve.measure_drafting) or the cost "
+                                            "model paused the sequence)")
     batch_size: int = Field(description="the most sequences that shared one of this request's verification steps")
     decode_s: float = Field(description="seconds from joining the running batch to the last token")
 

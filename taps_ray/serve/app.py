@@ -55,6 +55,7 @@ from taps_ray.config import HeadKind, StudyConfig, load_config, parse_config, wi
 from taps_ray.data.chat import render_ids
 from taps_ray.decoding.continuous import ContinuousBatcher, Result, TokenLogprob
 from taps_ray.decoding.continuous import Request as DecodeRequest  # `Request` is FastAPI's
+from taps_ray.decoding.draft_gate import DraftGate
 from taps_ray.decoding.verify import MIN_TEMPERATURE, SamplingParams
 from taps_ray.drafting.cost import CostAware
 from taps_ray.drafting.names import ALIASES, PLAIN, UnknownProposer, parse_proposer
@@ -172,8 +173,9 @@ class TapsService:
         layers = {p.feature_layers for p in self.proposers.values()} - {()}  # plain drafts from no feature
         if len(layers) > 1:
             raise ValueError(f"the served heads draft from different target layers: {sorted(layers)}")
+        gate = DraftGate(serve_cfg.draft_below, measured=serve_cfg.measure_drafting)
         self.batcher = ContinuousBatcher(self.target.model, self.stop_ids, serve_cfg.max_batch_size,
-                                         serve_cfg.draft_below, layers.pop() if layers else (),
+                                         gate, layers.pop() if layers else (),
                                          prefill_tokens=serve_cfg.prefill_tokens)
         self.adapt = self._start_adapting() if serve_cfg.adapt.enabled else None
         self.loop = DecodeLoop(self.batcher, serve_cfg.max_queued_requests, serve_cfg.stall_timeout_s, serve_metrics(),
@@ -278,7 +280,8 @@ class TapsService:
         top_p = max(body.top_p, MIN_TOP_P)
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=body.top_k)
         return DecodeRequest(prompt=prompt, proposer=self.proposers[proposer], params=params, max_tokens=max_tokens,
-                             seed=seed, top_logprobs=top_logprobs, stop=self.output.stop_rule(body.stop_strings))
+                             seed=seed, top_logprobs=top_logprobs, stop=self.output.stop_rule(body.stop_strings),
+                             ignore_eos=body.ignore_eos)
 
     def _completion_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -10,6 +10,8 @@ from functools import lru_cache
 
 from ray.util.metrics import Counter, Gauge, Histogram
 
+from taps_ray.decoding.draft_gate import StepRate, bucket_label
+
 LATENCY_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
 TAU = [1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0]
 COUNTS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
@@ -38,6 +40,9 @@ class ServeMetrics:
                               boundaries=LATENCY_S, tag_keys=("model",))
         self.itl = Histogram("taps_serve_inter_token_latency_s", "seconds between a request's decode steps divided "
                              "by the tokens the step added", boundaries=LATENCY_S, tag_keys=("model",))
+        self.step_rate = Gauge("taps_serve_step_tokens_per_s", "the drafting gate's running committed tokens per "
+                               "second of drafted and undrafted steps, by batch-size bucket",
+                               tag_keys=("batch", "drafted"))
         self.e2e = Histogram("taps_serve_request_latency_s", "seconds from arrival to the last token",
                              boundaries=LATENCY_S, tag_keys=("model",))
         # online adaptation (serve.adapt, docs/serve.md#online-adaptation): per model and head version
@@ -66,6 +71,10 @@ class ServeMetrics:
             self.batch_size.observe(live)
         self.live.set(live)
         self.queue_depth.set(waiting)
+
+    def gate_rates(self, rates: dict[tuple[int, bool], StepRate]) -> None:
+        for (key, drafted), rate in rates.items():
+            self.step_rate.set(rate.tokens_per_s, tags={"batch": bucket_label(key), "drafted": str(drafted).lower()})
 
     def first_token(self, model: str, seconds: float) -> None:
         self.ttft.observe(seconds, tags={"model": model})

@@ -164,6 +164,7 @@ class DecodeLoop:
             self.last_progress = time.monotonic()
             if self.metrics is not None:
                 self.metrics.step(self.batcher.live, self.batcher.waiting)
+                self.metrics.gate_rates(self.batcher.gate.rates)
 
     def _tokens(self, ticket: Ticket, update: Update) -> None:
         now = time.perf_counter()

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from taps_ray.config import check_head_kind
+from taps_ray.machine import has_amx
 from taps_ray.models.draft_head import DraftHead
 
 MaskAlignment = Literal["predicted", "ref"]
@@ -192,6 +193,14 @@ def hca_forward(head: DraftHead, token_embeddings: torch.Tensor, versions: list[
     return head.finish(residual, attended)
 
 
+def resolve_precision(precision: str, device: torch.device | None = None) -> str:
+    """`train.precision` as it runs: "auto" is bf16-mixed on a GPU or on a CPU with AMX, fp32 on other CPUs."""
+    if precision != "auto":
+        return precision
+    on_gpu = device is not None and device.type != "cpu"
+    return "bf16-mixed" if on_gpu or has_amx() else "fp32"
+
+
 @dataclass
 class LossSettings:
     reg_weight: float = 1.0
@@ -208,12 +217,15 @@ class LossSettings:
         return torch.autocast(device.type, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None)
 
     @classmethod
-    def for_kind(cls, kind: str, train: object, tree_depth: int | None = None) -> "LossSettings":
+    def for_kind(cls, kind: str, train: object, tree_depth: int | None = None,
+                 device: torch.device | None = None) -> "LossSettings":
         """EAGLE-2: regression + soft CE, one pass. HASS: + top-K distillation and ``train.hca_passes`` passes.
         EAGLE-3: soft CE only, no input noise, ``train.ttt_steps`` training-time-test steps (None: `tree_depth`
-        + 1; without a depth, as in tests of the loss alone, ``train.hca_passes``)."""
+        + 1; without a depth, as in tests of the loss alone, ``train.hca_passes``). `device`: where training runs
+        (``train.precision: auto`` picks by it; None: this machine's CPU)."""
         hass = check_head_kind(kind) == "hass"
-        autocast = torch.bfloat16 if getattr(train, "precision", "fp32") == "bf16-mixed" else None
+        precision = resolve_precision(getattr(train, "precision", "fp32"), device)
+        autocast = torch.bfloat16 if precision == "bf16-mixed" else None
         alignment = getattr(train, "mask_alignment", "predicted")
         if kind == "eagle3":
             steps = getattr(train, "ttt_steps", None) or (tree_depth + 1 if tree_depth else train.hca_passes)

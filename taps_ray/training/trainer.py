@@ -362,7 +362,7 @@ def _set_up(cfg: StudyConfig, kind: str, mixture_name: str, target: Target | Non
         raise ValueError(f"mixture {mixture_name!r} has no usable training conversations")
     vocab = draft_vocabulary(cfg, target.tokenizer, target.stop_token_ids)
     frozen = FrozenTarget.from_model(target.model, torch.float32, vocab)
-    settings = LossSettings.for_kind(kind, t, cfg.tree.depth)
+    settings = LossSettings.for_kind(kind, t, cfg.tree.depth, target.device)
     plan = plan_budget(train_ex, cfg)
     folder = head_dir(cfg, kind, mixture_name)
     folder.mkdir(parents=True, exist_ok=True)

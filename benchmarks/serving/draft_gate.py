@@ -1,0 +1,108 @@
+#!/usr/bin/env python
+"""Does speculation ever lose in Serve? Drafting models with and without the measured drafting gate, against plain
+decoding, at several concurrencies. Not a test.
+
+    python benchmarks/serving/draft_gate.py --config configs/data_size.yaml --models math,confidence-routed \
+        --concurrency 1,4,16 --out reports/draft_gate.md
+
+Serve's engine without HTTP (`ContinuousBatcher`, as a replica builds it: every drafting model under the
+per-sequence cost model), a closed loop of `--concurrency` requests in flight over `--prompts` prompts (half GSM8K,
+half MT-Bench first turns), `--max-tokens` tokens each, greedy. Each drafting model runs twice: with the drafting
+gate off (`serve.measure_drafting: false`, no `draft_below`: every batch drafts) and on (the default: a batch
+drafts only where drafted steps measured faster at its size). Per concurrency the runs are interleaved (plain,
+then each model and gate) `--repetitions` times in one process: read the ratios to plain, not absolute speeds.
+Every output is checked against plain decoding's (fp32: token for token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from taps_ray.bench.closed_loop import LoopTimes, closed_loop, percentile  # noqa: E402
+from taps_ray.bench.prompts import first_turns  # noqa: E402
+from taps_ray.config import load_config  # noqa: E402
+from taps_ray.data.chat import render_ids  # noqa: E402
+from taps_ray.decoding.continuous import ContinuousBatcher  # noqa: E402
+from taps_ray.decoding.draft_gate import DraftGate  # noqa: E402
+from taps_ray.drafting.cost import CostAware  # noqa: E402
+from taps_ray.drafting.proposers import PlainDecoding  # noqa: E402
+from taps_ray.drafting.setup import load_proposers  # noqa: E402
+from taps_ray.fsio import atomic_write_text  # noqa: E402
+from taps_ray.machine import cpu_line  # noqa: E402
+from taps_ray.markdown import md_table  # noqa: E402
+from taps_ray.models.target import load_target  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--config", default="configs/data_size.yaml")
+    parser.add_argument("--kind", default="eagle2", help="the trained heads' kind")
+    parser.add_argument("--models", default="math,confidence-routed")
+    parser.add_argument("--concurrency", default="1,4,16")
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--repetitions", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default="reports/draft_gate.md")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    config = load_config(args.config)
+    target = load_target(config.target)
+    names = args.models.split(",")
+    proposers = load_proposers(config, names, target=target, kind=args.kind)
+    turns = first_turns(["gsm8k", "mt_bench"], args.prompts // 2, [], 0, config.resolved_data_dir())
+    prompts = [render_ids(target.tokenizer, [{"role": "user", "content": text}], add_generation_prompt=True)
+               for _, text in turns]
+    layers = {p.feature_layers for p in proposers.values()}.pop()
+    runs = [("plain", "-", False)] + [(name, gate, gate == "on") for name in names for gate in ("off", "on")]
+    rows, results = [], {}
+    for concurrency in (int(c) for c in args.concurrency.split(",")):
+        for repetition in range(args.repetitions):
+            for name, label, measured in runs:
+                proposer = PlainDecoding() if name == "plain" else CostAware(proposers[name], name=name)
+                gate = DraftGate(measured=measured)
+                batcher = ContinuousBatcher(target.model, target.stop_token_ids, concurrency, gate=gate,
+                                            feature_layers=layers)
+                times = closed_loop(batcher, prompts, proposer, concurrency, args.max_tokens)
+                results.setdefault((concurrency, name, label), []).append(times)
+                print(f"c={concurrency} rep {repetition} {name} gate {label}: {times.tokens_per_s:.1f} tok/s",
+                      flush=True)
+        plain = results[(concurrency, "plain", "-")]
+        plain_rate = statistics.mean(t.tokens_per_s for t in plain)
+        for name, label, _ in runs:
+            timed: list[LoopTimes] = results[(concurrency, name, label)]
+            rate = statistics.mean(t.tokens_per_s for t in timed)
+            same = sum(a == b for t in timed for a, b in zip(t.outputs, plain[0].outputs))
+            rows.append([str(concurrency), name, label, f"{rate:.1f}", f"{rate / plain_rate:.2f}x",
+                         f"{statistics.mean(percentile(t.first, 0.5) for t in timed) * 1000:.0f}",
+                         f"{same}/{len(prompts) * len(timed)}"])
+    command = "python benchmarks/serving/draft_gate.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    lines = ["# Speculation in Serve, with and without the measured drafting gate", "",
+             f"Regenerate: `{command}`. Machine: {cpu_line()}; {args.threads} torch threads; target "
+             f"{config.target.name} in {config.target.dtype}; {args.kind} heads of `{args.config}`; load average "
+             "at the end {:.1f} / {:.1f} / {:.1f} (1 / 5 / 15 min; above 2, other work shared the cores and the "
+             "ratios are noisy).".format(*os.getloadavg()), "",
+             f"Serve's engine (`ContinuousBatcher`, no HTTP; drafting models under the per-sequence cost model, as "
+             f"a replica serves them), a closed loop of N requests in flight over {len(prompts)} prompts (half "
+             f"GSM8K, half MT-Bench first turns), {args.max_tokens} tokens each, T = 0; `gate off`: every batch "
+             "drafts; `gate on`: `serve.measure_drafting` (the default), a batch drafts only where drafted steps "
+             f"measured faster at its size. Runs interleaved per concurrency, {args.repetitions} repetition(s); "
+             "`same as plain`: outputs equal to plain decoding's, token for token.", "",
+             md_table(["in flight", "model", "gate", "tok/s", "vs plain", "TTFT p50 ms", "same as plain"], rows), ""]
+    atomic_write_text(Path(args.out), "\n".join(lines))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Whether a step drafts: a batch-size cap, and (Serve) the measured rule that drafts only where it pays.
+
+Why a batch-level rule: a drafted tree widens every row of the batch's one target forward, so what speculation
+buys depends on how many sequences share the step. At batch 1 a forward is memory-bound and a 16-node tree costs
+little more than one token; at batch 16 on a CPU the forward is compute-bound and every tree node costs nearly a
+token. A per-sequence cost model (`drafting/cost.py`) times its own steps, which include every other row's tree,
+and cannot tell its tree from its neighbours'.
+
+`DraftGate` decides per step from the number of live sequences:
+* `draft_below`: never draft at or above this batch size (a fixed cap, every loop's rule);
+* `measured` (Serve's default): per batch-size bucket (1, 2, 3-4, 5-8, ...), the batch's committed tokens per
+  second over drafted steps and over undrafted ones, each a running average measured on the live traffic; the
+  faster one runs, and every `probe_every`-th step of a bucket runs the other, so a change in the traffic (a head
+  that stops matching, longer contexts) is seen. A bucket starts by drafting `warmup` steps, then not drafting as
+  many. The anchors: vLLM's dynamic speculative decoding (speculation off above a batch size, decided from
+  measured goodput) and TensorRT-LLM's draft length by batch size.
+
+Lossless either way: an undrafted step verifies each sequence's root, and a paused proposer is handed every
+position it missed when drafting resumes (`step.decode_step`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SMOOTHING = 0.25  # weight of the newest step in a bucket's running rate
+WARMUP = 3  # steps of each kind a bucket measures before it chooses
+PROBE_EVERY = 32  # a bucket runs the losing kind once every this many steps
+
+
+def bucket(batch: int) -> int:
+    """Batch-size bucket: 0 for 1, 1 for 2, 2 for 3-4, 3 for 5-8, ... (step costs grow smoothly in between)."""
+    return (batch - 1).bit_length()
+
+
+def bucket_label(key: int) -> str:
+    """The batch sizes of a bucket, as a metric label: "1", "2", "3-4", "5-8", ..."""
+    return str(1 << key) if key < 2 else f"{(1 << (key - 1)) + 1}-{1 << key}"
+
+
+@dataclass
+class StepRate:
+    """Running seconds and committed tokens of one kind of step in one bucket."""
+
+    seconds: float = 0.0
+    tokens: float = 0.0
+    steps: int = 0
+
+    def add(self, seconds: float, tokens: int) -> None:
+        weight = 1.0 if self.steps == 0 else SMOOTHING
+        self.seconds += weight * (seconds - self.seconds)
+        self.tokens += weight * (tokens - self.tokens)
+        self.steps += 1
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class DraftGate:
+    """Decides, step by step, whether the batch drafts; `observe` feeds the measured rule."""
+
+    draft_below: int | None = None
+    measured: bool = False
+    warmup: int = WARMUP
+    probe_every: int = PROBE_EVERY
+    rates: dict[tuple[int, bool], StepRate] = field(default_factory=dict)  # (bucket, drafted) -> rate
+    decided: dict[int, int] = field(default_factory=dict)  # steps each bucket has chosen by its rates
+
+    def __post_init__(self) -> None:
+        if self.draft_below is not None and self.draft_below < 1:
+            raise ValueError(f"draft_below must be at least 1 (or None to always draft), got {self.draft_below}")
+        if self.warmup < 1 or self.probe_every < 2:
+            raise ValueError(f"warmup must be at least 1 and probe_every at least 2, got {self.warmup}, "
+                             f"{self.probe_every}")
+
+    def drafts(self, batch: int) -> bool:
+        """Whether a step over `batch` live sequences drafts."""
+        if self.draft_below is not None and batch >= self.draft_below:
+            return False
+        if not self.measured:
+            return True
+        key = bucket(batch)
+        drafted, plain = self.rates.get((key, True), StepRate()), self.rates.get((key, False), StepRate())
+        if drafted.steps < self.warmup:
+            return True
+        if plain.steps < self.warmup:
+            return False
+        self.decided[key] = self.decided.get(key, 0) + 1
+        faster = drafted.tokens_per_s >= plain.tokens_per_s
+        return faster != (self.decided[key] % self.probe_every == 0)
+
+    def observe(self, batch: int, drafted: bool, seconds: float, tokens: int) -> None:
+        """A finished step: `tokens` committed over the batch in `seconds` (drafting, verification, commit)."""
+        if self.measured and seconds > 0:
+            self.rates.setdefault((bucket(batch), drafted), StepRate()).add(seconds, tokens)

@@ -1,0 +1,52 @@
+"""The step-level drafting decision (decoding/draft_gate.py): a fixed cap and the measured rule."""
+
+from __future__ import annotations
+
+import pytest
+
+from taps_ray.decoding.draft_gate import DraftGate, bucket, bucket_label
+
+
+def _feed(gate: DraftGate, batch: int, steps: int, drafted_rate: int, plain_rate: int) -> list[bool]:
+    """Run `steps` steps at `batch` where a drafted step commits `drafted_rate` tokens in one second and an
+    undrafted one `plain_rate`; returns what the gate chose at each."""
+    chosen = []
+    for _ in range(steps):
+        drafts = gate.drafts(batch)
+        chosen.append(drafts)
+        gate.observe(batch, drafts, 1.0, drafted_rate if drafts else plain_rate)
+    return chosen
+
+
+def test_buckets_group_batch_sizes_by_powers_of_two():
+    assert [bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [0, 1, 2, 2, 3, 3, 4, 4, 5]
+    assert [bucket_label(k) for k in range(6)] == ["1", "2", "3-4", "5-8", "9-16", "17-32"]
+
+
+def test_the_measured_rule_drafts_where_drafting_commits_more_per_second_and_probes_the_other():
+    gate = DraftGate(measured=True, warmup=2, probe_every=8)
+    alone = _feed(gate, 1, 34, drafted_rate=3, plain_rate=1)
+    assert alone[:4] == [True, True, False, False]  # warm-up: each kind measured twice
+    assert alone[4:] == [i % 8 != 7 for i in range(30)]  # then drafting, an undrafted probe every 8th step
+    crowded = _feed(gate, 16, 20, drafted_rate=10, plain_rate=16)  # a separate bucket, measured on its own
+    assert crowded[:4] == [True, True, False, False]
+    assert crowded[4:] == [i % 8 == 7 for i in range(16)]  # plain wins at 16: drafting only to re-measure it
+
+
+def test_the_measured_rule_follows_a_change_in_the_traffic():
+    gate = DraftGate(measured=True, warmup=2, probe_every=4)
+    _feed(gate, 4, 12, drafted_rate=4, plain_rate=8)  # drafting loses: undrafted steps, drafted probes
+    assert not gate.drafts(3) and not gate.drafts(4)
+    later = _feed(gate, 4, 30, drafted_rate=20, plain_rate=8)  # the heads now match the traffic
+    assert later[-8:].count(True) >= 6  # the probes saw it: drafting again, undrafted probes only
+
+
+def test_a_cap_wins_over_measurement_and_bad_settings_are_refused():
+    gate = DraftGate(draft_below=4, measured=True, warmup=1)
+    assert _feed(gate, 4, 5, drafted_rate=100, plain_rate=1) == [False] * 5  # at the cap: never drafts
+    assert gate.rates[(bucket(4), False)].steps == 5 and (bucket(4), True) not in gate.rates
+    assert DraftGate().drafts(64) and not DraftGate(draft_below=1).drafts(1)  # unmeasured: only the cap decides
+    with pytest.raises(ValueError, match="draft_below must be at least 1"):
+        DraftGate(draft_below=0)
+    with pytest.raises(ValueError, match="probe_every"):
+        DraftGate(probe_every=1)
