@@ -16,7 +16,7 @@ import json
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from taps_ray.fsio import atomic_write_json, folder_lock
@@ -84,7 +84,7 @@ class TrafficBuffer:
         return kept
 
     def _write_index(self, shards: list[Shard]) -> None:
-        atomic_write_json(self.folder / INDEX, {"shards": [s.__dict__ for s in shards]})
+        atomic_write_json(self.folder / INDEX, {"shards": [asdict(s) for s in shards]})
 
     def _recover(self) -> None:
         """Drop what a killed writer left (temporary files and shards the index does not list, once older than
