@@ -312,6 +312,38 @@ def memory_bytes(gb: float | None) -> int | None:
     return None if gb is None else int(gb * 1e9)
 
 
+class AdaptConfig(_Strict):
+    """`serve.adapt`: the replica records a sampled share of its traffic and a trainer actor beside it keeps
+    training the served heads on it, publishing a version only when it agrees better with the target on the most
+    recent traffic (docs/serve.md#online-adaptation). Off unless enabled: nothing is recorded or polled."""
+
+    enabled: bool = Field(False, description="record traffic, train beside serving and swap in better head versions")
+    models: list[str] = Field(default_factory=list, description="the single-head models (mixture names) that adapt; "
+                              "empty: every served head")
+    sample: float = Field(0.25, gt=0, le=1, description="share of a model's requests whose features are recorded")
+    max_recorded_per_minute: int = Field(60, gt=0, description="at most this many requests recorded per minute and "
+                                         "replica (the recorder's bounded rate)")
+    buffer_tokens: int = Field(200_000, gt=0, description="positions a model's buffer keeps; the oldest shards age out")
+    max_age_s: float | None = Field(3600.0, gt=0, description="shards older than this age out (None: by size only)")
+    flush_tokens: int = Field(1024, gt=0, description="recorded positions gathered before one buffer shard is written")
+    heldout_fraction: float = Field(0.25, gt=0, lt=1, description="newest share of the buffer held out to score versions")
+    min_new_tokens: int = Field(512, gt=0, description="positions recorded since the last round before a round trains")
+    steps_per_round: int = Field(40, gt=0, description="optimizer steps of one training round")
+    batch_size: int = Field(4, gt=0, description="recorded sequences per training step")
+    lr: float = Field(2e-4, gt=0, description="AdamW learning rate of online training (constant)")
+    precision: Literal["fp32", "bf16-mixed", "auto"] | None = Field(
+        None, description="online training's forward precision; None: train.precision (a CPU without AMX trains "
+        "faster in fp32)")
+    min_gain: float = Field(0.0, ge=0, description="held-out agreement a candidate must beat the served version by")
+    poll_s: float = Field(2.0, gt=0, description="how often a replica looks for a published version, between steps")
+    rollback_requests: int = Field(16, gt=0, description="finished requests per version before live acceptance is "
+                                   "compared; fewer: no rollback")
+    rollback_margin: float = Field(0.05, ge=0, description="roll back when the new version's live tau is below the "
+                                   "previous one's by more than this (tau over a few requests is noisy)")
+    trainer_num_cpus: float = Field(1.0, gt=0, description="CPUs Ray reserves for the trainer actor (its torch threads)")
+    dir: str = Field("adapt", description="versions and buffers, under work_dir")
+
+
 class ServeConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, gt=0, lt=65536)
@@ -356,6 +388,7 @@ class ServeConfig(_Strict):
     autoscaling_config: dict[str, Any] | None = Field(
         None, description="Ray Serve autoscaling_config of the deployment (min_replicas, max_replicas, "
         "target_ongoing_requests, ...); replaces num_replicas when set")
+    adapt: AdaptConfig = AdaptConfig()
 
 
 class SearchConfig(_Strict):

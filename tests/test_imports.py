@@ -18,7 +18,7 @@ LAYERS = (
     ("data", "models"),
     ("drafting", "training"),
     ("decoding",),
-    ("eval", "plan"),
+    ("eval", "plan", "adapt"),
     ("report", "serve"),
     ("interop",),
     ("study", "bench"),

@@ -14,8 +14,9 @@ text-level stop conditions (stop strings) come in as `Request.stop`, so decoding
 one; log-probabilities; streaming each step's tokens.
 
 One request type from the HTTP body to the engine: Serve builds a `Request` once from the validated body and
-hands it down unchanged. The caller's callbacks (`on_tokens`, `on_done`) are arguments of `submit`, kept with the
-sequence, never written onto the request; `submit` returns the function that cancels it.
+hands it down unchanged. The caller's callbacks (`on_tokens`, `on_done`, and `on_commit` for a request Serve records
+for online adaptation) are arguments of `submit`, kept with the sequence, never written onto the request; `submit`
+returns the function that cancels it.
 
 Plain PyTorch, no Ray and no asyncio: the caller runs `step` in one worker thread and hears back through the
 callbacks (called from that thread).
@@ -78,6 +79,7 @@ class Request:
 
 OnTokens = Callable[[list[int], list[TokenLogprob]], None]  # what each step added
 OnDone = Callable[[Result], None]
+OnCommit = Callable[[Committed], None]  # what the target committed (features and tokens), before any cut
 
 
 @dataclass
@@ -88,6 +90,7 @@ class _Sequence(Decoding):
     request: Request = field(kw_only=True)
     on_tokens: OnTokens | None = field(default=None, kw_only=True)
     on_done: OnDone | None = field(default=None, kw_only=True)
+    on_commit: OnCommit | None = field(default=None, kw_only=True)
     cancelled: bool = False  # set from any thread (`cancel`): the sequence leaves at the next step
     logprobs: list[TokenLogprob] = field(default_factory=list)
     max_batch: int = 0
@@ -101,6 +104,8 @@ class _Sequence(Decoding):
         log-probabilities are read and the client hears of them. Returns the tokens kept, which Serve's step
         records count (the client's tokens per step: cut at the budget and at a stop string too)."""
         request, generation = self.request, self.generation
+        if self.on_commit is not None:  # a recorded request (Serve's online adaptation): the verify's own features
+            self.on_commit(committed)
         before = len(generation.tokens)
         kept = self.extend(committed)
         if request.stop is not None and kept:
@@ -169,9 +174,11 @@ class ContinuousBatcher:
         return bool(self._running or self._waiting)
 
     def submit(
-        self, request: Request, on_tokens: OnTokens | None = None, on_done: OnDone | None = None
+        self, request: Request, on_tokens: OnTokens | None = None, on_done: OnDone | None = None,
+        on_commit: OnCommit | None = None,
     ) -> Callable[[], None]:
-        """Queue `request`; returns the function that cancels it (from any thread: it leaves at the next step)."""
+        """Queue `request`; returns the function that cancels it (from any thread: it leaves at the next step).
+        `on_commit` hears every `Committed` of the sequence (the prefill's and each step's) on the decoding thread."""
         if request.max_tokens < 1 or not request.prompt:
             raise ValueError("a request needs a prompt and max_tokens >= 1")
         if request.top_logprobs is not None and not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
@@ -180,7 +187,7 @@ class ContinuousBatcher:
             drafting = Drafting(request.proposer, request.proposer.init_state())
             stops = set() if request.ignore_eos else self.stop_ids
             seq = _Sequence(Generation(prompt=list(request.prompt)), drafting, request.max_tokens, stops,
-                            request=request, on_tokens=on_tokens, on_done=on_done)
+                            request=request, on_tokens=on_tokens, on_done=on_done, on_commit=on_commit)
             self._waiting.append(seq)
         return seq.cancel
 

@@ -49,6 +49,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 
 from taps_ray import ray_requests
+from taps_ray.adapt.replica import ReplicaAdaptation
+from taps_ray.adapt.trainer_actor import start_trainer
 from taps_ray.config import HeadKind, StudyConfig, load_config, parse_config, with_overrides
 from taps_ray.data.chat import render_ids
 from taps_ray.decoding.continuous import ContinuousBatcher, Result, TokenLogprob
@@ -175,11 +177,30 @@ class TapsService:
         self.batcher = ContinuousBatcher(self.target.model, self.stop_ids, serve_cfg.max_batch_size,
                                          gate, layers.pop() if layers else (),
                                          prefill_tokens=serve_cfg.prefill_tokens)
-        self.loop = DecodeLoop(self.batcher, serve_cfg.max_queued_requests, serve_cfg.stall_timeout_s, serve_metrics())
+        self.adapt = self._start_adapting() if serve_cfg.adapt.enabled else None
+        self.loop = DecodeLoop(self.batcher, serve_cfg.max_queued_requests, serve_cfg.stall_timeout_s, serve_metrics(),
+                               self.adapt)
         logger.info(
             "taps serve: target %s, %s heads %s, models %s", self.cfg.target.name, self.kind,
             sorted(self.heads), self.model_names(),
         )
+
+    def _start_adapting(self) -> ReplicaAdaptation:
+        """serve.adapt: record, swap and roll back on this replica; one trainer actor per adapted model beside it
+        (docs/serve.md#online-adaptation)."""
+        models = [m for m in (self.cfg.serve.adapt.models or list(self.heads)) if m in self.heads]
+
+        def build(model: str, head: Any) -> Any:
+            proposer = load_proposers(self.cfg, [model], target=self.target,
+                                      heads={**self.heads, model: head.to(self.target.device, self.target.dtype)})[model]
+            return CostAware(proposer, name=model) if self.cfg.serve.cost_model else proposer
+
+        def install(model: str, proposer: Any) -> None:
+            self.proposers[model] = proposer
+
+        adapt = ReplicaAdaptation(self.cfg, models, build, install, serve_metrics())
+        self.trainers = [start_trainer(self.cfg, model) for model in models]
+        return adapt
 
     def _load_heads(self) -> tuple[dict[str, Any], list[str]]:
         mixtures = self.cfg.train.mixtures
@@ -338,6 +359,7 @@ class TapsService:
             "models": self.model_names(),
             "running": self.batcher.live,
             "waiting": self.batcher.waiting,
+            "head_versions": {m: served.version for m, served in self.adapt.models.items()} if self.adapt else {},
         }
 
     @api.get("/v1/models", response_model=ModelList, summary="the models (proposers) this service can use")

@@ -45,6 +45,23 @@ class ServeMetrics:
                                tag_keys=("batch", "drafted"))
         self.e2e = Histogram("taps_serve_request_latency_s", "seconds from arrival to the last token",
                              boundaries=LATENCY_S, tag_keys=("model",))
+        # online adaptation (serve.adapt, docs/serve.md#online-adaptation): per model and head version
+        version = ("model", "version")
+        self.version_tau = Histogram("taps_serve_adapt_tau", "tokens per verification step of a finished request, "
+                                     "by head version", boundaries=TAU, tag_keys=version)
+        self.version_live_tau = Gauge("taps_serve_adapt_live_tau", "pooled tau of the version's finished requests on "
+                                      "this replica (what rollback compares)", tag_keys=version)
+        self.version_accepted = Counter("taps_serve_adapt_accepted_tokens", "drafted tokens accepted, by head version",
+                                        tag_keys=version)
+        self.version_drafted = Counter("taps_serve_adapt_drafted_tokens", "drafted tokens verified, by head version "
+                                       "(accepted / drafted: the version's acceptance rate)", tag_keys=version)
+        self.version_tokens = Counter("taps_serve_adapt_completion_tokens", "completion tokens by head version (its "
+                                      "rate: tokens/s)", tag_keys=version)
+        self.swaps = Counter("taps_serve_adapt_swaps", "head versions a replica switched to (kind: publish, rollback)",
+                             tag_keys=("model", "kind"))
+        self.served_version = Gauge("taps_serve_adapt_version", "the head version a model serves", tag_keys=("model",))
+        self.buffer_tokens = Gauge("taps_serve_adapt_buffer_tokens", "positions in the model's traffic buffer",
+                                   tag_keys=("model",))
 
     def request(self, model: str, status: int) -> None:
         self.requests.inc(tags={"model": model, "status": str(status)})
@@ -76,6 +93,22 @@ class ServeMetrics:
         for head, steps in head_steps.items():
             self.head_steps.inc(steps, tags={"model": model, "head": head})
         self.e2e.observe(seconds, tags={"model": model})
+
+    def version_finished(self, model: str, version: int, tau: float, accepted: int, drafted: int, completion: int,
+                         live_tau: float, buffer_tokens: int) -> None:
+        """A request drafted by head `version` of `model` finished."""
+        tags = {"model": model, "version": str(version)}
+        self.version_tau.observe(tau, tags=tags)
+        self.version_live_tau.set(live_tau, tags=tags)
+        for counter, value in ((self.version_accepted, accepted), (self.version_drafted, drafted),
+                               (self.version_tokens, completion)):
+            if value:
+                counter.inc(value, tags=tags)
+        self.buffer_tokens.set(buffer_tokens, tags={"model": model})
+
+    def swapped(self, model: str, version: int, kind: str) -> None:
+        self.swaps.inc(tags={"model": model, "kind": kind})
+        self.served_version.set(version, tags={"model": model})
 
 
 @lru_cache(maxsize=1)

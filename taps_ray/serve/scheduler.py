@@ -15,10 +15,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from taps_ray.serve.metrics import ServeMetrics
 from taps_ray.decoding.step import head_counts
 from taps_ray.decoding.continuous import ContinuousBatcher, Request, Result, TokenLogprob
+
+if TYPE_CHECKING:  # an annotation only: the replica builds it when serve.adapt is on
+    from taps_ray.adapt.replica import ReplicaAdaptation
 
 logger = logging.getLogger("ray.serve")
 
@@ -72,9 +76,11 @@ def head_steps(result: Result, head_names: list[str]) -> dict[str, int]:
 
 class DecodeLoop:
     def __init__(self, batcher: ContinuousBatcher, max_queued: int, stall_timeout_s: float,
-                 metrics: ServeMetrics | None = None) -> None:
+                 metrics: ServeMetrics | None = None, adapt: ReplicaAdaptation | None = None) -> None:
+        """`adapt`: the replica's online adaptation (serve.adapt): it records sampled requests, counts finished
+        ones per head version and swaps versions between steps; None: none of it."""
         self.batcher, self.max_queued, self.stall_timeout_s = batcher, max_queued, stall_timeout_s
-        self.metrics = metrics
+        self.metrics, self.adapt = metrics, adapt
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="taps-decode")
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -103,7 +109,8 @@ class DecodeLoop:
         def on_done(result: Result) -> None:
             loop.call_soon_threadsafe(self._done, ticket, result)
 
-        ticket.leave = self.batcher.submit(request, on_tokens, on_done)
+        on_commit = self.adapt.on_submit(request) if self.adapt is not None else None
+        ticket.leave = self.batcher.submit(request, on_tokens, on_done, on_commit)
         self._ensure_running()
         self._wake.set()
         return ticket
@@ -149,6 +156,8 @@ class DecodeLoop:
                 await self._wake.wait()
                 self.last_progress = time.monotonic()  # idle time is not a stall
                 continue
+            if self.adapt is not None:  # a published head version is loaded here, between two steps
+                await loop.run_in_executor(self._executor, self.adapt.between_steps)
             t0 = time.perf_counter()
             await loop.run_in_executor(self._executor, self.batcher.step)
             self.mean_step_s = 0.9 * self.mean_step_s + 0.1 * (time.perf_counter() - t0)
@@ -176,6 +185,11 @@ class DecodeLoop:
                 sum(s.accepted for s in generation.steps), head_steps(result, list(ticket.request.proposer.head_names)),
                 time.perf_counter() - ticket.arrived,
             )
+        if self.adapt is not None:
+            try:
+                self.adapt.on_done(ticket.request, result)
+            except Exception:  # adaptation is best effort: the client gets its result whatever happens here
+                logger.exception("online adaptation failed to take a finished request")
         if not ticket.result.done():
             ticket.result.set_result(result)
         if ticket.updates is not None:

@@ -68,8 +68,8 @@ class Example:
     input_ids: torch.Tensor  # [L] long
     loss_mask: torch.Tensor  # [L] float32
     hidden: torch.Tensor  # [L, d] HIDDEN_DTYPE
-    topk_probs: torch.Tensor  # [L, K] PROBS_DTYPE
-    topk_ids: torch.Tensor  # [L, K] long
+    topk_probs: torch.Tensor | None  # [L, K] PROBS_DTYPE; None in Serve's traffic buffer (its trainer fills them)
+    topk_ids: torch.Tensor | None  # [L, K] long
     aux: torch.Tensor | None = None  # [L, 3d] target dtype: EAGLE-3's fused layers, when the study keeps them
 
     def __len__(self) -> int:
@@ -173,9 +173,10 @@ def write_shard(path: Path, examples: Sequence[Example], meta: dict[str, Any]) -
         "input_ids": torch.cat([ex.input_ids for ex in examples]).to(torch.int32),
         "loss_mask": torch.cat([ex.loss_mask for ex in examples]).to(torch.uint8),
         "hidden": torch.cat([ex.hidden for ex in examples]).to(HIDDEN_DTYPE).contiguous(),
-        "topk_probs": torch.cat([ex.topk_probs for ex in examples]).to(PROBS_DTYPE),
-        "topk_ids": torch.cat([ex.topk_ids for ex in examples]).to(torch.int32),
     }
+    if examples and examples[0].topk_probs is not None:
+        tensors["topk_probs"] = torch.cat([ex.topk_probs for ex in examples]).to(PROBS_DTYPE)
+        tensors["topk_ids"] = torch.cat([ex.topk_ids for ex in examples]).to(torch.int32)
     if examples and examples[0].aux is not None:
         tensors["aux"] = torch.cat([ex.aux for ex in examples]).contiguous()
     metadata = {"ids": json.dumps([ex.id for ex in examples]), "meta": json.dumps(meta)}
@@ -202,8 +203,8 @@ def read_shard(path: Path) -> list[Example]:
             input_ids=t["input_ids"][a:b].long(),
             loss_mask=t["loss_mask"][a:b].float(),
             hidden=t["hidden"][a:b],
-            topk_probs=t["topk_probs"][a:b],
-            topk_ids=t["topk_ids"][a:b].long(),
+            topk_probs=t["topk_probs"][a:b] if "topk_probs" in t else None,
+            topk_ids=t["topk_ids"][a:b].long() if "topk_ids" in t else None,
             aux=t["aux"][a:b] if "aux" in t else None,
         ))
     return out
