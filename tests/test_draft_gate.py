@@ -33,6 +33,20 @@ def test_the_measured_rule_drafts_where_drafting_commits_more_per_second_and_pro
     assert crowded[4:] == [i % 8 == 7 for i in range(16)]  # plain wins at 16: drafting only to re-measure it
 
 
+def test_a_bucket_without_measurements_follows_its_neighbours():
+    """Drafting that lost at a smaller batch is not warmed up at a larger one (the forward only gets more
+    compute-bound): the larger bucket starts undrafted and measures drafting by its probes."""
+    gate = DraftGate(measured=True, warmup=2, probe_every=4)
+    _feed(gate, 2, 8, drafted_rate=1, plain_rate=2)  # plain wins at 2
+    assert gate.winner(bucket(2)) is False and gate.winner(bucket(16)) is False and gate.winner(bucket(1)) is None
+    crowded = _feed(gate, 16, 12, drafted_rate=5, plain_rate=16)
+    assert crowded == [i % 4 == 3 for i in range(12)]  # no drafted warm-up: probes only
+    assert gate.winner(bucket(16)) is False and gate.rates[(bucket(16), True)].steps == 3  # now its own measurement
+    winning = DraftGate(measured=True, warmup=2)
+    _feed(winning, 16, 4, drafted_rate=30, plain_rate=16)  # drafting wins at 16 (a GPU's memory-bound forward)
+    assert winning.winner(bucket(4)) is True and winning.drafts(4)  # so it drafts at 4 from the first step
+
+
 def test_the_measured_rule_follows_a_change_in_the_traffic():
     gate = DraftGate(measured=True, warmup=2, probe_every=4)
     _feed(gate, 4, 12, drafted_rate=4, plain_rate=8)  # drafting loses: undrafted steps, drafted probes

@@ -11,8 +11,10 @@ and cannot tell its tree from its neighbours'.
 * `measured` (Serve's default): per batch-size bucket (1, 2, 3-4, 5-8, ...), the batch's committed tokens per
   second over drafted steps and over undrafted ones, each a running average measured on the live traffic; the
   faster one runs, and every `probe_every`-th step of a bucket runs the other, so a change in the traffic (a head
-  that stops matching, longer contexts) is seen. A bucket starts by drafting `warmup` steps, then not drafting as
-  many. The anchors: vLLM's dynamic speculative decoding (speculation off above a batch size, decided from
+  that stops matching, longer contexts) is seen. A bucket with no measurement of its own follows its neighbours
+  (drafting that lost at a smaller batch loses at a larger one; drafting that won at a larger batch wins at a
+  smaller one) while its probes measure it; with none to follow it drafts `warmup` steps, then runs as many
+  undrafted. The anchors: vLLM's dynamic speculative decoding (speculation off above a batch size, decided from
   measured goodput) and TensorRT-LLM's draft length by batch size.
 
 Lossless either way: an undrafted step verifies each sequence's root, and a paused proposer is handed every
@@ -82,14 +84,31 @@ class DraftGate:
         if not self.measured:
             return True
         key = bucket(batch)
-        drafted, plain = self.rates.get((key, True), StepRate()), self.rates.get((key, False), StepRate())
-        if drafted.steps < self.warmup:
-            return True
-        if plain.steps < self.warmup:
-            return False
+        winner = self.winner(key)
+        if winner is None:  # nothing known here or nearby: drafted steps first, then undrafted ones
+            return self.rates.get((key, True), StepRate()).steps < self.warmup
         self.decided[key] = self.decided.get(key, 0) + 1
-        faster = drafted.tokens_per_s >= plain.tokens_per_s
-        return faster != (self.decided[key] % self.probe_every == 0)
+        return winner != (self.decided[key] % self.probe_every == 0)
+
+    def winner(self, key: int) -> bool | None:
+        """Whether drafting is the faster kind in bucket `key` (None: not known). Measured there once both kinds
+        have `warmup` steps; until then taken from the other buckets, since a larger batch is more compute-bound:
+        drafting that lost at a smaller batch loses here, drafting that won at a larger one wins here."""
+        own = self._measured(key)
+        if own is not None:
+            return own
+        known = {other: self._measured(other) for other, _ in self.rates}
+        if any(won is False for other, won in known.items() if other < key):
+            return False
+        if any(won is True for other, won in known.items() if other > key):
+            return True
+        return None
+
+    def _measured(self, key: int) -> bool | None:
+        drafted, plain = self.rates.get((key, True)), self.rates.get((key, False))
+        if drafted is None or plain is None or min(drafted.steps, plain.steps) < self.warmup:
+            return None
+        return drafted.tokens_per_s >= plain.tokens_per_s
 
     def observe(self, batch: int, drafted: bool, seconds: float, tokens: int) -> None:
         """A finished step: `tokens` committed over the batch in `seconds` (drafting, verification, commit)."""
