@@ -371,8 +371,9 @@ class ServeConfig(_Strict):
         512, gt=0, description="the most prompt tokens one scheduling iteration prefills (at least one request "
         "joins), so a flood of joining requests is admitted over several steps and the first of them start "
         "decoding while the rest are prefilled (vLLM's per-step token budget, at request granularity); joining "
-        "prompts are prefilled in groups of similar lengths. 512 on a 2-core CPU: 16 requests arriving together "
-        "got their first token at p50 1.8 s against 5.1 s with 2048, at the same throughput; a GPU, where a "
+        "prompts are prefilled in groups of similar lengths. 512 on a 2-core CPU: with 16 requests in flight the "
+        "first tokens came at p50 0.9-1.4 s against 3.2-4.4 s with 2048, throughput within the runs' noise "
+        "(reports/prefill_budget.md); a GPU, where a "
         "prefill of 2048 tokens costs little more than one of 512, takes a larger budget. None: admit every "
         "request that fits the batch at once")
     cost_model: bool = Field(
