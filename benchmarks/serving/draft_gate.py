@@ -27,10 +27,8 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from taps_ray.bench.closed_loop import LoopTimes, closed_loop, percentile  # noqa: E402
-from taps_ray.bench.prompts import first_turns  # noqa: E402
+from taps_ray.bench.closed_loop import LoopTimes, closed_loop, mixed_prompts, percentile  # noqa: E402
 from taps_ray.config import load_config  # noqa: E402
-from taps_ray.data.chat import render_ids  # noqa: E402
 from taps_ray.decoding.continuous import ContinuousBatcher  # noqa: E402
 from taps_ray.decoding.draft_gate import DraftGate  # noqa: E402
 from taps_ray.drafting.cost import CostAware  # noqa: E402
@@ -60,9 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     target = load_target(config.target)
     names = args.models.split(",")
     proposers = load_proposers(config, names, target=target, kind=args.kind)
-    turns = first_turns(["gsm8k", "mt_bench"], args.prompts // 2, [], 0, config.resolved_data_dir())
-    prompts = [render_ids(target.tokenizer, [{"role": "user", "content": text}], add_generation_prompt=True)
-               for _, text in turns]
+    prompts = mixed_prompts(config, target.tokenizer, args.prompts)
     layers = {p.feature_layers for p in proposers.values()}.pop()
     runs = [("plain", "-", False)] + [(name, gate, gate == "on") for name in names for gate in ("off", "on")]
     rows, results = [], {}

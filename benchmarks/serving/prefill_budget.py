@@ -23,10 +23,8 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from taps_ray.bench.closed_loop import closed_loop, percentile  # noqa: E402
-from taps_ray.bench.prompts import first_turns  # noqa: E402
+from taps_ray.bench.closed_loop import closed_loop, mixed_prompts, percentile  # noqa: E402
 from taps_ray.config import load_config  # noqa: E402
-from taps_ray.data.chat import render_ids  # noqa: E402
 from taps_ray.decoding.continuous import ContinuousBatcher  # noqa: E402
 from taps_ray.drafting.proposers import PlainDecoding  # noqa: E402
 from taps_ray.fsio import atomic_write_text  # noqa: E402
@@ -50,9 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     config = load_config(args.config)
     target = load_target(config.target)
-    turns = first_turns(["gsm8k", "mt_bench"], args.prompts // 2, [], 0, config.resolved_data_dir())
-    prompts = [render_ids(target.tokenizer, [{"role": "user", "content": text}], add_generation_prompt=True)
-               for _, text in turns]
+    prompts = mixed_prompts(config, target.tokenizer, args.prompts)
     budgets = [int(b) for b in args.budgets.split(",")]
     runs: dict[int, list[dict[str, float]]] = {b: [] for b in budgets}
     for repetition in range(args.repetitions):

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
+from taps_ray.bench.prompts import first_turns
+from taps_ray.config import StudyConfig
+from taps_ray.data.chat import render_ids
 from taps_ray.decoding.continuous import ContinuousBatcher, Request
 from taps_ray.decoding.verify import SamplingParams
 from taps_ray.drafting.proposer import Proposer
@@ -29,6 +33,13 @@ class LoopTimes:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.wall_s if self.wall_s else 0.0
+
+
+def mixed_prompts(config: StudyConfig, tokenizer: Any, count: int) -> list[list[int]]:
+    """`count` chat prompts as token ids: half GSM8K, half MT-Bench first turns, rendered with the chat template."""
+    turns = first_turns(["gsm8k", "mt_bench"], count // 2, [], 0, config.resolved_data_dir())
+    return [render_ids(tokenizer, [{"role": "user", "content": text}], add_generation_prompt=True)
+            for _, text in turns]
 
 
 def percentile(values: list[float], q: float) -> float:
