@@ -9,7 +9,8 @@ sampling parameters share the forward (parameters are per row).
 Exact like `run_loop`, whose step it is: a sequence's tokens depend only on its prompt, parameters and seed (at
 T=0 they equal plain greedy decoding) whoever shares its batch, and its `DraftGate` decides per step from the live
 batch size whether the batch drafts (a fixed `draft_below` cap, as in the other loops, or Serve's measured rule:
-draft where drafted steps commit more tokens per second than undrafted ones at this batch size). What Serve adds is its sequences' commit (`_Sequence.commit`):
+draft where drafted steps commit more tokens per second than undrafted ones at this batch size). What Serve adds
+is its sequences' commit (`_Sequence.commit`):
 text-level stop conditions (stop strings) come in as `Request.stop`, so decoding ends at the step that completes
 one; log-probabilities; streaming each step's tokens.
 
@@ -142,7 +143,8 @@ class ContinuousBatcher:
         feature_layers: tuple[int, ...] = (), node_stats: bool = False, prefill_tokens: int | None = None,
     ) -> None:
         """`gate`: whether a step drafts (None: always); it hears every step's time and tokens while a drafting
-        proposer is in the batch. `feature_layers`: the target layers the replica's proposers draft from (`Proposer.feature_layers`).
+        proposer is in the batch. `feature_layers`: the target layers the replica's proposers draft from
+        (`Proposer.feature_layers`).
         `node_stats`: keep per-node diagnostics in the step records (`step.decode_step`), off unless asked: Serve
         reports none of them. `prefill_tokens`: the most prompt tokens one scheduling iteration prefills (at least
         one request is admitted), so a flood of joining requests is admitted over several steps and the running
