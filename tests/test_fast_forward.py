@@ -23,7 +23,7 @@ from taps_ray.drafting.tree import build_tree
 from taps_ray.models.cpu_linear import DecodingLinear
 from taps_ray.models.fast_llama import SUPPORTED_MODEL_TYPES, FastLlama
 from taps_ray.models.hf_forward import HFForward
-from taps_ray.models.kv_cache import GROWTH, KVCache
+from taps_ray.models.kv_cache import GROWTH, KVCache, write_slots
 from taps_ray.models.target_forward import attach_forward, compile_unavailable_reason, target_forward
 
 from numerics import rounding_rtol
@@ -314,11 +314,12 @@ def test_decoding_writes_in_place_the_buffers_are_allocated_once_per_capacity():
     assert torch.equal(batch.cache.layer(0)[0][:, :, : keys_before.shape[2]], keys_before)
 
 
-def test_cache_compaction_and_row_selection_match_a_naive_copy():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: the slot moves are indexed, not scattered
+def test_cache_compaction_and_row_selection_match_a_naive_copy(dtype: torch.dtype):
     generator = torch.Generator().manual_seed(0)
     cache = KVCache(num_layers=2)
     cache.reset(3)
-    full = [torch.randn(3, 2, 9, 4, generator=generator) for _ in range(2)]
+    full = [torch.randn(3, 2, 9, 4, generator=generator).to(dtype) for _ in range(2)]
     for layer in range(2):
         cache.append(layer, full[layer][:, :, :6], full[layer][:, :, :6] + 1)
     cache.advance(6)
@@ -342,9 +343,20 @@ def test_cache_compaction_and_row_selection_match_a_naive_copy():
     sub = cache.take_rows(torch.tensor([1]), 5)
     keys_before = cache.layer(0)[0].clone()
     for layer in range(2):
-        sub.append(layer, torch.full((1, 2, 2, 4), 7.0), torch.full((1, 2, 2, 4), 8.0))
+        sub.append(layer, torch.full((1, 2, 2, 4), 7.0, dtype=dtype), torch.full((1, 2, 2, 4), 8.0, dtype=dtype))
     sub.advance(2)
     cache.put_rows(torch.tensor([1]), sub, since=5)
     keys = cache.layer(0)[0]
-    assert cache.width == 7 and torch.equal(keys[1, :, 5:], torch.full((2, 2, 4), 7.0))
+    assert cache.width == 7 and torch.equal(keys[1, :, 5:], torch.full((2, 2, 4), 7.0, dtype=dtype))
     assert torch.equal(keys[:, :, :5], keys_before)  # the rows' committed slots, and the other row, untouched
+
+
+def test_write_slots_writes_each_row_at_its_own_slots():
+    buffer = torch.zeros(2, 3, 6, 4, dtype=torch.bfloat16)
+    values = torch.arange(2 * 3 * 2 * 4, dtype=torch.bfloat16).view(2, 3, 2, 4)
+    slots = torch.tensor([[1, 2], [4, 0]])
+    write_slots(buffer, slots, values)
+    want = torch.zeros_like(buffer)
+    for row in range(2):
+        want[row][:, slots[row]] = values[row]
+    assert torch.equal(buffer, want) and buffer.count_nonzero() == values.count_nonzero()

@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from taps_ray.models.cpu_linear import DecodingLinear
+from taps_ray.models.kv_cache import write_slots
 from taps_ray.models.llama_blocks import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary_pos_emb
 
 if TYPE_CHECKING:  # a target's config is only read here: importing its class would load transformers' model code
@@ -251,9 +252,8 @@ class DraftHead(nn.Module):
             kv[0][:, :, start:end] = k
             kv[1][:, :, start:end] = v
         else:
-            index = write_index[:, None, :, None].expand_as(k)
-            kv[0].scatter_(2, index, k)
-            kv[1].scatter_(2, index, v)
+            write_slots(kv[0], write_index, k)
+            write_slots(kv[1], write_index, v)
         attended = self.attend(q, kv[0][:, :, :end], kv[1][:, :, :end], mask)
         if sequences > 1:
             attended = _fold(attended, sequences)
