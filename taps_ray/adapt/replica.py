@@ -71,6 +71,13 @@ class ReplicaAdaptation:
             router.poll()
         self._polled = clock()
 
+    def _served(self, request: Request) -> tuple[ServedModel, int] | None:
+        for served in self.models.values():
+            version = served.version_of(request.proposer)
+            if version is not None:
+                return served, version
+        return None
+
     def _model_of(self, request: Request) -> str | None:
         """The adapted model whose served (or recently served) proposer `request` drafts with."""
         found = self._served(request)
