@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
+
 from taps_ray.adapt.buffer import Tag, TrafficBuffer
 from taps_ray.adapt.candidate import Candidate, TargetSide
 from taps_ray.adapt.heads import HeadEntry, HeadSet
