@@ -268,9 +268,10 @@ def test_rollback_rule_and_roll_back(tiny_target, tmp_path):
 
 def test_a_serve_replica_records_trains_swaps_and_stays_greedy(ray_session, tiny_config, tiny_target, tmp_path):
     """The deployment with serve.adapt on, over HTTP: the replica records, its trainer actor publishes a version
-    trained on that traffic, the replica swaps it in, and every answer before and after is the greedy one."""
+    trained on that traffic, the replica swaps it in, and every answer before and after is the greedy one. A routed
+    model adapts beside it, per head."""
     cfg = _adapt_config(tiny_config, tmp_path, lr=3e-3, steps_per_round=30, min_new_tokens=1, flush_tokens=1,
-                        poll_s=0.2, trainer_num_cpus=0.5)
+                        poll_s=0.2, trainer_num_cpus=0.5, models=["math", "learned-routed"])
     cfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={
         "max_batch_size": 4, "replica_num_cpus": 0.5, "num_replicas": 1, "cost_model": False})})
     for seed, mixture in enumerate(("math", "chat"), start=5):
@@ -288,8 +289,8 @@ def test_a_serve_replica_records_trains_swaps_and_stays_greedy(ray_session, tiny
         url = f"http://127.0.0.1:{port}"
         _wait_healthy(url)
 
-        def complete(text: str) -> str:
-            body = {"model": "math", "prompt": text, "max_tokens": 16, "temperature": 0}
+        def complete(text: str, model: str = "math") -> str:
+            body = {"model": model, "prompt": text, "max_tokens": 16, "temperature": 0}
             response = httpx.post(f"{url}/v1/completions", json=body, timeout=120.0)
             assert response.status_code == 200, response.text
             return response.json()["choices"][0]["text"]
@@ -303,7 +304,9 @@ def test_a_serve_replica_records_trains_swaps_and_stays_greedy(ray_session, tiny
         time.sleep(1.0)  # past the replica's next poll: the new version serves
         for text in texts:
             assert complete(text) == greedy[text]
-        assert httpx.get(f"{url}/healthz", timeout=10.0).json()["head_versions"]["math"] >= 1
+            assert complete(text, "learned-routed") == greedy[text]
+        versions = httpx.get(f"{url}/healthz", timeout=10.0).json()["head_versions"]
+        assert versions["math"] >= 1 and set(versions["learned-routed"]) == {"math", "chat"}
     finally:
         serve.shutdown()
 
