@@ -371,6 +371,11 @@ def _routed_config(tiny_config, tmp_path, model: str, **adapt):
                          flush_tokens=1, **adapt)
 
 
+def _single(target, cfg):
+    """`ReplicaAdaptation`'s builder of single-head models (these tests adapt routed ones only)."""
+    return lambda model, head: build_proposer(model, target, {model: head}, cfg.tree)
+
+
 def _routed_requests(proposer, prompts, max_tokens: int = MAX_NEW) -> list[Request]:
     return [Request(prompt=p, proposer=proposer, params=GREEDY, max_tokens=max_tokens, seed=0) for p in prompts]
 
@@ -385,7 +390,7 @@ def test_a_head_version_is_swapped_inside_a_routed_model(tiny_config, tiny_targe
         head.save(head_checkpoint(cfg, "eagle2", mixture))
     router = build_proposer("confidence-routed", tiny_target, random_heads, cfg.tree)
     proposers: dict[str, object] = {}
-    adapt = ReplicaAdaptation(cfg, ["confidence-routed"], None, proposers.__setitem__,
+    adapt = ReplicaAdaptation(cfg, ["confidence-routed"], _single(tiny_target, cfg), proposers.__setitem__,
                               routed={"confidence-routed": router})
     assert adapt.versions() == {"confidence-routed": {"math": 0, "chat": 0}}
     before = proposers["confidence-routed"]
@@ -413,7 +418,7 @@ def test_a_spawned_head_joins_the_router_between_steps_and_takes_the_traffic(tin
         head.save(head_checkpoint(cfg, "eagle2", mixture))
     proposers: dict[str, object] = {}
     now = [0.0]
-    adapt = ReplicaAdaptation(cfg, ["learned-routed"], None, proposers.__setitem__, clock=lambda: now[0],
+    adapt = ReplicaAdaptation(cfg, ["learned-routed"], _single(tiny_target, cfg), proposers.__setitem__, clock=lambda: now[0],
                               routed={"learned-routed": build_proposer("learned-routed", tiny_target, random_heads,
                                                                        cfg.tree)})
     heads = model_heads(cfg, "eagle2", "learned-routed")
