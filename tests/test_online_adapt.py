@@ -465,6 +465,7 @@ def test_a_spawned_head_joins_the_router_between_steps_and_takes_the_traffic(tin
         assert [r.generation.tokens for r in results] == [greedy_of(p) for p in sent]
     spawned_steps = [s for r in after for s in r.generation.steps if s.head == 2]
     assert spawned_steps and sum(s.accepted for s in spawned_steps) > 0  # the router sends the traffic there
+    assert min(r.generation.tau for r in after) > max(r.generation.tau for r in low)  # and it decodes better
     assert adapt.routed["learned-routed"].spawned == 1
     assert adapt.versions() == {"learned-routed": {"math": 0, "chat": 0, "spawn1": 0}}
     assert heads.asked() is None and len(heads.heads()) == 3  # max_heads met: low traffic asks for no more
