@@ -312,14 +312,20 @@ def memory_bytes(gb: float | None) -> int | None:
     return None if gb is None else int(gb * 1e9)
 
 
+# the routed models online adaptation can reach inside (one head swapped, a spawned head added): their parts are
+# single heads, any number of them
+ROUTED_ADAPT = ("routed", "confidence-routed", "learned-routed")
+
+
 class AdaptConfig(_Strict):
     """`serve.adapt`: the replica records a sampled share of its traffic and a trainer actor beside it keeps
     training the served heads on it, publishing a version only when it agrees better with the target on the most
     recent traffic (docs/serve.md#online-adaptation). Off unless enabled: nothing is recorded or polled."""
 
     enabled: bool = Field(False, description="record traffic, train beside serving and swap in better head versions")
-    models: list[str] = Field(default_factory=list, description="the single-head models (mixture names) that adapt; "
-                              "empty: every served head")
+    models: list[str] = Field(default_factory=list, description="the models that adapt: single-head models (mixture "
+                              "names) and routed ones (ROUTED_ADAPT: each of their heads adapts on the traffic routed "
+                              "to it); empty: every served single head")
     sample: float = Field(0.25, gt=0, le=1, description="share of a model's requests whose features are recorded")
     max_recorded_per_minute: int = Field(60, gt=0, description="at most this many requests recorded per minute and "
                                          "replica (the recorder's bounded rate)")
@@ -342,6 +348,25 @@ class AdaptConfig(_Strict):
                                    "previous one's by more than this (tau over a few requests is noisy)")
     trainer_num_cpus: float = Field(1.0, gt=0, description="CPUs Ray reserves for the trainer actor (its torch threads)")
     dir: str = Field("adapt", description="versions and buffers, under work_dir")
+    spawn: bool = Field(False, description="new heads for new traffic: when a routed model's recent requests keep "
+                        "decoding below `spawn_below_tau` on every head, fork a new head from the closest one, train "
+                        "it on those requests and add it to the routed model (docs/serve.md#spawning-heads)")
+    spawn_below_tau: float = Field(1.5, gt=1, description="a finished request is low when its tau (tokens per "
+                                   "verification step) is below this")
+    spawn_window: int = Field(32, gt=0, description="the recent finished requests of a routed model the rule looks at")
+    spawn_after: int = Field(16, gt=0, description="low requests in the window (at most spawn_window) before a spawn "
+                             "is asked for")
+    max_heads: int = Field(4, ge=2, description="the most heads a routed model grows to, spawned heads included")
+
+    @model_validator(mode="after")
+    def _spawn_settings(self) -> AdaptConfig:
+        if self.spawn_after > self.spawn_window:
+            raise ValueError(f"serve.adapt.spawn_after ({self.spawn_after}) counts low requests within the last "
+                             f"spawn_window ({self.spawn_window}) requests, so it cannot exceed it")
+        if self.spawn and not any(m in ROUTED_ADAPT for m in self.models):
+            raise ValueError("serve.adapt.spawn adds heads to a routed model: list one of "
+                             f"{', '.join(ROUTED_ADAPT)} in serve.adapt.models")
+        return self
 
 
 class ServeConfig(_Strict):

@@ -13,15 +13,19 @@ import time
 import httpx
 import pytest
 import torch
+from pydantic import ValidationError
 from ray import serve
 
 from taps_ray.adapt.buffer import TrafficBuffer
+from taps_ray.adapt.heads import HeadSet
 from taps_ray.adapt.record import Recorder
 from taps_ray.adapt.replica import ReplicaAdaptation
+from taps_ray.adapt.spawn import SpawnRule
+from taps_ray.adapt.spawner import SpawnRound
 from taps_ray.adapt.swap import LiveStats, ServedModel, should_roll_back
-from taps_ray.adapt.trainer_actor import OnlineTrainer, model_buffer, model_store
+from taps_ray.adapt.trainer_actor import OnlineTrainer, RoutedTrainer, model_buffer, model_heads, model_store
 from taps_ray.adapt.versions import VersionStore
-from taps_ray.config import TreeConfig
+from taps_ray.config import AdaptConfig, TreeConfig
 from taps_ray.decoding.continuous import ContinuousBatcher, Request, Result
 from taps_ray.decoding.generate import generate
 from taps_ray.decoding.verify import SamplingParams
@@ -264,9 +268,10 @@ def test_rollback_rule_and_roll_back(tiny_target, tmp_path):
 
 def test_a_serve_replica_records_trains_swaps_and_stays_greedy(ray_session, tiny_config, tiny_target, tmp_path):
     """The deployment with serve.adapt on, over HTTP: the replica records, its trainer actor publishes a version
-    trained on that traffic, the replica swaps it in, and every answer before and after is the greedy one."""
+    trained on that traffic, the replica swaps it in, and every answer before and after is the greedy one. A routed
+    model adapts beside it, per head."""
     cfg = _adapt_config(tiny_config, tmp_path, lr=3e-3, steps_per_round=30, min_new_tokens=1, flush_tokens=1,
-                        poll_s=0.2, trainer_num_cpus=0.5)
+                        poll_s=0.2, trainer_num_cpus=0.5, models=["math", "learned-routed"])
     cfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={
         "max_batch_size": 4, "replica_num_cpus": 0.5, "num_replicas": 1, "cost_model": False})})
     for seed, mixture in enumerate(("math", "chat"), start=5):
@@ -284,8 +289,8 @@ def test_a_serve_replica_records_trains_swaps_and_stays_greedy(ray_session, tiny
         url = f"http://127.0.0.1:{port}"
         _wait_healthy(url)
 
-        def complete(text: str) -> str:
-            body = {"model": "math", "prompt": text, "max_tokens": 16, "temperature": 0}
+        def complete(text: str, model: str = "math") -> str:
+            body = {"model": model, "prompt": text, "max_tokens": 16, "temperature": 0}
             response = httpx.post(f"{url}/v1/completions", json=body, timeout=120.0)
             assert response.status_code == 200, response.text
             return response.json()["choices"][0]["text"]
@@ -299,6 +304,168 @@ def test_a_serve_replica_records_trains_swaps_and_stays_greedy(ray_session, tiny
         time.sleep(1.0)  # past the replica's next poll: the new version serves
         for text in texts:
             assert complete(text) == greedy[text]
-        assert httpx.get(f"{url}/healthz", timeout=10.0).json()["head_versions"]["math"] >= 1
+            assert complete(text, "learned-routed") == greedy[text]
+        versions = httpx.get(f"{url}/healthz", timeout=10.0).json()["head_versions"]
+        assert versions["math"] >= 1 and set(versions["learned-routed"]) == {"math", "chat"}
     finally:
         serve.shutdown()
+
+
+# --- routed models: a head swapped inside the router, new heads for new traffic (docs/serve.md#spawning-heads) ---
+
+
+def _finished(tau: float, **heads: float) -> tuple[float, dict[str, LiveStats]]:
+    """A finished request's tau and each head's counts over the steps it drafted alone (10 steps each)."""
+    return tau, {h: LiveStats(1, 10, round(10 * t), 0, 0) for h, t in heads.items()}
+
+
+def test_the_spawn_rule_fires_on_enough_low_requests_that_no_head_does_well_on():
+    names = ["math", "chat"]
+    rule = SpawnRule(below_tau=2.0, window=4, after=3)
+    assert rule.add(*_finished(1.2, math=1.1, chat=1.3), names) is None
+    assert rule.add(*_finished(1.4, math=1.2, chat=1.6), names) is None  # two low: fewer than `after`
+    assert rule.add(*_finished(1.3, math=1.2), names) == "chat"  # the closest: the best pooled tau on them
+    assert rule.add(*_finished(1.1, math=1.0), names) is None  # a fresh window: one spell asks once
+
+    spread = SpawnRule(below_tau=2.0, window=4, after=3)
+    for tau in (1.0, 3.0, 3.0, 1.0, 3.0, 1.0):  # never three low among the last four
+        assert spread.add(*_finished(tau, math=tau), names) is None
+
+    served = SpawnRule(below_tau=2.0, window=4, after=2)  # low requests, but a head does well on them
+    assert served.add(*_finished(1.5, math=1.0, chat=2.5), names) is None
+    assert served.add(*_finished(1.5, math=1.0, chat=2.5), names) is None
+
+
+def test_bad_spawn_settings_give_a_clear_error():
+    with pytest.raises(ValidationError, match="spawn_after .* cannot exceed"):
+        AdaptConfig(spawn_window=4, spawn_after=8)
+    with pytest.raises(ValidationError, match="list one of routed, confidence-routed, learned-routed"):
+        AdaptConfig(enabled=True, spawn=True, models=["math"])
+    with pytest.raises(ValidationError, match="spawn_below_tau"):
+        AdaptConfig(spawn_below_tau=1.0)  # tau is at least 1: nothing would ever be low
+    with pytest.raises(ValidationError, match="max_heads"):
+        AdaptConfig(max_heads=1)
+    assert not AdaptConfig().spawn  # off by default
+    assert AdaptConfig(spawn=True, models=["learned-routed"]).max_heads == 4
+
+
+def test_a_routed_model_grows_to_max_heads_at_most(tiny_target, tmp_path):
+    base = tmp_path / "base"
+    new_head(tiny_target.model.config, seed=1).save(base)
+    heads = HeadSet(tmp_path / "routed", max_heads=3)
+    heads.ensure({"math": base, "chat": base})
+    heads.ensure({"math": base, "chat": base})  # a second replica starting lists nothing twice
+    assert [h.name for h in heads.heads()] == ["math", "chat"]
+    assert heads.ask_spawn("chat") and heads.asked() == "chat"
+    assert not heads.ask_spawn("math")  # one pending ask at a time
+    spawned = heads.add("chat", new_head(tiny_target.model.config, seed=2), {"heldout_acc": 0.5})
+    assert spawned.name == "spawn1" and spawned.parent == "chat" and heads.asked() is None
+    assert heads.store(spawned).current().number == 0 and DraftHead.load(spawned.base) is not None
+    assert not heads.ask_spawn("math")  # three heads: the bound is met
+    assert heads.add("math", new_head(tiny_target.model.config, seed=3), {}) is None
+    assert len(heads.heads()) == 3
+
+
+def _routed_config(tiny_config, tmp_path, model: str, **adapt):
+    return _adapt_config(tiny_config, tmp_path, models=[model], lr=3e-3, steps_per_round=60, min_new_tokens=1,
+                         flush_tokens=1, **adapt)
+
+
+def _single(target, cfg):
+    """`ReplicaAdaptation`'s builder of single-head models (these tests adapt routed ones only)."""
+    return lambda model, head: build_proposer(model, target, {model: head}, cfg.tree)
+
+
+def _routed_requests(proposer, prompts, max_tokens: int = MAX_NEW) -> list[Request]:
+    return [Request(prompt=p, proposer=proposer, params=GREEDY, max_tokens=max_tokens, seed=0) for p in prompts]
+
+
+def test_a_head_version_is_swapped_inside_a_routed_model(tiny_config, tiny_target, prompts, expected, fitted,
+                                                         tmp_path):
+    """confidence-routed over a random math head and a random chat head: a better math version replaces the math
+    head inside the router (its chat head untouched), versions are per head, and the output stays greedy."""
+    cfg = _routed_config(tiny_config, tmp_path, "confidence-routed")
+    random_heads = {m: new_head(tiny_target.model.config, seed=s, fc_bias=True) for s, m in ((5, "math"), (6, "chat"))}
+    for mixture, head in random_heads.items():
+        head.save(head_checkpoint(cfg, "eagle2", mixture))
+    router = build_proposer("confidence-routed", tiny_target, random_heads, cfg.tree)
+    proposers: dict[str, object] = {}
+    adapt = ReplicaAdaptation(cfg, ["confidence-routed"], _single(tiny_target, cfg), proposers.__setitem__,
+                              routed={"confidence-routed": router})
+    assert adapt.versions() == {"confidence-routed": {"math": 0, "chat": 0}}
+    before = proposers["confidence-routed"]
+    heads = model_heads(cfg, "eagle2", "confidence-routed")
+    heads.store(heads.heads()[0]).publish(fitted, {"heldout_acc": 1.0}, over=0)
+    adapt.between_steps()
+    after = proposers["confidence-routed"]
+    assert after is not before and adapt.versions() == {"confidence-routed": {"math": 1, "chat": 0}}
+    assert after.parts[1] is before.parts[1] and after.parts[0].head is not before.parts[0].head
+    results = _decode(tiny_target, _routed_requests(after, prompts))
+    assert [r.generation.tokens for r in results] == expected
+    assert sum(s.accepted for r in results for s in r.generation.steps) > 0  # the fitted math head's drafts
+
+
+def test_a_spawned_head_joins_the_router_between_steps_and_takes_the_traffic(tiny_config, tiny_target, prompts,
+                                                                            expected, tmp_path):
+    """learned-routed over two random heads: every request decodes low, the rule asks for a head, the trainer forks
+    one and trains it on those requests only; the replica adds it between two decode steps while requests decode.
+    Every request before and after decodes the greedy tokens, none fails, and the router drafts with the new head
+    (its drafts accepted). The bound holds: with max_heads met, low traffic asks for nothing more."""
+    cfg = _routed_config(tiny_config, tmp_path, "learned-routed", spawn=True, spawn_below_tau=1.5, spawn_window=4,
+                         spawn_after=2, max_heads=3, poll_s=1.0)
+    random_heads = {m: new_head(tiny_target.model.config, seed=s, fc_bias=True) for s, m in ((5, "math"), (6, "chat"))}
+    for mixture, head in random_heads.items():
+        head.save(head_checkpoint(cfg, "eagle2", mixture))
+    proposers: dict[str, object] = {}
+    now = [0.0]
+    adapt = ReplicaAdaptation(cfg, ["learned-routed"], _single(tiny_target, cfg), proposers.__setitem__, clock=lambda: now[0],
+                              routed={"learned-routed": build_proposer("learned-routed", tiny_target, random_heads,
+                                                                       cfg.tree)})
+    heads = model_heads(cfg, "eagle2", "learned-routed")
+    batcher = ContinuousBatcher(tiny_target.model, tiny_target.stop_token_ids, max_batch_size=4)
+
+    async def record() -> list[Result]:
+        loop = DecodeLoop(batcher, 16, 60.0, adapt=adapt)
+        tickets = [loop.submit(r, "learned-routed") for r in _routed_requests(proposers["learned-routed"], 3 * prompts)]
+        return [await t.wait() for t in tickets]
+
+    low = asyncio.run(record())
+    assert all(r.error is None and r.generation.tau < 1.5 for r in low)
+    assert heads.asked() == "math"  # no head drafted alone on them: the closest of equals is the first
+    adapt.flush()
+    trainer = RoutedTrainer(cfg, "learned-routed")
+    for _ in range(3):
+        rounds = trainer.train_round(force=True)
+        if len(heads.heads()) == 3:
+            break
+    (spawn,) = [r for r in rounds if isinstance(r, SpawnRound)]
+    assert spawn.parent == "math" and spawn.spawned == "spawn1" and spawn.fork_acc > spawn.parent_acc
+    assert len(proposers["learned-routed"].head_names) == 2  # the replica has not polled yet
+
+    def greedy_of(prompt):
+        return expected[prompts.index(prompt)]
+
+    async def serve_across_the_spawn() -> tuple[list[Result], list[Result], object]:
+        loop = DecodeLoop(batcher, 16, 60.0, adapt=adapt)
+        first = [loop.submit(r, "learned-routed") for r in _routed_requests(proposers["learned-routed"], prompts)]
+        while batcher.live == 0 or all(len(s.generation.tokens) < 2 for s in batcher._running):
+            await asyncio.sleep(0.001)
+        now[0] += 10.0  # the next poll is due: the loop adds the spawned head between two steps
+        while len(proposers["learned-routed"].head_names) != 3:
+            await asyncio.sleep(0.001)
+        assert any(not t.result.done() for t in first)  # in flight across the spawn
+        grown = proposers["learned-routed"]
+        second = [loop.submit(r, "learned-routed") for r in _routed_requests(grown, 3 * prompts)]
+        return [await t.wait() for t in first], [await t.wait() for t in second], grown
+
+    before, after, grown = asyncio.run(serve_across_the_spawn())
+    assert grown.head_names == ["math", "chat", "spawn1"]
+    for results, sent in ((before, prompts), (after, 3 * prompts)):
+        assert all(r.error is None for r in results)
+        assert [r.generation.tokens for r in results] == [greedy_of(p) for p in sent]
+    spawned_steps = [s for r in after for s in r.generation.steps if s.head == 2]
+    assert spawned_steps and sum(s.accepted for s in spawned_steps) > 0  # the router sends the traffic there
+    assert min(r.generation.tau for r in after) > max(r.generation.tau for r in low)  # and it decodes better
+    assert adapt.routed["learned-routed"].spawned == 1
+    assert adapt.versions() == {"learned-routed": {"math": 0, "chat": 0, "spawn1": 0}}
+    assert heads.asked() is None and len(heads.heads()) == 3  # max_heads met: low traffic asks for no more

@@ -7,7 +7,9 @@ shard the index does not list (a writer killed between the two renames) or a tem
 buffer is opened, so a restarted replica or trainer resumes from the last complete index. Old shards age out: the
 oldest go first while the buffer holds more than `max_tokens` positions or they are older than `max_age_s`.
 Writers (replicas) hold the folder's lock for the index update; readers (the trainer) read the index and skip a
-shard that aged out meanwhile.
+shard that aged out meanwhile. Each example may carry a tag (a small JSON dict, in the shard's metadata): a routed
+model's recordings say which head drafted them and whether they decoded below the spawn threshold, so a head trains
+on its own traffic and a spawned head on the low requests only (`read(where=...)`).
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from taps_ray.fsio import atomic_write_json, folder_lock
-from taps_ray.training.features import Example, read_shard, write_shard
+from taps_ray.training.features import Example, read_shard, read_shard_meta, write_shard
 
+Tag = dict[str, Any]  # what a writer says about one example (JSON)
 INDEX = "index.json"
 SETTLE_S = 60.0  # an unlisted file younger than this may be another writer's shard between its two renames
 
@@ -53,26 +57,32 @@ class TrafficBuffer:
     def tokens(self) -> int:
         return sum(s.tokens for s in self.shards())
 
-    def add(self, examples: Sequence[Example]) -> Shard | None:
-        """Write `examples` as one shard, list it, then age out what the bounds no longer allow."""
+    def add(self, examples: Sequence[Example], tags: Sequence[Tag] | None = None) -> Shard | None:
+        """Write `examples` (with their `tags`, one each) as one shard, list it, then age out what the bounds no
+        longer allow."""
         if not examples:
             return None
         now = self.clock()
         shard = Shard(f"shard-{time.time_ns()}-{uuid.uuid4().hex[:8]}.safetensors", sum(len(e) for e in examples), now)
-        write_shard(self.folder / shard.file, examples, {"created": now})
+        meta = {"created": now, "tags": list(tags) if tags is not None else [{} for _ in examples]}
+        write_shard(self.folder / shard.file, examples, meta)
         with folder_lock(self.folder):
             kept = self._age_out([*self.shards(), shard], now)
             self._write_index(kept)
         return shard
 
-    def read(self, shards: Sequence[Shard] | None = None) -> list[Example]:
-        """The examples of `shards` (default: all live ones) in arrival order; a shard aged out meanwhile is skipped."""
+    def read(self, shards: Sequence[Shard] | None = None, where: Callable[[Tag], bool] | None = None) -> list[Example]:
+        """The examples of `shards` (default: all live ones) in arrival order, only those whose tag `where` accepts;
+        a shard aged out meanwhile is skipped."""
         out = []
         for shard in self.shards() if shards is None else shards:
+            path = self.folder / shard.file
             try:
-                out.extend(read_shard(self.folder / shard.file))
+                examples = read_shard(path)
+                tags = read_shard_meta(path)[1].get("tags") or [{} for _ in examples]
             except FileNotFoundError:
                 continue
+            out.extend(e for e, tag in zip(examples, tags, strict=True) if where is None or where(tag))
         return out
 
     def _age_out(self, shards: list[Shard], now: float) -> list[Shard]:

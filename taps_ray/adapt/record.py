@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from taps_ray.adapt.buffer import TrafficBuffer
+from taps_ray.adapt.buffer import Tag, TrafficBuffer
 from taps_ray.decoding.target_batch import Committed
 from taps_ray.training.features import HIDDEN_DTYPE, Example
 
@@ -61,7 +61,7 @@ class Recorder:
         self.clock = clock
         self._rng = random.Random(seed)
         self._recent: deque[float] = deque()  # when the last minute's recordings started
-        self._pending: list[Example] = []
+        self._pending: list[tuple[Example, Tag]] = []
         self._lock = threading.Lock()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="taps-adapt-record")
         self.recorded = 0
@@ -77,21 +77,22 @@ class Recorder:
         self._recent.append(now)
         return Recording(list(prompt))
 
-    def finish(self, recording: Recording, ok: bool) -> None:
-        """The request ended: keep its recording (unless it failed or committed nothing) for the writer."""
+    def finish(self, recording: Recording, ok: bool, tag: Tag | None = None) -> None:
+        """The request ended: keep its recording (unless it failed or committed nothing) for the writer, with `tag`
+        (what the buffer keeps beside it: a routed model's head and whether it decoded low)."""
         if ok and recording.pieces:
-            self._writer.submit(self._keep, recording)
+            self._writer.submit(self._keep, recording, tag or {})
 
     def flush(self) -> Future:
         """Write whatever is pending now (shutdown, tests); the future resolves once it is in the buffer."""
         return self._writer.submit(self._write)
 
-    def _keep(self, recording: Recording) -> None:
+    def _keep(self, recording: Recording, tag: Tag) -> None:
         try:
             example = as_example(recording.prompt, recording.pieces, uuid.uuid4().hex)
             with self._lock:
-                self._pending.append(example)
-                full = sum(len(e) for e in self._pending) >= self.flush_tokens
+                self._pending.append((example, tag))
+                full = sum(len(e) for e, _ in self._pending) >= self.flush_tokens
             if full:
                 self._write()
         except Exception:  # recording is best effort: serving goes on without it
@@ -101,6 +102,6 @@ class Recorder:
         with self._lock:
             pending, self._pending = self._pending, []
         if pending:
-            self.buffer.add(pending)
+            self.buffer.add([e for e, _ in pending], [t for _, t in pending])
             self.recorded += len(pending)
             self.buffer_tokens = self.buffer.tokens

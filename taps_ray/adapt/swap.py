@@ -63,10 +63,12 @@ class ServedModel:
     their live acceptance."""
 
     def __init__(self, name: str, store: VersionStore, build: Callable[[DraftHead], Proposer],
-                 install: Callable[[Proposer], None], min_requests: int, margin: float) -> None:
+                 install: Callable[[Proposer], None], min_requests: int, margin: float,
+                 loaded: Proposer | None = None) -> None:
+        """`loaded`: version 0's proposer when the replica has it already (a routed model's own head), not rebuilt."""
         self.name, self.store, self.build, self.install = name, store, build, install
         self.min_requests, self.margin = min_requests, margin
-        self.proposers: dict[int, Proposer] = {}
+        self.proposers: dict[int, Proposer] = {} if loaded is None else {0: loaded}
         self.stats: dict[int, LiveStats] = {}
         self.previous: int | None = None
         self.version = -1

@@ -9,7 +9,11 @@ published only when its agreement beats the served version's by more than `min_g
 still serves. The candidate keeps its weights and optimizer across rounds (training continues); when the served
 version changes under it (a roll back), it restarts from the served one.
 
-`OnlineTrainerActor` is the Ray actor around it, with its own CPUs (`serve.adapt.trainer_num_cpus`, also its torch
+A routed model (`RoutedTrainer`) trains each of its heads the same way on the traffic routed to it (its buffer's
+sequences tagged with that head: versions per model and head, `heads.HeadSet`), and, when a replica asks, spawns a
+head for the traffic none does well on (`spawner.Spawner`); all its trainers share one `TargetSide`.
+
+`OnlineTrainerActor` is the Ray actor around either, with its own CPUs (`serve.adapt.trainer_num_cpus`, also its torch
 threads): `run` loops rounds until `stop`; `pause`, `resume` and `train_for` (rounds back to back) let a benchmark
 measure what training costs serving.
 """
@@ -17,23 +21,21 @@ measure what training costs serving.
 from __future__ import annotations
 
 import math
-import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
-from taps_ray.adapt.buffer import TrafficBuffer
+from taps_ray.adapt.buffer import Tag, TrafficBuffer
+from taps_ray.adapt.candidate import Candidate, TargetSide
+from taps_ray.adapt.heads import HeadEntry, HeadSet
+from taps_ray.adapt.spawner import Spawner, SpawnRound
 from taps_ray.adapt.versions import VersionStore
-from taps_ray.config import StudyConfig, parse_config
-from taps_ray.data.draft_vocab import draft_vocabulary
+from taps_ray.config import ROUTED_ADAPT, StudyConfig, parse_config
 from taps_ray.models.draft_head import DraftHead
-from taps_ray.models.draft_parts import load_training_target
-from taps_ray.training.features import PROBS_DTYPE, Example
-from taps_ray.training.losses import Batch, FrozenTarget, LossSettings, run_passes
-from taps_ray.training.trainer import collate, evaluate
 from taps_ray.workdir import head_checkpoint
 
 
@@ -51,6 +53,11 @@ def model_buffer(cfg: StudyConfig, kind: str, model: str) -> TrafficBuffer:
     return TrafficBuffer(adapt_root(cfg, kind, model) / "buffer", a.buffer_tokens, a.max_age_s)
 
 
+def model_heads(cfg: StudyConfig, kind: str, model: str) -> HeadSet:
+    """A routed model's heads and their versions (under its adapt root)."""
+    return HeadSet(adapt_root(cfg, kind, model), cfg.serve.adapt.max_heads)
+
+
 @dataclass
 class RoundResult:
     served: int  # the version scored against
@@ -60,32 +67,31 @@ class RoundResult:
     train_sequences: int
     heldout_sequences: int
     seconds: float
+    head: str | None = None  # a routed model's head this round trained (None: a single-head model)
 
 
 class OnlineTrainer:
-    def __init__(self, cfg: StudyConfig, model: str, kind: str | None = None) -> None:
+    def __init__(self, cfg: StudyConfig, model: str, kind: str | None = None, side: TargetSide | None = None,
+                 head: tuple[HeadEntry, VersionStore] | None = None) -> None:
+        """`head`: one head of routed `model` and its store; it trains on the sequences routed to it only."""
         self.cfg, self.model = cfg, model
         self.kind = kind or cfg.serve.head_kind
         self.adapt = cfg.serve.adapt
-        self.store, self.buffer = model_store(cfg, self.kind, model), model_buffer(cfg, self.kind, model)
-        target = load_training_target(cfg.target)  # the embeddings and LM head only, as offline training
-        vocab = draft_vocabulary(cfg, target.tokenizer, target.stop_token_ids)
-        self.frozen = FrozenTarget.from_model(target.model, torch.float32, vocab)
-        self.full_lm_head = target.model.get_output_embeddings().weight.detach().float()
-        train = cfg.train.model_copy(update={"precision": self.adapt.precision or cfg.train.precision})
-        self.settings = LossSettings.for_kind(self.kind, train, cfg.tree.depth)
-        self.passes = max(1, cfg.train.hca_passes)
-        self.rng = random.Random(cfg.train.seed)
-        self.generator = torch.Generator().manual_seed(cfg.train.seed)
+        self.side = side or TargetSide(cfg, self.kind)
+        self.head_name = head[0].name if head else None
+        self.store = head[1] if head else model_store(cfg, self.kind, model)
+        self.buffer = model_buffer(cfg, self.kind, model)
+        self.where: Callable[[Tag], bool] | None = None if head is None else self._routed_here
         self.seen: set[str] = set()  # shards some round has read
         self._start_from(self.store.current().number)
+
+    def _routed_here(self, tag: Tag) -> bool:
+        return tag.get("head") == self.head_name
 
     def _start_from(self, number: int) -> None:
         """The candidate restarts from the served version `number`, with a fresh optimizer."""
         self.base = number
-        self.head = DraftHead.load(self.store.version(number).path, torch.float32)
-        self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=self.adapt.lr, betas=(0.9, 0.95),
-                                           weight_decay=self.cfg.train.weight_decay)
+        self.candidate = Candidate(self.cfg, self.store.version(number).path)
 
     def round(self, force: bool = False) -> RoundResult | None:
         """One round, or None while fewer than `min_new_tokens` positions arrived since the last one (`force`:
@@ -98,53 +104,49 @@ class OnlineTrainer:
         served = self.store.current()
         if served.number != self.base:
             self._start_from(served.number)
-        examples = [self._with_topk(e) for e in self.buffer.read(shards) if int(e.loss_mask.sum()) > 0]
+        examples = [self.side.with_topk(e) for e in self.buffer.read(shards, self.where) if int(e.loss_mask.sum()) > 0]
         if len(examples) < 2:
             return None
-        held_n = max(1, math.ceil(len(examples) * self.adapt.heldout_fraction))
-        train, held = examples[:-held_n], examples[-held_n:]
-        self._train(train)
-        served_head = DraftHead.load(served.path, torch.float32)
-        served_acc, candidate_acc = self.agreement(served_head, held), self.agreement(self.head, held)
+        train, held = self.side.split(examples)
+        self.side.train(self.candidate, train)
+        served_acc = self.side.agreement(DraftHead.load(served.path), held)
+        candidate_acc = self.side.agreement(self.candidate.head, held)
         published = None
         if candidate_acc > served_acc + self.adapt.min_gain:
             metrics = {"heldout_acc": candidate_acc, "served_acc": served_acc, "heldout_sequences": len(held)}
-            version = self.store.publish(self.head, metrics, over=served.number)
+            version = self.store.publish(self.candidate.head, metrics, over=served.number)
             if version is None:  # rolled back while this round trained: start again from what serves now
                 self._start_from(self.store.current().number)
             else:
                 published = self.base = version.number
         return RoundResult(served.number, candidate_acc, served_acc, published, len(train), len(held),
-                           time.perf_counter() - start)
+                           time.perf_counter() - start, self.head_name)
 
-    def agreement(self, head: DraftHead, examples: list[Example]) -> float:
-        """Top-1 agreement with the target (the trainer's held-out metric) over `examples`."""
-        return evaluate(head, self._batches(examples), self.frozen, self.settings, passes=self.passes)["acc"]
+    def train_round(self, force: bool) -> list[RoundResult | SpawnRound]:
+        result = self.round(force)
+        return [result] if result is not None else []
 
-    def _train(self, examples: list[Example]) -> None:
-        self.head.train()
-        size = self.adapt.batch_size
-        for _ in range(self.adapt.steps_per_round):
-            batch = collate(self.rng.sample(examples, min(size, len(examples))))
-            self.optimizer.zero_grad(set_to_none=True)
-            run_passes(self.head, batch, self.frozen, self.settings, backward=True, generator=self.generator)
-            torch.nn.utils.clip_grad_value_(self.head.parameters(), self.cfg.train.grad_clip_value)
-            self.optimizer.step()
-        self.head.eval()
 
-    def _batches(self, examples: list[Example]) -> list[Batch]:
-        ordered = sorted(examples, key=len)
-        size = self.cfg.train.eval_batch_size
-        return [collate(ordered[i: i + size]) for i in range(0, len(ordered), size)]
+class RoutedTrainer:
+    """A routed model's trainers: one per head (spawned heads joining as they come) and the spawner."""
 
-    @torch.no_grad()
-    def _with_topk(self, example: Example) -> Example:
-        """The target's top-K next-token probabilities from its LM head over the recorded features (what feature
-        extraction stores; HASS's top-K term reads them): the replica records features only."""
-        probs = torch.softmax(example.hidden.float() @ self.full_lm_head.T, dim=-1)
-        top = probs.topk(self.cfg.features.top_k, dim=-1)
-        return Example(example.id, example.input_ids, example.loss_mask, example.hidden,
-                       top.values.to(PROBS_DTYPE), top.indices, example.aux)
+    def __init__(self, cfg: StudyConfig, model: str, kind: str | None = None) -> None:
+        self.cfg, self.model = cfg, model
+        self.kind = kind or cfg.serve.head_kind
+        self.side = TargetSide(cfg, self.kind)
+        self.heads = model_heads(cfg, self.kind, model)
+        self.trainers: dict[str, OnlineTrainer] = {}
+        self.spawner = Spawner(self.heads, model_buffer(cfg, self.kind, model), self.side)
+
+    def train_round(self, force: bool) -> list[RoundResult | SpawnRound]:
+        """A round for every head (as `OnlineTrainer.round`), then one of the pending spawn if any."""
+        for entry in self.heads.heads():
+            if entry.name not in self.trainers:
+                self.trainers[entry.name] = OnlineTrainer(self.cfg, self.model, self.kind, self.side,
+                                                          (entry, self.heads.store(entry)))
+        results: list[RoundResult | SpawnRound] = [r for t in self.trainers.values() for r in t.train_round(force)]
+        spawned = self.spawner.round()
+        return results + ([spawned] if spawned is not None else [])
 
 
 class OnlineTrainerActor:
@@ -153,7 +155,8 @@ class OnlineTrainerActor:
     def __init__(self, config: dict[str, Any], model: str, kind: str | None = None) -> None:
         cfg = parse_config(config, "<online trainer>")
         torch.set_num_threads(max(1, math.ceil(cfg.serve.adapt.trainer_num_cpus)))
-        self.trainer = OnlineTrainer(cfg, model, kind)
+        routed = model in ROUTED_ADAPT
+        self.trainer = RoutedTrainer(cfg, model, kind) if routed else OnlineTrainer(cfg, model, kind)
         self.history: list[dict[str, Any]] = []
         self._running = threading.Event()
         self._running.set()
@@ -167,8 +170,8 @@ class OnlineTrainerActor:
             return len(self.history)
         while not self._stop.is_set():
             self._running.wait(timeout=idle_s)
-            result = self._round(force=False) if self._running.is_set() else None
-            if result is None:
+            results = self._round(force=False) if self._running.is_set() else []
+            if not results:
                 self._stop.wait(idle_s)
         return len(self.history)
 
@@ -176,16 +179,16 @@ class OnlineTrainerActor:
         """Rounds back to back for `seconds`, new traffic or not; returns how many ran."""
         end, rounds = time.monotonic() + seconds, 0
         while time.monotonic() < end:
-            rounds += self._round(force=True) is not None
+            rounds += len(self._round(force=True))
         return rounds
 
-    def _round(self, force: bool) -> RoundResult | None:
+    def _round(self, force: bool) -> list[RoundResult | SpawnRound]:
         with self._training:
             started = time.time()
-            result = self.trainer.round(force)
-        if result is not None:
+            results = self.trainer.train_round(force)
+        for result in results:
             self.history.append({**asdict(result), "started": started, "ended": time.time()})
-        return result
+        return results
 
     def pause(self) -> None:
         self._running.clear()

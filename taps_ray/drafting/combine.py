@@ -147,6 +147,9 @@ class OverParts(Proposer):
     def map_heads(self, swap: Callable[[Proposer], Proposer]) -> Proposer:
         return replace(self, parts=[p.map_heads(swap) for p in self.parts])
 
+    def with_part(self, part: Proposer) -> Proposer:
+        return replace(self, parts=[*self.parts, part])
+
 
 @dataclass
 class AllPartsDrafting(OverParts):

@@ -138,6 +138,13 @@ class CostAware(Proposer):
     def init_state(self) -> CostState:
         return CostState(inner=self.inner.init_state())
 
+    def map_heads(self, swap: Callable[[Proposer], Proposer]) -> Proposer:
+        """The wrapped proposer with its heads swapped (online adaptation swaps a head inside a served router)."""
+        return replace(self, inner=self.inner.map_heads(swap))
+
+    def with_part(self, part: Proposer) -> Proposer:
+        return replace(self, inner=self.inner.with_part(part))
+
     def head_of(self, state: CostState) -> int:
         return state.last_head
 

@@ -8,7 +8,8 @@ A new proposer subclasses `Proposer`, implements `init_state` and `propose`, and
 it has: each has a default that is right for a proposer without it, so the loop and replay call them all without
 probing (`drafts`: whether it ever drafts beyond the root; `propose_batch`: batched drafting; `feature_layers`:
 EAGLE-3's fused target layers; `head_of`: a router's choice; `observe`: what verification accepted, for proposers
-that learn online; `map_heads` and `replay_refusal`: how replay swaps in precomputed trees).
+that learn online; `map_heads` and `replay_refusal`: how replay swaps in precomputed trees, and online adaptation a
+new version of one head; `with_part`: a head added to a router).
 """
 
 from __future__ import annotations
@@ -95,3 +96,8 @@ class Proposer(ABC):
         `swap(head)`: replay swaps in heads that answer from precomputed trees. A proposer without heads is
         returned as it is."""
         return self
+
+    def with_part(self, part: Proposer) -> Proposer:
+        """This proposer with `part` (a head drafter) drafting beside its own parts: online adaptation adds a spawned
+        head to a router (docs/serve.md#spawning-heads). Only a proposer that combines parts can."""
+        raise ValueError(f"proposer {self.name!r} does not combine heads, so no head can be added to it")

@@ -51,7 +51,7 @@ from ray import serve
 from taps_ray import ray_requests
 from taps_ray.adapt.replica import ReplicaAdaptation
 from taps_ray.adapt.trainer_actor import start_trainer
-from taps_ray.config import HeadKind, StudyConfig, load_config, parse_config, with_overrides
+from taps_ray.config import ROUTED_ADAPT, HeadKind, StudyConfig, load_config, parse_config, with_overrides
 from taps_ray.data.chat import render_ids
 from taps_ray.decoding.continuous import ContinuousBatcher, Result, TokenLogprob
 from taps_ray.decoding.continuous import Request as DecodeRequest  # `Request` is FastAPI's
@@ -188,7 +188,9 @@ class TapsService:
     def _start_adapting(self) -> ReplicaAdaptation:
         """serve.adapt: record, swap and roll back on this replica; one trainer actor per adapted model beside it
         (docs/serve.md#online-adaptation)."""
-        models = [m for m in (self.cfg.serve.adapt.models or list(self.heads)) if m in self.heads]
+        names = [ALIASES.get(m, m) for m in self.cfg.serve.adapt.models or list(self.heads)]
+        routed = {m: self.proposers[m] for m in names if m in ROUTED_ADAPT and m in self.proposers}
+        models = [m for m in names if m in self.heads or m in routed]
 
         def build(model: str, head: Any) -> Any:
             proposer = load_proposers(self.cfg, [model], target=self.target,
@@ -198,7 +200,7 @@ class TapsService:
         def install(model: str, proposer: Any) -> None:
             self.proposers[model] = proposer
 
-        adapt = ReplicaAdaptation(self.cfg, models, build, install, serve_metrics())
+        adapt = ReplicaAdaptation(self.cfg, models, build, install, serve_metrics(), routed=routed)
         self.trainers = [start_trainer(self.cfg, model) for model in models]
         return adapt
 
@@ -359,7 +361,7 @@ class TapsService:
             "models": self.model_names(),
             "running": self.batcher.live,
             "waiting": self.batcher.waiting,
-            "head_versions": {m: served.version for m, served in self.adapt.models.items()} if self.adapt else {},
+            "head_versions": self.adapt.versions() if self.adapt else {},
         }
 
     @api.get("/v1/models", response_model=ModelList, summary="the models (proposers) this service can use")

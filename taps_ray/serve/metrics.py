@@ -62,6 +62,13 @@ class ServeMetrics:
         self.served_version = Gauge("taps_serve_adapt_version", "the head version a model serves", tag_keys=("model",))
         self.buffer_tokens = Gauge("taps_serve_adapt_buffer_tokens", "positions in the model's traffic buffer",
                                    tag_keys=("model",))
+        # a routed model's heads (docs/serve.md#spawning-heads): versions per head, spawned heads
+        self.head_swaps = Counter("taps_serve_adapt_head_swaps", "head versions a routed model switched to, by head "
+                                  "(kind: publish, rollback, spawn)", tag_keys=("model", "head", "kind"))
+        self.head_version = Gauge("taps_serve_adapt_head_version", "the version each head of a routed model serves",
+                                  tag_keys=("model", "head"))
+        self.heads_spawned = Counter("taps_serve_adapt_heads_spawned", "heads spawned into a routed model and added "
+                                     "on this replica", tag_keys=("model",))
 
     def request(self, model: str, status: int) -> None:
         self.requests.inc(tags={"model": model, "status": str(status)})
@@ -109,6 +116,13 @@ class ServeMetrics:
     def swapped(self, model: str, version: int, kind: str) -> None:
         self.swaps.inc(tags={"model": model, "kind": kind})
         self.served_version.set(version, tags={"model": model})
+
+    def head_swapped(self, model: str, head: str, version: int, kind: str) -> None:
+        """Head `head` of routed `model` serves `version` now (kind spawn: a new head, version 0)."""
+        self.head_swaps.inc(tags={"model": model, "head": head, "kind": kind})
+        self.head_version.set(version, tags={"model": model, "head": head})
+        if kind == "spawn":
+            self.heads_spawned.inc(tags={"model": model})
 
 
 @lru_cache(maxsize=1)
