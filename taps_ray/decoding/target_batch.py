@@ -346,22 +346,19 @@ class TargetBatch:
     @torch.no_grad()
     def prefill(self, prompts: list[list[int]]) -> list[TreeOutput]:
         """Encode right-padded prompts; returns each prompt's features over its real tokens and the logits of
-        its last token only (the LM head over a whole prompt would cost more than the rest of the prefill)."""
+        its last token only (the LM head over a whole prompt would cost more than the rest of the prefill).
+
+        Plain causal attention, no mask, whatever the lengths: a real token of a right-padded prompt sees only the
+        tokens before it, all real, so the padding changes nothing it computes, and the unmasked forward takes
+        the fast (flash, `is_causal`) kernels. The pads' own rows are computed and dropped; their keys and values
+        lie beyond the sequence's length, which every later mask excludes."""
         if any(not p for p in prompts):
             raise ValueError("every prompt needs at least one token")
         self._set_lengths([len(p) for p in prompts])
         lengths, width = self.lengths, max(self.host_lengths)
         ids = to_device([p + [0] * (width - len(p)) for p in prompts], self.device, torch.long)  # right-padded
-        columns = torch.arange(width, device=self.device)
-        mask = None  # prompts of one length: plain causal attention, which the flash kernels take
-        if min(self.host_lengths) < width:
-            causal = columns[None, :] <= columns[:, None]
-            valid = columns[None, :] < lengths[:, None]  # [B, width]
-            mask = causal[None] & valid[:, None, :]
-            mask |= torch.eye(width, dtype=torch.bool, device=self.device)[None]  # padded rows see themselves: no NaN
-            mask = mask[:, None]
         self.cache.reset(len(prompts))
-        hidden, features = self._forward(ids, columns.expand(len(prompts), -1), mask)
+        hidden, features = self._forward(ids, torch.arange(width, device=self.device).expand(len(prompts), -1), None)
         last = self.target_forward.logits(hidden[torch.arange(len(prompts), device=self.device), lengths - 1])  # [B, V]
         return [TreeOutput(last[b : b + 1], features[b, : len(p)]) for b, p in enumerate(prompts)]
 
