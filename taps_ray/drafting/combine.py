@@ -295,7 +295,7 @@ def split_budget(budget: int, weights: Sequence[float]) -> list[int]:
 class Merged(AllPartsDrafting):
     """Every part drafts from the same inputs; their trees are verified together as one tree (last_head = -1).
 
-    mode: "concat" (the reference `_merge_trees`), "dedup" (trie merge), "budget" (one single-tree budget of
+    mode (drafting/tree_merge.py): "concat" (the reference merge), "dedup" (trie merge), "budget" (one single-tree budget of
     `budget` drafted nodes split by mean confidence, then trie-merged) or "rank" (the `budget` most confident
     nodes of all trees, `rank_merge`: for parts of different kinds, such as a head and n-gram lookup).
     """

@@ -25,10 +25,12 @@ from typing import Any, ClassVar
 import torch
 
 from taps_ray.config import TreeConfig
-from taps_ray.drafting.combine import OverParts, first_two, merge_trees, single_heads
+from taps_ray.drafting.combine import OverParts, first_two, single_heads
 from taps_ray.drafting.eagle2 import DraftContext
 from taps_ray.drafting.proposer import Feedback, join_pending
 from taps_ray.drafting.tree import DraftTree
+from taps_ray.drafting.tree_merge import merge_stack
+from taps_ray.drafting.tree_stack import stack_trees
 from taps_ray.models.draft_head import DraftHead
 
 MERGED = -1  # `last_head` of a merged step
@@ -99,8 +101,13 @@ class LearnedRouted(OverParts):
                                                     list(tokens_h))
             for s, tree, part_state in zip(group, trees, part_states, strict=True):
                 drafted[s][h], new_parts[s][h], backlog[s][h] = tree, part_state, []
-        out_trees = [merge_trees([d[h] for h in sorted(d)]) if c == MERGED else d[c]
-                     for d, c in zip(drafted, choices, strict=True)]
+        out_trees = [d.get(c) for d, c in zip(drafted, choices, strict=True)]
+        merging = [s for s, c in enumerate(choices) if c == MERGED]
+        if merging:  # every merged step's tree in one batched merge on the device
+            merged, _ = merge_stack(stack_trees([[drafted[s][h] for h in sorted(drafted[s])] for s in merging]),
+                                    "concat")
+            for s, tree in zip(merging, merged, strict=True):
+                out_trees[s] = tree
         out_states = [
             replace(state, parts=tuple(parts), backlog=tuple(map(tuple, pending)), last_head=c,
                     since_merged=0 if c == MERGED else state.since_merged + 1)
