@@ -113,14 +113,13 @@ class _MaskSpy:
 
 
 def test_ragged_prefill_is_unmasked_and_gives_each_prompt_its_own_prefill(forward_target):
-    """Prompts of different lengths prefill in one plain causal forward (no mask: the fast kernels), and each
-    prompt's features and last-token logits are those of its prefill alone (right padding changes nothing a real
-    token sees)."""
+    """Prompts of different lengths prefill in one plain causal forward per length (no mask: the fast kernels; no
+    padding computed), and each prompt's features and last-token logits are those of its prefill alone."""
     prompt = forward_target.tokenizer.encode("Tree attention must equal sequential decoding")
-    ragged = [prompt, prompt[:4], prompt[2:9]]
+    ragged = [prompt, prompt[:4], prompt[1:3], prompt[2:6]]  # two of length 4
     spy = _MaskSpy(target_forward(forward_target.model))
     outputs = TargetBatch(forward_target.model, forward=spy).prefill(ragged)
-    assert spy.masks == [None]
+    assert len(prompt) > 4 and spy.masks == [None, None, None]  # one forward per length
     for context, out in zip(ragged, outputs):
         (alone,) = TargetBatch(forward_target.model).prefill([context])
         torch.testing.assert_close(out.hidden, alone.hidden, atol=1e-5, rtol=1e-5)

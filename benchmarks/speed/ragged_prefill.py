@@ -4,11 +4,11 @@
     python benchmarks/speed/ragged_prefill.py --out reports/ragged_prefill.md
 
 The target (`--config`'s, fp32) prefills the same right-padded batch of prompts of different lengths:
-* `unmasked`: one forward, plain causal attention, no mask (`TargetBatch.prefill`: a real token sees only real
-  tokens before it, so padding changes nothing it computes, and the attention takes the `is_causal` kernels);
-* `masked`: one forward with the padded boolean mask (causal and within each prompt's length) the prefill
+* `unmasked`: one padded forward, plain causal attention, no mask (a real token sees only real tokens before it,
+  so padding changes nothing it computes, and the attention takes the `is_causal` kernels);
+* `masked`: one padded forward with the boolean mask (causal and within each prompt's length) the prefill
   passed before, which rules out those kernels and costs a mask per layer;
-* `by length`: one unmasked forward per distinct length (no padding computed, more forwards).
+* `by length`: one unmasked forward per distinct length, no padding computed (`TargetBatch.prefill`).
 Each is repeated interleaved; the median of each is reported with its ratio to `unmasked` (above 1: slower).
 """
 
@@ -35,23 +35,20 @@ from taps_ray.models.target import load_target  # noqa: E402
 from taps_ray.syncs import to_device  # noqa: E402
 
 
-def masked_prefill(batch: TargetBatch, prompts: list[list[int]]) -> None:
-    """The prefill's forward as it ran before: right-padded under a boolean [B, 1, W, W] mask."""
+def padded_prefill(batch: TargetBatch, prompts: list[list[int]], masked: bool) -> None:
+    """One forward over the right-padded prompts, under the boolean [B, 1, W, W] mask the prefill passed before
+    (`masked`) or none."""
     lengths = [len(p) for p in prompts]
     width = max(lengths)
     ids = to_device([p + [0] * (width - len(p)) for p in prompts], batch.device, torch.long)
     columns = torch.arange(width, device=batch.device)
-    valid = columns[None, :] < to_device(lengths, batch.device)[:, None]
-    mask = (columns[None, :] <= columns[:, None])[None] & valid[:, None, :]
-    mask |= torch.eye(width, dtype=torch.bool, device=batch.device)[None]
+    mask = None
+    if masked:
+        valid = columns[None, :] < to_device(lengths, batch.device)[:, None]
+        mask = (columns[None, :] <= columns[:, None])[None] & valid[:, None, :]
+        mask = (mask | torch.eye(width, dtype=torch.bool, device=batch.device)[None])[:, None]
     batch.cache.reset(len(prompts))
-    batch._forward(ids, columns.expand(len(prompts), -1), mask[:, None])
-
-
-def by_length(batch: TargetBatch, prompts: list[list[int]]) -> None:
-    """One unmasked prefill per distinct prompt length."""
-    for length in sorted({len(p) for p in prompts}):
-        batch.prefill([p for p in prompts if len(p) == length])
+    batch._forward(ids, columns.expand(len(prompts), -1), mask)
 
 
 def main() -> int:
@@ -68,9 +65,9 @@ def main() -> int:
     vocab = target.model.config.vocab_size
     prompts = [torch.randint(10, vocab, (n,), generator=generator).tolist() for n in args.lengths]
     batch = TargetBatch(target.model)
-    runs: dict[str, Callable[[], object]] = {"unmasked": lambda: batch.prefill(prompts),
-                                             "masked": lambda: masked_prefill(batch, prompts),
-                                             "by length": lambda: by_length(batch, prompts)}
+    runs: dict[str, Callable[[], object]] = {"unmasked": lambda: padded_prefill(batch, prompts, masked=False),
+                                             "masked": lambda: padded_prefill(batch, prompts, masked=True),
+                                             "by length": lambda: batch.prefill(prompts)}
     seconds: dict[str, list[float]] = {name: [] for name in runs}
     with torch.no_grad():
         for run in runs.values():
