@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from taps_ray.drafting.tree import DraftTree, tree_structure
+from taps_ray.drafting.tree import DraftTree, tree_structure, trees_to
 from taps_ray.syncs import to_device
 
 
@@ -49,10 +49,11 @@ class TreeStack:
 
 
 def stack_trees(trees: Sequence[Sequence[DraftTree]]) -> TreeStack:
-    """`trees[b][p]`, every sequence's parts' trees (all on one device), stacked: per field one concatenation
-    of every tree's nodes, scattered in row-major order into the pads (`masked_scatter_`), whatever the batch."""
-    flat = [t for row in trees for t in row]
-    device = flat[0].tokens.device
+    """`trees[b][p]`, every sequence's parts' trees, stacked on the first tree's device (a part drafting
+    elsewhere, such as prompt lookup on the features' device, is moved there): per field one concatenation of
+    every tree's nodes, scattered in row-major order into the pads (`masked_scatter_`), whatever the batch."""
+    device = trees[0][0].tokens.device
+    flat = trees_to([t for row in trees for t in row], device)
     width = max(t.size for t in flat)
     columns = torch.arange(width, device=device)
     node = columns < to_device([t.size for t in flat], device, torch.long)[:, None]  # [B*P, W]
