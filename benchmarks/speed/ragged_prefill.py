@@ -83,7 +83,8 @@ def main() -> int:
              f"Regenerate with `{command}`. {cpu_line()}; torch {torch.__version__}, {torch.get_num_threads()} "
              f"threads. Target {config.target.name} in fp32; prompt lengths {args.lengths} (random tokens), "
              f"median of {args.repeats} interleaved runs each (benchmarks/speed/ragged_prefill.py says what each "
-             "run does).", "",
+             "run does). The ratios are the reading: runs are interleaved, so the load of a shared machine "
+             "scales all three alike, not their ms.", "",
              "| prefill | ms | ratio to unmasked |", "|---|---:|---:|"]
     lines += [f"| {name} | {1e3 * m:.0f} | {m / medians['unmasked']:.2f} |" for name, m in medians.items()]
     report_lines(lines, args.out)

@@ -351,7 +351,7 @@ class TargetBatch:
 
         One forward per distinct length, each without a mask (plain causal attention, which the fast kernels
         take) and without padding, its keys and values written into its rows: on a CPU a padded forward computes
-        every pad (one forward of prompts of 40 to 300 tokens took 1.7x the time of one per length,
+        every pad (one forward of prompts of 40 to 300 tokens took 1.7-1.8x the time of one per length,
         reports/ragged_prefill.md), and a padded one needs a mask, or its pads, to stay exact."""
         if any(not p for p in prompts):
             raise ValueError("every prompt needs at least one token")
