@@ -68,12 +68,11 @@ def stack_paths(stack: TreeStack) -> StackPaths:
     # path_scores: the smallest confidence on the path below the root
     on_path = ancestors & (columns > 0)
     score = torch.where(on_path, stack.confidence[:, :, None, :], torch.inf).amin(-1).view(batch, nodes)
-    root = flat_real & (columns == 0).repeat(parts)
-    drafted = flat_real & ~root
-    ranking = torch.where(drafted, -score, torch.inf).sort(dim=-1, stable=True).indices
     flat = torch.arange(nodes, device=stack.device)
+    root = flat_real & (flat % width == 0)
+    ranking = torch.where(flat_real & ~root, -score, torch.inf).sort(dim=-1, stable=True).indices
     order = torch.empty_like(ranking).scatter_(1, ranking, flat.expand(batch, -1))
-    part = torch.arange(parts, device=stack.device).repeat_interleave(width, output_size=nodes)
+    part = flat.div(width, rounding_mode="floor")
     return StackPaths(parts=parts, part=part, real=flat_real, root=root, same=same, order=order)
 
 
