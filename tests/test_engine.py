@@ -17,6 +17,7 @@ from taps_ray.decoding.step import step_tokens
 from taps_ray.drafting.proposer import NOT_DRAFTED, Feedback
 from taps_ray.drafting.proposers import PlainDecoding, SingleHead
 from taps_ray.decoding.target_batch import TargetBatch
+from taps_ray.models.target_forward import target_forward
 from taps_ray.drafting.eagle2 import DraftContext, HeadCache, draft_eagle2, extend_batch
 from taps_ray.drafting.tree import build_tree, pad_trees, root_only, subtree
 from taps_ray.decoding.verify import (
@@ -95,6 +96,35 @@ def test_tree_verified_logits_equal_sequential_logits(forward_target):
         path = tree.mask[node].nonzero().flatten()
         sequential = model(torch.tensor([prompt + tree.tokens[path].tolist()])).logits[0, -1]
         torch.testing.assert_close(logits[node], sequential, atol=1e-4, rtol=1e-4)
+
+
+class _MaskSpy:
+    """A target forward that records the mask of every call."""
+
+    def __init__(self, forward) -> None:
+        self.forward, self.masks = forward, []
+
+    def __call__(self, ids, positions, mask, *rest):
+        self.masks.append(mask)
+        return self.forward(ids, positions, mask, *rest)
+
+    def __getattr__(self, name: str):
+        return getattr(self.forward, name)
+
+
+def test_ragged_prefill_is_unmasked_and_gives_each_prompt_its_own_prefill(forward_target):
+    """Prompts of different lengths prefill in one plain causal forward per length (no mask: the fast kernels; no
+    padding computed), and each prompt's features and last-token logits are those of its prefill alone."""
+    prompt = forward_target.tokenizer.encode("Tree attention must equal sequential decoding")
+    ragged = [prompt, prompt[:4], prompt[1:3], prompt[2:6]]  # two of length 4
+    spy = _MaskSpy(target_forward(forward_target.model))
+    outputs = TargetBatch(forward_target.model, forward=spy).prefill(ragged)
+    assert len(prompt) > 4 and spy.masks == [None, None, None]  # one forward per length
+    for context, out in zip(ragged, outputs):
+        (alone,) = TargetBatch(forward_target.model).prefill([context])
+        torch.testing.assert_close(out.hidden, alone.hidden, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out.logits, alone.logits, atol=1e-5, rtol=1e-5)
+        assert torch.equal(out.logits.argmax(-1), alone.logits.argmax(-1))
 
 
 def test_eager_attention_masks_the_tree_like_sdpa(tiny_config):

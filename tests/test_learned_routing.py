@@ -12,7 +12,7 @@ from taps_ray.config import TreeConfig
 from taps_ray.decoding.generate import generate
 from taps_ray.decoding.verify import SamplingParams, processed_probs
 from taps_ray.drafting.combine import merge_trees
-from taps_ray.drafting.learned import MERGED, LearnedRouted, held_per_source
+from taps_ray.drafting.learned import MERGED, LearnedRouted, held_per_source, held_per_sources
 from taps_ray.drafting.proposers import SingleHead
 from taps_ray.drafting.eagle2 import DraftContext
 from taps_ray.drafting.registry import build_proposer
@@ -35,6 +35,17 @@ def test_held_per_source_counts_each_heads_own_match():
     assert held_per_source(merged, [1, 2, 7], 2) == [2, 1]  # a holds "1 2", b only "1"
     assert held_per_source(merged, [2, 4], 2) == [0, 1]
     assert held_per_source(merged, [8], 2) == [0, 0]
+
+
+def test_held_per_sources_reads_a_batch_as_each_tree_alone():
+    """The batch's merged trees read in one go give each tree's own counts (trees of different sizes)."""
+    a = _tree([9, 1, 2, 3], [-1, 0, 1, 2])
+    b = _tree([9, 1, 5, 2], [-1, 0, 1, 0])
+    c = _tree([9, 2, 4], [-1, 0, 1])
+    trees = [merge_trees([a, b]), merge_trees([c, a]), merge_trees([b, c], dedup=True)]
+    committed = [[1, 2, 7], [2, 4, 1], [2, 4]]
+    assert held_per_sources(trees, committed, 2) == [held_per_source(t, k, 2) for t, k in zip(trees, committed)]
+    assert held_per_sources(trees, committed, 2)[1] == [2, 0]
 
 
 def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:

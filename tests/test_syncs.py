@@ -12,6 +12,7 @@ from taps_ray.config import TreeConfig
 from taps_ray.decoding.generate import run_loop
 from taps_ray.decoding.target_batch import TargetBatch, results_to
 from taps_ray.decoding.verify import POINT_MASS, SamplingParams
+from taps_ray.drafting.combine import ConfidenceRouted, Merged, single_heads
 from taps_ray.drafting.proposers import SingleHead
 from taps_ray.drafting.eagle2 import DraftContext, HeadCache, draft_eagle2
 from taps_ray.drafting.tree import build_tree, trees_to
@@ -75,6 +76,19 @@ def test_syncs_per_step_do_not_grow_with_the_batch(tiny_target, params):
                                                        tiny_target.model.lm_head), TREE)
     one, eight = (_syncs_per_step(tiny_target, proposer, batch, params) for batch in (1, 8))
     assert one <= SYNC_BUDGET and eight <= SYNC_BUDGET and eight <= one + 2, (one, eight)
+
+
+@pytest.mark.parametrize(("mode", "extra"), [(None, 0), ("concat", 0), ("dedup", 1), ("budget", 1)])
+def test_routed_and_merged_syncs_per_step_do_not_grow_with_the_batch(tiny_target, mode, extra):
+    """Two heads routed (`mode` None) or merged: the trees are stacked, their means read and merged for the batch
+    on the device, so a step syncs as a single head's does, plus the merged trees' sizes where a trie merge
+    decides them (before: 16 and 100 syncs per step at batch 1 and 8 merged, 28 and 196 budget-merged)."""
+    heads = [(name, new_head(tiny_target.model.config, seed=seed)) for name, seed in (("a", 1), ("b", 2))]
+    context = DraftContext(tiny_target.model.get_input_embeddings(), tiny_target.model.lm_head)
+    parts = single_heads(heads, context, TREE)
+    proposer = ConfidenceRouted(parts) if mode is None else Merged(parts, mode=mode, budget=TREE.total_token - 1)
+    one, eight = (_syncs_per_step(tiny_target, proposer, batch, SamplingParams()) for batch in (1, 8))
+    assert one == eight <= SYNC_BUDGET + extra, (one, eight)
 
 
 @pytest.mark.parametrize("stacked", [False, True])

@@ -54,7 +54,7 @@ from taps_ray.machine import cpu_line  # noqa: E402
 from taps_ray.models.draft_head import new_head  # noqa: E402
 from taps_ray.models.target import load_target  # noqa: E402
 from taps_ray.syncs import SyncCounter  # noqa: E402
-from step_ops import step_ops  # noqa: E402
+from step_ops import merge_ops, step_ops  # noqa: E402
 
 
 class CountedTarget:
@@ -243,6 +243,12 @@ def _ops_lines(ops: dict[str, dict[str, dict[str, int]]]) -> list[str]:
     for mode, runs in ops.items():
         for name, r in runs.items():
             lines.append(f"| {mode} | {name} | {r['outside']} | {r['inside']} | {r['launched']} |")
+    lines += ["", "Aten ops of a merged proposer's merge per step (benchmarks/speed/step_ops.py `merge_ops`: two paper "
+              "trees per sequence stacked, their means read, merged on the device; drafting excluded); the same "
+              "ops whatever the batch but for the merged trees' views (a handful per sequence).", "",
+              "| merge | batch 1 | batch 16 |", "|---|---:|---:|"]
+    lines += [f"| {mode} | {merge_ops(1, mode)} | {merge_ops(16, mode)} |" for mode in ("concat", "dedup", "budget",
+                                                                                       "rank")]
     captured = ops["captured"]
     return [*lines, "", "ops/step " + " ".join(f"{name}={r['launched']}" for name, r in captured.items())]
 

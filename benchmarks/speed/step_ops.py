@@ -22,6 +22,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from taps_ray.decoding.target_batch import TargetBatch
 from taps_ray.decoding.verify import SamplingParams
 from taps_ray.drafting.tree import DraftTree, build_tree, root_only
+from taps_ray.drafting.tree_merge import merge_stack
+from taps_ray.drafting.tree_stack import stack_means, stack_trees
 from taps_ray.models.fast_llama import FastLlama
 from taps_ray.models.target_forward import attach_forward, target_forward
 
@@ -136,3 +138,20 @@ def step_ops() -> dict[str, dict[str, dict[str, int]]]:
     runs = {"plain": (1, 1), "spec_b1": (1, PAPER_TREE[0]), "spec_b16": (16, PAPER_TREE[0])}
     return {mode: {name: count_step(model, captured, batch, size) for name, (batch, size) in runs.items()}
             for mode, captured in (("eager", None), ("captured", "eager"))}
+
+
+def merge_ops(batch: int, mode: str, parts: int = 2) -> int:
+    """Aten ops of a merged proposer's merge for `batch` sequences of `parts` paper-sized trees (drafting
+    excluded): stacking the trees, reading their means and merging them (`Merged.combine`), budget merges with
+    the single-tree budget."""
+    generator = torch.Generator().manual_seed(0)
+    drafted = [[random_tree(PAPER_TREE[0], PAPER_TREE[1], 64, generator, root=b) for _ in range(parts)]
+               for b in range(batch)]
+    budget = PAPER_TREE[0] - 1
+    shares = [[budget // parts] * (parts - 1) + [budget - (parts - 1) * (budget // parts)]] * batch
+    counter = OpCounter()
+    with counter:
+        stack = stack_trees(drafted)
+        stack_means(stack)
+        merge_stack(stack, mode, budget, shares if mode == "budget" else None)
+    return counter.outside

@@ -46,8 +46,9 @@ from taps_ray.drafting.ngram import NgramProposer
 from taps_ray.drafting.proposer import Proposer
 from taps_ray.drafting.proposers import SingleHead, stackable
 from taps_ray.drafting.eagle2 import DraftContext, HeadCache, draft_eagle2
-from taps_ray.drafting.tree import DraftTree, build_tree, path_scores, ranked_nodes, subtree, tree_means
-from taps_ray.syncs import to_device
+from taps_ray.drafting.tree import DraftTree
+from taps_ray.drafting.tree_merge import MODES, budget_merge, merge_stack, merge_trees, rank_merge  # noqa: F401
+from taps_ray.drafting.tree_stack import TreeStack, stack_means, stack_trees
 
 # --- checkpoint averaging (docs/algorithms.md#weight-averaging) ---------------------------------------------
 
@@ -181,17 +182,16 @@ class AllPartsDrafting(OverParts):
     def propose_batch(
         self, states: list[RouterState], features: list[torch.Tensor], next_tokens: list[torch.Tensor]
     ) -> tuple[list[DraftTree], list[RouterState]]:
-        """Every sequence's tree: its parts' trees drafted for the whole batch, their means read once, then each
-        sequence's choice (`combine`)."""
+        """Every sequence's tree: its parts' trees drafted for the whole batch, stacked on the device (one
+        `TreeStack`), their means read once, then the batch's choice (`combine`)."""
         drafted, caches = self.draft_all(states, features, next_tokens)
-        means = iter(tree_means([t for trees in drafted for t in trees]))
-        out = [self.combine(trees, cache, [next(means) for _ in trees]) for trees, cache in zip(drafted, caches)]
-        return [tree for tree, _ in out], [state for _, state in out]
+        stack = stack_trees(drafted)
+        return self.combine(stack, drafted, caches, stack_means(stack))
 
-    def combine(self, trees: list[DraftTree], caches: RouterState, means: list[tuple[float, float]] | None = None
-                ) -> tuple[DraftTree, RouterState]:
-        """The tree to verify from every part's tree, and the state: `caches` with what was chosen. `means`: the
-        trees' (mean confidence, mean entropy) already read (`tree_means`), else read here."""
+    def combine(self, stack: TreeStack, drafted: list[list[DraftTree]], caches: list[RouterState],
+                means: list[list[tuple[float, float]]]) -> tuple[list[DraftTree], list[RouterState]]:
+        """The tree to verify for each sequence from its parts' trees (`drafted`, also stacked: `stack`), and the
+        states: `caches` with what was chosen; `means`: the trees' (mean confidence, mean entropy)."""
         raise NotImplementedError
 
 
@@ -205,11 +205,16 @@ class ConfidenceRouted(AllPartsDrafting):
 
     name: str = "confidence-routed"
 
-    def combine(self, trees: list[DraftTree], caches: RouterState, means: list[tuple[float, float]] | None = None
-                ) -> tuple[DraftTree, RouterState]:
-        confidences, entropies = zip(*(means if means is not None else tree_means(trees)))
-        best = max(range(len(trees)), key=lambda i: (confidences[i], -i))  # ties -> lowest index
-        return trees[best], replace(caches, last_head=best, confidences=confidences, entropies=entropies)
+    def combine(self, stack: TreeStack, drafted: list[list[DraftTree]], caches: list[RouterState],
+                means: list[list[tuple[float, float]]]) -> tuple[list[DraftTree], list[RouterState]]:
+        """Per sequence a choice on the host values `means` already holds: no device work."""
+        trees, states = [], []
+        for trees_s, cache, means_s in zip(drafted, caches, means, strict=True):
+            confidences, entropies = zip(*means_s)
+            best = max(range(len(trees_s)), key=lambda i: (confidences[i], -i))  # ties -> lowest index
+            trees.append(trees_s[best])
+            states.append(replace(cache, last_head=best, confidences=confidences, entropies=entropies))
+        return trees, states
 
 
 @dataclass
@@ -233,9 +238,8 @@ class EntropyRouted(OverParts):
         if probing:
             drafted, parts = _draft_parts(self.parts, [states[s].parts for s in probing],
                                           [features[s] for s in probing], [next_tokens[s] for s in probing])
-            means = iter(tree_means([t for probe in drafted for t in probe]))
-            for s, probe, part_states in zip(probing, drafted, parts):
-                confidences, entropies = zip(*(next(means) for _ in probe))
+            for s, probe, part_states, means in zip(probing, drafted, parts, stack_means(stack_trees(drafted))):
+                confidences, entropies = zip(*means)
                 chosen = min(range(len(probe)), key=lambda i: (entropies[i], i))
                 kept = tuple(p if i == chosen else None for i, p in enumerate(part_states))  # drop the others' caches
                 trees[s] = probe[chosen]
@@ -248,7 +252,8 @@ class EntropyRouted(OverParts):
                 continue
             drafted, part_states = part.propose_batch([states[s].parts[chosen] for s in group],
                                                  [features[s] for s in group], [next_tokens[s] for s in group])
-            for s, tree, part_state, (confidence, entropy) in zip(group, drafted, part_states, tree_means(drafted)):
+            means = stack_means(stack_trees([[tree] for tree in drafted]))
+            for s, tree, part_state, ((confidence, entropy),) in zip(group, drafted, part_states, means):
                 only = range(len(self.parts))
                 trees[s] = tree
                 out[s] = RouterState(
@@ -262,51 +267,6 @@ class EntropyRouted(OverParts):
 
 
 # --- merged trees (docs/algorithms.md#merged-tree-verification) ---------------------------------------------
-
-
-def merge_trees(trees: Sequence[DraftTree], dedup: bool = False) -> DraftTree:
-    """All trees under one shared root; node order root | tree 0 nodes | tree 1 nodes | ...
-
-    Without `dedup` this is the reference merge: tree i's nodes are copied as they are (duplicates of other
-    trees' nodes stay, and are verified twice), and tree i's rows see the root and their own ancestors only.
-    With `dedup` it is a trie merge: a node whose (parent, token) already exists reuses that node, so a path
-    repeated by a later tree costs nothing. A node keeps the statistics and `source` of the first tree that
-    drafted it. `source` is the index of that tree in `trees`.
-    """
-    if not trees:
-        raise ValueError("merge_trees needs at least one tree")
-    root = int(trees[0].tokens[0])
-    if any(int(t.tokens[0]) != root for t in trees):
-        raise ValueError(f"merged trees must share the root; got roots {[int(t.tokens[0]) for t in trees]}")
-    tokens, parents = [root], [-1]
-    confidence: list[float] = []
-    entropy: list[float] = []
-    source: list[int] = []
-    existing: dict[tuple[int, int], int] = {}
-    for index, tree in enumerate(trees):
-        node_of = [0] * tree.size
-        tree_tokens, tree_parents = tree.tokens.tolist(), tree.parents.tolist()
-        tree_conf, tree_ent = tree.confidence.tolist(), tree.entropy.tolist()
-        for j in range(1, tree.size):
-            key = (node_of[tree_parents[j]], tree_tokens[j])
-            if dedup and key in existing:
-                node_of[j] = existing[key]
-                continue
-            node_of[j] = len(tokens)
-            existing.setdefault(key, node_of[j])
-            tokens.append(tree_tokens[j])
-            parents.append(key[0])
-            confidence.append(tree_conf[j - 1])
-            entropy.append(tree_ent[j - 1])
-            source.append(index)
-    device = trees[0].tokens.device
-    return build_tree(
-        to_device(tokens, device),
-        to_device(parents, device),
-        confidence=to_device(confidence, device, torch.float32),
-        entropy=to_device(entropy, device, torch.float32),
-        source=to_device(source, device, torch.long),
-    )
 
 
 def split_budget(budget: int, weights: Sequence[float]) -> list[int]:
@@ -334,84 +294,11 @@ def split_budget(budget: int, weights: Sequence[float]) -> list[int]:
     return shares
 
 
-def budget_merge(trees: Sequence[DraftTree], budget: int, shares: Sequence[int]) -> DraftTree:
-    """A trie-merged tree of exactly min(budget, distinct nodes) drafted nodes.
-
-    Tree i contributes its most confident nodes until it has added shares[i] nodes not already present
-    (a node repeating an earlier tree's path is shared and costs nothing). Budget left over (a tree ran out)
-    is filled round-robin from the trees' next most confident nodes. Each tree's contribution is a prefix of
-    its `ranked_nodes`, hence a closed subtree.
-    """
-    ranked = [ranked_nodes(t) for t in trees]
-    paths = [_paths(t) for t in trees]
-    taken = [0] * len(trees)
-    present: set[tuple[int, ...]] = set()
-
-    def take(i: int) -> bool:
-        """Take tree i's next node; True if it added a new path."""
-        path = paths[i][ranked[i][taken[i]]]
-        taken[i] += 1
-        if path in present:
-            return False
-        present.add(path)
-        return True
-
-    for i in range(len(trees)):
-        added = 0
-        while added < shares[i] and taken[i] < len(ranked[i]) and len(present) < budget:
-            added += take(i)
-    while len(present) < budget and any(taken[i] < len(ranked[i]) for i in range(len(trees))):
-        for i in range(len(trees)):
-            if len(present) < budget and taken[i] < len(ranked[i]):
-                take(i)
-    pruned = [subtree(t, ranked[i][: taken[i]]) for i, t in enumerate(trees)]
-    return merge_trees(pruned, dedup=True)
-
-
-def rank_merge(trees: Sequence[DraftTree], budget: int) -> tuple[DraftTree, tuple[int, ...]]:
-    """A trie-merged tree of the `budget` most confident distinct nodes over all trees, and each tree's count.
-
-    One ranking over every tree's nodes by `path_scores` (ties to the earlier tree): with confidences that
-    estimate a node's chance of being accepted (an EAGLE head's cumulative probability, an n-gram chain's
-    calibrated rate^depth), the budget goes where the expected accepted length grows most, whichever source
-    drafted the node. A node repeating a path already taken is shared and costs nothing (prefix
-    de-duplication). Each tree's contribution is a prefix of its `ranked_nodes`, hence a closed subtree.
-    """
-    ranked = [ranked_nodes(t) for t in trees]
-    entries = []
-    for i, tree in enumerate(trees):
-        score = path_scores(tree)
-        entries += [(-score[j], i, position) for position, j in enumerate(ranked[i])]
-    entries.sort()  # within a tree, positions come in order: every tree is taken as a prefix
-    paths = [_paths(t) for t in trees]
-    taken = [0] * len(trees)
-    added = [0] * len(trees)
-    present: set[tuple[int, ...]] = set()
-    for _, i, position in entries:
-        if len(present) >= budget:
-            break
-        taken[i] = position + 1
-        path = paths[i][ranked[i][position]]
-        if path not in present:
-            present.add(path)
-            added[i] += 1
-    pruned = [subtree(t, ranked[i][: taken[i]]) for i, t in enumerate(trees)]
-    return merge_trees(pruned, dedup=True), tuple(added)
-
-
-def _paths(tree: DraftTree) -> list[tuple[int, ...]]:
-    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
-    paths: list[tuple[int, ...]] = [()]
-    for j in range(1, tree.size):
-        paths.append(paths[parents[j]] + (tokens[j],))
-    return paths
-
-
 @dataclass
 class Merged(AllPartsDrafting):
     """Every part drafts from the same inputs; their trees are verified together as one tree (last_head = -1).
 
-    mode: "concat" (the reference `_merge_trees`), "dedup" (trie merge), "budget" (one single-tree budget of
+    mode (drafting/tree_merge.py): "concat" (the reference merge), "dedup" (trie merge), "budget" (one single-tree budget of
     `budget` drafted nodes split by mean confidence, then trie-merged) or "rank" (the `budget` most confident
     nodes of all trees, `rank_merge`: for parts of different kinds, such as a head and n-gram lookup).
     """
@@ -421,7 +308,7 @@ class Merged(AllPartsDrafting):
     name: str = "merged"
 
     def __post_init__(self) -> None:
-        if self.mode not in ("concat", "dedup", "budget", "rank"):
+        if self.mode not in MODES:
             raise ValueError(f"unknown merge mode {self.mode!r}; use concat, dedup, budget or rank")
         if self.mode in ("budget", "rank") and (self.budget is None or self.budget < 1):
             raise ValueError(f"merge mode {self.mode!r} needs a node budget of at least 1")
@@ -429,24 +316,17 @@ class Merged(AllPartsDrafting):
 
     initial_head: ClassVar[int] = -1
 
-    def combine(self, trees: list[DraftTree], caches: RouterState, means: list[tuple[float, float]] | None = None
-                ) -> tuple[DraftTree, RouterState]:
-        confidences, entropies = zip(*(means if means is not None else tree_means(trees)))
-        shares: tuple[int, ...] = ()
+    def combine(self, stack: TreeStack, drafted: list[list[DraftTree]], caches: list[RouterState],
+                means: list[list[tuple[float, float]]]) -> tuple[list[DraftTree], list[RouterState]]:
+        """Every sequence's merged tree in one batched merge on the device (`tree_merge.merge_stack`)."""
+        budget_shares = None
         if self.mode == "budget":
-            shares = tuple(split_budget(self.budget, confidences))
-            tree = budget_merge(trees, self.budget, shares)
-        elif self.mode == "rank":
-            tree, shares = rank_merge(trees, self.budget)
-        else:
-            tree = merge_trees(trees, dedup=self.mode == "dedup")
-        return tree, replace(
-            caches,
-            last_head=-1,
-            confidences=confidences,
-            entropies=entropies,
-            shares=shares,
-        )
+            budget_shares = [split_budget(self.budget, [c for c, _ in means_s]) for means_s in means]
+        trees, shares = merge_stack(stack, self.mode, self.budget, budget_shares)
+        states = [replace(cache, last_head=-1, confidences=tuple(c for c, _ in means_s),
+                          entropies=tuple(e for _, e in means_s), shares=shares_s)
+                  for cache, means_s, shares_s in zip(caches, means, shares, strict=True)]
+        return trees, states
 
 
 # --- builders (named in drafting/registry.py) ----------------------------------------------------------------

@@ -25,10 +25,12 @@ from typing import Any, ClassVar
 import torch
 
 from taps_ray.config import TreeConfig
-from taps_ray.drafting.combine import OverParts, first_two, merge_trees, single_heads
+from taps_ray.drafting.combine import OverParts, first_two, single_heads
 from taps_ray.drafting.eagle2 import DraftContext
 from taps_ray.drafting.proposer import Feedback, join_pending
 from taps_ray.drafting.tree import DraftTree
+from taps_ray.drafting.tree_merge import merge_stack
+from taps_ray.drafting.tree_stack import stack_trees
 from taps_ray.models.draft_head import DraftHead
 
 MERGED = -1  # `last_head` of a merged step
@@ -99,8 +101,13 @@ class LearnedRouted(OverParts):
                                                     list(tokens_h))
             for s, tree, part_state in zip(group, trees, part_states, strict=True):
                 drafted[s][h], new_parts[s][h], backlog[s][h] = tree, part_state, []
-        out_trees = [merge_trees([d[h] for h in sorted(d)]) if c == MERGED else d[c]
-                     for d, c in zip(drafted, choices, strict=True)]
+        out_trees = [d.get(c) for d, c in zip(drafted, choices, strict=True)]
+        merging = [s for s, c in enumerate(choices) if c == MERGED]
+        if merging:  # every merged step's tree in one batched merge on the device
+            merged, _ = merge_stack(stack_trees([[drafted[s][h] for h in sorted(drafted[s])] for s in merging]),
+                                    "concat")
+            for s, tree in zip(merging, merged, strict=True):
+                out_trees[s] = tree
         out_states = [
             replace(state, parts=tuple(parts), backlog=tuple(map(tuple, pending)), last_head=c,
                     since_merged=0 if c == MERGED else state.since_merged + 1)
@@ -111,13 +118,15 @@ class LearnedRouted(OverParts):
     def observe(self, states: list[LearnedState], feedback: list[Feedback]) -> list[LearnedState]:
         """A merged step's acceptance per head (how much of what the target committed each head's subtree held)
         updates the scores; a single head's step teaches nothing about the other, so it leaves them as they are."""
+        merged = [b for b, state in enumerate(states) if state.last_head == MERGED]
+        held = iter(held_per_sources([feedback[b].tree for b in merged], [feedback[b].tokens for b in merged],
+                                     len(self.parts)) if merged else [])
         out = []
-        for state, fb in zip(states, feedback, strict=True):
+        for state in states:
             if state.last_head != MERGED:
                 out.append(state)
                 continue
-            held = held_per_source(fb.tree, fb.tokens, len(self.parts))
-            scores = tuple(self.discount * s + a for s, a in zip(state.scores, held, strict=True))
+            scores = tuple(self.discount * s + a for s, a in zip(state.scores, next(held), strict=True))
             out.append(replace(state, scores=scores, merged_steps=state.merged_steps + 1))
         return out
 
@@ -126,9 +135,26 @@ def held_per_source(tree: DraftTree, committed: list[int], sources: int) -> list
     """Per source of a merged tree: the length of the longest path from the root, through that source's nodes
     only, that spells a prefix of `committed` (the tokens verification kept). At T = 0 it is exactly what that
     head alone would have had accepted: a longer match would have been accepted in the merged tree too."""
-    tokens, parents, source = torch.stack(
-        [tree.tokens, tree.parents, torch.cat([tree.source.new_full((1,), -1), tree.source.to(tree.tokens.device)])]
-    ).tolist()
+    return held_per_sources([tree], [committed], sources)[0]
+
+
+def held_per_sources(trees: list[DraftTree], committed: list[list[int]], sources: int) -> list[list[int]]:
+    """`held_per_source` of every tree, their nodes read from the device in one read for the batch."""
+    device = trees[0].tokens.device
+    flat = torch.cat([*(t.tokens for t in trees), *(t.parents for t in trees),
+                      *(t.source.to(device) for t in trees)]).tolist()
+    sizes = [t.size for t in trees]
+    ends = [sum(sizes[: i + 1]) for i in range(len(sizes))]
+    total, drafted = ends[-1], [n - 1 for n in sizes]
+    source_starts = [2 * total + sum(drafted[:i]) for i in range(len(trees))]
+    return [_held(flat[end - n : end], flat[total + end - n : total + end], [-1, *flat[start : start + n - 1]],
+                  tokens, sources)
+            for end, n, start, tokens in zip(ends, sizes, source_starts, committed, strict=True)]
+
+
+def _held(tokens: list[int], parents: list[int], source: list[int], committed: list[int], sources: int
+          ) -> list[int]:
+    """`held_per_source` on the host, from one tree's tokens, parents and per-node source (-1 at the root)."""
     children: dict[tuple[int, int, int], int] = {}  # (parent, source, token) -> node
     for node in range(1, len(tokens)):
         children.setdefault((parents[node], source[node], tokens[node]), node)

@@ -163,17 +163,6 @@ def trees_to(trees: Sequence[DraftTree | None], device: torch.device | str) -> l
     return [None if t is None else moved.get(id(t), t) for t in trees]
 
 
-def tree_means(trees: Sequence[DraftTree]) -> list[tuple[float, float]]:
-    """Each tree's (mean node confidence, mean node entropy), 0 for a root-only tree as `mean_confidence` says,
-    in one device-to-host read for all of them (a router choosing for a batch of sequences)."""
-    if not trees:
-        return []
-    device = trees[0].tokens.device
-    sums = torch.stack([torch.stack([t.confidence.sum(), t.entropy.sum()]).to(device).double() for t in trees])
-    counts = to_device([max(t.size - 1, 1) for t in trees], device, torch.float64)
-    return [(c, e) for c, e in (sums / counts[:, None]).tolist()]
-
-
 def tree_structure(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Depth [R, T] and ancestor-and-self mask [R, T, T] of R trees of T nodes from their parent pointers
     [R, T] (-1: the root), on the device in a fixed number of passes: the mask is the reflexive-transitive
