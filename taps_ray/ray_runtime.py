@@ -152,6 +152,13 @@ def process_runtime_env(env: dict[str, str] | None = None) -> dict:
     return {"env_vars": {**defaults, **runtime_env_vars(), **(env or {})}}
 
 
+OMP_WAIT_ENV = {  # serve.replica_omp_wait: libgomp reads these once, when the process loads it
+    "default": {"GOMP_SPINCOUNT": "300000"},  # libgomp's default spin (~3 ms) whatever OMP_WAIT_POLICY says
+    "passive": {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"},
+    "active": {"OMP_WAIT_POLICY": "ACTIVE"},
+}
+
+
 def prepare_process(threads: int | None, num_cpus: float) -> int:
     """Pin torch's thread count (Ray sets OMP_NUM_THREADS to the CPUs): `threads`, else the CPUs reserved."""
     n = threads or max(1, math.ceil(num_cpus))

@@ -22,8 +22,10 @@ import schemathesis
 import torch
 import yaml
 from hypothesis import HealthCheck, settings
+from pydantic import ValidationError
 from schemathesis.checks import not_a_server_error
 
+from taps_ray.config import ServeConfig, load_config
 from taps_ray.data.chat import render_ids
 from taps_ray.models.draft_head import new_head
 from taps_ray.ray_runtime import start_serve
@@ -580,3 +582,21 @@ fuzz_schema = schemathesis.pytest.from_fixture("api_schema")
 def test_fuzz_never_a_server_error(case):
     response = case.call_and_validate(checks=[not_a_server_error], timeout=120)
     FUZZ_STATUSES[f"{case.operation.label} {response.status_code}"] += 1
+
+
+@pytest.mark.parametrize("wait, env", [
+    ("default", {"GOMP_SPINCOUNT": "300000"}),
+    ("passive", {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"}),
+    ("active", {"OMP_WAIT_POLICY": "ACTIVE"}),
+])
+def test_replica_openmp_wait_reaches_the_replica_environment(wait: str, env: dict[str, str]):
+    cfg = load_config(REPO / "configs" / "tiny.yaml")
+    cfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"replica_omp_wait": wait})})
+    env_vars = build_app(cfg)._bound_deployment.ray_actor_options["runtime_env"]["env_vars"]
+    assert {key: env_vars.get(key) for key in env} == env
+    assert env_vars["TOKENIZERS_PARALLELISM"] == "false"  # the other process settings stay
+
+
+def test_replica_openmp_wait_refuses_an_unknown_policy():
+    with pytest.raises(ValidationError, match="replica_omp_wait"):
+        ServeConfig(replica_omp_wait="spin")

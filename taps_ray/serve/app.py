@@ -62,7 +62,7 @@ from taps_ray.drafting.names import ALIASES, PLAIN, UnknownProposer, parse_propo
 from taps_ray.drafting.registry import combination, combination_names, single_names
 from taps_ray.drafting.setup import load_heads, load_proposers
 from taps_ray.models.target import load_target
-from taps_ray.ray_runtime import bind_replica_grpc_to_node, process_runtime_env, start_serve
+from taps_ray.ray_runtime import OMP_WAIT_ENV, bind_replica_grpc_to_node, process_runtime_env, start_serve
 from taps_ray.serve.api_errors import ERROR_RESPONSES, ApiError, install_error_handlers
 from taps_ray.serve.api_schemas import (
     ChatChoice,
@@ -558,8 +558,9 @@ def build_app(cfg: StudyConfig, base_dir: str | Path | None = None) -> serve.App
     return TapsService.options(
         **scaling,
         max_ongoing_requests=max(s.max_ongoing_requests, s.max_batch_size + s.max_queued_requests + 1),
-        # the driver's settings and Hub token (ENV_KEYS), set before the replica imports anything
-        ray_actor_options={**ray_requests.serve_replica(cfg).options(), "runtime_env": process_runtime_env()},
+        # the driver's settings and Hub token (ENV_KEYS) and OpenMP's wait, set before the replica imports anything
+        ray_actor_options={**ray_requests.serve_replica(cfg).options(),
+                           "runtime_env": process_runtime_env(OMP_WAIT_ENV[s.replica_omp_wait])},
     ).bind(cfg.model_dump(mode="json"))
 
 
