@@ -13,7 +13,7 @@ from taps_ray.config import ConfigError, TargetConfig
 from taps_ray.models.device import resolve_device
 from taps_ray.models.gpu_check import GpuUnavailable
 from taps_ray.models.target import load_target
-from taps_ray.ray_runtime import process_runtime_env
+from taps_ray.ray_runtime import OMP_WAIT_ENV, process_runtime_env
 from taps_ray.serve.app import build_app
 
 REPO = Path(__file__).resolve().parents[1]
@@ -100,7 +100,8 @@ def test_serve_replicas_reserve_the_configured_gpus(tiny_config):
                                                      "replica_resources": {"accelerator_type:L40S": 0.001}})
     app = build_app(tiny_config.model_copy(update={"serve": serve_cfg}))
     options = dict(app._bound_deployment.ray_actor_options)
-    assert options.pop("runtime_env") == process_runtime_env()  # the driver's settings and Hub token, as every actor
+    # the driver's settings and Hub token, as every actor, and the replica's OpenMP wait
+    assert options.pop("runtime_env") == process_runtime_env(OMP_WAIT_ENV[serve_cfg.replica_omp_wait])
     assert options == {"num_cpus": serve_cfg.replica_num_cpus, "num_gpus": 0.5, "memory": 3_000_000_000,
                        "resources": {"accelerator_type:L40S": 0.001}}
 
