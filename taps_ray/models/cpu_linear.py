@@ -107,8 +107,7 @@ class Projection:
 
     def _pack(self) -> None:
         """oneDNN's reordered copy of the weight (CPU only), as of the sources' current versions."""
-        weight = self.row_weight().contiguous()
-        self.packed = (torch.ops.mkldnn._reorder_linear_weight(weight, PACKED_FOR_ROWS)
+        self.packed = (torch.ops.mkldnn._reorder_linear_weight(self.row_weight().contiguous(), PACKED_FOR_ROWS)
                        if self.cpu and _onednn_available() else None)
         self._versions = self._source_versions()
 

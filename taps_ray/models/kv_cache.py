@@ -188,7 +188,7 @@ def move_slots(rows: torch.Tensor, source: torch.Tensor, target: torch.Tensor) -
     """Row b's slots `source[b]` to its slots `target[b]` ([rows, n] each) of one buffer [rows, heads, slots, d],
     in place (a pair may repeat)."""
     row = torch.arange(rows.shape[0], device=rows.device)[:, None]
-    rows[row, :, target] = rows[row, :, source]  # the read is a copy: sources may be targets
+    write_slots(rows, target, rows[row, :, source].transpose(1, 2))  # the read is a copy: sources may be targets
 
 
 def write_slots(rows: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
