@@ -338,7 +338,7 @@ def test_cache_compaction_and_row_selection_match_a_naive_copy(dtype: torch.dtyp
             moved = full[layer][row][:, source[row]]  # read before writing: sources may be targets
             want[row][:, target[row]] = moved
         assert torch.equal(keys, want) and torch.equal(values, want + 1)
-    cache.keep_rows(torch.tensor([2, 0]), 5)
+    cache.keep_rows([2, 0], 5)
     assert cache.rows == 2 and cache.width == 5
     sub = cache.take_rows(torch.tensor([1]), 5)
     keys_before = cache.layer(0)[0].clone()
@@ -360,3 +360,39 @@ def test_write_slots_writes_each_row_at_its_own_slots():
     for row in range(2):
         want[row][:, slots[row]] = values[row]
     assert torch.equal(buffer, want) and buffer.count_nonzero() == values.count_nonzero()
+
+
+def test_a_request_leaving_and_one_joining_reuse_the_buffers_and_keep_every_row():
+    """A leave copies only the rows after it, a join writes only its own rows, both in the same buffers."""
+    generator = torch.Generator().manual_seed(1)
+    rows = [torch.randn(1, 2, 5, 4, generator=generator) for _ in range(4)]
+    cache = KVCache(num_layers=2)
+    cache.reset(4)
+    for layer in range(2):
+        cache.append(layer, torch.cat(rows), torch.cat(rows) + 1)
+    cache.advance(5)
+    pointers = [cache.layer(layer)[0].data_ptr() for layer in range(2)]
+    cache.keep_rows([0, 2, 3], 5)  # row 1 leaves
+    joining = KVCache(num_layers=2)
+    joining.reset(1)
+    newcomer = torch.randn(1, 2, 3, 4, generator=generator)
+    for layer in range(2):
+        joining.append(layer, newcomer, newcomer + 1)
+    joining.advance(3)
+    cache.merge(joining)
+    assert [cache.layer(layer)[0].data_ptr() for layer in range(2)] == pointers
+    assert cache.rows == 4 and cache.width == 5
+    for layer in range(2):
+        keys, values = cache.layer(layer)
+        assert torch.equal(keys[:3], torch.cat([rows[0], rows[2], rows[3]]))
+        assert torch.equal(values[:3], torch.cat([rows[0], rows[2], rows[3]]) + 1)
+        assert torch.equal(keys[3:, :, :3], newcomer) and torch.equal(values[3:, :, :3], newcomer + 1)
+    wider = KVCache(num_layers=2)  # a join wider than the buffers' slots reallocates, every row carried over
+    wider.reset(1)
+    for layer in range(2):
+        wider.append(layer, torch.ones(1, 2, 300, 4), torch.ones(1, 2, 300, 4))
+    wider.advance(300)
+    cache.keep_rows([0, 1, 2], 5)
+    cache.merge(wider)
+    assert cache.layer(0)[0].data_ptr() != pointers[0] and cache.width == 300
+    assert torch.equal(cache.layer(0)[0][:3, :, :5], torch.cat([rows[0], rows[2], rows[3]]))

@@ -219,7 +219,7 @@ class TargetBatch:
             raise ValueError("keep at least one row (drop the whole batch instead)")
         index = to_device(keep, self.device, torch.long)
         lengths = [self.host_lengths[i] for i in keep]
-        self.cache.keep_rows(index, max(lengths))  # in place: the buffers are kept
+        self.cache.keep_rows(keep, max(lengths))  # in place: the buffers are kept
         self._set_lengths(lengths)
         self.seeds = self.seeds[index]
         self.row_params = [self.row_params[i] for i in keep]

@@ -121,13 +121,17 @@ class KVCache:
         region is now `width` slots wide."""
         self.width = width
 
-    def keep_rows(self, index: torch.Tensor, width: int) -> None:
-        """Keep the rows `index` (in that order) as rows 0..len-1, cropped to `width` slots, in place."""
-        for buffers in (self._keys, self._values):
+    def keep_rows(self, keep: list[int], width: int) -> None:
+        """Keep the rows `keep` (in that order) as rows 0..len-1, cropped to `width` slots, in place. Only rows that
+        change place are copied: a request leaving a batch of 16 moves the rows after it, not all 15, and the
+        buffers keep their rows for the next request to join in place (`merge`)."""
+        moved = [(to, row) for to, row in enumerate(keep) if to != row]
+        buffers = [b for b in (*self._keys, *self._values) if b is not None]
+        if moved and buffers:
+            to, rows = torch.tensor(moved, device=buffers[0].device).unbind(1)
             for buffer in buffers:
-                if buffer is not None:
-                    buffer[: len(index), :, :width] = buffer[index, :, :width]
-        self.rows, self.width = len(index), width
+                buffer[to, :, :width] = buffer[rows, :, :width]  # the read is a copy: rows may overlap
+        self.rows, self.width = len(keep), width
 
     def take_rows(self, index: torch.Tensor, width: int) -> KVCache:
         """A new cache holding copies of the rows `index`, `width` slots wide."""
@@ -157,7 +161,9 @@ class KVCache:
         self.width = width
 
     def merge(self, other: KVCache) -> None:
-        """Append `other`'s rows after these; the narrower region is padded (padding slots are never attended)."""
+        """Append `other`'s rows after these; the narrower region is padded (padding slots are never attended).
+        Written in place where the buffers have the rows and slots (they keep the rows of requests that left), so
+        a request joining a running batch copies its own slots only; otherwise the buffers are reallocated."""
         if other.num_layers != self.num_layers:
             raise ValueError(f"cannot merge a cache of {other.num_layers} layers into one of {self.num_layers}")
         width = max(self.width, other.width)
@@ -166,14 +172,16 @@ class KVCache:
             like = self._keys[layer] if self._keys[layer] is not None else other._keys[layer]
             if like is None:
                 continue
-            shape = (rows, like.shape[1], _capacity(width, 0), like.shape[3])
             for buffers, source in ((self._keys, other._keys), (self._values, other._values)):
-                merged = torch.zeros(shape, dtype=like.dtype, device=like.device)
-                if buffers[layer] is not None:
-                    merged[: self.rows, :, : self.width] = buffers[layer][: self.rows, :, : self.width]
+                mine = buffers[layer]
+                if mine is None or mine.shape[0] < rows or mine.shape[2] < width:
+                    merged = torch.zeros((rows, like.shape[1], _capacity(width, 0), like.shape[3]),
+                                         dtype=like.dtype, device=like.device)
+                    if mine is not None:
+                        merged[: self.rows, :, : self.width] = mine[: self.rows, :, : self.width]
+                    buffers[layer] = mine = merged
                 if source[layer] is not None:
-                    merged[self.rows :, :, : other.width] = source[layer][: other.rows, :, : other.width]
-                buffers[layer] = merged
+                    mine[self.rows : rows, :, : other.width] = source[layer][: other.rows, :, : other.width]
         self.rows, self.width = rows, width
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
