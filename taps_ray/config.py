@@ -347,6 +347,11 @@ class AdaptConfig(_Strict):
     rollback_margin: float = Field(0.05, ge=0, description="roll back when the new version's live tau is below the "
                                    "previous one's by more than this (tau over a few requests is noisy)")
     trainer_num_cpus: float = Field(1.0, gt=0, description="CPUs Ray reserves for the trainer actor (its torch threads)")
+    trainer_duty: float = Field(
+        1.0, gt=0, le=1, description="the most share of time the trainer trains: after each optimizer step it rests "
+        "for the step's time x (1 / duty - 1). 1: back to back (a trainer on its own GPU or node); below 1 where it "
+        "shares a host with replicas, which then lose about duty x the back-to-back cost (benchmarks/serving/"
+        "online_adapt.py measures both)")
     dir: str = Field("adapt", description="versions and buffers, under work_dir")
     spawn: bool = Field(False, description="new heads for new traffic: when a routed model's recent requests keep "
                         "decoding below `spawn_below_tau` on every head, fork a new head from the closest one, train "

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from ray import serve
 
 from taps_ray.adapt.buffer import TrafficBuffer
+from taps_ray.adapt.duty import DutyCycle
 from taps_ray.adapt.heads import HeadSet
 from taps_ray.adapt.record import Recorder
 from taps_ray.adapt.replica import ReplicaAdaptation
@@ -469,3 +470,19 @@ def test_a_spawned_head_joins_the_router_between_steps_and_takes_the_traffic(tin
     assert adapt.routed["learned-routed"].spawned == 1
     assert adapt.versions() == {"learned-routed": {"math": 0, "chat": 0, "spawn1": 0}}
     assert heads.asked() is None and len(heads.heads()) == 3  # max_heads met: low traffic asks for no more
+
+
+def test_the_trainer_rests_in_proportion_to_each_step_below_a_duty_of_one():
+    now, rests = [0.0], []
+    cycle = DutyCycle(0.25, clock=lambda: now[0], sleep=rests.append)
+    for seconds in (0.2, 0.4):
+        with cycle:
+            now[0] += seconds
+    assert rests == pytest.approx([0.6, 1.2])  # 0.2 s of work in 0.8 s, 0.4 in 1.6: a quarter of the time
+    with DutyCycle(1.0, clock=lambda: now[0], sleep=rests.append):
+        now[0] += 1.0
+    assert len(rests) == 2  # back to back: no rest
+    with pytest.raises(ValueError, match="share of time"):
+        DutyCycle(0.0)
+    with pytest.raises(ValidationError, match="trainer_duty"):
+        AdaptConfig(trainer_duty=1.5)

@@ -12,8 +12,8 @@ torch thread (serve.replica_num_cpus 1), the trainer trains on the other core.
        head trained on MT-Bench) sent by --concurrency closed-loop clients to model `math`;
     3. the shift back: --math GSM8K test questions to the same model;
     4. the trainer's cost to serving: the same prompts decoded by the static math head in alternating blocks with
-       the trainer paused and training back to back (a worst case: while traffic flows it trains only when
-       --min-new-tokens new positions were recorded);
+       the trainer paused and training back to back at its --trainer-duty (a worst case: while traffic flows it
+       trains only when --min-new-tokens new positions were recorded);
     5. the greedy check: every stream request's output against plain greedy decoding (fp32: token for token).
 
     python benchmarks/serving/online_adapt.py --config configs/data_size.yaml --work-dir runs/data-size \
@@ -91,6 +91,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1.5e-4)
     p.add_argument("--precision", default="fp32", help="serve.adapt.precision (this CPU has no AMX: fp32 is faster)")
     p.add_argument("--steps-per-round", type=int, default=40)
+    p.add_argument("--trainer-duty", type=float, default=1.0, help="serve.adapt.trainer_duty: the most share of time "
+                   "the trainer trains (it rests after each optimizer step)")
     p.add_argument("--min-new-tokens", type=int, default=768)
     p.add_argument("--cost-prompts", type=int, default=8, help="prompts per block of the throughput-cost A/B")
     p.add_argument("--cost-blocks", type=int, default=2, help="paused/training block pairs")
@@ -109,6 +111,7 @@ def adapt_config(args: argparse.Namespace, adapt_dir: Path) -> StudyConfig:
     adapt = cfg.serve.adapt.model_copy(update={
         "enabled": True, "models": [MODEL], "sample": args.sample, "max_recorded_per_minute": 1000, "poll_s": 1.0,
         "lr": args.lr, "precision": args.precision, "steps_per_round": args.steps_per_round, "min_new_tokens": args.min_new_tokens,
+        "trainer_duty": args.trainer_duty,
         "trainer_num_cpus": 1.0, "dir": str(adapt_dir.resolve()),
     })
     serve = cfg.serve.model_copy(update={"adapt": adapt, "max_batch_size": args.concurrency, "replica_num_cpus": 1.0,
@@ -269,6 +272,8 @@ def report(args, served: list[Served], baseline, rounds, versions, rejected, pau
     line = (f"online: chat_tau start={pooled([s.result for s in first_chat]):.2f} "
             f"end={pooled([s.result for s in last_chat]):.2f} offline_chat={offline_chat:.2f} "
             f"requests={len(served)} failed={failed} throughput_cost={cost:.1f}%")
+    pacing = (f" at serve.adapt.trainer_duty {args.trainer_duty:g} (it rests {1 / args.trainer_duty - 1:.2f}x each "
+              "optimizer step's time after it)" if args.trainer_duty < 1 else "")
     lines = [
         "# Online adaptation: the math head follows chat traffic, then math returns",
         "",
@@ -285,12 +290,11 @@ def report(args, served: list[Served], baseline, rounds, versions, rejected, pau
         "version's; the replica looks for one every second, between decode steps.",
         "",
         f"Stream: {len(chat)} chat prompts (MT-Bench turns, single-turn, seeded shuffle; no head trained on "
-        f"MT-Bench), then {len(served) - len(chat)} GSM8K test questions. Why so few: on this 2-core CPU (shared "
-        f"with other work while it ran) the fp32 target with the math head decodes {paused_rate:.1f} tokens/s in a "
+        f"MT-Bench), then {len(served) - len(chat)} GSM8K test questions. Why so few: on this 2-core CPU the fp32 target with the math head decodes {paused_rate:.1f} tokens/s in a "
         f"batch of {args.concurrency} (measured below): a {args.max_tokens}-token request takes about "
         f"{args.max_tokens / paused_rate * args.concurrency:.0f} s with {args.concurrency} decoding side by side; the "
-        "stream, the static baselines, the cost A/B and the greedy check of every request fit in about 25 min at "
-        "this size.",
+        f"stream, the static baselines, the cost A/B and the greedy check of every request took {wall_s / 60:.0f} min "
+        "at this size.",
         "",
         "## tau over time",
         "",
@@ -347,7 +351,7 @@ def report(args, served: list[Served], baseline, rounds, versions, rejected, pau
         "",
         f"Serving throughput, static math head, the same {args.cost_prompts} prompts in {args.cost_blocks} "
         f"alternating block pairs: {paused_rate:.1f} tokens/s with the trainer paused, {training_rate:.1f} tokens/s "
-        f"with it training back to back: a cost of {cost:.1f}% (a worst case). During the stream the trainer was "
+        f"with it training back to back{pacing}: a cost of {cost:.1f}% (a worst case). During the stream the trainer was "
         f"training {duty:.0%} of the time.",
         "",
         f"Requests: {len(served)}, failed: {failed}. fp32 outputs equal to plain greedy decoding: "

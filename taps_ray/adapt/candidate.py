@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from taps_ray.adapt.duty import DutyCycle
 from taps_ray.config import StudyConfig
 from taps_ray.data.draft_vocab import draft_vocabulary
 from taps_ray.models.draft_head import DraftHead
@@ -43,6 +44,7 @@ class TargetSide:
         self.passes = max(1, cfg.train.hca_passes)
         self.rng = random.Random(cfg.train.seed)
         self.generator = torch.Generator().manual_seed(cfg.train.seed)
+        self.pace = DutyCycle(self.adapt.trainer_duty)  # rests after each optimizer step below a duty of 1
 
     def split(self, examples: list[Example]) -> tuple[list[Example], list[Example]]:
         """Training and held-out sequences: the newest `heldout_fraction` is held out (the traffic to come)."""
@@ -54,11 +56,12 @@ class TargetSide:
         head, size = candidate.head, self.adapt.batch_size
         head.train()
         for _ in range(self.adapt.steps_per_round):
-            batch = collate(self.rng.sample(examples, min(size, len(examples))))
-            candidate.optimizer.zero_grad(set_to_none=True)
-            run_passes(head, batch, self.frozen, self.settings, backward=True, generator=self.generator)
-            torch.nn.utils.clip_grad_value_(head.parameters(), self.cfg.train.grad_clip_value)
-            candidate.optimizer.step()
+            with self.pace:
+                batch = collate(self.rng.sample(examples, min(size, len(examples))))
+                candidate.optimizer.zero_grad(set_to_none=True)
+                run_passes(head, batch, self.frozen, self.settings, backward=True, generator=self.generator)
+                torch.nn.utils.clip_grad_value_(head.parameters(), self.cfg.train.grad_clip_value)
+                candidate.optimizer.step()
         head.eval()
 
     def agreement(self, head: DraftHead, examples: list[Example]) -> float:
