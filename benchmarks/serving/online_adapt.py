@@ -290,8 +290,8 @@ def report(args, served: list[Served], baseline, rounds, versions, rejected, pau
         "version's; the replica looks for one every second, between decode steps.",
         "",
         f"Stream: {len(chat)} chat prompts (MT-Bench turns, single-turn, seeded shuffle; no head trained on "
-        f"MT-Bench), then {len(served) - len(chat)} GSM8K test questions. Why so few: on this 2-core CPU the fp32 target with the math head decodes {paused_rate:.1f} tokens/s in a "
-        f"batch of {args.concurrency} (measured below): a {args.max_tokens}-token request takes about "
+        f"MT-Bench), then {len(served) - len(chat)} GSM8K test questions. Why so few: on this 2-core CPU the fp32 "
+        f"target with the math head decodes {paused_rate:.1f} tokens/s in a batch of {args.concurrency} (measured below): a {args.max_tokens}-token request takes about "
         f"{args.max_tokens / paused_rate * args.concurrency:.0f} s with {args.concurrency} decoding side by side; the "
         f"stream, the static baselines, the cost A/B and the greedy check of every request took {wall_s / 60:.0f} min "
         "at this size.",

@@ -15,8 +15,9 @@ much of its time. Each setting runs in its own process, because libgomp reads it
 With `--neighbour-duty D` (a percentage), each setting also runs beside a neighbour: a process on the same
 cores that computes for 1 ms and sleeps for the rest of every period so that it is busy D% of one core, as a
 benchmark client, Serve's proxy and Ray's own processes are beside a replica (under vLLM's client at 16 in
-flight they took about 24% and 12% of a core: reports/serve_vs_vllm.md). A team of OpenMP threads splits each
-kernel statically, so a thread the neighbour displaces holds the others at the kernel's end.
+flight they took about 24% and 12% of a core, per-process CPU time over one ad-hoc run: docs/serve.md#threads). A
+team of OpenMP threads splits each kernel statically, so a thread the neighbour displaces holds the others at the
+kernel's end.
 Within each process the two packings of every projection's weight (`Projection.packed`, oneDNN's reordered
 copy laid out for 1 or for 32 rows) are timed in alternating rounds: read their ratio there. The step: plain
 decoding of `--steps` tokens over a batch (1, or the first 16 of the serving benchmarks' mixed prompts, ragged),
