@@ -7,8 +7,10 @@ T=0 is the target's greedy output (fp32).
 from __future__ import annotations
 
 import asyncio
+import importlib
 import os
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -26,7 +28,8 @@ from taps_ray.adapt.spawner import SpawnRound
 from taps_ray.adapt.swap import LiveStats, ServedModel, should_roll_back
 from taps_ray.adapt.trainer_actor import OnlineTrainer, RoutedTrainer, model_buffer, model_heads, model_store
 from taps_ray.adapt.versions import VersionStore
-from taps_ray.config import AdaptConfig, TreeConfig
+from taps_ray.config import AdaptConfig, TreeConfig, load_config
+from taps_ray.data.mixtures import build_mixture
 from taps_ray.decoding.continuous import ContinuousBatcher, Request, Result
 from taps_ray.decoding.generate import generate
 from taps_ray.decoding.verify import SamplingParams
@@ -486,3 +489,19 @@ def test_the_trainer_rests_in_proportion_to_each_step_below_a_duty_of_one():
         DutyCycle(0.0)
     with pytest.raises(ValidationError, match="trainer_duty"):
         AdaptConfig(trainer_duty=1.5)
+
+
+def test_the_benchmark_s_sharegpt_prompts_are_from_conversations_no_head_trained_on(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks" / "serving"))
+    online_adapt = importlib.import_module("online_adapt")
+    config = load_config("configs/tiny.yaml")
+    trained = {c.messages[0]["content"] for m in config.mixtures.values() if "sharegpt" in m.mixture
+               for c in build_mixture(m)}
+    as_ids = lambda text: [ord(ch) for ch in text]  # noqa: E731 - one id per character: the text comes back
+    prompts = online_adapt.unseen_sharegpt(config, 40, 200, as_ids, seed=0)
+    texts = ["".join(map(chr, ids)) for ids in prompts]
+    assert len(set(texts)) == 40 and all(len(ids) <= 200 for ids in prompts)
+    assert trained and not trained & set(texts)
+    assert online_adapt.unseen_sharegpt(config, 40, 200, as_ids, seed=0) == prompts  # seeded
+    with pytest.raises(SystemExit, match="unseen ShareGPT prompts of at most 0 tokens"):
+        online_adapt.unseen_sharegpt(config, 1, 0, as_ids, seed=0)

@@ -8,8 +8,9 @@ torch thread (serve.replica_num_cpus 1), the trainer trains on the other core.
 
     1. baselines (nothing recorded, no trainer): the static math head (version 0) and the offline chat head
        (trained on 1,000 ShareGPT conversations) on every --baseline-every-th prompt of both streams;
-    2. the chat stream: --chat MT-Bench prompts (each question's turns as single-turn prompts, seeded shuffle: no
-       head trained on MT-Bench) sent by --concurrency closed-loop clients to model `math`;
+    2. the chat stream: --chat MT-Bench prompts (each question's turns as single-turn prompts: no head trained on
+       MT-Bench) and --sharegpt ShareGPT prompts from conversations no head trained on, shuffled together, sent by
+       --concurrency closed-loop clients to model `math`;
     3. the shift back: --math GSM8K test questions to the same model;
     4. the trainer's cost to serving: the same prompts decoded by the static math head in alternating blocks with
        the trainer paused and training back to back at its --trainer-duty (a worst case: while traffic flows it
@@ -34,6 +35,7 @@ import shlex
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,7 +49,8 @@ from taps_ray.adapt.replica import ReplicaAdaptation  # noqa: E402
 from taps_ray.adapt.trainer_actor import model_store, start_trainer  # noqa: E402
 from taps_ray.config import StudyConfig, load_config, with_overrides  # noqa: E402
 from taps_ray.data.chat import render_ids  # noqa: E402
-from taps_ray.data.sources import load_questions  # noqa: E402
+from taps_ray.data.mixtures import build_mixture  # noqa: E402
+from taps_ray.data.sources import load_conversations, load_questions  # noqa: E402
 from taps_ray.decoding.continuous import ContinuousBatcher, Request, Result  # noqa: E402
 from taps_ray.decoding.step import tau  # noqa: E402
 from taps_ray.decoding.verify import SamplingParams  # noqa: E402
@@ -81,7 +84,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default="configs/data_size.yaml")
     p.add_argument("--work-dir", default=None, help="where the trained heads are (default: the config's work_dir)")
     p.add_argument("--adapt-dir", default=None, help="buffers and versions (default: a temporary folder)")
-    p.add_argument("--chat", type=int, default=100, help="chat requests (MT-Bench turns)")
+    p.add_argument("--chat", type=int, default=100, help="chat requests from MT-Bench (its turns, at most 160)")
+    p.add_argument("--sharegpt", type=int, default=0, help="chat requests from ShareGPT conversations no head of the "
+                   "config trained on (their first user turn), shuffled in with the MT-Bench turns")
+    p.add_argument("--max-prompt-tokens", type=int, default=256, help="ShareGPT prompts longer than this are skipped")
     p.add_argument("--math", type=int, default=40, help="math requests after the chat stream (GSM8K test)")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--concurrency", type=int, default=4, help="closed-loop clients (= serve.max_batch_size)")
@@ -119,18 +125,45 @@ def adapt_config(args: argparse.Namespace, adapt_dir: Path) -> StudyConfig:
     return cfg.model_copy(update={"serve": serve})
 
 
-def stream_prompts(target: Target, args: argparse.Namespace) -> tuple[list[list[int]], list[list[int]]]:
-    """(chat, math) prompts rendered with the chat template: MT-Bench turns shuffled, GSM8K test in order."""
+def unseen_sharegpt(cfg: StudyConfig, count: int, max_tokens: int, render: Callable[[str], list[int]],
+                    seed: int) -> list[list[int]]:
+    """`count` ShareGPT first user turns (at most `max_tokens` rendered) from conversations that no mixture of `cfg`
+    holds, so that neither the offline chat head nor the math head was trained on them; seeded order."""
+    trained = [c for m in cfg.mixtures.values() if "sharegpt" in m.mixture for c in build_mixture(m)]
+    trained_ids = {c.id for c in trained}
+    seen_texts = {c.messages[0]["content"] for c in trained}  # ShareGPT repeats prompts under other ids
+    unseen = [c for c in load_conversations("sharegpt") if c.id not in trained_ids]
+    random.Random(seed).shuffle(unseen)
+    prompts = []
+    for conversation in unseen:
+        text = conversation.messages[0]["content"]
+        ids = render(text)
+        if text not in seen_texts and len(ids) <= max_tokens:
+            prompts.append(ids)
+            seen_texts.add(text)
+        if len(prompts) == count:
+            return prompts
+    raise SystemExit(f"--sharegpt {count}: only {len(prompts)} unseen ShareGPT prompts of at most {max_tokens} tokens")
+
+
+def stream_prompts(cfg: StudyConfig, target: Target,
+                   args: argparse.Namespace) -> tuple[list[list[int]], list[list[int]]]:
+    """(chat, math) prompts rendered with the chat template: MT-Bench turns and unseen ShareGPT prompts shuffled
+    together (the chat traffic is the same mix from start to end), GSM8K test in order."""
     turns = [turn for q in load_questions("mt_bench") for turn in q.turns]
+    if args.chat > len(turns):
+        raise SystemExit(f"--chat {args.chat}: MT-Bench has {len(turns)} turns")
     random.Random(args.seed).shuffle(turns)
     math = [q.turns[0] for q in load_questions("gsm8k")]
 
     def render(text: str) -> list[int]:
         return render_ids(target.tokenizer, [{"role": "user", "content": text}], add_generation_prompt=True)
 
-    if args.chat > len(turns):
-        raise SystemExit(f"--chat {args.chat}: MT-Bench has {len(turns)} turns")
-    return [render(t) for t in turns[: args.chat]], [render(t) for t in math[: args.math]]
+    chat = [render(t) for t in turns[: args.chat]]
+    if args.sharegpt:
+        chat += unseen_sharegpt(cfg, args.sharegpt, args.max_prompt_tokens, render, args.seed)
+        random.Random(args.seed).shuffle(chat)
+    return chat, [render(t) for t in math[: args.math]]
 
 
 def decode(target: Target, proposer: Proposer, prompts: list[list[int]], max_tokens: int,
@@ -190,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         heads = load_heads(cfg, "eagle2", target.dtype, ["math", "chat"], target.device)
         static = load_proposers(cfg, ["math", "chat"], target=target, heads=heads)
         plain = load_proposers(cfg, ["plain"], target=target)["plain"]
-        chat_prompts, math_prompts = stream_prompts(target, args)
+        chat_prompts, math_prompts = stream_prompts(cfg, target, args)
 
         print("baselines: the static math head and the offline chat head", flush=True)
         every = args.baseline_every
@@ -289,8 +322,10 @@ def report(args, served: list[Served], baseline, rounds, versions, rejected, pau
         "publishes a version only when its top-1 agreement on the newest quarter of the buffer beats the served "
         "version's; the replica looks for one every second, between decode steps.",
         "",
-        f"Stream: {len(chat)} chat prompts (MT-Bench turns, single-turn, seeded shuffle; no head trained on "
-        f"MT-Bench), then {len(served) - len(chat)} GSM8K test questions. Why so few: on this 2-core CPU the fp32 "
+        f"Stream: {len(chat)} chat prompts ({args.chat} MT-Bench turns as single-turn prompts"
+        + (f" and {args.sharegpt} first user turns of ShareGPT conversations that no head of the config trained on "
+           f"(at most {args.max_prompt_tokens} tokens), shuffled together" if args.sharegpt else ", shuffled")
+        + f"; no head trained on MT-Bench), then {len(served) - len(chat)} GSM8K test questions. Why so few: on this 2-core CPU the fp32 "
         f"target with the math head decodes {paused_rate:.1f} tokens/s in a batch of {args.concurrency} (measured below): a {args.max_tokens}-token request takes about "
         f"{args.max_tokens / paused_rate * args.concurrency:.0f} s with {args.concurrency} decoding side by side; the "
         f"stream, the static baselines, the cost A/B and the greedy check of every request took {wall_s / 60:.0f} min "
