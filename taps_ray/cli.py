@@ -157,8 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object")
 
     report = _command(commands, "report", "regenerate the report (tables, plots, findings) from the results store",
-                      "taps report --config configs/cpu.yaml --results reports/results")
-    _add_config(report)
+                      "taps report --results reports/results")
+    report.add_argument("--config", default=None, help="study config, e.g. configs/cpu.yaml; default: the one a "
+                        "report's results/ copy holds (its config.yaml)")
     report.add_argument("--results", default=None,
                         help="results store or a report's results/ copy (e.g. reports/results); default: the "
                              "config's work_dir/results")
@@ -323,11 +324,20 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     from taps_ray.report import build_report  # late: matplotlib and pandas (this command only)
-    from taps_ray.report.data import results_source  # late: pandas (this command only)
+    from taps_ray.report.data import ReportCopy, results_source  # late: pandas (this command only)
 
     source = results_source(args.results) if args.results else None
-    command = f"taps report --config {args.config}" + (f" --results {args.results}" if args.results else "")
-    path = build_report(_config(args), source, command=command)
+    command = "taps report" + (f" --config {args.config}" if args.config else "") + (
+        f" --results {args.results}" if args.results else "")
+    if args.config is not None:
+        config = _config(args)
+    else:  # the copy's own config; the report goes where the copy is (its reports_dir/results)
+        saved = source.config_path() if isinstance(source, ReportCopy) else None
+        if saved is None:
+            raise ConfigError("taps report needs --config (e.g. configs/cpu.yaml), or --results naming a report's "
+                              "results/ copy that holds its config.yaml")
+        config = with_overrides(load_config(saved), data_dir=args.data_dir, reports_dir=str(source.root.parent))
+    path = build_report(config, source, command=command)
     print(f"report written to {path}")
     return 0
 

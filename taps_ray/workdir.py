@@ -17,7 +17,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import yaml
+
 from taps_ray.config import StudyConfig
+from taps_ray.fsio import atomic_write_text
 
 FINAL = "final"  # the finished checkpoint inside a head's training folder
 EPOCH_GLOB = "epoch-*"  # the epoch checkpoints inside a head's training folder
@@ -104,3 +107,12 @@ def study_config(cfg: StudyConfig) -> Path:
     """The config a sweep ran, saved beside its heads: `taps generate|serve|bench --config <this>` use them as
     they are (the `--quick` study's shrunken config exists nowhere else)."""
     return cfg.work_path("config.yaml")
+
+
+def save_config(cfg: StudyConfig, path: Path) -> Path:
+    """`cfg` as the YAML `load_config` reads back to the same config, written atomically to `path`; left as it is
+    when it already says the same (a report-only or resumed stage writes nothing)."""
+    text = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    if not path.is_file() or path.read_text() != text:
+        atomic_write_text(path, text)
+    return path

@@ -11,14 +11,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import yaml
 
 from taps_ray.cli import build_parser
 from taps_ray.config import load_config
 from taps_ray.models.draft_head import new_head
-from taps_ray.study.sweep import quick_config, save_config
-from taps_ray.workdir import head_checkpoint
+from taps_ray.study.sweep import quick_config
+from taps_ray.workdir import head_checkpoint, save_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -183,3 +184,23 @@ def test_misspelt_mixture_and_missing_files_are_one_line(study, tmp_path):
                    "not found", "taps plan: begin")
     one_line_error(taps("heads-report", "--config", str(study), "--render-only", "--out", str(tmp_path)),
                    "no heads.json", "without --render-only")
+
+
+def test_report_rebuilds_from_a_results_copy_alone(tmp_path):
+    """`taps report --results <copy>`: the copy holds its config, so no --config; the report lands beside the copy."""
+    copy = tmp_path / "reports" / "results"
+    copy.mkdir(parents=True)
+    bare = taps("report", "--results", str(copy))
+    assert bare.returncode == 2
+    one_line_error(bare, "neither a results store")
+    config = load_config("configs/tiny.yaml").model_copy(update={"reports_dir": str(tmp_path / "elsewhere")})
+    save_config(config, copy / "config.yaml")
+    pd.DataFrame({"question_id": []}).to_parquet(copy / "questions.parquet")
+    built = taps("report", "--results", str(copy))
+    assert built.returncode == 0, built.stderr
+    readme = (tmp_path / "reports" / "README.md").read_text()
+    assert readme.startswith("# TAPS reproduction report — `tiny`") and not (tmp_path / "elsewhere").exists()
+    (copy / "config.yaml").unlink()
+    missing = taps("report", "--results", str(copy))
+    assert missing.returncode == 2
+    one_line_error(missing, "needs --config", "config.yaml")

@@ -266,6 +266,9 @@ def test_a_report_rebuilt_in_place_from_its_copy_keeps_the_copy(tmp_path, monkey
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
     note = before["STEPS_NOT_COPIED.txt"].decode().strip()
     assert note in first and note in second
+    # what the report reads of the steps travels in the copy: the entropy and routing findings come back decided
+    assert first.split("## Acceptance length", 1)[1] == second.split("## Acceptance length", 1)[1]
+    assert f"**(e) {HOLDS}**" in second and f"**(f) {UNMEASURED}**" not in second
 
     with pytest.raises(FileNotFoundError, match="neither a results store"):
         results_source(tmp_path / "nowhere")
@@ -330,7 +333,7 @@ def test_the_report_leads_with_its_findings_and_main_table(tmp_path):
     head, _, rest = readme.partition("## Setting")
     assert "## Summary" in head and "- **(a) HOLDS**: The math head beats the chat head" in head
     assert "| math head (mathinstruct 100%) |" in head  # the main τ table
-    assert "Regenerate: `taps report --config configs/synthetic.yaml --results " in head
+    assert "Regenerate: `taps report --results " in head  # the copy holds its config
     assert "`eagle2/math/gsm8k/T0`" not in head + rest.split("## Appendix: the cells")[0]  # cell ids: appendix only
     assert "`eagle2/math/gsm8k/T0`" in rest.split("## Appendix: the cells")[1]
     # MT-Bench is the chat head's benchmark: its Δ is chat − math, positive when the claim holds there

@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 
 from taps_ray.config import BENCHMARKS, HEAD_KINDS, StudyConfig
-from taps_ray.eval.diagnostics import accepted_vs_rejected, majority_head, mean_node_confidence, routing_fractions
+from taps_ray.eval.diagnostics import majority_head, mean_node_confidence, routing_fractions
 from taps_ray.drafting.names import averaged_weight, entropy_candidates
 from taps_ray.eval.cell import PLAIN
 from taps_ray.eval.metrics import summarize
@@ -28,6 +28,9 @@ OURS = ("merged-dedup", "merged-budget", "learned-routed")
 PER_QUESTION = "per-question confidence"  # TAPS's routing table: each question to the head of higher mean confidence
 COMBINED = ("averaged", "confidence-routed", "entropy-routed", "merged", *OURS)
 CELLS_FILE = "cells.json"  # in a report's results/ copy: done.json of every cell and the failures
+CONFIG_FILE = "config.yaml"  # in a report's results/ copy: the study config the report was built with
+DERIVED_FILES = {"node_sums": "node_entropy_sums.parquet", "question_routing": "question_routing.parquet",
+                 "routing": "routing.parquet"}  # in a report's results/ copy: what the report reads of the steps
 
 
 @dataclass
@@ -37,6 +40,7 @@ class ReportData:
     entropy: pd.DataFrame  # head_kind, proposer, temperature, entropy_accepted/rejected, delta_entropy, n_*
     routing: pd.DataFrame  # head_kind, proposer, benchmark, temperature, head, fraction, unit
     question_routing: pd.DataFrame = field(default_factory=pd.DataFrame)  # `question_routing`: one row per question
+    node_sums: pd.DataFrame = field(default_factory=pd.DataFrame)  # `node_entropy_sums`: one row per drafted question
     failures: list[dict] = field(default_factory=list)
     meta: list[dict] = field(default_factory=list)  # done.json of every finished cell
     questions: pd.DataFrame = field(default_factory=pd.DataFrame)
@@ -136,6 +140,18 @@ class ReportCopy:
     def meta(self) -> list[dict]:
         return self._cells.get("cells", [])
 
+    def derived(self) -> dict[str, pd.DataFrame] | None:
+        """The tables the report derives from the per-step records (`DERIVED_FILES`), or None in a copy that has
+        not got them all (one written before copies carried them)."""
+        if not all((self.root / name).is_file() for name in DERIVED_FILES.values()):
+            return None
+        return {key: self._frame(name) for key, name in DERIVED_FILES.items()}
+
+    def config_path(self) -> Path | None:
+        """The study config the report was built with, saved in the copy (None in a copy made before that)."""
+        path = self.root / CONFIG_FILE
+        return path if path.is_file() else None
+
 
 def results_source(path: Path) -> ResultsStore | ReportCopy:
     """A results store (has `cells/`) or a report's `results/` copy (has questions.parquet); else a clear error."""
@@ -153,13 +169,18 @@ def load_report_data(config: StudyConfig, store: ResultsStore | ReportCopy | Non
     questions = store.questions()
     steps = store.steps()
     meta = store.meta()
-    per_question = question_routing(steps, list(config.train.mixtures))
+    derived = store.derived() if isinstance(store, ReportCopy) else None
+    if derived is None:  # from the steps: a results store, or a copy made before copies carried the derived tables
+        per_question = question_routing(steps, list(config.train.mixtures))
+        derived = {"node_sums": node_entropy_sums(steps), "question_routing": per_question,
+                   "routing": routing_table(steps, list(config.train.mixtures), per_question)}
     return ReportData(
         config=config,
         summary=summarize(questions),
-        entropy=entropy_table(steps),
-        routing=routing_table(steps, list(config.train.mixtures), per_question),
-        question_routing=per_question,
+        entropy=entropy_table(derived["node_sums"]),
+        node_sums=derived["node_sums"],
+        routing=derived["routing"],
+        question_routing=derived["question_routing"],
         failures=store.failures(),
         meta=meta,
         questions=questions,
@@ -169,20 +190,40 @@ def load_report_data(config: StudyConfig, store: ResultsStore | ReportCopy | Non
     )
 
 
-def entropy_table(steps: pd.DataFrame) -> pd.DataFrame:
-    """Accepted vs rejected drafted-node entropy per head kind × proposer × temperature (pooled over benchmarks)."""
+NODE_SUM_KEYS = ["head_kind", "proposer", "temperature", "benchmark", "question_id"]
+NODE_SUMS = ["entropy_accepted_sum", "n_accepted", "entropy_rejected_sum", "n_rejected"]
+
+
+def node_entropy_sums(steps: pd.DataFrame) -> pd.DataFrame:
+    """Per drafted question: Σ entropy and count of its accepted and of its rejected drafted nodes. The entropy table
+    and finding (e)'s interval over questions need no more, so a report's results copy keeps this, not the steps."""
+    if steps.empty or "node_entropy" not in steps:
+        return pd.DataFrame(columns=NODE_SUM_KEYS + NODE_SUMS)
+    sums: dict[tuple, list[float]] = {}
+    for row in steps[steps["proposer"] != PLAIN].itertuples(index=False):
+        key = tuple(getattr(row, k) for k in NODE_SUM_KEYS)
+        totals = sums.setdefault(key, [0.0, 0.0, 0.0, 0.0])
+        for entropy, accepted in zip(row.node_entropy, row.node_accepted):
+            totals[0 if accepted else 2] += float(entropy)
+            totals[1 if accepted else 3] += 1
+    frame = pd.DataFrame([[*key, *totals] for key, totals in sums.items()], columns=NODE_SUM_KEYS + NODE_SUMS)
+    return frame.sort_values(NODE_SUM_KEYS, ignore_index=True)
+
+
+def entropy_table(sums: pd.DataFrame) -> pd.DataFrame:
+    """Accepted vs rejected drafted-node entropy per head kind × proposer × temperature (pooled over benchmarks),
+    from `node_entropy_sums`."""
     columns = ["head_kind", "proposer", "temperature", "entropy_accepted", "entropy_rejected", "delta_entropy",
                "n_accepted", "n_rejected"]
-    if steps.empty or "node_entropy" not in steps:
-        return pd.DataFrame(columns=columns)
     rows = []
-    drafted = steps[steps["proposer"] != PLAIN]
-    for (kind, proposer, temperature), group in drafted.groupby(["head_kind", "proposer", "temperature"], sort=True):
-        stats = accepted_vs_rejected(group.itertuples(index=False))
-        if stats["n_accepted"] + stats["n_rejected"] == 0:
+    for (kind, proposer, temperature), group in sums.groupby(["head_kind", "proposer", "temperature"], sort=True):
+        total = group[NODE_SUMS].sum()
+        if total["n_accepted"] + total["n_rejected"] == 0:
             continue
-        rows.append({"head_kind": kind, "proposer": proposer, "temperature": temperature,
-                     **{k: stats[k] for k in columns[3:]}})
+        accepted = total["entropy_accepted_sum"] / total["n_accepted"] if total["n_accepted"] else math.nan
+        rejected = total["entropy_rejected_sum"] / total["n_rejected"] if total["n_rejected"] else math.nan
+        rows.append([kind, proposer, temperature, accepted, rejected, rejected - accepted,
+                     float(total["n_accepted"]), float(total["n_rejected"])])
     return pd.DataFrame(rows, columns=columns)
 
 

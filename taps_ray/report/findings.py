@@ -227,11 +227,11 @@ def entropy_gap(data: ReportData) -> Finding:
     low, high = PAPER_ENTROPY_GAP_NATS
     finding = Finding("e", "Rejected draft tokens have higher entropy than accepted ones (Δ = rejected − accepted > 0)",
                       f"Δ = {low}–{high} nats")
-    steps = data.steps
-    if steps.empty or "node_entropy" not in steps:
+    sums = data.node_sums
+    if sums.empty:
         return finding.decide(_no_steps(data, "no cell had both accepted and rejected drafted nodes"))
     for kind, temperature in _settings(data):
-        setting = steps[(steps["head_kind"] == kind) & (steps["temperature"] == temperature)]
+        setting = sums[(sums["head_kind"] == kind) & (sums["temperature"] == temperature)]
         gaps = {p: gap_interval(g) for p, g in setting.groupby("proposer", sort=True) if p != "plain"}
         gaps = {p: i for p, i in gaps.items() if i}
         if not gaps:
@@ -295,8 +295,8 @@ def routing(data: ReportData) -> Finding:
 def _no_steps(data: ReportData, reason: str) -> str:
     """Why a claim read from the per-step records is not measured: a results copy without them says so."""
     if data.from_copy and data.steps.empty:
-        return ("this results copy holds no per-step records (too big to copy, see results/STEPS_NOT_COPIED.txt); "
-                "rebuild the report from the results store to check this claim")
+        return ("this results copy predates the tables a copy now keeps of the per-step records, and holds no steps "
+                "(too big to copy, see results/STEPS_NOT_COPIED.txt); rebuild the report from the results store")
     return reason
 
 

@@ -92,25 +92,18 @@ def _stratified(values: np.ndarray, strata: np.ndarray, statistic, resamples: in
     return Interval(float(statistic(values.sum(axis=0))), *_percentile_interval(statistic(sums)))
 
 
-def entropy_gap(steps: pd.DataFrame, resamples: int = RESAMPLES, seed: int = 0) -> Interval | None:
-    """Pooled mean entropy of rejected minus accepted drafted nodes over `steps` (one cell group), with its
-    interval over questions; None when either group is empty."""
-    per_question = {}
-    for row in steps.itertuples(index=False):
-        sums = per_question.setdefault((row.benchmark, row.question_id), [0.0, 0.0, 0.0, 0.0])
-        for entropy, accepted in zip(row.node_entropy, row.node_accepted):
-            sums[0 if accepted else 2] += entropy
-            sums[1 if accepted else 3] += 1
-    values = np.array(list(per_question.values()), dtype=float).reshape(-1, 4)
+def entropy_gap(sums: pd.DataFrame, resamples: int = RESAMPLES, seed: int = 0) -> Interval | None:
+    """Pooled mean entropy of rejected minus accepted drafted nodes over one cell group's per-question node sums
+    (report.data.node_entropy_sums), with its interval over questions; None when either group is empty."""
+    values = sums[["entropy_accepted_sum", "n_accepted", "entropy_rejected_sum", "n_rejected"]].to_numpy(float)
     if not len(values) or values[:, 1].sum() == 0 or values[:, 3].sum() == 0:
         return None
-    strata = np.array([bench for bench, _ in per_question])
 
-    def gap(sums: np.ndarray) -> np.ndarray:
+    def gap(totals: np.ndarray) -> np.ndarray:
         with np.errstate(invalid="ignore", divide="ignore"):
-            return sums[..., 2] / sums[..., 3] - sums[..., 0] / sums[..., 1]
+            return totals[..., 2] / totals[..., 3] - totals[..., 0] / totals[..., 1]
 
-    return _stratified(values, strata, gap, resamples, seed)
+    return _stratified(values, sums["benchmark"].to_numpy(), gap, resamples, seed)
 
 
 def share_above(picks: list[bool], threshold: float = 0.5, resamples: int = RESAMPLES, seed: int = 0) -> Interval | None:

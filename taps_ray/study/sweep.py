@@ -28,8 +28,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from taps_ray import workdir
 from taps_ray.config import StudyConfig, load_config, with_overrides
 from taps_ray.data.draft_vocab import draft_vocabulary
@@ -167,7 +165,7 @@ def run_sweep(
     ran, cfg = cfg, absolute_paths(cfg)
     start_ray(cfg.ray)
     env = remote_env(cfg)
-    log(f"config saved to {save_config(ran, workdir.study_config(cfg))} (give it to taps generate, serve or bench)")
+    log(f"config saved to {workdir.save_config(ran, workdir.study_config(cfg))} (give it to taps generate, serve or bench)")
     log(f"study {cfg.name}: stages {', '.join(stages)}; work dir {cfg.work_dir}; Ray {ray.cluster_resources()}")
     results: dict[str, Any] = {"config": cfg.name, "quick": quick, "stages": {}}
     sweep_start = time.perf_counter()
@@ -193,15 +191,6 @@ def run_sweep(
     log(f"sweep finished in {results['seconds'] / 60:.1f} min: "
         + ", ".join(f"{k} {v['seconds'] / 60:.1f} min" for k, v in results["stages"].items()))
     return results
-
-
-def save_config(cfg: StudyConfig, path: Path) -> Path:
-    """`cfg` as the YAML `load_config` reads back to the same config, written atomically to `path`; left as it is
-    when it already says the same (a report-only or resumed stage writes nothing)."""
-    text = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
-    if not path.is_file() or path.read_text() != text:
-        atomic_write_text(path, text)
-    return path
 
 
 def _jsonable(value: Any) -> Any:
