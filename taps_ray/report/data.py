@@ -47,6 +47,14 @@ class ReportData:
     steps: pd.DataFrame = field(default_factory=pd.DataFrame)
     store_root: Path | None = None
     from_copy: bool = False  # store_root is a report's results/ copy, not a results store
+    step_tables: bool = True  # False: a copy that holds neither the steps nor the tables derived from them
+
+    def unmeasured(self, reason: str) -> str:
+        """Why something read from the per-step records is missing: `reason`, or that this copy does not hold them."""
+        if self.step_tables:
+            return reason
+        return ("this results copy predates the tables a copy now keeps of the per-step records, and holds no steps "
+                "(too big to copy, see results/STEPS_NOT_COPIED.txt); rebuild the report from the results store")
 
     @property
     def head_names(self) -> list[str]:
@@ -170,6 +178,7 @@ def load_report_data(config: StudyConfig, store: ResultsStore | ReportCopy | Non
     steps = store.steps()
     meta = store.meta()
     derived = store.derived() if isinstance(store, ReportCopy) else None
+    step_tables = derived is not None or not (isinstance(store, ReportCopy) and steps.empty)
     if derived is None:  # from the steps: a results store, or a copy made before copies carried the derived tables
         per_question = question_routing(steps, list(config.train.mixtures))
         derived = {"node_sums": node_entropy_sums(steps), "question_routing": per_question,
@@ -187,6 +196,7 @@ def load_report_data(config: StudyConfig, store: ResultsStore | ReportCopy | Non
         steps=steps,
         store_root=store.root,
         from_copy=isinstance(store, ReportCopy),
+        step_tables=step_tables,
     )
 
 

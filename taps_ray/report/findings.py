@@ -229,7 +229,7 @@ def entropy_gap(data: ReportData) -> Finding:
                       f"Δ = {low}–{high} nats")
     sums = data.node_sums
     if sums.empty:
-        return finding.decide(_no_steps(data, "no cell had both accepted and rejected drafted nodes"))
+        return finding.decide(data.unmeasured("no cell had both accepted and rejected drafted nodes"))
     for kind, temperature in _settings(data):
         setting = sums[(sums["head_kind"] == kind) & (sums["temperature"] == temperature)]
         gaps = {p: gap_interval(g) for p, g in setting.groupby("proposer", sort=True) if p != "plain"}
@@ -253,7 +253,7 @@ def routing(data: ReportData) -> Finding:
     math_head, chat_head = data.specialist("mathinstruct"), data.specialist("sharegpt")
     per_question, frame = data.question_routing, data.routing
     if per_question.empty or not (math_head and chat_head):
-        return finding.decide(_no_steps(data, "no routed questions") if per_question.empty
+        return finding.decide(data.unmeasured("no routed questions") if per_question.empty
                               else "no math and chat specialist heads")
 
     def picks(kind: str, temperature: float, router: str, bench: str) -> pd.Series:
@@ -290,14 +290,6 @@ def routing(data: ReportData) -> Finding:
         if checks:
             finding.add(kind, temperature, "; ".join(checks), intervals, labels)
     return finding.decide("no routed GSM8K or MT-Bench questions")
-
-
-def _no_steps(data: ReportData, reason: str) -> str:
-    """Why a claim read from the per-step records is not measured: a results copy without them says so."""
-    if data.from_copy and data.steps.empty:
-        return ("this results copy predates the tables a copy now keeps of the per-step records, and holds no steps "
-                "(too big to copy, see results/STEPS_NOT_COPIED.txt); rebuild the report from the results store")
-    return reason
 
 
 def _gain_terms(kind: str, math_head: str, chat_head: str, weight: float) -> dict[str, list[Term]]:

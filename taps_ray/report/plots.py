@@ -145,7 +145,7 @@ def plot_averaging(data: ReportData, out: Path) -> list[Path] | str:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8, title="benchmark")
         paths.append(_save(fig, out / f"averaging_{kind}.png"))
-    return paths or "no averaged-w{w} cells (the interpolation sweep was not run)"
+    return paths or "no averaged-w<weight> cells such as averaged-w0.25 (the interpolation sweep was not run)"
 
 
 def _by_kind(data: ReportData, frame: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
@@ -157,7 +157,7 @@ def _by_kind(data: ReportData, frame: pd.DataFrame) -> list[tuple[str, pd.DataFr
 
 def plot_routing(data: ReportData, out: Path) -> list[Path] | str:
     if data.routing.empty:
-        return "no confidence-routed or entropy-routed cells"
+        return data.unmeasured("no confidence-routed or entropy-routed cells")
     paths = []
     for kind, part in _by_kind(data, data.routing):
         part = part[part["unit"] != "steps"]  # one unit per router: questions, or question turns (entropy routing)
@@ -213,7 +213,7 @@ def plot_entropy(data: ReportData, out: Path) -> list[Path] | str:
             ax.set_ylim(top=1.25 * max([v for s in series.values() for v in s if not math.isnan(v)] + [0.1]))
             ax.legend(fontsize=8, title="draft nodes", loc="upper center", ncol=2)
         paths.append(_save(fig, out / f"entropy_{kind}.png"))
-    return paths or "no drafted nodes in the store"
+    return paths or data.unmeasured("no drafted nodes in the store")
 
 
 PLOTS: dict[str, tuple[str, Plot]] = {

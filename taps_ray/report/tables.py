@@ -135,7 +135,7 @@ def speed_summary(data: ReportData) -> str:
 def entropy_md(data: ReportData) -> str:
     frame = data.entropy
     if frame.empty:
-        return "Not measured (no drafted nodes in the store)."
+        return f"Not measured ({data.unmeasured('no drafted nodes in the store')})."
     rows = [[KIND_LABELS.get(r.head_kind, r.head_kind), r.proposer, temp_label(r.temperature), fmt(r.entropy_accepted, 3),
              fmt(r.entropy_rejected, 3), fmt(r.delta_entropy, 3), f"{int(r.n_accepted)} / {int(r.n_rejected)}"]
             for r in frame.itertuples()]
@@ -146,7 +146,7 @@ def entropy_md(data: ReportData) -> str:
 def routing_md(data: ReportData) -> str:
     frame = data.routing
     if frame.empty:
-        return "Not measured (no confidence-routed or entropy-routed cells)."
+        return f"Not measured ({data.unmeasured('no confidence-routed or entropy-routed cells')})."
     rows = []
     for (kind, proposer, temperature, unit), group in frame.groupby(["head_kind", "proposer", "temperature", "unit"], sort=True):
         for bench in data.benchmarks:
