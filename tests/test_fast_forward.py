@@ -20,7 +20,7 @@ from taps_ray.decoding.generate import generate
 from taps_ray.decoding.target_batch import TargetBatch
 from taps_ray.decoding.verify import SamplingParams
 from taps_ray.drafting.tree import build_tree
-from taps_ray.models.cpu_linear import DecodingLinear
+from taps_ray.models.cpu_linear import DecodingLinear, Projection
 from taps_ray.models.fast_llama import SUPPORTED_MODEL_TYPES, FastLlama
 from taps_ray.models.hf_forward import HFForward
 from taps_ray.models.kv_cache import GROWTH, KVCache, write_slots
@@ -197,6 +197,21 @@ def test_a_decoding_linear_follows_its_module_when_cast_after_first_use():
         out = linear(x.bfloat16())
         assert out.dtype == torch.bfloat16
         torch.testing.assert_close(out, F.linear(x.bfloat16(), linear.weight, linear.bias), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_half_precision_projection_runs_unpacked_where_onednn_cannot_pack_it(monkeypatch, dtype):
+    """oneDNN refuses to reorder an fp16 weight on a CPU without AVX512-FP16 or AVX-NE-CONVERT (an AVX-512 Xeon
+    without them raised at model load): there the projection is left unpacked and computes F.linear's result."""
+    support = {torch.float16: "_is_mkldnn_fp16_supported", torch.bfloat16: "_is_mkldnn_bf16_supported"}[dtype]
+    monkeypatch.setattr(torch.ops.mkldnn, support, lambda: False)
+    linears = [torch.nn.Linear(16, 8, bias=False).to(dtype) for _ in range(3)]
+    projection = Projection.fused(linears)
+    assert projection.packed is None
+    x = torch.randn(4, 16, dtype=dtype)
+    with torch.no_grad():
+        want = torch.cat([F.linear(x, linear.weight) for linear in linears], dim=-1)
+        torch.testing.assert_close(projection(x), want)  # the dtype's tolerance: a fused layout may sum in another order
 
 
 @pytest.mark.parametrize("compile_mode", COMPILE_MODES)

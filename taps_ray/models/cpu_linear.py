@@ -31,8 +31,16 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def _onednn_available() -> bool:
-    return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+def _onednn_available(dtype: torch.dtype) -> bool:
+    """oneDNN can pack a `dtype` weight on this CPU: fp16 needs AVX512-FP16 or AVX-NE-CONVERT and bf16 AVX-512
+    (oneDNN refuses the reorder otherwise); where it cannot, the projection runs unpacked (F.linear)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return True
 
 
 def _version(tensor: torch.Tensor) -> int:
@@ -108,7 +116,7 @@ class Projection:
     def _pack(self) -> None:
         """oneDNN's reordered copy of the weight (CPU only), as of the sources' current versions."""
         self.packed = (torch.ops.mkldnn._reorder_linear_weight(self.row_weight().contiguous(), PACKED_FOR_ROWS)
-                       if self.cpu and _onednn_available() else None)
+                       if self.cpu and _onednn_available(self.weight.dtype) else None)
         self._versions = self._source_versions()
 
     def __getstate__(self) -> dict:
