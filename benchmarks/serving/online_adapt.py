@@ -137,10 +137,12 @@ def unseen_sharegpt(cfg: StudyConfig, count: int, max_tokens: int, render: Calla
     prompts = []
     for conversation in unseen:
         text = conversation.messages[0]["content"]
+        if text in seen_texts:
+            continue
+        seen_texts.add(text)
         ids = render(text)
-        if text not in seen_texts and len(ids) <= max_tokens:
+        if len(ids) <= max_tokens:
             prompts.append(ids)
-            seen_texts.add(text)
         if len(prompts) == count:
             return prompts
     raise SystemExit(f"--sharegpt {count}: only {len(prompts)} unseen ShareGPT prompts of at most {max_tokens} tokens")

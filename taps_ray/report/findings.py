@@ -232,7 +232,7 @@ def entropy_gap(data: ReportData) -> Finding:
         return finding.decide(data.unmeasured("no cell had both accepted and rejected drafted nodes"))
     for kind, temperature in _settings(data):
         setting = sums[(sums["head_kind"] == kind) & (sums["temperature"] == temperature)]
-        gaps = {p: gap_interval(g) for p, g in setting.groupby("proposer", sort=True) if p != "plain"}
+        gaps = {p: gap_interval(g) for p, g in setting.groupby("proposer", sort=True)}  # drafted proposers only
         gaps = {p: i for p, i in gaps.items() if i}
         if not gaps:
             continue
