@@ -305,6 +305,9 @@ class RayConfig(_Strict):
         None, description="Ray Tune storage (None: <work_dir>/tune); shared storage or s3:// on a multi-node cluster"
     )
     max_trial_failures: int = Field(1, ge=0, description="Tune restarts a failed training trial this often")
+    worker_niceness: int = Field(
+        0, ge=0, le=19, description="nice value of a local Ray's workers (RAY_worker_niceness); Ray's own 15 lets "
+        "every other process on the machine, a benchmark client included, preempt a Serve replica's decode")
 
 
 def memory_bytes(gb: float | None) -> int | None:

@@ -2,7 +2,9 @@
 
 * `start_ray`: joins a cluster when an address is given (argument, `ray.address`, or RAY_ADDRESS as under
   `ray job submit`); otherwise starts a new single-machine Ray whose every listener (GCS, raylet, agents, workers,
-  the driver's own) is bound to 127.0.0.1, with no dashboard.
+  the driver's own) is bound to 127.0.0.1, with no dashboard, and whose workers run at `ray.worker_niceness`
+  (0: Ray's default 15 put a Serve replica below the benchmark client that measured it, which then preempted
+  its decode; 35-45 against 59 tok/s under vLLM's client at 16 in flight, 2-core Intel Xeon, fp32).
 * `start_serve`: Ray Serve's HTTP proxy, on 127.0.0.1 unless a host is configured.
 * `bind_replica_grpc_to_node`: a Serve replica's own gRPC server on its node's address (127.0.0.1 in a local
   Ray), not on every interface.
@@ -27,6 +29,8 @@ LOOPBACK = "127.0.0.1"
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 # Where Ray Serve 2.60 binds each replica's inter-deployment gRPC server: every interface, any port.
 REPLICA_GRPC_ANY_ADDRESS = "[::]:0"
+# Ray starts its workers at this nice value (15 unless set): below every ordinary process on the machine
+WORKER_NICENESS_ENV = "RAY_worker_niceness"
 # A local Ray of one user needs no token and reports nothing home; set unless the caller chose otherwise.
 LOCAL_RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 
@@ -62,6 +66,8 @@ def start_ray(cfg: RayConfig, address: str | None = None, *, log_to_driver: bool
         ray.init(address=address, log_to_driver=log_to_driver)
         return True
     _loopback_only()
+    # the raylet reads it when this call starts it, and starts every worker at that nice value (Ray: 15)
+    os.environ.setdefault(WORKER_NICENESS_ENV, str(cfg.worker_niceness))
     # "local": a new instance even when another Ray runs on this machine (None would join that one)
     ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False, _node_ip_address=LOOPBACK,
              log_to_driver=log_to_driver)

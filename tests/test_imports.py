@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "taps_ray"
 # models and config import no drafting, study, serve or bench; drafting imports no decoding, eval, study or serve;
 # serve and study, and study and bench, do not import each other; nothing but cli imports bench.
 LAYERS = (
-    ("config", "fsio", "relpaths", "machine", "syncs", "spelling"),
+    ("config", "fsio", "relpaths", "machine", "syncs", "spelling", "compute_thread"),
     ("workdir", "ray_runtime", "ray_requests", "cluster_file", "markdown"),
     ("data", "models"),
     ("drafting", "training"),

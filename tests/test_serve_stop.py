@@ -1,5 +1,5 @@
-"""`taps serve` as a process (issue 44): a bad or busy port is one line before Ray starts; SIGTERM or Ctrl-C during a
-stream lets the stream finish with [DONE] while new requests get 503, and leaves no process it started. The server runs
+"""`taps serve` as a process (issue 44): a bad or busy port is one line before Ray starts; the replica runs at nice 0; SIGTERM or Ctrl-C
+during a stream lets the stream finish with [DONE] while new requests get 503, and leaves no process it started. The server runs
 in a session of its own, so "left behind" means: a process of that session, whatever other Ray runs here."""
 
 from __future__ import annotations
@@ -37,6 +37,18 @@ def _session(sid: int) -> list[str]:
         except (ProcessLookupError, PermissionError):
             continue
     return left
+
+
+def _replica_niceness(sid: int) -> list[int]:
+    """The nice value of each Serve replica of session `sid`."""
+    found = []
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if os.getsid(process.pid) == sid and "ServeReplica" in " ".join(process.info["cmdline"] or []):
+                found.append(process.nice())
+        except (ProcessLookupError, PermissionError, psutil.NoSuchProcess):
+            continue
+    return found
 
 
 def _free_port() -> int:
@@ -86,6 +98,8 @@ def test_a_stop_drains_the_stream_refuses_new_requests_and_leaves_nothing(study,
         response = stream.getresponse()
         assert response.status == 200 and response.readline().startswith(b"data: ")
         assert len(_session(server.pid)) > 3  # the driver, Ray's GCS, raylet, agents, proxy, replica
+        # the replica decodes at the local Ray's `ray.worker_niceness` (0), not Ray's 15, below any client here
+        assert _replica_niceness(server.pid) == [0]
         if stop == "sigterm":
             server.send_signal(signal.SIGTERM)
         else:

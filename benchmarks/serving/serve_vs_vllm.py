@@ -177,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-seqs", type=int, default=16, help="sequences decoded at once, on both servers")
     parser.add_argument("--replica-cpus", type=int, default=None,
                         help="taps serve's replica threads (serve.replica_num_cpus); default: the config's")
+    parser.add_argument("--servers", default="vLLM,taps", help="which servers to run (a quick look at one of them)")
     parser.add_argument("--out", default="reports/serve_vs_vllm.md")
     args = parser.parse_args(argv)
     venv = Path(args.vllm_venv).resolve()
@@ -196,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                  lambda port: taps_server(args.config, dtype, args.max_seqs, replica_threads, port, folder,
                                           folder / f"taps-{dtype}.log"))]
         for server_name, models, threads, start_server in plan:
+            if server_name not in args.servers.split(","):
+                continue
             port = free_port()
             server = start_server(port)
             try:

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from taps_ray.compute_thread import compute_executor
 from taps_ray.decoding.target_batch import Committed, TargetBatch
 from taps_ray.decoding.verify import SamplingParams
 from taps_ray.drafting.tree import DraftTree
@@ -96,7 +97,10 @@ class VerificationPool:
         max_wait_ms: float = 5.0,
         session_ttl_s: float = 600.0,
         merge: bool = True,
+        executor: ThreadPoolExecutor | None = None,
     ) -> None:
+        """`executor`: the process's compute thread, which loaded the model (`compute_thread.compute_executor`);
+        None: a new one."""
         self.model = model
         self.max_batch = max_batch
         self.max_wait = max_wait_ms / 1000.0
@@ -106,7 +110,7 @@ class VerificationPool:
         self._groups: list[_Group] = []
         self._sessions: dict[str, _Session] = {}
         self._ids = itertools.count()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify")
+        self._executor = executor or compute_executor("verify")
         self._lock: asyncio.Lock | None = None
         self._wake: asyncio.Event | None = None
         self._scheduler: asyncio.Task | None = None

@@ -51,6 +51,7 @@ from ray import serve
 from taps_ray import ray_requests
 from taps_ray.adapt.replica import ReplicaAdaptation
 from taps_ray.adapt.trainer_actor import start_trainer
+from taps_ray.compute_thread import compute_executor
 from taps_ray.config import ROUTED_ADAPT, HeadKind, StudyConfig, load_config, parse_config, with_overrides
 from taps_ray.data.chat import render_ids
 from taps_ray.decoding.continuous import ContinuousBatcher, Result, TokenLogprob
@@ -141,12 +142,19 @@ class TapsService:
     """One replica: the target, every head that exists, and a proposer per servable model name."""
 
     def __init__(self, config: dict[str, Any]) -> None:
-        import torch
-
         bind_replica_grpc_to_node()  # before Serve starts the replica's gRPC server, right after this constructor
         self.cfg = parse_config(config, "<serve deployment>")
+        # the decode thread, with the replica's threads; it loads everything too (compute_thread.py says why)
+        self.compute = compute_executor("taps-decode", max(1, math.ceil(self.cfg.serve.replica_num_cpus)))
+        self.compute.submit(self._load).result()
+        logger.info(
+            "taps serve: target %s, %s heads %s, models %s", self.cfg.target.name, self.kind,
+            sorted(self.heads), self.model_names(),
+        )
+
+    def _load(self) -> None:
+        """The target, the heads, the proposers and the decode loop (on the compute thread)."""
         serve_cfg = self.cfg.serve
-        torch.set_num_threads(max(1, math.ceil(serve_cfg.replica_num_cpus)))
         self.target = load_target(self.cfg.target)
         self.tokenizer = self.target.tokenizer
         self.stop_ids = self.target.stop_token_ids
@@ -179,11 +187,7 @@ class TapsService:
                                          prefill_tokens=serve_cfg.prefill_tokens)
         self.adapt = self._start_adapting() if serve_cfg.adapt.enabled else None
         self.loop = DecodeLoop(self.batcher, serve_cfg.max_queued_requests, serve_cfg.stall_timeout_s, serve_metrics(),
-                               self.adapt)
-        logger.info(
-            "taps serve: target %s, %s heads %s, models %s", self.cfg.target.name, self.kind,
-            sorted(self.heads), self.model_names(),
-        )
+                               self.adapt, self.compute)
 
     def _start_adapting(self) -> ReplicaAdaptation:
         """serve.adapt: record, swap and roll back on this replica; one trainer actor per adapted model beside it

@@ -12,11 +12,12 @@ import asyncio
 import logging
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from taps_ray.compute_thread import compute_executor
 from taps_ray.serve.metrics import ServeMetrics
 from taps_ray.decoding.step import head_counts
 from taps_ray.decoding.continuous import ContinuousBatcher, Request, Result, TokenLogprob
@@ -76,12 +77,14 @@ def head_steps(result: Result, head_names: list[str]) -> dict[str, int]:
 
 class DecodeLoop:
     def __init__(self, batcher: ContinuousBatcher, max_queued: int, stall_timeout_s: float,
-                 metrics: ServeMetrics | None = None, adapt: ReplicaAdaptation | None = None) -> None:
+                 metrics: ServeMetrics | None = None, adapt: ReplicaAdaptation | None = None,
+                 executor: ThreadPoolExecutor | None = None) -> None:
         """`adapt`: the replica's online adaptation (serve.adapt): it records sampled requests, counts finished
-        ones per head version and swaps versions between steps; None: none of it."""
+        ones per head version and swaps versions between steps; None: none of it. `executor`: the process's
+        compute thread, which loaded the model (`compute_thread.compute_executor`); None: a new one."""
         self.batcher, self.max_queued, self.stall_timeout_s = batcher, max_queued, stall_timeout_s
         self.metrics, self.adapt = metrics, adapt
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="taps-decode")
+        self._executor = executor or compute_executor("taps-decode")
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._closing = False

@@ -29,6 +29,7 @@ import psutil
 import ray
 import torch
 
+from taps_ray.compute_thread import compute_executor
 from taps_ray.config import StudyConfig, parse_config
 from taps_ray.decoding.target_batch import Committed, results_to
 from taps_ray.decoding.verification_pool import VerificationPool
@@ -132,9 +133,10 @@ class TargetWorker:
     def __init__(self, payload: str) -> None:
         config = _config(payload)
         self.threads = prepare_process(config.ray.torch_threads, config.ray.target_num_cpus)
-        self.target = load_target(config.target, dtype=config.eval.dtype)
+        compute = compute_executor("verify", self.threads)  # the pool's thread loads the target too (why: there)
+        self.target = compute.submit(load_target, config.target, dtype=config.eval.dtype).result()
         r = config.ray
-        self.pool = VerificationPool(self.target.model, r.max_batch, r.max_wait_ms, r.session_ttl_s)
+        self.pool = VerificationPool(self.target.model, r.max_batch, r.max_wait_ms, r.session_ttl_s, executor=compute)
         self.started = time.time()
 
     async def start(self, prompts, params, seeds, owner: str = "", feature_layers: tuple[int, ...] = ()
