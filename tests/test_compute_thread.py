@@ -11,6 +11,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 # OpenMP's own view of a thread (not torch's, which reads a process-wide number), and the process's OS threads
@@ -49,8 +51,6 @@ def _probe() -> dict:
 def test_the_compute_thread_computes_with_the_process_s_threads_where_a_plain_thread_gets_openmp_s_default():
     probe = _probe()
     if "skip" in probe:
-        import pytest
-
         pytest.skip(probe["skip"])
     assert probe["plain"] == 1  # the bug: a later thread starts from OMP_NUM_THREADS, whatever torch says
     assert probe["ours"] == 2

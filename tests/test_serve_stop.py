@@ -1,6 +1,7 @@
-"""`taps serve` as a process (issue 44): a bad or busy port is one line before Ray starts; the replica runs at nice 0; SIGTERM or Ctrl-C
-during a stream lets the stream finish with [DONE] while new requests get 503, and leaves no process it started. The server runs
-in a session of its own, so "left behind" means: a process of that session, whatever other Ray runs here."""
+"""`taps serve` as a process (issue 44): a bad or busy port is one line before Ray starts; the replica runs at nice
+0; SIGTERM or Ctrl-C during a stream lets the stream finish with [DONE] while new requests get 503, and leaves no
+process it started. The server runs in a session of its own, so "left behind" means: a process of that session,
+whatever other Ray runs here."""
 
 from __future__ import annotations
 
@@ -27,28 +28,27 @@ def _serve(config: Path, port: int, **popen) -> subprocess.Popen:
                              str(port)], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, text=True, **popen)
 
 
-def _session(sid: int) -> list[str]:
+def _session_processes(sid: int) -> list[psutil.Process]:
     """The live processes of session `sid` (zombies are gone already, only not yet reaped)."""
-    left = []
-    for process in psutil.process_iter(["pid", "name", "status"]):
+    found = []
+    for process in psutil.process_iter(["pid", "name", "status", "cmdline"]):
         try:
             if os.getsid(process.pid) == sid and process.info["status"] != psutil.STATUS_ZOMBIE:
-                left.append(f"{process.pid} {process.info['name']}")
+                found.append(process)
         except (ProcessLookupError, PermissionError):
             continue
-    return left
+    return found
+
+
+def _session(sid: int) -> list[str]:
+    """The live processes of session `sid`, as `pid name` lines."""
+    return [f"{process.pid} {process.info['name']}" for process in _session_processes(sid)]
 
 
 def _replica_niceness(sid: int) -> list[int]:
     """The nice value of each Serve replica of session `sid`."""
-    found = []
-    for process in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            if os.getsid(process.pid) == sid and "ServeReplica" in " ".join(process.info["cmdline"] or []):
-                found.append(process.nice())
-        except (ProcessLookupError, PermissionError, psutil.NoSuchProcess):
-            continue
-    return found
+    return [process.nice() for process in _session_processes(sid)
+            if "ServeReplica" in " ".join(process.info["cmdline"] or [])]
 
 
 def _free_port() -> int:
