@@ -18,6 +18,8 @@ from taps_ray.drafting.proposer import NOT_DRAFTED
 from taps_ray.decoding.target_batch import TargetBatch
 from taps_ray.decoding.verify import SamplingParams
 from taps_ray.drafting.proposers import PlainDecoding
+from taps_ray.models.fast_llama import FastLlama
+from taps_ray.models.target_forward import target_forward
 
 from oracles import GreedyOracle
 
@@ -86,6 +88,43 @@ def test_requests_joining_mid_batch_decode_exactly_with_mixed_proposers(setup):
                    for s in results[i].generation.steps)
     assert all(s.tree_size == 1 for s in results[1].generation.steps)
     assert results[2].max_batch == 3 and results[3].max_batch >= 2 and results[0].max_batch == 3
+
+
+def test_requests_joining_a_running_batch_are_prefilled_inside_its_step(setup, monkeypatch):
+    """With taps' fast forward, joining requests ride along the running batch's step (one forward: no prefill of
+    their own, no stall for the running rows); with transformers' they are prefilled first. Either way every
+    sequence decodes what it would alone: greedy ones the target's greedy tokens, a sampled one its seed's."""
+    model, bos, prompts = setup
+    calls: dict[str, list[int]] = {"start": [], "step_joining": []}
+    for name in calls:
+        original = getattr(TargetBatch, name)
+
+        def spy(self, *args, _original=original, _name=name, **kwargs):
+            prompts_arg = args[0] if _name == "start" else args[2]
+            calls[_name].append(len(prompts_arg))
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(TargetBatch, name, spy)
+    oracle = GreedyOracle(model, first_token=bos, depth=4)
+    sampled = SamplingParams(temperature=0.8, top_p=0.9)
+    batcher = ContinuousBatcher(model, stop_ids=[], max_batch_size=4)
+    results: dict = {}
+    _submit(batcher, results, "running", prompts[1], oracle, 24)
+    batcher.step()
+    _submit(batcher, results, "greedy", prompts[0], PlainDecoding(), 10)
+    _submit(batcher, results, "sampled", prompts[2], oracle, 10, params=sampled, seed=7)
+    batcher.step()
+    assert batcher.live == 3 and batcher.waiting == 0
+    _drain(batcher)
+    fast = isinstance(target_forward(model), FastLlama)
+    assert calls == ({"start": [1], "step_joining": [2]} if fast else {"start": [1, 1, 1], "step_joining": []})  # hf: by length
+    assert results["running"].generation.tokens == _hf_greedy(model, prompts[1], 24)
+    assert results["greedy"].generation.tokens == _hf_greedy(model, prompts[0], 10)
+    assert max(s.accepted for s in results["running"].generation.steps) == 4  # drafts accepted in the shared steps
+    alone = ContinuousBatcher(model, stop_ids=[], max_batch_size=1)
+    _submit(alone, results, "sampled alone", prompts[2], oracle, 10, params=sampled, seed=7)
+    _drain(alone)
+    assert results["sampled"].generation.tokens == results["sampled alone"].generation.tokens
 
 
 def test_draft_below_decides_per_step_from_the_live_batch(setup):

@@ -411,3 +411,55 @@ def test_a_request_leaving_and_one_joining_reuse_the_buffers_and_keep_every_row(
     cache.merge(wider)
     assert cache.layer(0)[0].data_ptr() != pointers[0] and cache.width == 300
     assert torch.equal(cache.layer(0)[0][:3, :, :5], torch.cat([rows[0], rows[2], rows[3]]))
+
+
+# --- prompts prefilled inside a step ------------------------------------------------------------------------
+
+
+def _two_rows(model: torch.nn.Module, feature_layers: tuple[int, ...]) -> TargetBatch:
+    batch = TargetBatch(model, keep_logits=True, feature_layers=feature_layers)
+    batch.start([list(range(3, 20)), list(range(30, 37))], SamplingParams(), [0, 1])
+    return batch
+
+
+@pytest.mark.parametrize("feature_layers", [(), (0, 2, -1)], ids=["last", "eagle3-layers"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_a_step_that_prefills_joining_prompts_computes_what_a_step_then_a_prefill_does(family, feature_layers):
+    """`step_joining` against `step` then `start` + `merge`: the same committed tokens, first tokens (one of
+    them drawn at T > 0 from its seed), features, logits and cache, to fp32 rounding (the projections see more
+    rows at once); the next step from either batch then commits the same tokens."""
+    model = _tiny(family)
+    attach_forward(model, "fast")
+    prompts = [list(range(40, 49)), list(range(5, 35))]
+    params = [SamplingParams(), SamplingParams(temperature=0.8)]
+    joined, apart = _two_rows(model, feature_layers), _two_rows(model, feature_layers)
+    assert joined.joins_in_step
+    newcomer = TargetBatch(model, keep_logits=True, feature_layers=feature_layers)
+    results, first = joined.step_joining([TREE, CHAIN], newcomer, prompts, params, [5, 6])
+    joined.merge(newcomer)
+    want = apart.step([TREE, CHAIN])
+    alone = TargetBatch(model, keep_logits=True, feature_layers=feature_layers)
+    want_first = alone.start(prompts, params, [5, 6])
+    apart.merge(alone)
+    tolerance = {"rtol": 1e-4, "atol": 1e-4}
+    for got, expected in zip([*results, *first], [*want, *want_first], strict=True):
+        assert got.tokens == expected.tokens
+        torch.testing.assert_close(got.features, expected.features, **tolerance)
+        torch.testing.assert_close(got.logits, expected.logits, **tolerance)
+        assert torch.equal(got.next_tokens, expected.next_tokens)
+    assert joined.host_lengths == apart.host_lengths and joined.cache.width == apart.cache.width
+    for layer in range(joined.cache.num_layers):
+        for mine, theirs in zip(joined.cache.layer(layer), apart.cache.layer(layer)):
+            for row, length in enumerate(joined.host_lengths):
+                torch.testing.assert_close(mine[row, :, :length], theirs[row, :, :length], **tolerance)
+    roots = [build_tree(torch.tensor([c.tokens[-1]]), torch.tensor([-1])) for c in [*results, *first]]
+    assert [c.tokens for c in joined.step(roots)] == [c.tokens for c in apart.step(roots)]
+
+
+def test_a_sliding_window_target_prefills_apart_and_says_why_not_inside_a_step():
+    model = _tiny("mistral")
+    attach_forward(model, "fast")
+    batch = _two_rows(model, ())
+    assert not batch.joins_in_step
+    with pytest.raises(ValueError, match="sliding-window"):
+        batch.step_joining([CHAIN, CHAIN], TargetBatch(model), [[3, 4]], [SamplingParams()], [0])

@@ -194,20 +194,24 @@ class ContinuousBatcher:
         return seq.cancel
 
     def step(self) -> None:
-        """Admit what fits, then one verification step over every live sequence."""
+        """Admit what fits, then one verification step over every live sequence. With a running batch whose
+        target forward can (`TargetBatch.joins_in_step`), the joining requests are prefilled inside that step's
+        forward; otherwise they are prefilled first, in groups of similar lengths."""
         for seq in self._running:
             if seq.cancelled and not seq.generation.finished_by:
                 seq.generation.finished_by = "cancelled"
         self._drop_finished()
-        self._admit()
-        self._drop_finished()  # a request can finish with its first token
+        joining = self._take_fresh() if self._running and self._batch.joins_in_step else None
+        if joining is None:
+            self._admit()
+            self._drop_finished()  # a request can finish with its first token
         if not self._running:
             return
         try:
-            self._verify()
+            self._verify(joining or [])
         except Exception as error:  # the batch's state is unknown: fail its sequences, keep serving the rest
             logger.exception("a verification step over %d sequences failed", len(self._running))
-            self._fail(self._running, error)
+            self._fail([*self._running, *(joining or [])], error)
             self._running, self._batch = [], None
         self._drop_finished()
 
@@ -255,17 +259,24 @@ class ContinuousBatcher:
     def _prefill(self, fresh: list[_Sequence]) -> None:
         """Prefill `fresh` in one right-padded forward, commit their first tokens and merge their rows into the
         running batch."""
-        batch = TargetBatch(self.model, keep_logits=True, feature_layers=self.feature_layers)
+        batch = self._new_batch()
         try:
             t0 = time.perf_counter()
             started = batch.start(
                 [s.request.prompt for s in fresh], [s.request.params for s in fresh], [s.request.seed for s in fresh]
             )
-            prefill_s = time.perf_counter() - t0
         except Exception as error:
             logger.exception("prefilling %d requests failed", len(fresh))
             self._fail(fresh, error)
             return
+        self._join(fresh, batch, started, t0)
+
+    def _new_batch(self) -> TargetBatch:
+        return TargetBatch(self.model, keep_logits=True, feature_layers=self.feature_layers)
+
+    def _join(self, fresh: list[_Sequence], batch: TargetBatch, started: list[Committed], t0: float) -> None:
+        """Prefilled sequences (since `t0`) commit their first tokens; their rows join the running batch."""
+        prefill_s = time.perf_counter() - t0
         for seq, committed in zip(fresh, started, strict=True):
             seq.generation.prefill_s, seq.admitted = prefill_s, t0
             seq.commit(committed)
@@ -275,18 +286,34 @@ class ContinuousBatcher:
             self._batch.merge(batch)
         self._running.extend(fresh)
 
-    def _verify(self) -> None:
+    def _verify(self, joining: list[_Sequence]) -> None:
         """One `decode_step` over the running batch (its rows, in order; none is finished here), drafted if the gate
-        says so; the gate hears how it went when a proposer in the batch drafts at all."""
+        says so, with the `joining` requests prefilled in the same forward (`TargetBatch.step_joining`); they then
+        join the batch. The gate hears how the step went when a proposer in the batch drafts at all and nobody
+        joined (a prefill's time is not the step's)."""
         rows = list(range(len(self._running)))
         gated = any(seq.drafting.proposer.drafts for seq in self._running)
         drafting = gated and self.gate.drafts(len(rows))
+        newcomer = self._new_batch()
+        started: list[Committed] = []
+
+        def verify(trees: list) -> list:
+            if not joining:
+                return self._batch.step(trees, rows)
+            results, first = self._batch.step_joining(trees, newcomer, [s.request.prompt for s in joining],
+                                                      [s.request.params for s in joining],
+                                                      [s.request.seed for s in joining])
+            started.extend(first)
+            return results
+
         t0 = time.perf_counter()
-        tokens = decode_step(self._running, lambda trees: self._batch.step(trees, rows), drafting, self.node_stats)
-        if gated:
+        tokens = decode_step(self._running, verify, drafting, self.node_stats)
+        if gated and not joining:
             self.gate.observe(len(rows), drafting, time.perf_counter() - t0, tokens)
         for seq in self._running:
-            seq.max_batch = max(seq.max_batch, len(rows))
+            seq.max_batch = max(seq.max_batch, len(rows) + len(joining))
+        if joining:
+            self._join(joining, newcomer, started, t0)
 
     def _drop_finished(self) -> None:
         done = [s for s in self._running if s.generation.finished_by]

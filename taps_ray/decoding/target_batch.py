@@ -25,7 +25,7 @@ concatenated; the target then also returns its intermediate layers, which costs 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -43,6 +43,10 @@ from taps_ray.syncs import to_device
 
 if TYPE_CHECKING:  # an annotation only: importing the class loads transformers' model code (a drafter imports this)
     from transformers import PreTrainedModel
+
+
+# (ids [B, T], positions [B, T], boolean mask [B, 1, T, S] or None) -> (post-norm hidden, proposer features)
+StepForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -135,19 +139,27 @@ class TargetBatch:
     ) -> list[Committed]:
         """Prefill and pick each sequence's first token; sequence b samples with its own seed and its own
         parameters (one `SamplingParams` for all, or one per prompt)."""
+        self._take_requests(prompts, params, seeds)
+        return self._first_tokens(prompts, self.prefill(prompts))
+
+    def _take_requests(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                       seeds: list[int]) -> None:
+        """The new sequences' sampling parameters and seeds, checked against the prompts."""
         row_params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(row_params) != len(prompts):
             raise ValueError(f"got {len(row_params)} sampling parameters for {len(prompts)} prompts")
-        self.row_params = row_params
         if len(seeds) != len(prompts):
             raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts")
+        self.row_params = row_params
         self.seeds = to_device(seeds, self.device, torch.long)
-        outputs = self.prefill(prompts)
+
+    def _first_tokens(self, prompts: list[list[int]], outputs: list[TreeOutput]) -> list[Committed]:
+        """Each prefilled sequence's first token, drawn from its last logits, and what its proposer needs."""
         self.live = list(range(len(prompts)))
         self.joined = len(prompts)
         last = torch.cat([out.logits for out in outputs])[:, None]  # [B, 1, V]
         uniforms = position_uniforms(self.seeds, self.lengths[:, None])  # the token at position len(prompt)
-        roots = target_choices(last, row_params, uniforms)[:, 0].tolist()  # one read for the batch
+        roots = target_choices(last, self.row_params, uniforms)[:, 0].tolist()  # one read for the batch
         started = []
         for prompt, out, root in zip(prompts, outputs, roots, strict=True):
             logits = out.logits.clone() if self.keep_logits else None
@@ -213,6 +225,48 @@ class TargetBatch:
         self.live = [*self.live, *(self.joined + b for b in other.live)]
         self.joined += other.joined
 
+    @property
+    def joins_in_step(self) -> bool:
+        """Whether new sequences can be prefilled inside a step's forward (`step_joining`): taps' fast forward,
+        eager, over a target without sliding windows."""
+        return bool(getattr(self.target_forward, "joins_prompts", False)) and self._step_graph() is None
+
+    @torch.no_grad()
+    def step_joining(
+        self, trees: list[DraftTree | None], newcomer: TargetBatch, prompts: list[list[int]],
+        params: list[SamplingParams], seeds: list[int],
+    ) -> tuple[list[Committed | None], list[Committed]]:
+        """`step(trees, rows=every row)` and `newcomer.start(prompts, params, seeds)` in ONE target forward
+        (`FastLlama.with_prompts`): a joining request's prefill costs its own tokens' compute rather than another
+        pass over the weights, and the running rows do not wait for a prefill of their own. The caller then
+        `merge`s the newcomer, as after `start`. Returns the step's results and the newcomers' first tokens."""
+        if len(trees) != self.batch_size or all(tree is None for tree in trees):
+            raise ValueError(f"got {len(trees)} trees for a batch of {self.batch_size} sequences (at least one tree)")
+        if not self.joins_in_step:
+            raise ValueError("this target's forward cannot prefill inside a step (transformers' forward, a compiled "
+                             "or captured step, or sliding-window layers): prefill with `start`, then `merge`")
+        if newcomer.model is not self.model or newcomer.feature_layers != self.feature_layers or newcomer.batch_size:
+            raise ValueError("the newcomer must be an empty batch of the same model and feature layers")
+        if any(not p for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        newcomer._take_requests(prompts, params, seeds)
+        newcomer._set_lengths([len(p) for p in prompts])
+        newcomer.cache.reset(len(prompts))
+        prompt_ids = [to_device(p, self.device, torch.long) for p in prompts]
+        outputs: list[TreeOutput] = []
+
+        def forward(ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+            hidden, features, prompt_hidden, prompt_features = self.target_forward.with_prompts(
+                ids, positions, mask, self.cache, prompt_ids, newcomer.cache, self.feature_layers)
+            newcomer.cache.advance(max(len(p) for p in prompts))
+            last = self.target_forward.logits(torch.stack([h[-1] for h in prompt_hidden]))  # [n, V]
+            outputs.extend(TreeOutput(last[i : i + 1], f) for i, f in enumerate(prompt_features))
+            return hidden, features
+
+        results = self._step(trees, forward)
+        return results, newcomer._first_tokens(prompts, outputs)
+
     def keep_rows(self, keep: list[int]) -> None:
         """Keep only the cache rows `keep` (in that order), cropped to the longest sequence left."""
         if not keep:
@@ -249,15 +303,17 @@ class TargetBatch:
         self.cache.put_rows(index, sub.cache, since)
         self._set_lengths(lengths)
 
-    def _step(self, trees: list[DraftTree | None]) -> list[Committed | None]:
+    def _step(self, trees: list[DraftTree | None], forward: StepForward | None = None) -> list[Committed | None]:
+        """Verify, accept and commit; `forward`: the step's forward when it also prefills newcomers
+        (`step_joining`), which the captured graph never does."""
         trees = trees_to(trees, self.device)
         if all(tree is None for tree in trees):
             return [None] * len(trees)
-        graph = self._step_graph()
+        graph = self._step_graph() if forward is None else None
         if graph is not None:
             return self._captured_step(graph, trees)
         t0 = time.perf_counter()
-        logits, features, padded = self.forward_trees(trees)
+        logits, features, padded = self.forward_trees(trees, forward)
         t1 = time.perf_counter()
         uniforms = None
         if not all(row.greedy for row in self.row_params):  # the draws for positions length + 1 .. length + W
@@ -334,12 +390,17 @@ class TargetBatch:
         return int(self.lengths.numel())
 
     def _forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None
+        self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+        forward: StepForward | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(post-norm last layer [B, T, d], proposer features); the caller applies the LM head where it needs logits.
         `mask` None: plain causal attention over the whole cache; else a boolean [B, 1, T, S] (True = may attend).
-        The forward writes its keys and values after the committed region, which then covers them."""
-        out = self.target_forward(input_ids, positions, mask, self.cache, self.feature_layers)
+        The forward writes its keys and values after the committed region, which then covers them. `forward`:
+        one that does more in the same pass (`step_joining`); None: the target's own."""
+        if forward is None:
+            out = self.target_forward(input_ids, positions, mask, self.cache, self.feature_layers)
+        else:
+            out = forward(input_ids, positions, mask)
         self.cache.advance(input_ids.shape[1])
         return out
 
@@ -380,7 +441,8 @@ class TargetBatch:
         return [TreeOutput(last[b : b + 1], features[b]) for b in range(len(prompts))]
 
     @torch.no_grad()
-    def forward_trees(self, trees: list[DraftTree | None]) -> tuple[torch.Tensor, torch.Tensor, PaddedTrees]:
+    def forward_trees(self, trees: list[DraftTree | None], forward: StepForward | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, PaddedTrees]:
         """The forward of a step, alone: one per cache row's tree (None: the row sits out), as the batch's
         right-padded logits [B, W, V] and features [B, W, d] (W: the widest tree), which acceptance reads in one
         pass, and the padded trees both read. Nothing is accepted or committed: the trees' slots stay after the
@@ -394,10 +456,10 @@ class TargetBatch:
         past = self.cache.width
         if self._causal(trees, past):
             positions = torch.arange(past, past + width, device=self.device).expand(len(trees), -1)
-            hidden, features = self._forward(padded.tokens, positions, None)
+            hidden, features = self._forward(padded.tokens, positions, None, forward)
         else:
             ids, positions, mask = self._tree_inputs(padded, past)
-            hidden, features = self._forward(ids, positions, mask[:, None])
+            hidden, features = self._forward(ids, positions, mask[:, None], forward)
         return self.target_forward.logits(hidden), features, padded
 
     def _tree_inputs(self, trees: PaddedTrees, past: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

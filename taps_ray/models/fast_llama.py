@@ -279,6 +279,63 @@ class FastLlama:
             self.check_sources()
         return self.decode(input_ids, positions, masks, causal, cache.append, hidden_layers, self.compiled)
 
+    @property
+    def joins_prompts(self) -> bool:
+        """Whether `with_prompts` covers this target: eager, and no sliding-window layer (a prompt attends causally
+        over itself there, with no window)."""
+        return not self.compiled and self.captured is None and set(self.windows) == {None}
+
+    @torch.no_grad()
+    def with_prompts(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache: KVCache,
+        prompts: Sequence[torch.Tensor], prompt_cache: KVCache, hidden_layers: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """A step's forward (as `__call__`) and the prefill of new sequences' `prompts` (1-D ids) in one pass: the
+        step's tokens and the prompts' are packed side by side, so every projection, norm and MLP reads its weights
+        once for both (vLLM's chunked prefill beside decoding, at request granularity); attention stays apart,
+        the step's rows over their cache and each prompt causally over itself, its keys and values written into
+        row i of `prompt_cache` (slots 0..len-1). Returns the step's (post-norm hidden [B, T, d], features) and
+        each prompt's post-norm hidden and features [len, .]. Every op computes what the two separate forwards
+        compute, element by element, on the same kernels but for the projections' row count."""
+        batch, length = input_ids.shape
+        step = batch * length
+        sizes = [int(p.numel()) for p in prompts]
+        device = input_ids.device
+        ids = torch.cat([input_ids.reshape(-1), *prompts])[None]
+        prompt_positions = torch.cat([torch.arange(n, device=device) for n in sizes])
+        x = F.embedding(ids, self.embed)
+        cos, sin = self.rope(torch.cat([positions.reshape(-1), prompt_positions])[None], x.dtype)
+        masks, causal = self.attention_masks(mask, positions, cache.width, self.embed.dtype)
+        group, total = self.heads // self.kv_heads, ids.shape[1]
+        wanted = {i % (self.num_layers + 1) for i in hidden_layers}
+        recorded: dict[int, torch.Tensor] = {0: x} if 0 in wanted else {}
+        for index, layer in enumerate(self.layers):
+            queries, k, v = self.attention_inputs(x, layer, cos, sin)
+            q = queries.view(self.heads, total, self.head_dim)
+            q_step = q[:, :step].reshape(self.heads, batch, length, self.head_dim).transpose(0, 1)
+            split = (lambda t: t[0, :, :step].reshape(self.kv_heads, batch, length, self.head_dim).transpose(0, 1))
+            keys, values = cache.append(index, split(k), split(v))
+            parts = [self.attend(q_step.reshape(batch, self.kv_heads, group * length, self.head_dim), keys, values,
+                                 masks[None], causal).view(batch, self.heads, length, self.head_dim)
+                     .transpose(0, 1).reshape(self.heads, step, self.head_dim)]
+            start = step
+            for row, size in enumerate(sizes):
+                end = start + size
+                k_row, v_row = k[:, :, start:end], v[:, :, start:end]
+                prompt_cache.write_row(index, row, k_row[0], v_row[0], max(sizes))
+                q_row = q[:, start:end].reshape(1, self.kv_heads, group * size, self.head_dim)
+                parts.append(self.attend(q_row, k_row, v_row, None, True)[0])
+                start = end
+            x = self.layer_output(x, torch.cat(parts, dim=1)[None], layer)
+            if index + 1 in wanted and index + 1 < self.num_layers:
+                recorded[index + 1] = x
+        last = _rms_norm(x, self.norm, self.eps)[0]
+        recorded[self.num_layers] = last[None]
+        features = (torch.cat([recorded[i % (self.num_layers + 1)] for i in hidden_layers], dim=-1)[0]
+                    if hidden_layers else last)
+        return (last[:step].view(batch, length, -1), features[:step].view(batch, length, -1),
+                list(last[step:].split(sizes)), list(features[step:].split(sizes)))
+
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A boolean mask (True: may attend) as SDPA's additive one: 0 where True, -inf where False (the values SDPA

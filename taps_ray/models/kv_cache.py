@@ -86,6 +86,15 @@ class KVCache:
         self._keys[layer], self._values[layer] = new_k, new_v
         return new_k, new_v
 
+    def write_row(self, layer: int, row: int, keys: torch.Tensor, values: torch.Tensor, slots: int) -> None:
+        """Write one sequence's keys and values [heads, n, head_dim] at its slots 0..n-1 of row `row` (a prompt
+        prefilled beside a step, `FastLlama.with_prompts`); the buffers hold at least `slots` slots. `advance` then
+        widens the region to the longest row."""
+        if self._keys[layer] is None or self._keys[layer].shape[2] < slots:
+            self._grown(layer, keys[None], slots)
+        self._keys[layer][row, :, : keys.shape[1]] = keys
+        self._values[layer][row, :, : values.shape[1]] = values
+
     def advance(self, slots: int) -> None:
         """Every layer has appended `slots` slots: the region now covers them (until `move_slots` or `crop`)."""
         self.width += slots
