@@ -405,13 +405,15 @@ class ServeConfig(_Strict):
     measure_drafting: bool = Field(
         True, description="below `draft_below`, a batch drafts only where drafting measures faster at its size: per "
         "batch-size bucket (1, 2, 3-4, 5-8, ...) the replica keeps the running committed tokens per second of "
-        "drafted and of undrafted steps, runs the faster and re-measures the other every 32nd step "
-        "(decoding/draft_gate.py); false: every batch below the cap drafts")
+        "drafted and of undrafted steps, runs the faster and re-measures the other every 32nd step, backing off to "
+        "every 256th while the probes confirm the choice (decoding/draft_gate.py); false: every batch below the cap "
+        "drafts")
     prefill_tokens: int | None = Field(
         512, gt=0, description="the most prompt tokens one scheduling iteration prefills (at least one request "
         "joins), so a flood of joining requests is admitted over several steps and the first of them start "
-        "decoding while the rest are prefilled (vLLM's per-step token budget, at request granularity); joining "
-        "prompts are prefilled in groups of similar lengths. 512 on a 2-core CPU: with 16 requests in flight the "
+        "decoding while the rest are prefilled (vLLM's per-step token budget, at request granularity); beside a "
+        "running batch the joining prompts are prefilled inside its verification step's forward (taps' fast "
+        "forward), otherwise first, in groups of similar lengths (docs/serve.md#batching). 512 on a 2-core CPU: with 16 requests in flight the "
         "first tokens came at p50 0.9-1.4 s against 3.2-4.4 s with 2048, throughput within the runs' noise "
         "(reports/prefill_budget.md); a GPU, where a "
         "prefill of 2048 tokens costs little more than one of 512, takes a larger budget. None: admit every "

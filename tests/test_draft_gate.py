@@ -27,10 +27,14 @@ def test_the_measured_rule_drafts_where_drafting_commits_more_per_second_and_pro
     gate = DraftGate(measured=True, warmup=2, probe_every=8)
     alone = _feed(gate, 1, 34, drafted_rate=3, plain_rate=1)
     assert alone[:4] == [True, True, False, False]  # warm-up: each kind measured twice
-    assert alone[4:] == [i % 8 != 7 for i in range(30)]  # then drafting, an undrafted probe every 8th step
-    crowded = _feed(gate, 16, 20, drafted_rate=10, plain_rate=16)  # a separate bucket, measured on its own
+    # then drafting, an undrafted probe after 8 steps; it confirms the choice, so the next comes 16 steps later
+    assert alone[4:] == [i not in (7, 23) for i in range(30)]
+    assert gate.intervals[bucket(1)] == 32
+    crowded = _feed(gate, 16, 36, drafted_rate=10, plain_rate=16)  # a separate bucket, measured on its own
     assert crowded[:4] == [True, True, False, False]
-    assert crowded[4:] == [i % 8 == 7 for i in range(16)]  # plain wins at 16: drafting only to re-measure it
+    assert crowded[4:] == [i in (7, 23) for i in range(32)]  # plain wins at 16: drafting only to re-measure it
+    capped = DraftGate(measured=True, warmup=1, probe_every=2, max_probe_every=4)
+    assert _feed(capped, 1, 18, drafted_rate=1, plain_rate=3)[2:] == [i in (1, 5, 9, 13) for i in range(16)]
 
 
 def test_a_bucket_without_measurements_follows_its_neighbours():
@@ -40,8 +44,8 @@ def test_a_bucket_without_measurements_follows_its_neighbours():
     _feed(gate, 2, 8, drafted_rate=1, plain_rate=2)  # plain wins at 2
     assert gate.winner(bucket(2)) is False and gate.winner(bucket(16)) is False and gate.winner(bucket(1)) is None
     crowded = _feed(gate, 16, 12, drafted_rate=5, plain_rate=16)
-    assert crowded == [i % 4 == 3 for i in range(12)]  # no drafted warm-up: probes only
-    assert gate.winner(bucket(16)) is False and gate.rates[(bucket(16), True)].steps == 3  # now its own measurement
+    assert crowded == [i in (3, 11) for i in range(12)]  # no drafted warm-up: probes only, backing off
+    assert gate.winner(bucket(16)) is False and gate.rates[(bucket(16), True)].steps == 2  # now its own measurement
     winning = DraftGate(measured=True, warmup=2)
     _feed(winning, 16, 4, drafted_rate=30, plain_rate=16)  # drafting wins at 16 (a GPU's memory-bound forward)
     assert winning.winner(bucket(4)) is True and winning.drafts(4)  # so it drafts at 4 from the first step
@@ -64,3 +68,5 @@ def test_a_cap_wins_over_measurement_and_bad_settings_are_refused():
         DraftGate(draft_below=0)
     with pytest.raises(ValueError, match="probe_every"):
         DraftGate(probe_every=1)
+    with pytest.raises(ValueError, match="max_probe_every"):
+        DraftGate(probe_every=64, max_probe_every=32)
