@@ -414,8 +414,8 @@ class ServeConfig(_Strict):
         "decoding while the rest are prefilled (vLLM's per-step token budget, at request granularity); beside a "
         "running batch the joining prompts are prefilled inside its verification step's forward (taps' fast "
         "forward), otherwise first, in groups of similar lengths (docs/serve.md#batching). 512 on a 2-core CPU: with 16 requests in flight the "
-        "first tokens came at p50 0.9-1.4 s against 3.2-4.4 s with 2048, throughput within the runs' noise "
-        "(reports/prefill_budget.md); a GPU, where a "
+        "first tokens came at p50 0.9-1.4 s against 3.0-4.4 s with 2048, and 512 was the fastest in the latest run "
+        "(110 against 95 tok/s; reports/prefill_budget.md); a GPU, where a "
         "prefill of 2048 tokens costs little more than one of 512, takes a larger budget. None: admit every "
         "request that fits the batch at once")
     cost_model: bool = Field(
