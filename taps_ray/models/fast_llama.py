@@ -309,12 +309,16 @@ class FastLlama:
         group, total = self.heads // self.kv_heads, ids.shape[1]
         wanted = {i % (self.num_layers + 1) for i in hidden_layers}
         recorded: dict[int, torch.Tensor] = {0: x} if 0 in wanted else {}
+
+        def step_rows(packed: torch.Tensor) -> torch.Tensor:
+            """The step's keys or values [B, kv_heads, T, head_dim] of packed ones [1, kv_heads, total, head_dim]."""
+            return packed[0, :, :step].reshape(self.kv_heads, batch, length, self.head_dim).transpose(0, 1)
+
         for index, layer in enumerate(self.layers):
             queries, k, v = self.attention_inputs(x, layer, cos, sin)
             q = queries.view(self.heads, total, self.head_dim)
             q_step = q[:, :step].reshape(self.heads, batch, length, self.head_dim).transpose(0, 1)
-            split = (lambda t: t[0, :, :step].reshape(self.kv_heads, batch, length, self.head_dim).transpose(0, 1))
-            keys, values = cache.append(index, split(k), split(v))
+            keys, values = cache.append(index, step_rows(k), step_rows(v))
             parts = [self.attend(q_step.reshape(batch, self.kv_heads, group * length, self.head_dim), keys, values,
                                  masks[None], causal).view(batch, self.heads, length, self.head_dim)
                      .transpose(0, 1).reshape(self.heads, step, self.head_dim)]
