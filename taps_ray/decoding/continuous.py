@@ -294,11 +294,11 @@ class ContinuousBatcher:
         rows = list(range(len(self._running)))
         gated = any(seq.drafting.proposer.drafts for seq in self._running)
         drafting = gated and self.gate.drafts(len(rows))
-        newcomer = self._new_batch()
+        newcomer = self._new_batch() if joining else None  # a batch for the joiners only when there are some
         started: list[Committed] = []
 
         def verify(trees: list) -> list:
-            if not joining:
+            if newcomer is None:
                 return self._batch.step(trees, rows)
             results, first = self._batch.step_joining(trees, newcomer, [s.request.prompt for s in joining],
                                                       [s.request.params for s in joining],
@@ -312,7 +312,7 @@ class ContinuousBatcher:
             self.gate.observe(len(rows), drafting, time.perf_counter() - t0, tokens)
         for seq in self._running:
             seq.max_batch = max(seq.max_batch, len(rows) + len(joining))
-        if joining:
+        if newcomer is not None:
             self._join(joining, newcomer, started, t0)
 
     def _drop_finished(self) -> None:

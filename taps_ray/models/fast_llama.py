@@ -300,6 +300,7 @@ class FastLlama:
         batch, length = input_ids.shape
         step = batch * length
         sizes = [int(p.numel()) for p in prompts]
+        widest = max(sizes)
         device = input_ids.device
         ids = torch.cat([input_ids.reshape(-1), *prompts])[None]
         prompt_positions = torch.cat([torch.arange(n, device=device) for n in sizes])
@@ -326,7 +327,7 @@ class FastLlama:
             for row, size in enumerate(sizes):
                 end = start + size
                 k_row, v_row = k[:, :, start:end], v[:, :, start:end]
-                prompt_cache.write_row(index, row, k_row[0], v_row[0], max(sizes))
+                prompt_cache.write_row(index, row, k_row[0], v_row[0], widest)
                 q_row = q[:, start:end].reshape(1, self.kv_heads, group * size, self.head_dim)
                 parts.append(self.attend(q_row, k_row, v_row, None, True)[0])
                 start = end
