@@ -595,6 +595,13 @@ def captured_vs_eager(model, batches: tuple[int, ...], steps: int) -> dict:
     return {"rows": rows, "cudagraph_skips": int(counters["inductor"].get("cudagraph_skips", 0))}
 
 
+def checkpoint(out: Path, results: dict, start: float, section: str) -> None:
+    """Keep what has run so far in the report's .json (a run cut off by its time limit still returns it), and say
+    so on stderr: the smoke's one chance on a lent machine should not end with nothing."""
+    atomic_write_json(out.with_suffix(".json"), results, indent=1, default=str)
+    print(f"gpu_smoke: {section} done at {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+
+
 def _driver() -> str:
     """The NVIDIA driver the kernel runs, as its proc file says (none: no driver loaded)."""
     version = Path("/proc/driver/nvidia/version")
@@ -616,6 +623,8 @@ def main(argv: list[str] | None = None) -> int:
     if not fallback:
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 for the lossless check
     start = time.perf_counter()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     steps = 20 if fallback else 300
     lossless, small_model, small_head = lossless_fp32(device, fallback, steps)
     results = {
@@ -625,6 +634,7 @@ def main(argv: list[str] | None = None) -> int:
                         "python": platform.python_version(), "carried": CARRIED, "fallback": fallback},
         "lossless_fp32": lossless,
     }
+    checkpoint(out, results, start, "lossless fp32")
     del small_model
     smol = model_config("smollm2-135m-instruct.json", fallback)
     results["bf16"] = [bf16_match(lossless["shape"], random_target(smol, torch.bfloat16, device), small_head)]
@@ -633,14 +643,14 @@ def main(argv: list[str] | None = None) -> int:
     results["forward_agreement"].append(
         forward_agreement(model_config("llama-3-8b-instruct.json", fallback), torch.bfloat16, device,
                           with_reference=fallback) | {"shape": "Llama-3-8B"})
+    checkpoint(out, results, start, "bf16 match and forward agreement")
     results["compiled"] = compiled_vs_eager(device, fallback, small_head, (1, 2) if fallback else (1, 4, 16),
                                             8 if fallback else 64)
+    checkpoint(out, results, start, "compiled against eager")
     results["timing"] = timing(device, fallback, steps, (1, 2) if fallback else (1, 4, 16), 8 if fallback else 64,
                                [PAPER_TREE] if fallback else TREES)
     results["bf16"].append(results["timing"]["bf16_match"])
     results["seconds"] = time.perf_counter() - start
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, report(results))
     atomic_write_json(out.with_suffix(".json"), results, indent=1, default=str)
     print(out.read_text())
