@@ -201,7 +201,7 @@ class FastLlama:
     def layer_output(self, x: torch.Tensor, attended: torch.Tensor, layer: _Layer) -> torch.Tensor:
         """The layer's output [B, T, d] from its input x and its attention output (folded as the queries were)."""
         batch, length, _ = x.shape
-        out = attended.view(batch, self.heads, length, self.head_dim).transpose(1, 2)
+        out = attended.reshape(batch, self.heads, length, self.head_dim).transpose(1, 2)
         x = x + layer.o(out.reshape(batch, length, self.heads * self.head_dim))
         h = _rms_norm(x, layer.post_norm, self.eps)
         gate, up = layer.gate_up(h).chunk(2, dim=-1)
@@ -317,11 +317,11 @@ class FastLlama:
 
         for index, layer in enumerate(self.layers):
             queries, k, v = self.attention_inputs(x, layer, cos, sin)
-            q = queries.view(self.heads, total, self.head_dim)
+            q = queries.reshape(self.heads, total, self.head_dim)
             q_step = q[:, :step].reshape(self.heads, batch, length, self.head_dim).transpose(0, 1)
             keys, values = cache.append(index, step_rows(k), step_rows(v))
             parts = [self.attend(q_step.reshape(batch, self.kv_heads, group * length, self.head_dim), keys, values,
-                                 masks[None], causal).view(batch, self.heads, length, self.head_dim)
+                                 masks[None], causal).reshape(batch, self.heads, length, self.head_dim)
                      .transpose(0, 1).reshape(self.heads, step, self.head_dim)]
             start = step
             for row, size in enumerate(sizes):
