@@ -24,7 +24,8 @@ from taps_ray.models.cpu_linear import DecodingLinear, Projection
 from taps_ray.models.fast_llama import SUPPORTED_MODEL_TYPES, FastLlama
 from taps_ray.models.hf_forward import HFForward
 from taps_ray.models.kv_cache import GROWTH, KVCache, write_slots
-from taps_ray.models.target_forward import attach_forward, compile_unavailable_reason, target_forward
+from taps_ray.models.target_forward import (attach_forward, compile_unavailable_reason, resolved_compile,
+                                             target_forward)
 
 from numerics import rounding_rtol
 from oracles import GreedyOracle
@@ -212,6 +213,17 @@ def test_a_half_precision_projection_runs_unpacked_where_onednn_cannot_pack_it(m
     with torch.no_grad():
         want = torch.cat([F.linear(x, linear.weight) for linear in linears], dim=-1)
         torch.testing.assert_close(projection(x), want)  # the dtype's tolerance: a fused layout may sum in another order
+
+
+def test_compile_auto_is_the_captured_step_on_a_gpu_and_eager_on_a_cpu():
+    """`target.compile: auto` (the default) picks what measured fastest per device: reports/gpu.md, compiled_forward.md."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert resolved_compile("auto", cuda, fast=True) == "step"
+    assert resolved_compile("auto", cuda, fast=False) == "none"  # transformers' forward has no captured step
+    assert resolved_compile("auto", cpu, fast=True) == "none"
+    assert all(resolved_compile(mode, cuda, fast=True) == mode for mode in ("none", "inductor", "step"))
+    forward = attach_forward(_llama(), "fast", "auto")  # here, a CPU: eager, nothing compiled or captured
+    assert isinstance(forward, FastLlama) and not forward.compiled and forward.captured is None
 
 
 @pytest.mark.parametrize("compile_mode", COMPILE_MODES)

@@ -10,7 +10,8 @@ into a temporary folder and put on sys.path; nothing is installed). The targets 
 configs (configs/models/: SmolLM2-135M-Instruct's in fp32 and bf16, Llama-3-8B-Instruct's in bf16), with their
 embeddings scaled as the tests' tiny target is, so greedy outputs are not near-uniform ties. A draft head is
 fitted briefly on the device, with the project's own training loss (`training.losses.run_passes`), to the
-target's own greedy output, so its drafts are accepted. Then:
+target's own greedy continuations of the prompts the checks decode, so its drafts are accepted (a random target
+does not generalise to other prompts). Then:
 
 1. fp32 lossless: speculative decoding at T = 0 equals plain decoding and HF `generate` token for token, with
    drafts accepted (SmolLM2 shape);
@@ -32,6 +33,7 @@ report says it is no GPU result.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import platform
 import statistics
@@ -140,26 +142,34 @@ def features(model, sequences: list[list[int]]) -> torch.Tensor:
     return model.model(input_ids=ids).last_hidden_state
 
 
-def fit_head(model, steps: int, count: int, new_tokens: int, seed: int = 0):
-    """A head fitted, in fp32 on the target's device, to the target's own greedy continuations of random prompts."""
-    device, vocab = model.device, model.config.vocab_size
-    starts = prompts(vocab, count, 8, seed + 1)
+def fit_head(model, steps: int, starts: list[list[int]], new_tokens: int, seed: int = 0):
+    """A head fitted, in fp32 on the target's device, to the target's own greedy continuations of `starts`, which
+    the checks then decode. A random target does not generalise: a head fitted to other prompts was never
+    accepted on the full shapes (tau 1.00 on the H200 and on a CPU), and a check of acceptance needs drafts the
+    target agrees with."""
+    device = model.device
     plain = generate(model, PlainDecoding(), starts, GREEDY, new_tokens, [])
     sequences = [p + g.tokens for p, g in zip(starts, plain)]
-    hidden = features(model, sequences).float()
-    ids = torch.tensor(sequences, device=device)
+    width = max(map(len, sequences))
+    ids = torch.zeros(len(sequences), width, dtype=torch.long, device=device)
+    loss_mask = torch.zeros(len(sequences), width, device=device)
+    hidden = torch.zeros(len(sequences), width, model.config.hidden_size, device=device)
+    for row, sequence in enumerate(sequences):  # one at a time: ragged rows, right-padded
+        ids[row, : len(sequence)] = torch.tensor(sequence, device=device)
+        loss_mask[row, : len(sequence)] = 1.0
+        hidden[row, : len(sequence)] = features(model, [sequence])[0].float()
     frozen = FrozenTarget(embed=model.get_input_embeddings().weight.float(),
                           lm_head=model.get_output_embeddings().weight.float())
     head = new_head(model.config, torch.float32, seed=seed, device=device)
     optimizer = torch.optim.AdamW(head.parameters(), lr=1e-3, betas=(0.9, 0.95))
     settings = LossSettings(cls_weight=1.0, noise_std=0.0)
-    lengths = torch.full((len(sequences),), ids.shape[1], device=device)
+    lengths = torch.tensor([len(sequence) for sequence in sequences], device=device)
     sync(device)
     start = time.perf_counter()
     last = {}
     for _ in range(steps):
         optimizer.zero_grad()
-        batch = Batch(ids, torch.ones(ids.shape, device=device), hidden, lengths)
+        batch = Batch(ids, loss_mask, hidden, lengths)
         last = run_passes(head, batch, frozen, settings, backward=True).terms
         optimizer.step()
     sync(device)
@@ -167,8 +177,16 @@ def fit_head(model, steps: int, count: int, new_tokens: int, seed: int = 0):
                                                "agreement": last.get("acc", float("nan")), "loss": last.get("loss0")}
 
 
+def cast_target(model, dtype: torch.dtype):
+    """`model` cast to `dtype` in place, its fast forward rebuilt over the cast weights (it packs its own copies):
+    the bf16 twin of the fp32 target a head was fitted to."""
+    model.to(dtype)
+    attach_forward(model, "fast")
+    return model
+
+
 def proposer(model, head, tree: TreeConfig) -> SingleHead:
-    head = head.to(model.dtype)
+    head = copy.deepcopy(head).to(model.dtype)  # a copy: `Module.to` casts in place, and the head is reused
     return SingleHead("fitted", head, DraftContext(model.get_input_embeddings(), model.get_output_embeddings()), tree)
 
 
@@ -196,13 +214,13 @@ def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
 RAGGED = (16, 8, 300)  # a batch of 16 prompts, 8 to 300 tokens long
 
 
-def lossless_fp32(device: torch.device, small: bool, fit_steps: int) -> tuple[dict, object, object]:
-    """The fp32 check on a ragged batch of 16, and the SmolLM2-shape target and head it fitted (the other checks
-    reuse them)."""
+def lossless_fp32(device: torch.device, small: bool, fit_steps: int) -> tuple[dict, object, object, list[list[int]]]:
+    """The fp32 check on a ragged batch of 16, and the SmolLM2-shape target, the head it fitted and the prompts it
+    fitted the head to (the other checks reuse them)."""
     model = random_target(model_config("smollm2-135m-instruct.json", small), torch.float32, device)
-    head, fit = fit_head(model, fit_steps, 16, 32)
     starts = ragged_prompts(model.config.vocab_size, *RAGGED, seed=7)
     new = 24
+    head, fit = fit_head(model, fit_steps, starts, 32)
     spec = generate(model, proposer(model, head, PAPER_TREE), starts, GREEDY, new, [])
     plain = generate(model, PlainDecoding(), starts, GREEDY, new, [])
     hf = [hf_greedy(model, p, new) for p in starts]
@@ -211,7 +229,7 @@ def lossless_fp32(device: torch.device, small: bool, fit_steps: int) -> tuple[di
               "equal_plain": [g.tokens for g in spec] == [g.tokens for g in plain],
               "equal_hf": [g.tokens for g in spec] == hf, "accepted": accepted(spec),
               "tau": statistics.mean(g.tau for g in spec), "tokens": sum(len(g.tokens) for g in spec)}
-    return {**result, **sampled_fp32(model, head, starts, new)}, model, head
+    return {**result, **sampled_fp32(model, head, starts, new)}, model, head, starts
 
 
 def sampled_fp32(model, head, starts: list[list[int]], new: int) -> dict:
@@ -228,10 +246,9 @@ def sampled_fp32(model, head, starts: list[list[int]], new: int) -> dict:
             "uniforms_equal_cpu": bool(torch.equal(on_device, position_uniforms(seed_ids, positions.expand(64, -1))))}
 
 
-def bf16_match(name: str, model, head) -> dict:
-    """Speculative vs plain decoding of a bf16 target on the ragged batch: how many tokens agree (bf16 rounding
-    may flip near-ties, and a flipped token changes the rest of that answer)."""
-    starts = ragged_prompts(model.config.vocab_size, *RAGGED, seed=11)
+def bf16_match(name: str, model, head, starts: list[list[int]]) -> dict:
+    """Speculative vs plain decoding of a bf16 target on the prompts its head was fitted to: how many tokens agree
+    (bf16 rounding may flip near-ties, and a flipped token changes the rest of that answer)."""
     spec = generate(model, proposer(model, head, PAPER_TREE), starts, GREEDY, 32, [])
     plain = generate(model, PlainDecoding(), starts, GREEDY, 32, [])
     return {"shape": name, "match_rate": match_rate(spec, plain), "accepted": accepted(spec),
@@ -273,8 +290,9 @@ def forward_agreement(config, dtype: torch.dtype, device: torch.device, with_ref
     return out
 
 
-def timed(model, prop, batch: int, new_tokens: int) -> dict:
-    starts = prompts(model.config.vocab_size, batch, 32, 100 + batch)
+def timed(model, prop, starts: list[list[int]], new_tokens: int) -> dict:
+    """Decode `starts` (a batch of len(starts)) with `prop`: time per token, tau, and a loop step's parts."""
+    batch = len(starts)
     sync(model.device)
     start = time.perf_counter()
     out = generate(model, prop, starts, GREEDY, new_tokens, [])
@@ -296,24 +314,26 @@ def timed(model, prop, batch: int, new_tokens: int) -> dict:
 def timing(device: torch.device, small: bool, fit_steps: int, batches: tuple[int, ...], new_tokens: int,
            trees: list[TreeConfig]) -> dict:
     model = random_target(model_config("llama-3-8b-instruct.json", small), torch.bfloat16, device)
-    head, fit = fit_head(model, fit_steps, 16, 32)
+    starts = prompts(model.config.vocab_size, max(batches), 32, 100)
+    head, fit = fit_head(model, fit_steps, starts, new_tokens)
     spec = proposer(model, head, PAPER_TREE)
-    timed(model, spec, 1, 4)  # warm-up: kernels, allocator
-    timed(model, PlainDecoding(), 1, 4)
+    timed(model, spec, starts[:1], 4)  # warm-up: kernels, allocator
+    timed(model, PlainDecoding(), starts[:1], 4)
     rows = []
     for batch in batches:
-        plain, ours = timed(model, PlainDecoding(), batch, new_tokens), timed(model, spec, batch, new_tokens)
+        plain, ours = timed(model, PlainDecoding(), starts[:batch], new_tokens), timed(model, spec, starts[:batch],
+                                                                                        new_tokens)
         rows.append({"batch": batch, "plain": plain, "spec": ours,
                      "speedup": plain["s_per_token"] / ours["s_per_token"]})
     by_tree = []
     for tree in trees:
         for batch in sorted({batches[0], batches[-1]}):
-            run = timed(model, proposer(model, head, tree), batch, max(8, new_tokens // 2))
+            run = timed(model, proposer(model, head, tree), starts[:batch], max(8, new_tokens // 2))
             by_tree.append({"tree": f"{tree.total_token}/{tree.depth}/{tree.top_k}", "batch": batch,
                           "verify_ms_per_step": run["verify_ms_per_step"], "tau": run["tau"]})
     captured = captured_vs_eager(model, (batches[0], batches[-1]), 6 if small else 12)
-    match = bf16_match("Llama-3-8B-Instruct" + (" (shrunk)" if small else ""), model, head)
-    profiled = profile_steps(model, spec, batches[-1], PROFILED_STEPS)
+    match = bf16_match("Llama-3-8B-Instruct" + (" (shrunk)" if small else ""), model, head, starts)
+    profiled = profile_steps(model, spec, starts[: batches[-1]], PROFILED_STEPS)
     memory = memory_vs_plan(model, spec, small)
     return {"fit": fit, "rows": rows, "trees": by_tree, "bf16_match": match, "profile": profiled, "memory": memory,
             "captured": captured}
@@ -390,13 +410,12 @@ PROFILED_STEPS = 20
 SDPA_KERNELS = ("flash", "efficient", "cudnn", "math", "scaled_dot_product")
 
 
-def profile_steps(model, prop, batch: int, steps: int) -> dict:
-    """`steps` speculative steps at `batch` under torch's profiler: kernels (GPU) or aten ops (CPU) per step, the
+def profile_steps(model, prop, starts: list[list[int]], steps: int) -> dict:
+    """`steps` speculative steps of `starts` under torch's profiler: kernels (GPU) or aten ops (CPU) per step, the
     attention kernels that ran, and the share of the wall time the GPU was busy."""
     from torch.profiler import ProfilerActivity, profile
 
-    cuda = model.device.type == "cuda"
-    starts = prompts(model.config.vocab_size, batch, 32, 300)
+    cuda, batch = model.device.type == "cuda", len(starts)
     generate(model, prop, starts, GREEDY, 4, [])  # warm-up outside the profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     sync(model.device)
@@ -419,14 +438,16 @@ def profile_steps(model, prop, batch: int, steps: int) -> dict:
             "busy_fraction": busy, "wall_s": wall}
 
 
-def compiled_vs_eager(device: torch.device, small: bool, head, batches: tuple[int, ...], new_tokens: int) -> dict:
+def compiled_vs_eager(device: torch.device, small: bool, head, fitted: list[list[int]], batches: tuple[int, ...],
+                      new_tokens: int) -> dict:
     """taps' fast forward compiled against it eager on a fresh copy of the fp32 SmolLM2-shape target (the one the
-    head was fitted to): the same greedy tokens (and HF generate's), and the verification forward per step."""
+    head was fitted to, on the prompts `fitted`): the same greedy tokens (and HF generate's), and the verification
+    forward per step."""
     reason = compile_unavailable_reason(device)
     if reason is not None:
         return {"skipped": reason}
     model = random_target(model_config("smollm2-135m-instruct.json", small), torch.float32, device)
-    starts = prompts(model.config.vocab_size, 4, 12, 7)
+    starts = fitted[:4]
     runs = {}
     for mode in ("none", "inductor"):
         attach_forward(model, "fast", mode)
@@ -434,9 +455,10 @@ def compiled_vs_eager(device: torch.device, small: bool, head, batches: tuple[in
         start = time.perf_counter()
         out = generate(model, spec, starts, GREEDY, 24, [])
         for batch in batches:  # warm-up; compiled: every shape family compiles on first use
-            timed(model, spec, batch, 4)
+            timed(model, spec, fitted[:batch], 4)
         runs[mode] = {"tokens": [g.tokens for g in out], "accepted": accepted(out), "first_s": time.perf_counter() - start,
-                      "verify_ms": [timed(model, spec, batch, new_tokens)["verify_ms_per_step"] for batch in batches]}
+                      "verify_ms": [timed(model, spec, fitted[:batch], new_tokens)["verify_ms_per_step"]
+                                    for batch in batches]}
     eager, compiled = runs["none"], runs["inductor"]
     attach_forward(model, "fast")
     return {"captured": captured_vs_eager(model, (4,), 4),
@@ -482,10 +504,10 @@ def report(results: dict) -> str:
                else "not run (memory) | not run")
         lines.append(f"| {a['shape']} | {a['dtype']} | {a['max_abs_fast_vs_hf']:.3g} | {a['argmax_agree']:.4f} | {ref} |")
     t = results["timing"]
-    lines += ["", "Random targets fall into repeating their own output, so heads fitted to it are accepted far more "
-              "often than a trained head on real text (tau near depth + 1): the speedups below are an upper bound "
-              "for these shapes; the costs per step (draft pass, verification forward, host time) are what carries "
-              "over to trained heads."]
+    lines += ["", "Each head is fitted to the target's greedy continuations of the very prompts it then drafts for, "
+              "so it is accepted far more often than a trained head on real text (tau up to depth + 1): the "
+              "speedups below are an upper bound for these shapes; the costs per step (draft pass, verification "
+              "forward, host time) are what carries over to trained heads."]
     lines += ["", f"## Llama-3-8B shape, bf16, tree {PAPER_TREE.total_token}/{PAPER_TREE.depth}/{PAPER_TREE.top_k}", "",
               f"Head fitted in {t['fit']['steps']} steps ({t['fit']['fit_s']:.1f} s). Speedup = plain time per "
               "token / speculative time per token, in this run. Per loop step: the draft pass (all sequences' "
@@ -626,7 +648,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     steps = 20 if fallback else 300
-    lossless, small_model, small_head = lossless_fp32(device, fallback, steps)
+    lossless, small_model, small_head, fitted = lossless_fp32(device, fallback, steps)
     results = {
         "command": "python benchmarks/gpu/gpu_smoke.py" + (" --cpu" if args.cpu else "") + f" --out {args.out}",
         "environment": {"device_name": f"CPU ({platform.machine()})" if fallback else torch.cuda.get_device_name(),
@@ -635,16 +657,16 @@ def main(argv: list[str] | None = None) -> int:
         "lossless_fp32": lossless,
     }
     checkpoint(out, results, start, "lossless fp32")
+    results["bf16"] = [bf16_match(lossless["shape"], cast_target(small_model, torch.bfloat16), small_head, fitted)]
     del small_model
     smol = model_config("smollm2-135m-instruct.json", fallback)
-    results["bf16"] = [bf16_match(lossless["shape"], random_target(smol, torch.bfloat16, device), small_head)]
     results["forward_agreement"] = [forward_agreement(smol, dtype, device, with_reference=True) | {"shape": "SmolLM2"}
                                     for dtype in (torch.bfloat16, torch.float16)]
     results["forward_agreement"].append(
         forward_agreement(model_config("llama-3-8b-instruct.json", fallback), torch.bfloat16, device,
                           with_reference=fallback) | {"shape": "Llama-3-8B"})
     checkpoint(out, results, start, "bf16 match and forward agreement")
-    results["compiled"] = compiled_vs_eager(device, fallback, small_head, (1, 2) if fallback else (1, 4, 16),
+    results["compiled"] = compiled_vs_eager(device, fallback, small_head, fitted, (1, 2) if fallback else (1, 4, 16),
                                             8 if fallback else 64)
     checkpoint(out, results, start, "compiled against eager")
     results["timing"] = timing(device, fallback, steps, (1, 2) if fallback else (1, 4, 16), 8 if fallback else 64,
