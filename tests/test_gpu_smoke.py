@@ -51,6 +51,7 @@ def test_gpu_smoke_cpu_fallback_runs_without_ray_and_is_lossless(tmp_path):
         assert a["max_abs_fast_vs_f64"] <= 2 * a["max_abs_hf_vs_f64"] + 1e-3 and a["argmax_agree"] > 0.95
     profile = results["timing"]["profile"]
     assert profile["steps"] > 1 and profile["per_step"] > 0 and profile["attention_kernels"]
+    assert profile["host_ops"] and all(h["calls_per_step"] > 0 for h in profile["host_ops"])
     memory = results["timing"]["memory"]  # the plan's figure for the paper's replay sessions, at the small shape
     assert memory["predicted_gb"] > 0 and memory["sessions"] * memory["rows"] >= 4
     compiled = results["compiled"]  # the compiled fast forward: skipped only where inductor cannot run here

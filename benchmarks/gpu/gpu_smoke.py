@@ -407,6 +407,7 @@ def memory_vs_plan(model, spec, small: bool) -> dict:
 
 
 PROFILED_STEPS = 20
+HOST_OPS = 12  # the profile's ops by host (self CPU) time, listed in the report
 SDPA_KERNELS = ("flash", "efficient", "cudnn", "math", "scaled_dot_product")
 
 
@@ -433,9 +434,13 @@ def profile_steps(model, prop, starts: list[list[int]], steps: int) -> dict:
         kernels = [e for e in events if e.name.startswith("aten::") and e.cpu_parent is None]
         busy = float("nan")
     attention = sorted({e.name for e in events if any(k in e.name.lower() for k in SDPA_KERNELS)})
+    # where the host's time goes (the draft pass took 100 ms a step on the H200's first run, eager, at tau 1)
+    host = sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)[:HOST_OPS]
     return {"batch": batch, "steps": loop_steps, "per_step": len(kernels) / loop_steps,
             "unit": "CUDA kernels" if cuda else "top-level aten ops", "attention_kernels": attention[:8],
-            "busy_fraction": busy, "wall_s": wall}
+            "busy_fraction": busy, "wall_s": wall,
+            "host_ops": [{"name": a.key, "self_ms_per_step": a.self_cpu_time_total / 1e3 / loop_steps,
+                          "calls_per_step": a.count / loop_steps} for a in host]}
 
 
 def compiled_vs_eager(device: torch.device, small: bool, head, fitted: list[list[int]], batches: tuple[int, ...],
@@ -530,7 +535,10 @@ def report(results: dict) -> str:
               f"{pr['per_step']:.0f} {pr['unit']} per step; attention ran as: "
               f"{', '.join(pr['attention_kernels']) or 'no SDPA kernel seen'}; "
               + ("GPU busy for {:.0%} of the wall time.".format(pr["busy_fraction"]) if pr["busy_fraction"] == pr["busy_fraction"]
-                 else "no GPU: busy fraction not measured.")]
+                 else "no GPU: busy fraction not measured."),
+              "", "Host time by op (self CPU time, the profiler's own overhead included):", "",
+              "| op | self ms per step | calls per step |", "|---|---:|---:|"]
+    lines += [f"| {h['name']} | {h['self_ms_per_step']:.2f} | {h['calls_per_step']:.1f} |" for h in pr.get("host_ops", [])]
     m = t["memory"]
     lines += ["", "### Memory against `taps plan` (a target worker, configs/paper.yaml)", "",
               f"{m['sessions']} replay sessions of {m['rows']} rows merged up to ray.max_batch, {m['prompt']}-token "
