@@ -9,9 +9,14 @@ JSONL file of vLLM's `custom` data set), the same cap of concurrent sequences (`
 `--max-tokens` new tokens, streamed over the `openai-chat` backend at each `--concurrency` and at each Poisson
 `--rates` (requests/s). vLLM runs as its users run it on this machine: its serving defaults and its own thread
 choice (OMP_NUM_THREADS unset: its engine keeps one torch thread here, its faster setting); every row says its
-thread setting. Each server is started, measured at every point, and stopped before the other starts, so both
-see the same machine. Output: throughput, TTFT, TPOT and ITL at p50 and p99, per server and model, as a table
-with the ratio to vLLM plain, and the raw client results beside the report (a .json).
+thread setting. With `--repeats 1` each server is started, measured at every point, and stopped before the other
+starts. With `--repeats N` both servers of a dtype stay up and every point is measured N times, the servers
+taking turns point by point (the one that goes first alternates): this machine's speed drifts by +-25% over
+minutes, and a ratio of two runs minutes apart measures the drift as much as the servers; the report gives each
+point's median and its runs, and the ratio as the median of the paired ratios of one repetition. The idle server
+'s CPU is sampled before the first point and printed in the report. Output: throughput, TTFT, TPOT and
+ITL at p50 and p99, per server and model, as a table with the ratio to vLLM plain, and the raw client results
+beside the report (a .json).
 
 Everything stays on loopback. The client's own numbers are used as it prints them: nothing is re-timed here.
 """
@@ -84,6 +89,26 @@ class Server:
         self.stop()
         raise SystemExit(f"{self.name} did not answer /v1/models within {timeout_s:.0f} s; see {self.log}")
 
+    def idle_cpu(self, seconds: float = 5.0) -> float:
+        """The CPU (in cores) the server's processes use over `seconds` with no request: what an idle server
+        takes from the one being measured when both stay up (`--repeats`)."""
+        import psutil  # late: only the repeated mode reads it
+
+        def used() -> float:
+            total = 0.0
+            root = psutil.Process(self.proc.pid)
+            for process in (root, *root.children(recursive=True)):
+                try:
+                    times = process.cpu_times()
+                    total += times.user + times.system
+                except psutil.NoSuchProcess:
+                    pass
+            return total
+
+        before = used()
+        time.sleep(seconds)
+        return (used() - before) / seconds
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGINT)
@@ -138,6 +163,32 @@ def run_client(venv: Path, port: int, model: str, dataset: Path, prompts: int, m
     return json.loads(result.read_text())
 
 
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def repeated(rows: list[dict]) -> list[dict]:
+    """One row per (server, dtype, model, load) from its repetitions: each metric's median, the throughput of
+    every run (`runs`), and the median of the throughput's ratios to vLLM plain's run of the same repetition."""
+    keys = list(dict.fromkeys((r["server"], r["dtype"], r["model"], r["load"]) for r in rows))
+    peer = {(r["dtype"], r["load"], r["repeat"]): r["output_tok_s"] for r in rows if r["server"] == "vLLM"}
+    merged = []
+    for key in keys:
+        runs = [r for r in rows if (r["server"], r["dtype"], r["model"], r["load"]) == key]
+        row = {**runs[0], "runs": [r["output_tok_s"] for r in runs],
+               "failed": sum(r["failed"] for r in runs), "output_tokens": runs[0]["output_tokens"]}
+        for name, value in runs[0].items():
+            if name.endswith("_ms") or name == "output_tok_s":
+                row[name] = median([r[name] for r in runs])
+        paired = [r["output_tok_s"] / peer[(r["dtype"], r["load"], r["repeat"])] for r in runs
+                  if peer.get((r["dtype"], r["load"], r["repeat"]))]
+        row["paired_ratio"] = median(paired) if paired else float("nan")
+        merged.append(row)
+    return merged
+
+
 def summary(raw: dict) -> dict:
     row = {"output_tok_s": raw["output_throughput"], "completed": raw["completed"],
            "failed": raw.get("failed", raw["num_prompts"] - raw["completed"]),
@@ -149,15 +200,20 @@ def summary(raw: dict) -> dict:
 
 
 def table(rows: list[dict]) -> list[str]:
-    lines = ["| server | model | threads | load | output tok/s | vs vLLM plain | TTFT p50 / p99 ms | "
-             "TPOT p50 / p99 ms | ITL p50 / p99 ms | tokens | failed |",
-             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    """The report's table; rows of repeated points (`repeated`) also list every run's throughput, and their ratio
+    is the median paired ratio."""
+    runs = any("runs" in r for r in rows)
+    lines = ["| server | model | threads | load | output tok/s" + (" (median) | runs" if runs else "")
+             + " | vs vLLM plain | TTFT p50 / p99 ms | TPOT p50 / p99 ms | ITL p50 / p99 ms | tokens | failed |",
+             "|---|---|---|---|---:|" + ("---|" if runs else "") + "---:|---:|---:|---:|---:|---:|"]
     peer = {(r["dtype"], r["load"]): r["output_tok_s"] for r in rows if r["server"] == "vLLM"}
     for r in rows:
-        ratio = r["output_tok_s"] / peer[(r["dtype"], r["load"])] if peer.get((r["dtype"], r["load"])) else float("nan")
+        ratio = r.get("paired_ratio", r["output_tok_s"] / peer[(r["dtype"], r["load"])]
+                      if peer.get((r["dtype"], r["load"])) else float("nan"))
         load = f"{r['load'][1:]} concurrent" if r["load"].startswith("c") else f"Poisson {r['load'][1:]}/s"
+        each = (" | " + " / ".join(f"{v:.1f}" for v in r["runs"])) if runs else ""
         lines.append(
-            f"| {r['server']} | {r['model']} | {r['threads']} | {load} | {r['output_tok_s']:.1f} | {ratio:.2f}x | "
+            f"| {r['server']} | {r['model']} | {r['threads']} | {load} | {r['output_tok_s']:.1f}{each} | {ratio:.2f}x | "
             + " | ".join(f"{r[f'{m}_p50_ms']:.0f} / {r[f'{m}_p99_ms']:.0f}" for m in METRICS)
             + f" | {r['output_tokens']} | {r['failed']} |")
     return lines
@@ -178,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replica-cpus", type=int, default=None,
                         help="taps serve's replica threads (serve.replica_num_cpus); default: the config's")
     parser.add_argument("--servers", default="vLLM,taps", help="which servers to run (a quick look at one of them)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of every point; above 1, both servers stay up and take turns point by point")
     parser.add_argument("--out", default="reports/serve_vs_vllm.md")
     args = parser.parse_args(argv)
     venv = Path(args.vllm_venv).resolve()
@@ -189,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     count = write_prompts(args.config, args.prompts, dataset)
     replica_threads = args.replica_cpus or int(load_config(args.config).serve.replica_num_cpus)
     rows, raw = [], []
+    idle: dict[str, dict[str, float]] = {}  # per dtype, each server's CPU (cores) while idle (`--repeats`)
     start = time.perf_counter()
     for dtype in args.dtypes.split(","):
         plan = [("vLLM", ["plain"], "OMP_NUM_THREADS unset (vLLM's choice: 1 torch thread)",
@@ -196,25 +255,45 @@ def main(argv: list[str] | None = None) -> int:
                 ("taps", args.models.split(","), f"{replica_threads} torch thread(s) (serve.replica_num_cpus)",
                  lambda port: taps_server(args.config, dtype, args.max_seqs, replica_threads, port, folder,
                                           folder / f"taps-{dtype}.log"))]
-        for server_name, models, threads, start_server in plan:
-            if server_name not in args.servers.split(","):
-                continue
-            port = free_port()
-            server = start_server(port)
-            try:
-                server.wait_ready(600)
-                for model in models:
-                    for load in loads:
-                        print(f"{server_name} {dtype} {model} {load} ...", flush=True)
-                        result = run_client(venv, port, model, dataset, count, args.max_tokens, load, folder)
-                        # the client records the tokenizer's folder: a machine path, not for a committed report
-                        result["tokenizer_id"] = smollm2_folder().name
-                        raw.append({"server": server_name, "dtype": dtype, "model": model, "load": load, **result})
-                        rows.append({"server": server_name, "dtype": dtype, "model": model, "load": load,
-                                     "threads": threads, **summary(result)})
-                        print(f"  {rows[-1]['output_tok_s']:.1f} tok/s, TTFT p50 {rows[-1]['ttft_p50_ms']:.0f} ms",
-                              flush=True)
-            finally:
+        plan = [entry for entry in plan if entry[0] in args.servers.split(",")]
+
+        def measure(server_name: str, models: list[str], threads: str, port: int, points: list[str],
+                    repeat: int) -> None:
+            for model in models:
+                for load in points:
+                    print(f"{server_name} {dtype} {model} {load} (run {repeat + 1}/{args.repeats}) ...", flush=True)
+                    result = run_client(venv, port, model, dataset, count, args.max_tokens, load, folder)
+                    # the client records the tokenizer's folder: a machine path, not for a committed report
+                    result["tokenizer_id"] = smollm2_folder().name
+                    raw.append({"server": server_name, "dtype": dtype, "model": model, "load": load,
+                                "repeat": repeat, **result})
+                    rows.append({"server": server_name, "dtype": dtype, "model": model, "load": load,
+                                 "threads": threads, "repeat": repeat, **summary(result)})
+                    print(f"  {rows[-1]['output_tok_s']:.1f} tok/s, TTFT p50 {rows[-1]['ttft_p50_ms']:.0f} ms",
+                          flush=True)
+
+        if args.repeats == 1:
+            for server_name, models, threads, start_server in plan:
+                server = start_server(port := free_port())
+                try:
+                    server.wait_ready(600)
+                    measure(server_name, models, threads, port, loads, 0)
+                finally:
+                    server.stop()
+            continue
+        servers = []
+        try:
+            for server_name, _, _, start_server in plan:  # one at a time: two model loads at once would time out
+                servers.append(start_server(free_port()))
+                servers[-1].wait_ready(600)
+            turns = list(zip(plan, servers))
+            idle[dtype] = {name: server.idle_cpu() for (name, *_), server in turns}
+            for repeat in range(args.repeats):
+                for load in loads:
+                    for (server_name, models, threads, _), server in (turns if repeat % 2 == 0 else turns[::-1]):
+                        measure(server_name, models, threads, server.port, [load], repeat)
+        finally:
+            for server in servers:
                 server.stop()
     command = "python benchmarks/serving/serve_vs_vllm.py " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = ["# taps serve vs vLLM's OpenAI server, by vLLM's benchmark client", "",
@@ -225,7 +304,14 @@ def main(argv: list[str] | None = None) -> int:
              "its serving defaults with its own thread choice; taps serve with the config's replica threads. "
              "Ratios are within this run, against vLLM plain at the same load and dtype.", ""]
     for dtype in args.dtypes.split(","):
-        lines += [f"## {dtype}", ""] + table([r for r in rows if r["dtype"] == dtype]) + [""]
+        dtype_rows = [r for r in rows if r["dtype"] == dtype]
+        lines += [f"## {dtype}", ""] + table(repeated(dtype_rows) if args.repeats > 1 else dtype_rows) + [""]
+        if dtype in idle:
+            lines += [f"{args.repeats} runs of every point, the servers taking turns point by point, both up "
+                      "throughout; idle, before the first point, they used "
+                      + ", ".join(f"{name} {cores:.2f}" for name, cores in idle[dtype].items())
+                      + " cores. Throughput and latencies are medians over the runs; the ratio is the median of each "
+                      "run's ratio to vLLM's run of the same repetition.", ""]
     out = Path(args.out)
     atomic_write_text(out, "\n".join(lines))
     atomic_write_json(out.with_suffix(".json"), raw, indent=1)

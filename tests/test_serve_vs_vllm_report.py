@@ -1,0 +1,42 @@
+"""The serving comparison's report (benchmarks/serving/serve_vs_vllm.py): repeated points become medians, with
+each run listed and the ratio to vLLM taken within each repetition, not across the whole run."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _harness():
+    spec = importlib.util.spec_from_file_location("serve_vs_vllm", REPO / "benchmarks" / "serving" / "serve_vs_vllm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _row(server: str, repeat: int, tok_s: float, ttft: float) -> dict:
+    metrics = {f"{m}_{p}_ms": ttft if m == "ttft" else 10.0 for m in ("ttft", "tpot", "itl") for p in ("p50", "p99")}
+    return {"server": server, "dtype": "float32", "model": "plain", "load": "c4", "threads": "t", "repeat": repeat,
+            "output_tok_s": tok_s, "completed": 32, "failed": 0, "output_tokens": 2048, **metrics}
+
+
+def test_repeated_points_report_medians_every_run_and_the_median_paired_ratio():
+    harness = _harness()
+    rows = [_row("vLLM", r, tok, ttft) for r, tok, ttft in ((0, 10.0, 300), (1, 20.0, 100), (2, 12.0, 200))]
+    rows += [_row("taps", r, tok, ttft) for r, tok, ttft in ((0, 9.0, 250), (1, 22.0, 90), (2, 6.0, 400))]
+    vllm, taps = harness.repeated(rows)
+    assert (vllm["output_tok_s"], vllm["ttft_p50_ms"], vllm["runs"]) == (12.0, 200, [10.0, 20.0, 12.0])
+    assert (taps["output_tok_s"], taps["ttft_p50_ms"], taps["runs"]) == (9.0, 250, [9.0, 22.0, 6.0])
+    # paired ratios 0.9, 1.1, 0.5: their median, not the ratio of the medians (9 / 12 = 0.75)
+    assert abs(taps["paired_ratio"] - 0.9) < 1e-12 and abs(vllm["paired_ratio"] - 1.0) < 1e-12
+    line = next(line for line in harness.table([vllm, taps]) if line.startswith("| taps"))
+    assert "| 9.0 | 9.0 / 22.0 / 6.0 | 0.90x |" in line
+
+
+def test_a_single_run_reports_the_ratio_of_its_throughputs():
+    harness = _harness()
+    lines = harness.table([_row("vLLM", 0, 10.0, 300), _row("taps", 0, 8.0, 250)])
+    assert "runs" not in lines[0]
+    assert "| 8.0 | 0.80x |" in next(line for line in lines if line.startswith("| taps"))
