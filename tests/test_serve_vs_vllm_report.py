@@ -40,3 +40,10 @@ def test_a_single_run_reports_the_ratio_of_its_throughputs():
     lines = harness.table([_row("vLLM", 0, 10.0, 300), _row("taps", 0, 8.0, 250)])
     assert "runs" not in lines[0]
     assert "| 8.0 | 0.80x |" in next(line for line in lines if line.startswith("| taps"))
+
+
+def test_a_point_without_vllm_shows_no_ratio():
+    harness = _harness()
+    rows = harness.repeated([_row("taps", r, tok, 100) for r, tok in ((0, 8.0), (1, 9.0))])
+    line = next(line for line in harness.table(rows) if line.startswith("| taps"))
+    assert "| 8.5 | 8.0 / 9.0 | — |" in line and "nan" not in line

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import socket
@@ -210,10 +211,11 @@ def table(rows: list[dict]) -> list[str]:
     for r in rows:
         ratio = r.get("paired_ratio", r["output_tok_s"] / peer[(r["dtype"], r["load"])]
                       if peer.get((r["dtype"], r["load"])) else float("nan"))
+        shown = "—" if math.isnan(ratio) else f"{ratio:.2f}x"  # vLLM not run at this point
         load = f"{r['load'][1:]} concurrent" if r["load"].startswith("c") else f"Poisson {r['load'][1:]}/s"
         each = (" | " + " / ".join(f"{v:.1f}" for v in r["runs"])) if runs else ""
         lines.append(
-            f"| {r['server']} | {r['model']} | {r['threads']} | {load} | {r['output_tok_s']:.1f}{each} | {ratio:.2f}x | "
+            f"| {r['server']} | {r['model']} | {r['threads']} | {load} | {r['output_tok_s']:.1f}{each} | {shown} | "
             + " | ".join(f"{r[f'{m}_p50_ms']:.0f} / {r[f'{m}_p99_ms']:.0f}" for m in METRICS)
             + f" | {r['output_tokens']} | {r['failed']} |")
     return lines
