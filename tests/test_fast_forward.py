@@ -425,6 +425,31 @@ def test_a_request_leaving_and_one_joining_reuse_the_buffers_and_keep_every_row(
     assert torch.equal(cache.layer(0)[0][:3, :, :5], torch.cat([rows[0], rows[2], rows[3]]))
 
 
+def test_requests_joining_one_at_a_time_reallocate_the_cache_a_logarithmic_number_of_times():
+    """Sixteen requests joining one by one: the buffers grow to 1, 2, 4, 8, 16 rows (four copies, not fifteen),
+    every row keeps its keys and values, and a full batch of 16 holds no spare row."""
+    generator = torch.Generator().manual_seed(2)
+    rows = [torch.randn(1, 2, 3 + i, 4, generator=generator) for i in range(16)]
+    cache, pointer, copies = KVCache(num_layers=1), None, 0
+    for row in rows:
+        joining = KVCache(num_layers=1)
+        joining.reset(1)
+        joining.append(0, row, row + 1)
+        joining.advance(row.shape[2])
+        if cache.rows == 0:
+            cache = joining
+        else:
+            cache.merge(joining)
+        # the old buffer is alive while the new one is allocated, so a reallocation always changes the pointer
+        copies += pointer is not None and cache.layer(0)[0].data_ptr() != pointer
+        pointer = cache.layer(0)[0].data_ptr()
+    assert copies == 4 and cache.reserve(16, 1)[0][0].shape[0] == 16
+    keys, values = cache.layer(0)
+    for index, row in enumerate(rows):
+        assert torch.equal(keys[index, :, : row.shape[2]], row[0])
+        assert torch.equal(values[index, :, : row.shape[2]], row[0] + 1)
+
+
 # --- prompts prefilled inside a step ------------------------------------------------------------------------
 
 

