@@ -709,6 +709,7 @@ def main(argv: list[str] | None = None) -> int:
     results["compiled"] = compiled_vs_eager(device, fallback, small_head, fitted, (1, 2) if fallback else (1, 4, 16),
                                             8 if fallback else 64)
     checkpoint(out, results, start, "compiled against eager")
+
     def keep(part: dict, name: str) -> None:
         checkpoint(out, results | {"timing": part}, start, name)
 
