@@ -450,6 +450,20 @@ def test_requests_joining_one_at_a_time_reallocate_the_cache_a_logarithmic_numbe
         assert torch.equal(values[index, :, : row.shape[2]], row[0] + 1)
 
 
+def test_the_cache_never_grows_past_the_batch_cap():
+    """A batch capped at 12 sequences grows its buffers 8 -> 12 rows, not 16: `taps plan` sizes them by the cap."""
+    cache = KVCache(num_layers=1)
+    cache.reset(8)
+    cache.append(0, torch.ones(8, 2, 3, 4), torch.ones(8, 2, 3, 4))
+    cache.advance(3)
+    joining = KVCache(num_layers=1)
+    joining.reset(1)
+    joining.append(0, torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4))
+    joining.advance(3)
+    cache.merge(joining, max_rows=12)
+    assert cache.rows == 9 and cache.reserve(9, 3)[0][0].shape[0] == 12
+
+
 # --- prompts prefilled inside a step ------------------------------------------------------------------------
 
 

@@ -283,7 +283,7 @@ class ContinuousBatcher:
         if self._batch is None:
             self._batch = batch
         else:
-            self._batch.merge(batch)
+            self._batch.merge(batch, self.max_batch_size)
         self._running.extend(fresh)
 
     def _verify(self, joining: list[_Sequence]) -> None:

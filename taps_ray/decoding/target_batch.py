@@ -206,9 +206,10 @@ class TargetBatch:
         self._put_rows(rows, sub)
         return out
 
-    def merge(self, other: TargetBatch) -> None:
+    def merge(self, other: TargetBatch, max_rows: int | None = None) -> None:
         """Append `other`'s sequences after these (a request joins a running batch between steps); rows keep
-        their own sampling parameters and seeds.
+        their own sampling parameters and seeds. `max_rows`: the most sequences this batch will hold, the cap on
+        its cache's growth (`KVCache.merge`).
 
         Slots beyond a sequence's length are never attended (the context is masked by `lengths`), so
         zero-padding the narrower cache keeps the invariant "cache width = longest sequence" and every value.
@@ -218,7 +219,7 @@ class TargetBatch:
         if self.batch_size == 0:
             self.cache = other.cache
         else:
-            self.cache.merge(other.cache)
+            self.cache.merge(other.cache, max_rows)
         self._set_lengths([*self.host_lengths, *other.host_lengths])
         self.seeds = torch.cat([self.seeds, other.seeds])
         self.row_params = [*self.row_params, *other.row_params]

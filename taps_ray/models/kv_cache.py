@@ -28,11 +28,14 @@ def _capacity(needed: int, current: int) -> int:
     return -(-wanted // GROWTH) * GROWTH
 
 
-def _grown_rows(needed: int, current: int) -> int:
-    """Rows for buffers that must hold `needed` (more than the `current` ones): the next power of two, so a batch
-    filling up one request at a time reallocates a logarithmic number of times, and a batch of a power-of-two size
-    (`serve.max_batch_size`, `ray.max_batch`) holds no spare row once full."""
-    return 1 << (needed - 1).bit_length() if needed > current else current
+def _grown_rows(needed: int, current: int, most: int | None) -> int:
+    """Rows for buffers that must hold `needed` (more than the `current` ones): the next power of two, at most
+    `most` (the batch's cap, which `taps plan` sizes the cache by), so a batch filling up one request at a time
+    reallocates a logarithmic number of times and never holds more rows than its cap."""
+    if needed <= current:
+        return current
+    doubled = 1 << (needed - 1).bit_length()
+    return max(needed, doubled if most is None else min(doubled, most))
 
 
 def grown_capacity(prefill: int, final: int) -> int:
@@ -176,12 +179,13 @@ class KVCache:
             self._values[layer][index, :, since : sub.width] = theirs_v[:, :, since : sub.width]
         self.width = width
 
-    def merge(self, other: KVCache) -> None:
+    def merge(self, other: KVCache, max_rows: int | None = None) -> None:
         """Append `other`'s rows after these; the narrower region is padded (padding slots are never attended).
         Written in place where the buffers have the rows and slots (they keep the rows of requests that left), so
         a request joining a running batch copies its own slots only; otherwise the buffers are reallocated with
         room to grow (`_grown_rows`, `_capacity`): a burst of requests joining one step after another reallocated
-        (zeroed and copied) the whole cache at each join, 10% of a served replica's compute under 16 clients."""
+        (zeroed and copied) the whole cache at each join, 10% of a served replica's compute under 16 clients.
+        `max_rows`: the most rows the batch will hold (None: no cap on the growth beyond a power of two)."""
         if other.num_layers != self.num_layers:
             raise ValueError(f"cannot merge a cache of {other.num_layers} layers into one of {self.num_layers}")
         width = max(self.width, other.width)
@@ -195,7 +199,7 @@ class KVCache:
                 if mine is None or mine.shape[0] < rows or mine.shape[2] < width:
                     held_rows, held_slots = (0, 0) if mine is None else (mine.shape[0], mine.shape[2])
                     slots = held_slots if width <= held_slots else _capacity(width, held_slots)
-                    merged = torch.zeros((_grown_rows(rows, held_rows), like.shape[1], slots, like.shape[3]),
+                    merged = torch.zeros((_grown_rows(rows, held_rows, max_rows), like.shape[1], slots, like.shape[3]),
                                          dtype=like.dtype, device=like.device)
                     if mine is not None:
                         merged[: self.rows, :, : self.width] = mine[: self.rows, :, : self.width]
