@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from taps_ray.models.cpu_linear import DecodingLinear
 from taps_ray.models.kv_cache import write_slots
+from taps_ray.models.sdpa import attention
 from taps_ray.models.llama_blocks import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary_pos_emb
 
 if TYPE_CHECKING:  # a target's config is only read here: importing its class would load transformers' model code
@@ -205,8 +205,7 @@ class DraftHead(nn.Module):
 
         SDPA's own grouping reads each KV head in place (the same numbers as repeating the heads, without the
         copy of the whole cache that repeating costs every draft pass)."""
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(q.shape[-1]),
-                                              enable_gqa=q.shape[1] != k.shape[1])
+        return attention(q, k, v, mask=mask, scale=1.0 / math.sqrt(q.shape[-1]), gqa=q.shape[1] != k.shape[1])
 
     def forward(
         self,

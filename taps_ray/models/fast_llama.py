@@ -52,6 +52,7 @@ from torch import nn
 from taps_ray.models.attention_windows import UnsupportedLayers, causal_mask, layer_windows, windowed_masks
 from taps_ray.models.cpu_linear import Projection, module_projection
 from taps_ray.models.kv_cache import KVCache
+from taps_ray.models.sdpa import attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3")  # the inverse frequencies do not depend on the positions
@@ -230,9 +231,8 @@ class FastLlama:
         if causal and mask is None:
             batch, _, rows, _ = queries.shape
             unfolded = queries.reshape(batch, self.heads, rows * self.kv_heads // self.heads, self.head_dim)
-            return F.scaled_dot_product_attention(unfolded, keys, values, is_causal=True, scale=self.scale,
-                                                  enable_gqa=self.heads != self.kv_heads)
-        return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=self.scale)
+            return attention(unfolded, keys, values, causal=True, scale=self.scale, gqa=self.heads != self.kv_heads)
+        return attention(queries, keys, values, mask=mask, scale=self.scale)
 
     def decode(
         self, input_ids: torch.Tensor, positions: torch.Tensor, masks: dict[int | None, torch.Tensor | None],
