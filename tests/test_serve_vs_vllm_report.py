@@ -16,9 +16,9 @@ def _harness():
     return module
 
 
-def _row(server: str, repeat: int, tok_s: float, ttft: float) -> dict:
+def _row(server: str, repeat: int, tok_s: float, ttft: float, model: str = "plain") -> dict:
     metrics = {f"{m}_{p}_ms": ttft if m == "ttft" else 10.0 for m in ("ttft", "tpot", "itl") for p in ("p50", "p99")}
-    return {"server": server, "dtype": "float32", "model": "plain", "load": "c4", "threads": "t", "repeat": repeat,
+    return {"server": server, "dtype": "float32", "model": model, "load": "c4", "threads": "t", "repeat": repeat,
             "output_tok_s": tok_s, "completed": 32, "failed": 0, "output_tokens": 2048, **metrics}
 
 
@@ -47,3 +47,14 @@ def test_a_point_without_vllm_shows_no_ratio():
     rows = harness.repeated([_row("taps", r, tok, 100) for r, tok in ((0, 8.0), (1, 9.0))])
     line = next(line for line in harness.table(rows) if line.startswith("| taps"))
     assert "| 8.5 | 8.0 / 9.0 | — |" in line and "nan" not in line
+
+
+def test_vllm_drafting_with_our_head_is_compared_with_vllm_plain_not_taken_for_it():
+    harness = _harness()
+    for rows in ([_row("vLLM", 0, 10.0, 300), _row("vLLM", 0, 15.0, 280, "eagle3-math"), _row("taps", 0, 12.0, 250)],
+                 [_row("vLLM", 0, 15.0, 280, "eagle3-math"), _row("vLLM", 0, 10.0, 300), _row("taps", 0, 12.0, 250)]):
+        lines = harness.table(rows)
+        assert "| 15.0 | 1.50x |" in next(line for line in lines if "eagle3-math" in line)
+        assert "| 12.0 | 1.20x |" in next(line for line in lines if line.startswith("| taps"))
+        ratios = {(row["server"], row["model"]): row["paired_ratio"] for row in harness.repeated(rows)}
+        assert ratios == {("vLLM", "plain"): 1.0, ("vLLM", "eagle3-math"): 1.5, ("taps", "plain"): 1.2}

