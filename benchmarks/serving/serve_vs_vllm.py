@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="num_speculative_tokens of those vLLM servers (vLLM's EAGLE drafts a chain)")
     parser.add_argument("--servers", default="vLLM,taps", help="which servers to run (a quick look at one of them)")
     parser.add_argument("--repeats", type=int, default=1,
-                        help="runs of every point; above 1, both servers stay up and take turns point by point")
+                        help="runs of every point; above 1, all servers stay up and take turns point by point")
     parser.add_argument("--out", default="reports/serve_vs_vllm.md")
     args = parser.parse_args(argv)
     venv = Path(args.vllm_venv).resolve()
@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype_rows = [r for r in rows if r["dtype"] == dtype]
         lines += [f"## {dtype}", ""] + table(repeated(dtype_rows) if args.repeats > 1 else dtype_rows) + [""]
         if dtype in idle:
-            lines += [f"{args.repeats} runs of every point, the servers taking turns point by point, both up "
+            lines += [f"{args.repeats} runs of every point, the servers taking turns point by point, all up "
                       "throughout; idle, before the first point, they used "
                       + ", ".join(f"{name} {cores:.2f}" for name, cores in idle[dtype].items())
                       + " cores. Throughput and latencies are medians over the runs; the ratio is the median of each "
