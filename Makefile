@@ -159,6 +159,8 @@ gpu-twin: gpu-twin-env
 	# without --cpu and without CUDA the smoke must refuse (exit 2), never fall back quietly
 	$(TWIN)/bin/python benchmarks/gpu/gpu_smoke.py --out $(TWIN_OUT)/refused.md; test $$? -eq 2
 	cd $(TWIN_OUT) && OMP_NUM_THREADS=1 $(CURDIR)/$(TWIN)/bin/python $(CURDIR)/benchmarks/gpu/gpu_smoke.py --cpu --out $(TWIN_OUT)/gpu.md
+	cd $(TWIN_OUT) && OMP_NUM_THREADS=1 $(CURDIR)/$(TWIN)/bin/python $(CURDIR)/benchmarks/gpu/gpu_smoke.py --cpu --only-8b \
+	  --out $(TWIN_OUT)/only-8b.md
 
 clean-venv:
 	rm -rf $(VENV)

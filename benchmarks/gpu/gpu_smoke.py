@@ -137,10 +137,30 @@ def sync(device: torch.device) -> None:
 
 
 @torch.no_grad()
-def features(model, sequences: list[list[int]]) -> torch.Tensor:
-    """Post-norm hidden states of equal-length sequences: what the head reads and regresses."""
-    ids = torch.tensor(sequences, device=model.device)
-    return model.model(input_ids=ids).last_hidden_state
+def features(model, sequence: list[int]) -> torch.Tensor:
+    """Post-norm hidden states [T, d] of a sequence through transformers' forward, as the project's feature
+    extraction computes them for training (`training.features.target_features`)."""
+    return model.model(input_ids=torch.tensor([sequence], device=model.device)).last_hidden_state[0]
+
+
+@torch.no_grad()
+def engine_features(model, sequence: list[int]) -> torch.Tensor:
+    """The same states through the engine's own forward (its prefill): what a head reads when it drafts."""
+    return TargetBatch(model).prefill([sequence])[0].hidden
+
+
+def training_batch(model, sequences: list[list[int]], read: Callable = features) -> Batch:
+    """The sequences right-padded into the training loss's batch, their features read by `read`."""
+    device = model.device
+    width = max(map(len, sequences))
+    ids = torch.zeros(len(sequences), width, dtype=torch.long, device=device)
+    loss_mask = torch.zeros(len(sequences), width, device=device)
+    hidden = torch.zeros(len(sequences), width, model.config.hidden_size, device=device)
+    for row, sequence in enumerate(sequences):  # one at a time: ragged rows
+        ids[row, : len(sequence)] = torch.tensor(sequence, device=device)
+        loss_mask[row, : len(sequence)] = 1.0
+        hidden[row, : len(sequence)] = read(model, sequence).float()
+    return Batch(ids, loss_mask, hidden, torch.tensor([len(sequence) for sequence in sequences], device=device))
 
 
 def fit_head_lr(hidden: int) -> float:
@@ -158,32 +178,27 @@ def fit_head(model, steps: int, starts: list[list[int]], new_tokens: int, seed: 
     device = model.device
     plain = generate(model, PlainDecoding(), starts, GREEDY, new_tokens, [])
     sequences = [p + g.tokens for p, g in zip(starts, plain)]
-    width = max(map(len, sequences))
-    ids = torch.zeros(len(sequences), width, dtype=torch.long, device=device)
-    loss_mask = torch.zeros(len(sequences), width, device=device)
-    hidden = torch.zeros(len(sequences), width, model.config.hidden_size, device=device)
-    for row, sequence in enumerate(sequences):  # one at a time: ragged rows, right-padded
-        ids[row, : len(sequence)] = torch.tensor(sequence, device=device)
-        loss_mask[row, : len(sequence)] = 1.0
-        hidden[row, : len(sequence)] = features(model, [sequence])[0].float()
+    batch = training_batch(model, sequences)
     frozen = FrozenTarget(embed=model.get_input_embeddings().weight.float(),
                           lm_head=model.get_output_embeddings().weight.float())
     head = new_head(model.config, torch.float32, seed=seed, device=device)
     optimizer = torch.optim.AdamW(head.parameters(), lr=fit_head_lr(model.config.hidden_size), betas=(0.9, 0.95))
     settings = LossSettings(cls_weight=1.0, noise_std=0.0)
-    lengths = torch.tensor([len(sequence) for sequence in sequences], device=device)
     sync(device)
     start = time.perf_counter()
     last = {}
     for _ in range(steps):
         optimizer.zero_grad()
-        batch = Batch(ids, loss_mask, hidden, lengths)
         last = run_passes(head, batch, frozen, settings, backward=True).terms
         optimizer.step()
     optimizer.zero_grad()  # the gradients would stay on the device, counted by the memory check as the target's
     sync(device)
-    return head.eval().requires_grad_(False), {"fit_s": time.perf_counter() - start, "steps": steps,
-                                               "agreement": last.get("acc", float("nan")), "loss": last.get("loss0")}
+    fit_s = time.perf_counter() - start
+    head.eval().requires_grad_(False)
+    with torch.no_grad():  # the same fitted head on the features it drafts from: a gap says the two forwards differ
+        engine = run_passes(head, training_batch(model, sequences, engine_features), frozen, settings, backward=False)
+    return head, {"fit_s": fit_s, "steps": steps, "agreement": last.get("acc", float("nan")),
+                  "agreement_engine_features": engine.terms.get("acc", float("nan")), "loss": last.get("loss0")}
 
 
 def cast_target(model, dtype: torch.dtype):
@@ -503,6 +518,12 @@ def compiled_vs_eager(device: torch.device, small: bool, head, fitted: list[list
                      for b, e, c in zip(batches, eager["verify_ms"], compiled["verify_ms"])]}
 
 
+def fit_agreement(fit: dict) -> str:
+    """The fitted head's top-1 agreement with the target on transformers' features and on the engine's."""
+    return (f"agreement {fit['agreement']:.2f} on the training features (transformers' forward), "
+            f"{fit.get('agreement_engine_features', float('nan')):.2f} on the engine's")
+
+
 def report(results: dict) -> str:
     env = results["environment"]
     lines = ["# GPU smoke", "",
@@ -517,7 +538,7 @@ def report(results: dict) -> str:
         lines += ["## fp32 T = 0 lossless", "",
                   f"{fp['shape']}, random weights, taps' fast forward, a ragged batch of {fp['prompts']} prompts of "
                   f"{fp['prompt_lengths'][0]}-{fp['prompt_lengths'][1]} tokens; head fitted in {fp['fit']['steps']} "
-                  f"steps ({fp['fit']['fit_s']:.1f} s, training agreement {fp['fit']['agreement']:.2f}): speculative "
+                  f"steps ({fp['fit']['fit_s']:.1f} s, {fit_agreement(fp['fit'])}): speculative "
                   f"== plain: **{fp['equal_plain']}**, speculative == HF generate: **{fp['equal_hf']}**; "
                   f"{fp['accepted']} drafted tokens accepted over {fp['tokens']} generated (tau {fp['tau']:.2f}).", "",
                   f"T = 0.8, top-p 0.95, same seeds: speculative vs plain sampling agree on "
@@ -546,7 +567,8 @@ def report(results: dict) -> str:
               "speedups below are an upper bound for these shapes; the costs per step (draft pass, verification "
               "forward, host time) are what carries over to trained heads."]
     lines += ["", f"## Llama-3-8B shape, bf16, tree {PAPER_TREE.total_token}/{PAPER_TREE.depth}/{PAPER_TREE.top_k}", "",
-              f"Head fitted in {t['fit']['steps']} steps ({t['fit']['fit_s']:.1f} s). Speedup = plain time per "
+              f"Head fitted in {t['fit']['steps']} steps ({t['fit']['fit_s']:.1f} s, {fit_agreement(t['fit'])}). "
+              "Speedup = plain time per "
               "token / speculative time per token, in this run. Per loop step: the draft pass (all sequences' "
               "drafts), the verification forward, and the host time (the rest: acceptance, bookkeeping).", "",
               "| batch | plain ms/token | spec ms/token | speedup | tau | draft ms/step | verify ms/step | host ms/step |",
