@@ -3,6 +3,7 @@
 
     bash benchmarks/gpu/fetch_smoke_wheels.sh            # where PyPI is reachable: pydantic's wheels for Python 3.12
     python benchmarks/gpu/gpu_smoke.py --out reports/gpu.md
+    python benchmarks/gpu/gpu_smoke.py --only-8b --out reports/gpu.md     # the 8B shape's part alone (~2 min)
 
 It needs Python 3.12 with torch, transformers, safetensors and numpy, and this working tree; pydantic (the
 engine's typed configs) comes from the wheels in benchmarks/gpu/wheels/ when it is not installed (they are unpacked
