@@ -522,7 +522,7 @@ def compiled_vs_eager(device: torch.device, small: bool, head, fitted: list[list
 def fit_agreement(fit: dict) -> str:
     """The fitted head's top-1 agreement with the target on transformers' features and on the engine's."""
     return (f"agreement {fit['agreement']:.2f} on the training features (transformers' forward), "
-            f"{fit.get('agreement_engine_features', float('nan')):.2f} on the engine's")
+            f"{fit['agreement_engine_features']:.2f} on the engine's")
 
 
 def report(results: dict) -> str:

@@ -46,6 +46,7 @@ sys.path.insert(0, str(REPO))
 from taps_ray.bench.prompts import first_turns  # noqa: E402
 from taps_ray.config import load_config  # noqa: E402
 from taps_ray.fsio import atomic_write_json, atomic_write_text  # noqa: E402
+from taps_ray.interop.bench_peer import speculative_configs  # noqa: E402
 from taps_ray.machine import cpu_line  # noqa: E402
 from taps_ray.models.target import smollm2_folder  # noqa: E402
 
@@ -128,18 +129,15 @@ def vllm_server(venv: Path, dtype: str, max_seqs: int, port: int, log: Path, nam
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "PYTHONPATH")}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", VLLM_CPU_KVCACHE_SPACE="2")  # 16 x 2,048 fp32 tokens: 1.5 GiB
     command = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
-               "--model", str(smollm2_folder()), "--served-model-name", "plain", "--dtype", dtype,
+               "--model", str(smollm2_folder()), "--served-model-name", name, "--dtype", dtype,
                "--max-num-seqs", str(max_seqs), "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port)]
     if speculative is not None:
-        command[command.index("plain")] = name
         command += ["--speculative-config", json.dumps(speculative)]
     return Server("vLLM", command, env, port, log)
 
 
 def vllm_head_configs(config_path: str, heads: list[str], tokens: int) -> dict[str, dict]:
     """vLLM's speculative_config per head `<kind>-<mixture>` of the config's work dir, exported for vLLM."""
-    from taps_ray.interop.bench_peer import speculative_configs  # late: imports the trainer's stack (torch)
-
     cfg = load_config(config_path)
     configs = {}
     for head in heads:

@@ -25,8 +25,8 @@ from torch import nn
 
 from taps_ray.models.cpu_linear import DecodingLinear
 from taps_ray.models.kv_cache import write_slots
-from taps_ray.models.sdpa import attention
 from taps_ray.models.llama_blocks import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary_pos_emb
+from taps_ray.models.sdpa import attention
 
 if TYPE_CHECKING:  # a target's config is only read here: importing its class would load transformers' model code
     from transformers import PretrainedConfig
