@@ -58,3 +58,23 @@ def test_vllm_drafting_with_our_head_is_compared_with_vllm_plain_not_taken_for_i
         assert "| 12.0 | 1.20x |" in next(line for line in lines if line.startswith("| taps"))
         ratios = {(row["server"], row["model"]): row["paired_ratio"] for row in harness.repeated(rows)}
         assert ratios == {("vLLM", "plain"): 1.0, ("vLLM", "eagle3-math"): 1.5, ("taps", "plain"): 1.2}
+
+
+def test_engine_alone_rows_show_no_tpot_and_keep_their_ratio():
+    harness = _harness()
+    engine = {**_row("taps engine", 0, 15.0, 200), "tpot_p50_ms": float("nan"), "tpot_p99_ms": float("nan")}
+    rows = harness.repeated([_row("vLLM", 0, 10.0, 300), _row("taps", 0, 8.0, 250), engine])
+    line = next(line for line in harness.table(rows) if line.startswith("| taps engine"))
+    assert "| 1.50x | 200 / 200 | — / — | 10 / 10 |" in line and "nan" not in line
+
+
+def test_engine_alone_times_serves_engine_in_a_child_process():
+    """The closed loop of benchmarks/serving/engine_alone.py, end to end on the tiny target: every request decodes
+    its tokens (ignore_eos), at each concurrency, and the timings come back through the child's JSON."""
+    harness = _harness()
+    rows = harness.engine_alone.run(str(REPO / "configs" / "tiny.yaml"), "float32", 1, 4, [1, 4], 4, 6)
+    assert len(rows) == 2
+    for row in rows:
+        assert row["output_tokens"] == 4 * 6 and row["completed"] == 4 and row["output_tok_s"] > 0
+        assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"] and 0 < row["itl_p50_ms"] <= row["itl_p99_ms"]
+        assert row["tpot_p50_ms"] != row["tpot_p50_ms"]  # NaN: a closed loop has no TPOT of vLLM's definition

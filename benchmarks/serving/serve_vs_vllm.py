@@ -18,7 +18,9 @@ alternates): this machine's speed drifts by +-25% over minutes, and a ratio of t
 drift as much as the servers; the report gives each point's median and its runs, and the ratio as the median of the
 paired ratios of one repetition. The idle servers' CPU is sampled before the first point and printed in the
 report. Output: throughput, TTFT, TPOT and ITL at p50 and p99, per server and model, as a table with the ratio to
-vLLM plain, and the raw client results beside the report (a .json).
+vLLM plain, and the raw client results beside the report (a .json). With `--engine-alone`, a `taps engine` row per
+concurrency times Serve's engine without Serve (benchmarks/serving/engine_alone.py: taps' own timer, not vLLM's
+client), in turn with the servers, which stay up and idle meanwhile: what the engine does and what serving adds.
 
 Everything stays on loopback. The client's own numbers are used as it prints them: nothing is re-timed here.
 """
@@ -42,6 +44,9 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import engine_alone  # noqa: E402
 
 from taps_ray.bench.prompts import first_turns  # noqa: E402
 from taps_ray.config import load_config  # noqa: E402
@@ -223,6 +228,10 @@ def summary(raw: dict) -> dict:
     return row
 
 
+def milliseconds(value: float) -> str:
+    return "—" if math.isnan(value) else f"{value:.0f}"  # the engine-alone row has no TPOT
+
+
 def table(rows: list[dict]) -> list[str]:
     """The report's table; rows of repeated points (`repeated`) also list every run's throughput, and their ratio
     is the median paired ratio."""
@@ -239,7 +248,7 @@ def table(rows: list[dict]) -> list[str]:
         each = (" | " + " / ".join(f"{v:.1f}" for v in r["runs"])) if runs else ""
         lines.append(
             f"| {r['server']} | {r['model']} | {r['threads']} | {load} | {r['output_tok_s']:.1f}{each} | {shown} | "
-            + " | ".join(f"{r[f'{m}_p50_ms']:.0f} / {r[f'{m}_p99_ms']:.0f}" for m in METRICS)
+            + " | ".join(f"{milliseconds(r[f'{m}_p50_ms'])} / {milliseconds(r[f'{m}_p99_ms'])}" for m in METRICS)
             + f" | {r['output_tokens']} | {r['failed']} |")
     return lines
 
@@ -266,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--servers", default="vLLM,taps", help="which servers to run (a quick look at one of them)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of every point; above 1, all servers stay up and take turns point by point")
+    parser.add_argument("--engine-alone", action="store_true",
+                        help="also time Serve's engine without HTTP at each concurrency (benchmarks/serving/"
+                        "engine_alone.py), in turn with the servers")
     parser.add_argument("--out", default="reports/serve_vs_vllm.md")
     args = parser.parse_args(argv)
     venv = Path(args.vllm_venv).resolve()
@@ -293,6 +305,22 @@ def main(argv: list[str] | None = None) -> int:
                                           folder / f"taps-{dtype}.log"))]
         plan = [entry for entry in plan if entry[0] in args.servers.split(",")]
 
+        engine_threads = f"{replica_threads} torch thread(s), no HTTP; taps' own timer"
+
+        def measure_engine(points: list[str], repeat: int) -> None:
+            concurrencies = [int(load[1:]) for load in points if load.startswith("c")]  # a closed loop has no rate
+            if not (args.engine_alone and concurrencies):
+                return
+            print(f"taps engine {dtype} {concurrencies} (run {repeat + 1}/{args.repeats}) ...", flush=True)
+            results = engine_alone.run(args.config, dtype, replica_threads, args.max_seqs, concurrencies, count,
+                                       args.max_tokens)
+            for concurrency, result in zip(concurrencies, results):
+                point = {"server": "taps engine", "dtype": dtype, "model": "plain", "load": f"c{concurrency}",
+                         "repeat": repeat}
+                raw.append({**point, **result})
+                rows.append({**point, "threads": engine_threads, **result})
+                print(f"  {result['output_tok_s']:.1f} tok/s", flush=True)
+
         def measure(server_name: str, models: list[str], threads: str, port: int, points: list[str],
                     repeat: int) -> None:
             for model in models:
@@ -316,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
                     measure(server_name, models, threads, port, loads, 0)
                 finally:
                     server.stop()
+            measure_engine(loads, 0)
             continue
         servers = []
         try:
@@ -328,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
                 for load in loads:
                     for (server_name, models, threads, _), server in (turns if repeat % 2 == 0 else turns[::-1]):
                         measure(server_name, models, threads, server.port, [load], repeat)
+                    measure_engine([load], repeat)
         finally:
             for server in servers:
                 server.stop()
