@@ -112,7 +112,7 @@ SERVE_REPEATS ?= 1
 SERVE_VLLM_HEADS ?=
 serve-vs-vllm: install $(VLLM_VENV)/.ok
 	$(PY) benchmarks/serving/serve_vs_vllm.py --config $(SERVE_CONFIG) --models $(SERVE_MODELS) --dtypes float32,bfloat16 \
-	  --concurrency 1,4,16 --rates 1,2,4 --repeats $(SERVE_REPEATS) --vllm-heads=$(SERVE_VLLM_HEADS) \
+	  --concurrency 1,4,16 --rates 1,2,4 --repeats $(SERVE_REPEATS) --vllm-heads=$(SERVE_VLLM_HEADS) --engine-alone \
 	  --out reports/serve_vs_vllm.md
 
 # Our exported heads in the real vLLM (docs/export.md#checked-against-vllm): the three head kinds of

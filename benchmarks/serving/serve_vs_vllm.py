@@ -60,6 +60,10 @@ CLIENT = ("from vllm.benchmarks.serve import add_cli_args, main\n"
           "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
           "parser = FlexibleArgumentParser(); add_cli_args(parser); main(parser.parse_args())\n")
 METRICS = ("ttft", "tpot", "itl")
+ENGINE_ROWS = ("`taps engine` rows: Serve's engine without HTTP (`ContinuousBatcher`, benchmarks/serving/"
+               "engine_alone.py) on the same prompts, concurrency and dtype, in a process of its own with the "
+               "replica's threads, timed by taps' own closed loop (TTFT from a request's submission, ITL per token "
+               "of each later step; no TPOT), not by vLLM's client, while the servers stayed up and idle.")
 
 
 def free_port() -> int:
@@ -371,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
              "its own thread choice; taps serve with the config's replica threads. "
              + (f"vLLM also served this config's heads {', '.join(heads)} (exported by `taps export --engine "
                 f"vllm`) with its own EAGLE drafting of {args.vllm_spec_tokens} tokens, a server each. " if heads else "")
-             + "Ratios are within this run, against vLLM plain at the same load and dtype.", ""]
+             + "Ratios are within this run, against vLLM plain at the same load and dtype."
+             + (f" {ENGINE_ROWS}" if args.engine_alone else ""), ""]
     for dtype in args.dtypes.split(","):
         dtype_rows = [r for r in rows if r["dtype"] == dtype]
         lines += [f"## {dtype}", ""] + table(repeated(dtype_rows) if args.repeats > 1 else dtype_rows) + [""]
