@@ -432,7 +432,20 @@ class ServeConfig(_Strict):
     autoscaling_config: dict[str, Any] | None = Field(
         None, description="Ray Serve autoscaling_config of the deployment (min_replicas, max_replicas, "
         "target_ongoing_requests, ...); replaces num_replicas when set")
+    listener: Literal["proxy", "replica"] = Field(
+        "proxy", description="who answers HTTP on host:port. `proxy`: Ray Serve's HTTP proxy, which routes across "
+        "replicas and nodes. `replica`: the one replica itself (serve/listener.py), and `taps serve` starts no "
+        "Serve proxy: each decode step's streamed chunks leave from the replica's event loop instead of one Ray "
+        "message per token and request, whose wakeups slowed a CPU replica's step by 13-16% (docs/serve.md); "
+        "one replica only")
     adapt: AdaptConfig = AdaptConfig()
+
+    @model_validator(mode="after")
+    def _one_replica_listens(self) -> ServeConfig:
+        if self.listener == "replica" and (self.num_replicas > 1 or self.autoscaling_config):
+            raise ValueError("serve.listener=replica serves one replica on host:port; with num_replicas > 1 or an "
+                             "autoscaling_config use serve.listener=proxy (Ray Serve's proxy routes across them)")
+        return self
 
 
 class SearchConfig(_Strict):

@@ -103,11 +103,12 @@ def loopback_cluster(num_cpus: int, object_store_memory: int | None = None, runt
     return cluster
 
 
-def start_serve(host: str = LOOPBACK, port: int = 8000) -> None:
-    """Start Ray Serve's HTTP proxy on host:port (Ray must be initialised)."""
+def start_serve(host: str = LOOPBACK, port: int = 8000, proxy: bool = True) -> None:
+    """Start Ray Serve (Ray must be initialised) with its HTTP proxy on host:port, or with no proxy (`proxy`
+    False: the deployment answers HTTP itself, `serve.listener: replica`)."""
     from ray import serve
 
-    serve.start(http_options={"host": host, "port": port})
+    serve.start(http_options={"host": host, "port": port}, proxy_location=None if proxy else "Disabled")
 
 
 def bind_replica_grpc_to_node() -> None:

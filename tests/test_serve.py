@@ -478,6 +478,45 @@ def test_every_listener_of_the_service_is_on_loopback(service, client):
     assert not exposed(found), f"listeners off loopback: {exposed(found)}"
 
 
+def test_the_replica_listens_itself_with_serve_listener_replica(service, tiny_target):
+    """serve.listener=replica: the replica answers HTTP on its own port (no Serve proxy in the path), on loopback,
+    greedy output equal to transformers' and streamed chunks adding up to it (a transport test: the proxy's tests
+    above check the decoding); deleting the app closes the port."""
+    serve = service.serve
+    port = _free_port()
+    cfg = _serve_config(service.cfg, Path(service.cfg.work_dir), listener="replica", port=port)
+    serve.run(build_app(cfg), name="taps-direct", route_prefix="/direct")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert _wait_healthy(url)["models"] == service.health["models"]
+        direct = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120.0)
+        question = "What is 7 times 6? Explain briefly."
+        expected = _expected_chat(tiny_target, question, 24)
+        messages = [{"role": "user", "content": question}]
+        answer = direct.chat.completions.create(model="plain", messages=messages, temperature=0, max_tokens=24)
+        assert answer.choices[0].message.content == expected
+        chunks = list(direct.chat.completions.create(model="plain", messages=messages, temperature=0, max_tokens=24,
+                                                     stream=True))
+        pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+        assert "".join(pieces) == expected and len(pieces) >= 2
+        assert httpx.post(f"{url}/v1/chat/completions", json={"model": "nope", "messages": messages},
+                          timeout=TIMEOUT).status_code == 404
+        found = listeners()
+        assert any(item.port == port and item.name.startswith("ray::ServeReplica") for item in found), found
+        assert not exposed(found), f"listeners off loopback: {exposed(found)}"
+    finally:
+        serve.delete("taps-direct")
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{url}/healthz", timeout=5.0)
+
+
+def test_replica_listener_takes_one_replica():
+    with pytest.raises(ValidationError, match="serve.listener=proxy"):
+        ServeConfig(listener="replica", num_replicas=2)
+    with pytest.raises(ValidationError, match="serve.listener=proxy"):
+        ServeConfig(listener="replica", autoscaling_config={"min_replicas": 1, "max_replicas": 2})
+
+
 def test_openapi_schema_publishes_live_limits(service):
     schema = httpx.get(f"{service.url}/openapi.json").json()
     request = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]

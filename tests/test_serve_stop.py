@@ -75,11 +75,18 @@ def test_busy_or_bad_port_is_one_line_before_ray(study):
             assert "Ray" not in result[0] + result[1]
 
 
-@pytest.mark.parametrize("stop", ["sigterm", "ctrl-c"])
-def test_a_stop_drains_the_stream_refuses_new_requests_and_leaves_nothing(study, stop):
-    """SIGTERM to the server, or Ctrl-C: SIGINT to its whole process group, Ray's processes included."""
+@pytest.mark.parametrize(("stop", "listener"), [("sigterm", "proxy"), ("ctrl-c", "proxy"), ("sigterm", "replica")])
+def test_a_stop_drains_the_stream_refuses_new_requests_and_leaves_nothing(study, tmp_path, stop, listener):
+    """SIGTERM to the server, or Ctrl-C: SIGINT to its whole process group, Ray's processes included; through
+    Serve's proxy, or with the replica listening itself (serve.listener)."""
     port = _free_port()
-    server = _serve(study, port, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
+    config = study
+    if listener != "proxy":
+        data = yaml.safe_load(study.read_text())
+        data["serve"]["listener"] = listener
+        config = tmp_path / "study.yaml"
+        config.write_text(yaml.safe_dump(data))
+    server = _serve(config, port, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         for line in server.stdout:
             if line.startswith("taps serve: http"):

@@ -156,15 +156,15 @@ def vllm_head_configs(config_path: str, heads: list[str], tokens: int) -> dict[s
 
 
 def taps_server(config_path: str, dtype: str, max_seqs: int, threads: int, port: int, folder: Path,
-                log: Path) -> Server:
-    """`taps serve` on a copy of the config with the target's dtype, the batch cap, the replica's threads and the
-    port set."""
+                log: Path, listener: str | None = None) -> Server:
+    """`taps serve` on a copy of the config with the target's dtype, the batch cap, the replica's threads, the
+    port and (unless None) `serve.listener` set."""
     data = yaml.safe_load(Path(config_path).read_text())
     data.setdefault("target", {})["dtype"] = dtype
     data.setdefault("serve", {}).update(max_batch_size=max_seqs, port=port, host="127.0.0.1",
-                                        replica_num_cpus=threads)
+                                        replica_num_cpus=threads, **({"listener": listener} if listener else {}))
     data.setdefault("ray", {})["num_cpus"] = max(threads, int(data.get("ray", {}).get("num_cpus", 1)))
-    derived = folder / f"taps-{dtype}.yaml"
+    derived = folder / f"taps-{dtype}-{listener or 'config'}.yaml"
     derived.write_text(yaml.safe_dump(data))
     command = [sys.executable, "-m", "taps_ray.cli", "serve", "--config", str(derived)]
     return Server("taps serve", command, {**os.environ, "PYTHONPATH": str(REPO)}, port, log)
@@ -276,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
                         "and served by vLLM of its own with `--speculative-config`, as model `<kind>-<mixture>`")
     parser.add_argument("--vllm-spec-tokens", type=int, default=3,
                         help="num_speculative_tokens of those vLLM servers (vLLM's EAGLE drafts a chain)")
+    parser.add_argument("--listeners", default="",
+                        help="taps serve's serve.listener, comma-separated (proxy,replica: a taps server each); "
+                        "default: the config's")
     parser.add_argument("--servers", default="vLLM,taps", help="which servers to run (a quick look at one of them)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of every point; above 1, all servers stay up and take turns point by point")
@@ -304,10 +307,15 @@ def main(argv: list[str] | None = None) -> int:
                   lambda port, head=head, spec=spec: vllm_server(venv, dtype, args.max_seqs, port,
                                                                  folder / f"vllm-{head}-{dtype}.log", head, spec))
                  for head, spec in heads.items()]
-        plan += [("taps", args.models.split(","), f"{replica_threads} torch thread(s) (serve.replica_num_cpus)",
-                 lambda port: taps_server(args.config, dtype, args.max_seqs, replica_threads, port, folder,
-                                          folder / f"taps-{dtype}.log"))]
-        plan = [entry for entry in plan if entry[0] in args.servers.split(",")]
+        listeners = [name for name in args.listeners.split(",") if name] or [None]
+        plan += [("taps" if len(listeners) == 1 else f"taps, {listener} listener", args.models.split(","),
+                  f"{replica_threads} torch thread(s) (serve.replica_num_cpus)"
+                  + (f", serve.listener {listener}" if listener else ""),
+                  lambda port, listener=listener: taps_server(args.config, dtype, args.max_seqs, replica_threads,
+                                                              port, folder, folder / f"taps-{dtype}-{listener}.log",
+                                                              listener))
+                 for listener in listeners]
+        plan = [entry for entry in plan if entry[0].split(",")[0] in args.servers.split(",")]
 
         engine_threads = f"{replica_threads} torch thread(s), no HTTP; taps' own timer"
 

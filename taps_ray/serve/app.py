@@ -82,6 +82,7 @@ from taps_ray.serve.api_schemas import (
     SamplingFields,
     Speculative,
 )
+from taps_ray.serve.listener import ReplicaListener
 from taps_ray.serve.metrics import serve_metrics
 from taps_ray.serve.output import ChoiceStream, TextOutput, speculative, usage
 from taps_ray.serve.scheduler import DecodeLoop, Overloaded, Ticket
@@ -151,6 +152,11 @@ class TapsService:
             "taps serve: target %s, %s heads %s, models %s", self.cfg.target.name, self.kind,
             sorted(self.heads), self.model_names(),
         )
+        self.listener: ReplicaListener | None = None
+        if self.cfg.serve.listener == "replica":
+            self.listener = ReplicaListener(self.cfg.serve.host, self.cfg.serve.port)
+            # after this constructor: Serve's ingress wrapper sets the bound ASGI app (`_asgi_app`) when it returns
+            asyncio.get_running_loop().call_soon(lambda: self.listener.start(self._asgi_app))
 
     def _load(self) -> None:
         """The target, the heads, the proposers and the decode loop (on the compute thread)."""
@@ -353,6 +359,8 @@ class TapsService:
         refuse new work, give the running batch a last moment, and fail what is left with a 503."""
         if hasattr(self, "loop"):  # __init__ may have failed before it
             await self.loop.shutdown(SHUTDOWN_GRACE_S)
+        if getattr(self, "listener", None) is not None:
+            await self.listener.stop()
 
     @api.get("/healthz", summary="liveness and what is loaded")
     def healthz(self) -> dict[str, Any]:
@@ -583,9 +591,11 @@ def app_builder(args: dict[str, str]) -> serve.Application:
 
 
 def start(cfg: StudyConfig, host: str | None = None, port: int | None = None, base_dir: str | Path | None = None) -> str:
-    """Start Serve's HTTP proxy on host:port and deploy the app (Ray must be initialised); returns the URL."""
+    """Start Serve's HTTP proxy on host:port (`serve.listener: proxy`; with `replica` the replica listens there
+    and Serve starts no proxy) and deploy the app (Ray must be initialised); returns the URL."""
     host = host or cfg.serve.host
     port = port or cfg.serve.port
-    start_serve(host, port)
+    cfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"host": host, "port": port})})
+    start_serve(host, port, proxy=cfg.serve.listener == "proxy")
     serve.run(build_app(cfg, base_dir), name=APP_NAME, route_prefix="/", blocking=False)
     return f"http://{host}:{port}"
