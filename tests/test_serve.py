@@ -589,6 +589,10 @@ def test_serve_yaml_and_app_builder():
     assert set(app.args) <= set(AppArgs.model_fields)
     assert isinstance(app_builder(dict(app.args)), Application)
     assert isinstance(app_builder({"config": "configs/tiny.yaml", "num_replicas": "2"}), Application)
+    # configs/cpu.yaml has the replica listen itself under `taps serve`; `serve run` brings Serve's proxy instead
+    bound = app_builder({"config": "configs/cpu.yaml"})._bound_deployment.init_args[0]
+    assert load_config(REPO / "configs" / "cpu.yaml").serve.listener == "replica"
+    assert bound["serve"]["listener"] == "proxy"
     with pytest.raises(ValueError, match="known args"):
         app_builder({"config": "configs/tiny.yaml", "bogus": "1"})
 

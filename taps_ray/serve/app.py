@@ -585,8 +585,8 @@ def app_builder(args: dict[str, str]) -> serve.Application:
     cfg, base = _find_config(parsed.config)
     serve_update = {k: v for k, v in {"head_kind": parsed.head_kind, "num_replicas": parsed.num_replicas,
                                        "max_batch_size": parsed.max_batch_size}.items() if v is not None}
-    if serve_update:
-        cfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update=serve_update)})
+    # `serve run` / `serve deploy` bring Serve's own HTTP proxy, whatever the config's serve.listener says
+    cfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={**serve_update, "listener": "proxy"})})
     return build_app(with_overrides(cfg, work_dir=parsed.work_dir), base)
 
 
