@@ -23,11 +23,10 @@ def run(config_path: str, dtype: str, threads: int, max_seqs: int, concurrencies
         max_tokens: int) -> list[dict]:
     """One closed loop per concurrency, in a child process; each a row of `serve_vs_vllm.summary`'s fields."""
     from taps_ray.config import load_config
-    from taps_ray.ray_runtime import OMP_WAIT_ENV
+    from taps_ray.ray_runtime import OMP_WAIT_ENV, process_runtime_env
 
-    wait = OMP_WAIT_ENV[load_config(config_path).serve.replica_omp_wait]
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", **wait, "OMP_NUM_THREADS": str(threads),
-           "PYTHONPATH": str(REPO)}
+    replica = process_runtime_env(OMP_WAIT_ENV[load_config(config_path).serve.replica_omp_wait])["env_vars"]
+    env = {**os.environ, **replica, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO)}
     request = {"config": config_path, "dtype": dtype, "threads": threads, "max_seqs": max_seqs,
                "concurrencies": concurrencies, "prompts": prompts, "max_tokens": max_tokens}
     done = subprocess.run([sys.executable, __file__, json.dumps(request)], env=env, capture_output=True, text=True,
