@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{replica_threads} torch thread(s) (serve.replica_num_cpus)"
                   + (f", serve.listener {listener}" if listener else ""),
                   lambda port, listener=listener: taps_server(args.config, dtype, args.max_seqs, replica_threads,
-                                                              port, folder, folder / f"taps-{dtype}-{listener}.log",
+                                                              port, folder, folder / f"taps-{dtype}-{listener or 'config'}.log",
                                                               listener))
                  for listener in listeners]
         plan = [entry for entry in plan if entry[0].split(",")[0] in args.servers.split(",")]
