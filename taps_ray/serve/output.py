@@ -34,6 +34,9 @@ class TextOutput:
     def text(self, tokens: list[int]) -> str:
         if tokens and tokens[-1] in self.stop_ids:
             tokens = tokens[:-1]
+        return self.decode(tokens)
+
+    def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def stop_rule(self, stops: list[str]) -> Callable[[list[int], int], int | None] | None:
@@ -113,6 +116,41 @@ def speculative(results: list[Result], proposer: str, head_names: list[str]) -> 
     )
 
 
+class IncrementalText:
+    """Token ids -> text, decoding only a short window per new token instead of the whole sequence (a stream of
+    n tokens decoded whole at every step costs O(n^2): 2,048 tokens of SmolLM2 took 0.43 s of the replica's event
+    loop per stream, against 0.014 s through the window; AMD EPYC). The window is the usual one of incremental detokenizers
+    (TGI, vLLM): the tokens since `prefix` decoded with and without the new ones, the difference being the new
+    text, taken only once it does not end in a partial UTF-8 character. Both decodes start at the same token, so
+    a tokenizer's treatment of a sequence's first token (SentencePiece's leading space) cancels out. Decoded as
+    `TextOutput.text`: special tokens skipped, a final stop token left out."""
+
+    def __init__(self, output: TextOutput) -> None:
+        self.output = output
+        self.tokens: list[int] = []
+        self.text = ""
+        self.prefix = 0  # the window's first token
+        self.read = 0  # the tokens before this one are in `text`
+
+    def add(self, tokens: list[int]) -> str:
+        """Append `tokens`; the text that became readable (possibly "")."""
+        self.tokens += tokens
+        end = len(self.tokens) - (1 if self.tokens and self.tokens[-1] in self.output.stop_ids else 0)
+        if end <= self.read:
+            return ""
+        decode = self.output.decode
+        before = decode(self.tokens[self.prefix : self.read])
+        after = decode(self.tokens[self.prefix : end])
+        if after.endswith("\ufffd") or not after.startswith(before):
+            return ""  # a character still incomplete: wait for the next tokens
+        piece = after[len(before) :]
+        self.text += piece
+        if piece:
+            self.prefix = self.read
+        self.read = end
+        return piece
+
+
 class ChoiceStream:
     """The streamed text of one choice. Text is sent only once it can no longer change: not while it ends in a
     partial UTF-8 character, and never the last len(longest stop)-1 characters, which a stop string could still
@@ -121,17 +159,15 @@ class ChoiceStream:
     def __init__(self, output: TextOutput, stops: list[str]) -> None:
         self.output, self.stops = output, stops
         self.hold = max((len(s) for s in stops), default=1) - 1
-        self.tokens: list[int] = []
+        self.decoded = IncrementalText(output)
         self.sent = ""
         self.logprobs: list[TokenLogprob] = []  # not yet sent
 
     def add(self, tokens: list[int], logprobs: list[TokenLogprob]) -> str:
         """The piece of text that became final with these tokens ("" if none)."""
-        self.tokens += tokens
         self.logprobs += logprobs
-        text = self.output.text(self.tokens)
-        if text.endswith("\ufffd") or not text.startswith(self.sent):
-            return ""
+        self.decoded.add(tokens)
+        text = self.decoded.text
         safe = min([len(text) - self.hold, *[text.find(s) for s in self.stops if s in text]])
         if safe <= len(self.sent):
             return ""
