@@ -118,3 +118,40 @@ def test_streamed_pieces_concatenate_to_the_returned_text(output: TextOutput, st
     text, _ = output.finish(result, stops)
     assert "".join(pieces) + rest == text and finish == ("stop" if stops else "length")
     assert sum(1 for p in pieces if p) > 3  # streamed as it decoded, not all at the end
+
+
+def _whole_decode_cut(output: TextOutput, tokens: list[int], stops: list[str]) -> int | None:
+    """The reference: the fewest tokens whose whole text holds a stop string."""
+    return next((keep for keep in range(1, len(tokens) + 1) if any(s in output.text(tokens[:keep]) for s in stops)),
+                None)
+
+
+@pytest.mark.parametrize("stops", [["🎉"], ["日本語"], ["The answer"], ["never in the text"]])
+def test_the_engine_stop_rule_cuts_where_the_whole_text_first_holds_a_stop(output: TextOutput, stops: list[str]):
+    tokens = output.tokenizer.encode(TEXT, add_special_tokens=False)
+    want = _whole_decode_cut(output, tokens, stops)
+    rule, seen, got = output.stop_rule(stops), [], None
+    for chunk in _chunks(tokens, 3):
+        seen += chunk
+        got = rule(seen, len(chunk))
+        if got is not None:
+            break
+    assert got == want
+    assert (want is None) == (stops == ["never in the text"])
+
+
+def test_the_stop_rule_decodes_a_window_per_step_and_follows_a_new_sequence(output: TextOutput):
+    decoded: list[int] = []
+    decode = output.decode
+    output.decode = lambda tokens: (decoded.append(len(tokens)), decode(tokens))[1]
+    try:
+        tokens = output.tokenizer.encode(TEXT * 4, add_special_tokens=False)
+        rule = output.stop_rule(["never in the text"])
+        assert all(rule(tokens[: i + 1], 1) is None for i in range(len(tokens)))
+        assert len(tokens) > 300 and max(decoded) <= 12
+        again = output.tokenizer.encode("The answer is 42.", add_special_tokens=False)
+        stop = output.stop_rule(["is 42"])
+        assert stop(tokens[:10], 10) is None  # one sequence, then the rule sees another: it starts again
+        assert stop(again, len(again)) == _whole_decode_cut(output, again, ["is 42"]) is not None
+    finally:
+        del output.decode

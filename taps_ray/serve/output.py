@@ -40,14 +40,23 @@ class TextOutput:
         return self.tokenizer.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def stop_rule(self, stops: list[str]) -> Callable[[list[int], int], int | None] | None:
-        """For the engine: how many tokens to keep once one of `stops` appears in the last `new` tokens' text."""
+        """For the engine: how many tokens to keep once one of `stops` appears in the last `new` tokens' text.
+        One rule per request: it follows the request's text through an `IncrementalText`, so a step decodes a
+        window, not the whole sequence (the rule runs on the compute thread, between steps)."""
         if not stops:
             return None
 
+        decoded = IncrementalText(self)
+
         def rule(tokens: list[int], new: int) -> int | None:
-            if not any(s in self.text(tokens) for s in stops):
+            nonlocal decoded
+            if tokens[: len(decoded.tokens)] != decoded.tokens:  # not the same sequence grown: start again
+                decoded = IncrementalText(self)
+            decoded.add(tokens[len(decoded.tokens) :])
+            text = decoded.current()
+            if not any(s in text for s in stops):
                 return None
-            for keep in range(len(tokens) - new + 1, len(tokens) + 1):
+            for keep in range(len(tokens) - new + 1, len(tokens) + 1):  # once per request: whole decodes
                 text = self.text(tokens[:keep])
                 if any(s in text for s in stops):
                     return keep
@@ -131,24 +140,31 @@ class IncrementalText:
         self.text = ""
         self.prefix = 0  # the window's first token
         self.read = 0  # the tokens before this one are in `text`
+        self.pending: str | None = ""  # the text of the tokens after `read` so far (None: unknown)
 
     def add(self, tokens: list[int]) -> str:
         """Append `tokens`; the text that became readable (possibly "")."""
         self.tokens += tokens
         end = len(self.tokens) - (1 if self.tokens and self.tokens[-1] in self.output.stop_ids else 0)
         if end <= self.read:
+            self.pending = ""
             return ""
         decode = self.output.decode
         before = decode(self.tokens[self.prefix : self.read])
         after = decode(self.tokens[self.prefix : end])
-        if after.endswith("\ufffd") or not after.startswith(before):
-            return ""  # a character still incomplete: wait for the next tokens
-        piece = after[len(before) :]
+        if after.endswith("\ufffd") or not after.startswith(before):  # a character still incomplete: wait
+            self.pending = after[len(before) :] if after.startswith(before) else None
+            return ""
+        piece, self.pending = after[len(before) :], ""
         self.text += piece
         if piece:
             self.prefix = self.read
         self.read = end
         return piece
+
+    def current(self) -> str:
+        """The whole decode of the tokens so far (`TextOutput.text`), an incomplete last character included."""
+        return self.text + self.pending if self.pending is not None else self.output.text(self.tokens)
 
 
 class ChoiceStream:
