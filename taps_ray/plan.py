@@ -31,7 +31,7 @@ from taps_ray.fsio import atomic_write_text
 from taps_ray.decoding.replay_draft import NODE_BUDGET
 from taps_ray.drafting.registry import draft_reach
 from taps_ray.models.draft_head import DraftHead, DraftHeadConfig, eagle3_layers
-from taps_ray.models.kv_cache import grown_capacity
+from taps_ray.models.kv_cache import grown_capacity, previous_capacity
 from taps_ray.models.target import load_tokenizer, model_source, tiny_model_config
 from taps_ray.ray_requests import RayRequest
 
@@ -244,6 +244,9 @@ def needs(cfg: StudyConfig, s: Shapes) -> dict[str, Need]:
              f"eval.replay_batch rows merge only up to ray.max_batch) x {capacity:,} slots (the doubling growth "
              f"from a {prefill:,}-token prefill to {final:,})", per_worker * session * capacity * kv,
              "eval.replay_batch, eval.batch_size, ray.num_drafters / ray.num_target_workers, eval.max_new_tokens"),
+        Term(f"KV cache growth: the {previous_capacity(prefill, final):,}-slot copy held while every layer moves to "
+             f"{capacity:,} slots at once", per_worker * session * previous_capacity(prefill, final) * kv,
+             "eval.replay_batch, eval.batch_size, eval.max_new_tokens", TRANSIENT),
         Term(f"verification forward: logits {r.max_batch} x {tree + 1} x V and sampling them",
              r.max_batch * (tree + 1) * v * (eval_w + SAMPLING_BYTES), "ray.max_batch, tree.total_token", TRANSIENT),
         Term(f"prefill of {session} x {longest:,} tokens (a replay's features forward): one layer's activations "
@@ -325,6 +328,10 @@ def needs(cfg: StudyConfig, s: Shapes) -> dict[str, Need]:
         Term(f"KV cache, {sv.max_batch_size} sequences x {serve_capacity:,} slots (grown to {serve_final:,})",
              sv.max_batch_size * serve_capacity * kv, "serve.max_batch_size, serve.max_prompt_tokens, "
              "serve.max_tokens_limit"),
+        Term(f"KV cache growth: the {previous_capacity(sv.max_prompt_tokens, serve_final):,}-slot copy held while "
+             f"every layer moves to {serve_capacity:,} slots at once",
+             sv.max_batch_size * previous_capacity(sv.max_prompt_tokens, serve_final) * kv,
+             "serve.max_batch_size, serve.max_tokens_limit", TRANSIENT),
         Term(f"heads of {sv.head_kind}, and a combination's stacked copy of them", 2 * serve_heads * eval_w,
              "serve.head_kind, train.mixtures"),
         Term(f"their KV caches (one layer each), {sv.max_batch_size} sequences x {serve_capacity:,} slots",

@@ -341,18 +341,21 @@ def test_decoding_writes_in_place_the_buffers_are_allocated_once_per_capacity():
     assert torch.equal(batch.cache.layer(0)[0][:, :, : keys_before.shape[2]], keys_before)
 
 
+@pytest.mark.parametrize("head_dims", [(4, 4), (4, 6)], ids=["one-storage", "per-layer"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: the slot moves are indexed, not scattered
-def test_cache_compaction_and_row_selection_match_a_naive_copy(dtype: torch.dtype):
+def test_cache_compaction_and_row_selection_match_a_naive_copy(dtype: torch.dtype, head_dims: tuple[int, int]):
+    """Layers of one shape share one storage (all moved at once); a layer of another shape has buffers of its own."""
     generator = torch.Generator().manual_seed(0)
     cache = KVCache(num_layers=2)
     cache.reset(3)
-    full = [torch.randn(3, 2, 9, 4, generator=generator).to(dtype) for _ in range(2)]
+    full = [torch.randn(3, 2, 9, d, generator=generator).to(dtype) for d in head_dims]
     for layer in range(2):
         cache.append(layer, full[layer][:, :, :6], full[layer][:, :, :6] + 1)
     cache.advance(6)
     for layer in range(2):
         cache.append(layer, full[layer][:, :, 6:], full[layer][:, :, 6:] + 1)
     cache.advance(3)
+    assert (cache._storage is not None) == (head_dims[0] == head_dims[1])
     # rows move different slots to different places, one pair repeated (padding), one row moving onto itself
     source = torch.tensor([[6, 8, 8], [7, 6, 3], [0, 0, 0]])
     target = torch.tensor([[2, 3, 3], [4, 5, 3], [0, 0, 0]])
@@ -365,12 +368,15 @@ def test_cache_compaction_and_row_selection_match_a_naive_copy(dtype: torch.dtyp
             moved = full[layer][row][:, source[row]]  # read before writing: sources may be targets
             want[row][:, target[row]] = moved
         assert torch.equal(keys, want) and torch.equal(values, want + 1)
+    kept = [cache.layer(layer)[0][[2, 0], :, :5].clone() for layer in range(2)]
     cache.keep_rows([2, 0], 5)
     assert cache.rows == 2 and cache.width == 5
+    assert all(torch.equal(cache.layer(layer)[0], kept[layer]) for layer in range(2))
     sub = cache.take_rows(torch.tensor([1]), 5)
     keys_before = cache.layer(0)[0].clone()
     for layer in range(2):
-        sub.append(layer, torch.full((1, 2, 2, 4), 7.0, dtype=dtype), torch.full((1, 2, 2, 4), 8.0, dtype=dtype))
+        new = (1, 2, 2, head_dims[layer])
+        sub.append(layer, torch.full(new, 7.0, dtype=dtype), torch.full(new, 8.0, dtype=dtype))
     sub.advance(2)
     cache.put_rows(torch.tensor([1]), sub, since=5)
     keys = cache.layer(0)[0]
