@@ -13,7 +13,7 @@ from taps_ray.models.target import load_tokenizer
 from taps_ray.serve.output import ChoiceStream, IncrementalText, TextOutput
 
 TEXT = ("Sums: 12 + 30 = 42. Café, naïve, Ελληνικά, 日本語のテキスト, emoji 🚀🎉 and   spaces.\n"
-        "Second line\twith a tab; «quotes» — dashes… The answer is 42. " * 3)
+        "Second line\twith a tab; «quotes» — dashes… The answer is 42. ") * 3
 
 
 def _sentencepiece_like() -> PreTrainedTokenizerFast:

@@ -128,11 +128,11 @@ def speculative(results: list[Result], proposer: str, head_names: list[str]) -> 
 class IncrementalText:
     """Token ids -> text, decoding only a short window per new token instead of the whole sequence (a stream of
     n tokens decoded whole at every step costs O(n^2): 2,048 tokens of SmolLM2 took 0.43 s of the replica's event
-    loop per stream, against 0.014 s through the window; AMD EPYC). The window is the usual one of incremental detokenizers
-    (TGI, vLLM): the tokens since `prefix` decoded with and without the new ones, the difference being the new
-    text, taken only once it does not end in a partial UTF-8 character. Both decodes start at the same token, so
-    a tokenizer's treatment of a sequence's first token (SentencePiece's leading space) cancels out. Decoded as
-    `TextOutput.text`: special tokens skipped, a final stop token left out."""
+    loop per stream, against 0.014 s through the window, AMD EPYC). The window is the usual one of incremental
+    detokenizers (TGI, vLLM): the tokens since `prefix` decoded with and without the new ones, the difference
+    being the new text, taken only once it does not end in a partial UTF-8 character. Both decodes start at the
+    same token, so a tokenizer's treatment of a sequence's first token (SentencePiece's leading space) cancels
+    out. Decoded as `TextOutput.text`: special tokens skipped, a final stop token left out."""
 
     def __init__(self, output: TextOutput) -> None:
         self.output = output
