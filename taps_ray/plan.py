@@ -231,7 +231,7 @@ def needs(cfg: StudyConfig, s: Shapes) -> dict[str, Need]:
     CUDA = Term("CUDA context, allocator slack", CUDA_CONTEXT, "-", FIXED)
     libraries = Term("libraries", LIBRARIES, "-", FIXED)
     prefill, final = eval_context(cfg)
-    capacity = grown_capacity(prefill, final)
+    capacity, grown_from = grown_capacity(prefill, final), previous_capacity(prefill, final)
     # rows a session holds: a live cell's questions, or a replayed cell's; one session per drafter at a time
     session = max(ev.batch_size, ev.replay_batch if ev.replay else 0)
     per_worker = math.ceil(r.num_drafters / r.num_target_workers)
@@ -244,8 +244,8 @@ def needs(cfg: StudyConfig, s: Shapes) -> dict[str, Need]:
              f"eval.replay_batch rows merge only up to ray.max_batch) x {capacity:,} slots (the doubling growth "
              f"from a {prefill:,}-token prefill to {final:,})", per_worker * session * capacity * kv,
              "eval.replay_batch, eval.batch_size, ray.num_drafters / ray.num_target_workers, eval.max_new_tokens"),
-        Term(f"KV cache growth: the {previous_capacity(prefill, final):,}-slot copy held while every layer moves to "
-             f"{capacity:,} slots at once", per_worker * session * previous_capacity(prefill, final) * kv,
+        Term(f"KV cache growth: the {grown_from:,}-slot copy held while every layer moves to {capacity:,} slots at "
+             "once", per_worker * session * grown_from * kv,
              "eval.replay_batch, eval.batch_size, eval.max_new_tokens", TRANSIENT),
         Term(f"verification forward: logits {r.max_batch} x {tree + 1} x V and sampling them",
              r.max_batch * (tree + 1) * v * (eval_w + SAMPLING_BYTES), "ray.max_batch, tree.total_token", TRANSIENT),
@@ -323,14 +323,14 @@ def needs(cfg: StudyConfig, s: Shapes) -> dict[str, Need]:
     serve_heads = s.head[sv.head_kind] * len(cfg.head_mixtures(sv.head_kind))
     serve_final = sv.max_prompt_tokens + sv.max_tokens_limit + tree + 1
     serve_capacity = grown_capacity(sv.max_prompt_tokens, serve_final)
+    serve_grown_from = previous_capacity(sv.max_prompt_tokens, serve_final)
     out["serve_replica"] = Need("serve_replica", gpu=[
         Term("weights", s.total * eval_w, "target.name, eval.dtype"),
         Term(f"KV cache, {sv.max_batch_size} sequences x {serve_capacity:,} slots (grown to {serve_final:,})",
              sv.max_batch_size * serve_capacity * kv, "serve.max_batch_size, serve.max_prompt_tokens, "
              "serve.max_tokens_limit"),
-        Term(f"KV cache growth: the {previous_capacity(sv.max_prompt_tokens, serve_final):,}-slot copy held while "
-             f"every layer moves to {serve_capacity:,} slots at once",
-             sv.max_batch_size * previous_capacity(sv.max_prompt_tokens, serve_final) * kv,
+        Term(f"KV cache growth: the {serve_grown_from:,}-slot copy held while every layer moves to "
+             f"{serve_capacity:,} slots at once", sv.max_batch_size * serve_grown_from * kv,
              "serve.max_batch_size, serve.max_tokens_limit", TRANSIENT),
         Term(f"heads of {sv.head_kind}, and a combination's stacked copy of them", 2 * serve_heads * eval_w,
              "serve.head_kind, train.mixtures"),

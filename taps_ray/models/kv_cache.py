@@ -126,7 +126,7 @@ class KVCache:
         return new_k, new_v
 
     def _shares_storage(self, like: torch.Tensor) -> bool:
-        """Whether `layer`'s new buffers can be (or stay) views of the one storage: every layer holds nothing yet,
+        """Whether a layer's new buffers can be (or stay) views of the one storage: every layer holds nothing yet,
         or views of it, and `like` has its heads, head_dim, dtype and device."""
         if self._storage is None:
             return all(buffer is None for buffer in self._keys)

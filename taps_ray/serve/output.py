@@ -142,25 +142,24 @@ class IncrementalText:
         self.read = 0  # the tokens before this one are in `text`
         self.pending: str | None = ""  # the text of the tokens after `read` so far (None: unknown)
 
-    def add(self, tokens: list[int]) -> str:
-        """Append `tokens`; the text that became readable (possibly "")."""
+    def add(self, tokens: list[int]) -> None:
+        """Append `tokens`; `text` grows by what became readable."""
         self.tokens += tokens
         end = len(self.tokens) - (1 if self.tokens and self.tokens[-1] in self.output.stop_ids else 0)
         if end <= self.read:
             self.pending = ""
-            return ""
+            return
         decode = self.output.decode
         before = decode(self.tokens[self.prefix : self.read])
         after = decode(self.tokens[self.prefix : end])
         if after.endswith("\ufffd") or not after.startswith(before):  # a character still incomplete: wait
             self.pending = after[len(before) :] if after.startswith(before) else None
-            return ""
+            return
         piece, self.pending = after[len(before) :], ""
         self.text += piece
         if piece:
             self.prefix = self.read
         self.read = end
-        return piece
 
     def current(self) -> str:
         """The whole decode of the tokens so far (`TextOutput.text`), an incomplete last character included."""
