@@ -82,6 +82,7 @@ from taps_ray.serve.api_schemas import (
     SamplingFields,
     Speculative,
 )
+from taps_ray.serve.asgi_middleware import ApiMiddleware
 from taps_ray.serve.listener import ReplicaListener
 from taps_ray.serve.metrics import serve_metrics
 from taps_ray.serve.output import ChoiceStream, TextOutput, speculative, usage
@@ -107,23 +108,8 @@ api = FastAPI(
 install_error_handlers(api)
 
 
-@api.middleware("http")
-async def _json_whatever_the_content_type(request: Request, call_next: Callable) -> Any:
-    """Read every POST body as JSON, as OpenAI's API does: `curl -d` without `-H` sends a JSON body labelled
-    form-urlencoded, which FastAPI would not parse (a body that is not JSON still gets the 400 that says so)."""
-    if request.method == "POST" and "json" not in request.headers.get("content-type", ""):
-        headers = [(k, v) for k, v in request.scope["headers"] if k != b"content-type"]
-        request.scope["headers"] = [*headers, (b"content-type", b"application/json")]
-    return await call_next(request)
+api.add_middleware(ApiMiddleware)
 
-
-@api.middleware("http")
-async def _count_requests(request: Request, call_next: Callable) -> Any:
-    """requests by model and status (the endpoints put the body's model on request.state)."""
-    response = await call_next(request)
-    if request.method == "POST":
-        serve_metrics().request(getattr(request.state, "model", "unknown"), response.status_code)
-    return response
 
 def _resolve_paths(cfg: StudyConfig, base: Path) -> StudyConfig:
     """Absolute work_dir / reports_dir, so replicas find the heads whatever their working directory."""
