@@ -33,6 +33,15 @@ REPLICA_GRPC_ANY_ADDRESS = "[::]:0"
 WORKER_NICENESS_ENV = "RAY_worker_niceness"
 # A local Ray of one user needs no token and reports nothing home; set unless the caller chose otherwise.
 LOCAL_RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+# A local Ray behind one replica that answers HTTP itself (`taps serve` with serve.listener: replica): Serve's
+# controller loop and the raylet's resource reports every second instead of every 0.1 s, and autoscaling metrics
+# every 30 s (one replica never autoscales). Why: on a CPU replica every wakeup of Ray's background displaces one
+# of the decode threads, and a team of OpenMP threads waits for its slowest (docs/serve.md, "Threads").
+QUIET_SERVE_ENV = {
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1.0",
+    "RAY_raylet_report_resources_period_milliseconds": "1000",
+    "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "30",
+}
 
 # What a remote process must see as the driver does (offline switches, local data, caches, the Hub token:
 # the paper's Llama-3-8B-Instruct is gated, and a GPU task without the driver's HF_TOKEN fails to download it;
@@ -51,8 +60,10 @@ ENV_KEYS = (
 )
 
 
-def start_ray(cfg: RayConfig, address: str | None = None, *, log_to_driver: bool = True) -> bool:
+def start_ray(cfg: RayConfig, address: str | None = None, *, log_to_driver: bool = True,
+              local_env: dict[str, str] | None = None) -> bool:
     """Join or start Ray (see the module docstring); returns False when Ray was already initialised.
+    `local_env`: variables a local Ray's processes start with, unless already set (ignored when joining a cluster).
 
     A True return means this call started the connection, and its caller owns `ray.shutdown()`.
     """
@@ -68,6 +79,8 @@ def start_ray(cfg: RayConfig, address: str | None = None, *, log_to_driver: bool
     _loopback_only()
     # the raylet reads it when this call starts it, and starts every worker at that nice value (Ray: 15)
     os.environ.setdefault(WORKER_NICENESS_ENV, str(cfg.worker_niceness))
+    for key, value in (local_env or {}).items():
+        os.environ.setdefault(key, value)
     # "local": a new instance even when another Ray runs on this machine (None would join that one)
     ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False, _node_ip_address=LOOPBACK,
              log_to_driver=log_to_driver)

@@ -107,6 +107,11 @@ def test_a_stop_drains_the_stream_refuses_new_requests_and_leaves_nothing(study,
         assert len(_session(server.pid)) > 3  # the driver, Ray's GCS, raylet, agents, proxy, replica
         # the replica decodes at the local Ray's `ray.worker_niceness` (0), not Ray's 15, below any client here
         assert _replica_niceness(server.pid) == [0]
+        # a replica answering HTTP itself runs beside a quieter Ray background (ray_runtime.QUIET_SERVE_ENV)
+        loop_intervals = {process.environ().get("RAY_SERVE_CONTROL_LOOP_INTERVAL_S")
+                          for process in _session_processes(server.pid)
+                          if "ServeController" in " ".join(process.info["cmdline"] or [])}
+        assert loop_intervals == ({"1.0"} if listener == "replica" else {None})
         if stop == "sigterm":
             server.send_signal(signal.SIGTERM)
         else:

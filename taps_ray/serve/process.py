@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from taps_ray.config import StudyConfig
-from taps_ray.ray_runtime import start_ray
+from taps_ray.ray_runtime import QUIET_SERVE_ENV, start_ray
 from taps_ray.serve.app import APP_NAME, DEPLOYMENT, start
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -89,7 +89,7 @@ def cmd_serve(cfg: StudyConfig, host: str | None = None, port: int | None = None
 
     host, port = host or cfg.serve.host, cfg.serve.port if port is None else port
     check_address(host, port)
-    started_ray = start_ray(cfg.ray)
+    started_ray = start_ray(cfg.ray, local_env=QUIET_SERVE_ENV if cfg.serve.listener == "replica" else None)
     with stop_requested() as stop:  # after ray.init, which installs a SIGTERM handler of its own that exits at once
         try:
             url = start(cfg, host, port, base_dir)
