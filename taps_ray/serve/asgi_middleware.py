@@ -9,16 +9,10 @@ replica that loop shares the cores with the decode threads, where every millisec
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from taps_ray.serve.metrics import serve_metrics
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 JSON = (b"content-type", b"application/json")
 
 
