@@ -1,6 +1,6 @@
 """The fast forward's compiled path (`target.compile: inductor`) decodes exactly as the eager forward does.
 
-The compiled graphs fuse the norms, RoPE and the MLP's glue, so their fp32 logits round differently from eager's
+The layer graph fuses the norms, RoPE and the MLP's glue, so its fp32 logits round differently from eager's
 (tests/test_fast_forward.py holds both to the same float64 bound); tokens are what must not change: greedy
 decoding gives the target's greedy chain token for token, and sampling with the same seeds the same tokens
 (a sampled token could only differ where a uniform draw falls within an fp32 rounding of a boundary between two
@@ -117,6 +117,33 @@ def test_compile_falls_back_to_eager_with_a_line_naming_the_fix(tiny_config, mon
     forward = target_forward(eager.model)
     assert isinstance(forward, FastLlama) and not forward.compiled
     assert "cannot run" in caplog.text and "apt-get install g++" in caplog.text
+
+
+def test_a_replica_warm_up_compiles_what_plain_serving_runs(tiny_config, tiny_target, prompts):
+    """serve/warm_up.py: after it, prefills and plain steps at any batch compile nothing new, and the compiled
+    forward decodes eager's greedy tokens under the replica's batcher."""
+    from taps_ray.decoding.continuous import ContinuousBatcher, Request
+    from taps_ray.drafting.proposers import PlainDecoding
+    from taps_ray.serve.warm_up import warm_up
+
+    target = load_target(tiny_config.target.model_copy(update={"compile": "auto"}), serving=True)
+    assert target_forward(target.model).compiled  # auto, on a CPU, in a replica
+
+    def served(model: torch.nn.Module, batcher: ContinuousBatcher | None = None) -> list[list[int]]:
+        batcher = batcher or ContinuousBatcher(model, [], 4)
+        results: list = []
+        for prompt in [*prompts, prompts[1][:5]]:
+            batcher.submit(Request(prompt=prompt, proposer=PlainDecoding(), params=SamplingParams(), max_tokens=12,
+                                   seed=0, ignore_eos=True), on_done=results.append)
+        while batcher.busy:
+            batcher.step()
+        return sorted(r.generation.tokens for r in results)
+
+    batcher = ContinuousBatcher(target.model, [], 4)
+    warm_up(batcher, PlainDecoding(), prompts[0])
+    graphs = counters["stats"]["unique_graphs"]
+    assert served(target.model, batcher) == served(tiny_target.model)
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 # --- the captured step (target.compile: step) ------------------------------------------------------------------

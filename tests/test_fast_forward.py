@@ -215,12 +215,16 @@ def test_a_half_precision_projection_runs_unpacked_where_onednn_cannot_pack_it(m
         torch.testing.assert_close(projection(x), want)  # the dtype's tolerance: a fused layout may sum in another order
 
 
-def test_compile_auto_is_the_captured_step_on_a_gpu_and_eager_on_a_cpu():
-    """`target.compile: auto` (the default) picks what measured fastest per device: reports/gpu.md, compiled_forward.md."""
+def test_compile_auto_is_the_captured_step_on_a_gpu_and_eager_on_a_cpu_but_in_a_replica():
+    """`target.compile: auto` (the default) picks what measured fastest per device: reports/gpu.md, compiled_forward.md;
+    on a CPU the layer graph only where it is compiled once for a long life, a Serve replica (docs/serve.md)."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert resolved_compile("auto", cuda, fast=True) == "step"
     assert resolved_compile("auto", cuda, fast=False) == "none"  # transformers' forward has no captured step
     assert resolved_compile("auto", cpu, fast=True) == "none"
+    assert resolved_compile("auto", cpu, fast=True, serving=True) == "inductor"
+    assert resolved_compile("auto", cpu, fast=False, serving=True) == "none"
+    assert resolved_compile("none", cpu, fast=True, serving=True) == "none"  # a config's choice stands
     assert all(resolved_compile(mode, cuda, fast=True) == mode for mode in ("none", "inductor", "step"))
     forward = attach_forward(_llama(), "fast", "auto")  # here, a CPU: eager, nothing compiled or captured
     assert isinstance(forward, FastLlama) and not forward.compiled and forward.captured is None

@@ -16,11 +16,14 @@ started, measured at every point, and stopped before the other starts. With `--r
 stay up and every point is measured N times, the servers taking turns point by point (the one that goes first
 alternates): this machine's speed drifts by +-25% over minutes, and a ratio of two runs minutes apart measures the
 drift as much as the servers; the report gives each point's median and its runs, and the ratio as the median of the
-paired ratios of one repetition. The idle servers' CPU is sampled before the first point and printed in the
-report. Output: throughput, TTFT, TPOT and ITL at p50 and p99, per server and model, as a table with the ratio to
+paired ratios of one repetition. While one server is measured the others are paused (SIGSTOP to their whole
+process trees, SIGCONT after), so each has the machine to itself, as a deployment would: an idle neighbour's
+wakeups preempt a team of compute threads on a 2-core machine (an idle vLLM server beside Serve's engine alone cost
+it ~9% at 16 in flight, bf16, AMD EPYC, ad hoc), while vLLM's one-thread engine has a core to spare for them. The
+idle servers' CPU is sampled before the first point and printed in the report. Output: throughput, TTFT, TPOT and ITL at p50 and p99, per server and model, as a table with the ratio to
 vLLM plain, and the raw client results beside the report (a .json). With `--engine-alone`, a `taps engine` row per
 concurrency times Serve's engine without Serve (benchmarks/serving/engine_alone.py: taps' own timer, not vLLM's
-client), in turn with the servers, which stay up and idle meanwhile: what the engine does and what serving adds.
+client), in turn with the servers, which stay up and paused meanwhile: what the engine does and what serving adds.
 
 Everything stays on loopback. The client's own numbers are used as it prints them: nothing is re-timed here.
 """
@@ -63,7 +66,7 @@ METRICS = ("ttft", "tpot", "itl")
 ENGINE_ROWS = ("`taps engine` rows: Serve's engine without HTTP (`ContinuousBatcher`, benchmarks/serving/"
                "engine_alone.py) on the same prompts, concurrency and dtype, in a process of its own with the "
                "replica's threads, timed by taps' own closed loop (TTFT from a request's submission, ITL per token "
-               "of each later step; no TPOT), not by vLLM's client, while the servers stayed up and idle.")
+               "of each later step; no TPOT), not by vLLM's client, while the servers stayed up, paused.")
 
 
 def free_port() -> int:
@@ -104,7 +107,7 @@ class Server:
 
     def idle_cpu(self, seconds: float = 5.0) -> float:
         """The CPU (in cores) the server's processes use over `seconds` with no request: what an idle server
-        takes from the one being measured when both stay up (`--repeats`)."""
+        would take from its neighbour, were it not paused (`--repeats`)."""
         import psutil  # late: only the repeated mode reads it
 
         def used() -> float:
@@ -122,8 +125,27 @@ class Server:
         time.sleep(seconds)
         return (used() - before) / seconds
 
+    def _tree(self) -> list:
+        import psutil
+
+        root = psutil.Process(self.proc.pid)
+        return [root, *root.children(recursive=True)]
+
+    def pause(self) -> None:
+        """SIGSTOP every process of the server, children first: it takes no CPU until `resume`."""
+        for process in reversed(self._tree()):
+            process.suspend()
+
+    def resume(self, settle_s: float = 2.0) -> None:
+        """SIGCONT every process of the server, children first (a replica answers the health check its controller
+        sent before the pause before the controller times it out), then let the timers that fell due run."""
+        for process in reversed(self._tree()):
+            process.resume()
+        time.sleep(settle_s)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGCONT)  # a paused server would not hear the SIGINT
             os.killpg(self.proc.pid, signal.SIGINT)
             try:
                 self.proc.wait(timeout=60)
@@ -365,10 +387,16 @@ def main(argv: list[str] | None = None) -> int:
                 servers[-1].wait_ready(600)
             turns = list(zip(plan, servers))
             idle[dtype] = {f"{name} {models[0]}": server.idle_cpu() for (name, models, *_), server in turns}
+            for server in servers:
+                server.pause()
             for repeat in range(args.repeats):
                 for load in loads:
                     for (server_name, models, threads, _), server in (turns if repeat % 2 == 0 else turns[::-1]):
-                        measure(server_name, models, threads, server.port, [load], repeat)
+                        server.resume()
+                        try:
+                            measure(server_name, models, threads, server.port, [load], repeat)
+                        finally:
+                            server.pause()
                     measure_engine([load], repeat)
         finally:
             for server in servers:
@@ -390,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
         lines += [f"## {dtype}", ""] + table(repeated(dtype_rows) if args.repeats > 1 else dtype_rows) + [""]
         if dtype in idle:
             lines += [f"{args.repeats} runs of every point, the servers taking turns point by point, all up "
-                      "throughout; idle, before the first point, they used "
+                      "throughout, each measured with the others paused (SIGSTOP); idle, before the first point, "
+                      "they used "
                       + ", ".join(f"{name} {cores:.2f}" for name, cores in idle[dtype].items())
                       + " cores. Throughput and latencies are medians over the runs; the ratio is the median of each "
                       "run's ratio to vLLM's run of the same repetition.", ""]

@@ -23,18 +23,11 @@ scaling, or linear scaling, is exactly HF's); rope types that change the frequen
 The hidden-state indices follow transformers': 0 the embeddings, i the output of layer i-1, the last the
 post-norm output.
 
-The compiled path (`compiled=True`, `target.compile: inductor`) runs the same two per-layer methods through
-`torch.compile`: `attention_inputs` (norm, q/k/v, RoPE) and `layer_output` (o, residual, norm, gated MLP); every
-layer calls the same two graphs. Shapes are torch.compile's automatic dynamic ones: the batch and the tree width
-become symbolic at their first change (one recompile, then none; sizes 1 keep graphs of their own), while the
-weights' sizes stay static, which keeps the guards checked at every call cheap (`dynamic=True` made every size
-symbolic and cost ~0.3 ms of guards and input unpacking per call, 60 calls per SmolLM2 forward). The cache
-write and attention stay eager between the two graphs: the write is Python-side slot bookkeeping the graph
-would guard on (a recompile per cache width), and on a CPU inductor leaves SDPA to the same aten kernel anyway.
-CUDA graphs (`mode="reduce-overhead"`) are not offered here: a graph replays one set of shapes while the cache
-length grows every step, and CUDA graph trees reuse the memory of a call's outputs at the next call, which the
-per-layer calls still hold. `target.compile: step` captures the whole step over a fixed-capacity cache instead
-(decoding/captured_step.py, through `decode` with its own cache write).
+The compiled path (`compiled=True`, `target.compile: inductor`) runs the same two per-layer methods,
+`attention_inputs` (norm, q/k/v, RoPE) and `layer_output` (o, residual, norm, gated MLP), for every layer as one
+`torch.compile`d graph with the weights frozen in (models/layer_graph.py); the cache write and attention stay
+eager between them, an opaque op a layer. `target.compile: step` captures the whole step over a
+fixed-capacity cache instead (decoding/captured_step.py, through `decode` with its own cache write).
 Attention: one additive mask per forward (`attention_masks`), none for a one-token step, and SDPA's `is_causal`
 for a prefill of equal lengths, so the fused kernels can run.
 """
@@ -52,6 +45,7 @@ from torch import nn
 from taps_ray.models.attention_windows import UnsupportedLayers, causal_mask, layer_windows, windowed_masks
 from taps_ray.models.cpu_linear import Projection, module_projection
 from taps_ray.models.kv_cache import KVCache
+from taps_ray.models.layer_graph import LayerGraph
 from taps_ray.models.sdpa import attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -98,9 +92,12 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * x32.to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin with its first half negated: `x.roll(half) * signed_sin` is HF's `rotate_half(x) * sin` bit for bit
+    (negating is exact, so (-a)·b = a·(-b)), one roll and one multiply a layer instead of two slices, a negation,
+    a concatenation and a multiply; the sign is paid once per forward."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
 class FastLlama:
@@ -132,12 +129,12 @@ class FastLlama:
         self.rope_scaling = float(rotary.attention_scaling)
         self.windows = layer_windows(config)  # each layer's sliding window, None for full attention
         self.compiled = compiled
+        self.graph = LayerGraph(self) if compiled else None
         # steps as one graph (`target.compile: step`, decoding/captured_step.py): "compile" captures it, "eager"
         # runs the same step function uncompiled (what tests compare the graph with, benchmarks count ops of)
         self.captured = captured
         self.layers = [self._layer(block) for block in inner.layers[: config.num_hidden_layers]]
         self.lm_head = module_projection(model.lm_head)
-        self._steps()
 
     @staticmethod
     def _layer(block: nn.Module) -> _Layer:
@@ -150,24 +147,17 @@ class FastLlama:
             q_norm=None if q_norm is None else q_norm.weight, k_norm=None if k_norm is None else k_norm.weight,
         )
 
-    def _steps(self) -> None:
-        """The per-layer computations a forward runs: the methods themselves, or their `torch.compile`d graphs."""
-        self._inputs_step, self._output_step = self.attention_inputs, self.layer_output
-        if self.compiled:
-            self._inputs_step = torch.compile(self.attention_inputs)
-            self._output_step = torch.compile(self.layer_output)
-
     def __getstate__(self) -> dict:
         """Pickled (to a Ray actor) or deep-copied without the compiled graphs, which are bound to this object;
         the copy compiles its own (`__setstate__`)."""
         state = dict(self.__dict__)
-        del state["_inputs_step"], state["_output_step"]
+        del state["graph"]
         state.pop("step_graphs", None)  # the captured steps (decoding/captured_step.py), bound to this object too
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._steps()
+        self.graph = LayerGraph(self) if self.compiled else None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's logits of post-norm hidden states [..., d] -> [..., V]."""
@@ -184,10 +174,19 @@ class FastLlama:
         cos, sin = emb.cos() * self.rope_scaling, emb.sin() * self.rope_scaling
         return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
 
-    def attention_inputs(self, x: torch.Tensor, layer: _Layer, cos: torch.Tensor, sin: torch.Tensor
+    def rotation(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and `_signed_sin` of the positions: what `attention_inputs` rotates by."""
+        cos, sin = self.rope(positions, dtype)
+        return cos, _signed_sin(sin)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return _rms_norm(x, weight, self.eps)
+
+    def attention_inputs(self, x: torch.Tensor, layer: _Layer, cos: torch.Tensor, signed_sin: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A layer's queries [B, kv_heads, group*T, head_dim] (the query heads sharing a key/value head folded into
-        the query length, head-major), keys and values [B, kv_heads, T, head_dim] of its input x [B, T, d]."""
+        the query length, head-major), keys and values [B, kv_heads, T, head_dim] of its input x [B, T, d];
+        `signed_sin` is `_signed_sin` of the positions' sin."""
         batch, length, _ = x.shape
         h = _rms_norm(x, layer.input_norm, self.eps)
         qkv = layer.qkv(h).view(batch, length, -1, self.head_dim).transpose(1, 2)
@@ -195,7 +194,8 @@ class FastLlama:
         if layer.q_norm is not None:  # Qwen3: each head's queries and keys normed over head_dim before RoPE
             qk = torch.cat([_rms_norm(qk[:, : self.heads], layer.q_norm, self.eps),
                             _rms_norm(qk[:, self.heads :], layer.k_norm, self.eps)], dim=1)
-        qk = qk * cos + _rotate_half(qk) * sin  # queries and keys rotated in one pass, element by element as HF
+        # queries and keys rotated in one pass, element by element as HF's q*cos + rotate_half(q)*sin
+        qk = qk * cos + qk.roll(self.head_dim // 2, dims=-1) * signed_sin
         q, k = qk[:, : self.heads], qk[:, self.heads :]
         return q.reshape(batch, self.kv_heads, (self.heads // self.kv_heads) * length, self.head_dim), k, v
 
@@ -237,22 +237,20 @@ class FastLlama:
     def decode(
         self, input_ids: torch.Tensor, positions: torch.Tensor, masks: dict[int | None, torch.Tensor | None],
         causal: bool, write: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
-        hidden_layers: Sequence[int] = (), compiled_layers: bool = False,
+        hidden_layers: Sequence[int] = (),
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layers over a cache that `write(layer, k, v)` appends to (returning the layer's keys and values to
         attend): the preallocated `KVCache` of a forward, or the fixed-capacity buffers of a captured step
-        (decoding/captured_step.py), which traces this whole. `compiled_layers`: through the per-layer graphs."""
+        (decoding/captured_step.py), which traces this whole."""
         x = F.embedding(input_ids, self.embed)
-        cos, sin = self.rope(positions, x.dtype)
-        inputs_step, output_step = ((self._inputs_step, self._output_step) if compiled_layers
-                                    else (self.attention_inputs, self.layer_output))
+        cos, sin = self.rotation(positions, x.dtype)
         wanted = {i % (self.num_layers + 1) for i in hidden_layers}
         recorded: dict[int, torch.Tensor] = {0: x} if 0 in wanted else {}
         for index, layer in enumerate(self.layers):
-            queries, k, v = inputs_step(x, layer, cos, sin)
+            queries, k, v = self.attention_inputs(x, layer, cos, sin)
             keys, values = write(index, k, v)
             attended = self.attend(queries, keys, values, masks[self.windows[index]], causal)
-            x = output_step(x, attended, layer)
+            x = self.layer_output(x, attended, layer)
             if index + 1 in wanted and index + 1 < self.num_layers:
                 recorded[index + 1] = x
         last = _rms_norm(x, self.norm, self.eps)
@@ -262,8 +260,9 @@ class FastLlama:
         return last, torch.cat([recorded[i % (self.num_layers + 1)] for i in hidden_layers], dim=-1)
 
     def check_sources(self) -> None:
-        """Lay the projections out again if their weights changed in place: a graph reads the weights as inputs
-        and cannot check them, so its caller does, as an eager call does."""
+        """Lay the projections out again if their weights changed in place, and refuse a cast or move of the
+        model after the forward was built: the layer graph reads its frozen weights and cannot check them, so
+        its caller does, as an eager call does."""
         for layer in self.layers:
             for projection in (layer.qkv, layer.o, layer.gate_up, layer.down):
                 projection.check_sources()
@@ -275,15 +274,16 @@ class FastLlama:
         hidden_layers: Sequence[int] = (),
     ) -> tuple[torch.Tensor, torch.Tensor]:
         masks, causal = self.attention_masks(mask, positions, cache.width, self.embed.dtype)
-        if self.compiled:
-            self.check_sources()
-        return self.decode(input_ids, positions, masks, causal, cache.append, hidden_layers, self.compiled)
+        if self.graph is not None:
+            return self.graph(input_ids, positions, masks, causal, cache.append, hidden_layers)
+        return self.decode(input_ids, positions, masks, causal, cache.append, hidden_layers)
 
     @property
     def joins_prompts(self) -> bool:
-        """Whether `with_prompts` covers this target: eager, and no sliding-window layer (a prompt attends causally
-        over itself there, with no window)."""
-        return not self.compiled and self.captured is None and set(self.windows) == {None}
+        """Whether `with_prompts` covers this target: not a captured step (the layer graph's forward may join: the
+        joining step runs eager), and no sliding-window layer (a prompt attends causally over itself there, with
+        no window)."""
+        return self.captured is None and set(self.windows) == {None}
 
     @torch.no_grad()
     def with_prompts(
@@ -305,7 +305,7 @@ class FastLlama:
         ids = torch.cat([input_ids.reshape(-1), *prompts])[None]
         prompt_positions = torch.cat([torch.arange(n, device=device) for n in sizes])
         x = F.embedding(ids, self.embed)
-        cos, sin = self.rope(torch.cat([positions.reshape(-1), prompt_positions])[None], x.dtype)
+        cos, sin = self.rotation(torch.cat([positions.reshape(-1), prompt_positions])[None], x.dtype)
         masks, causal = self.attention_masks(mask, positions, cache.width, self.embed.dtype)
         group, total = self.heads // self.kv_heads, ids.shape[1]
         wanted = {i % (self.num_layers + 1) for i in hidden_layers}

@@ -196,9 +196,10 @@ def with_pad_token(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBas
     return tokenizer
 
 
-def load_target(config: TargetConfig, dtype: str | None = None) -> Target:
+def load_target(config: TargetConfig, dtype: str | None = None, serving: bool = False) -> Target:
     """Load the target in eval mode with gradients off, on `resolve_device(config)`; `dtype` overrides the
-    config's (configs for GPUs say bfloat16 or float16 with sdpa attention; the CPU keeps what the config says)."""
+    config's (configs for GPUs say bfloat16 or float16 with sdpa attention; the CPU keeps what the config says).
+    `serving`: for a Serve replica, which `target.compile: auto` compiles on a CPU too."""
     wanted = torch_dtype(dtype or config.dtype)
     device = resolve_device(config)
     if config.name in TINY_TARGETS:
@@ -222,5 +223,5 @@ def load_target(config: TargetConfig, dtype: str | None = None) -> Target:
     model.eval()
     model.requires_grad_(False)
     # last: it fuses projections in place, on the final device and dtype
-    attach_forward(model, config.forward, config.compile)
+    attach_forward(model, config.forward, config.compile, serving)
     return Target(model=model, tokenizer=with_pad_token(tokenizer), name=config.name)

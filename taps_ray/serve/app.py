@@ -63,6 +63,7 @@ from taps_ray.drafting.names import ALIASES, PLAIN, UnknownProposer, parse_propo
 from taps_ray.drafting.registry import combination, combination_names, single_names
 from taps_ray.drafting.setup import load_heads, load_proposers
 from taps_ray.models.target import load_target
+from taps_ray.models.target_forward import target_forward
 from taps_ray.ray_runtime import OMP_WAIT_ENV, bind_replica_grpc_to_node, process_runtime_env, start_serve
 from taps_ray.serve.api_errors import ERROR_RESPONSES, ApiError, install_error_handlers
 from taps_ray.serve.api_schemas import (
@@ -87,6 +88,7 @@ from taps_ray.serve.listener import ReplicaListener
 from taps_ray.serve.metrics import serve_metrics
 from taps_ray.serve.output import ChoiceStream, TextOutput, speculative, usage
 from taps_ray.serve.scheduler import DecodeLoop, Overloaded, Ticket
+from taps_ray.serve.warm_up import warm_up
 from taps_ray.workdir import head_checkpoint, heads_root
 
 logger = logging.getLogger("ray.serve")
@@ -147,7 +149,7 @@ class TapsService:
     def _load(self) -> None:
         """The target, the heads, the proposers and the decode loop (on the compute thread)."""
         serve_cfg = self.cfg.serve
-        self.target = load_target(self.cfg.target)
+        self.target = load_target(self.cfg.target, serving=True)
         self.tokenizer = self.target.tokenizer
         self.stop_ids = self.target.stop_token_ids
         self.vocab_size = int(self.target.model.get_input_embeddings().weight.shape[0])
@@ -177,6 +179,8 @@ class TapsService:
         self.batcher = ContinuousBatcher(self.target.model, self.stop_ids, serve_cfg.max_batch_size,
                                          gate, layers.pop() if layers else (),
                                          prefill_tokens=serve_cfg.prefill_tokens)
+        if target_forward(self.target.model).compiled:
+            warm_up(self.batcher, self.proposers[PLAIN], self.tokenizer.encode("Warm up the target's graph."))
         self.adapt = self._start_adapting() if serve_cfg.adapt.enabled else None
         self.loop = DecodeLoop(self.batcher, serve_cfg.max_queued_requests, serve_cfg.stall_timeout_s, serve_metrics(),
                                self.adapt, self.compute)

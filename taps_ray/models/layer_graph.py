@@ -1,0 +1,148 @@
+"""The fast forward's layer stack as one compiled graph (`target.compile: inductor`), its weights frozen into it.
+
+Why one graph, and frozen: a CPU decode step at batch 4-16 spends a third of its time in about a thousand small
+ops a step (norms, RoPE, residuals, the MLP's gate) dispatched one by one from Python. Inductor fuses them into a
+few C++ kernels per layer, and its freezing pass (`freezing=True`) folds the weights in as constants and lays
+them out for oneDNN's linear itself, as `models/cpu_linear.py` does for eager. Per-layer graphs did not pay: each
+of their 60 calls a forward paid guards and a Python custom op for the projections (0.89x eager in bf16 at batch
+1 and 4). One graph over every layer pays its guards once; measured on an AMD EPYC (2 threads, SmolLM2-135M,
+ad hoc): a bf16 decode step 19.6 / 21.9 / 37-39.5 ms at batch 1 / 4 / 16 against eager's 24.2 / 28.0 / 44.5, fp32
+35.7 / 53.4 against 38.1 / 59.6 at 4 / 16.
+
+What stays outside the graph: the cache write and attention, one opaque op a layer (`taps::cached_attention`)
+that reads the forward's cache, masks and causality from the calling thread, so the graph never sees the cache's
+width (it grows every step; a graph over it would guard on it and recompile) nor a mask's shape. The batch and
+the token count become dynamic from 2 up (`mark_dynamic`; sizes 1 keep graphs of their own), so a decode (one
+token a row), a tree (several) and a prefill each compile once, whatever the batch. Frozen weights are the
+weights at compile time: `LayerGraph` rebuilds the graph when a source weight changes in place (its version
+counter moves), as an eager projection lays itself out again.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._inductor import config as inductor_config
+
+if TYPE_CHECKING:  # annotations only: fast_llama imports this module
+    from taps_ray.models.fast_llama import FastLlama
+
+_CALL = threading.local()  # the forward the running graph belongs to: (fast forward, write, masks, causal)
+
+
+@torch.library.custom_op("taps::cached_attention", mutates_args=())
+def cached_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layer: int) -> torch.Tensor:
+    """Layer `layer`'s keys and values appended to the calling forward's cache, then its attention: eager, as
+    `FastLlama.decode` runs them between the two halves of a layer."""
+    fast, write, masks, causal = _CALL.forward
+    cached_keys, cached_values = write(layer, keys, values)
+    attended = fast.attend(queries, cached_keys, cached_values, masks[fast.windows[layer]], causal)
+    return attended.reshape(queries.shape)  # a causal prefill attends unfolded: the same rows, folded back
+
+
+@cached_attention.register_fake
+def _(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layer: int) -> torch.Tensor:
+    return torch.empty_like(queries)
+
+
+class _Linear(nn.Module):
+    """y = x Wᵀ + b over parameters viewing the fast forward's fused weights: what inductor's freezing folds."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def _parameter(tensor: torch.Tensor | None) -> nn.Parameter | None:
+    return None if tensor is None else nn.Parameter(tensor, requires_grad=False)
+
+
+class _FrozenLayer(nn.Module):
+    """One layer's weights as module parameters, with the fields `FastLlama.attention_inputs` and `layer_output`
+    read from a layer (so the graph computes the eager methods' own code)."""
+
+    def __init__(self, layer: Any) -> None:
+        super().__init__()
+        self.input_norm, self.post_norm = _parameter(layer.input_norm), _parameter(layer.post_norm)
+        self.q_norm, self.k_norm = _parameter(layer.q_norm), _parameter(layer.k_norm)
+        for name in ("qkv", "o", "gate_up", "down"):
+            projection = getattr(layer, name)
+            setattr(self, name, _Linear(projection.row_weight(), projection.bias))
+
+
+class _LayerStack(nn.Module):
+    """Embedding, every layer and the final norm of a fast forward, as one module for `torch.compile`."""
+
+    def __init__(self, fast: FastLlama) -> None:
+        super().__init__()
+        self.fast = [fast]  # a list: the forward's methods are code, not a submodule whose state the graph owns
+        self.embed, self.norm = _parameter(fast.embed), _parameter(fast.norm)
+        self.layers = nn.ModuleList(_FrozenLayer(layer) for layer in fast.layers)
+
+    def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                hidden_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        fast = self.fast[0]
+        x = F.embedding(input_ids, self.embed)
+        recorded = {0: x}
+        for index, layer in enumerate(self.layers):
+            queries, keys, values = fast.attention_inputs(x, layer, cos, signed_sin)
+            attended = torch.ops.taps.cached_attention(queries, keys, values, index)
+            x = fast.layer_output(x, attended, layer)
+            recorded[index + 1] = x
+        last = fast.rms_norm(x, self.norm)
+        if not hidden_layers:
+            return last, last
+        recorded[len(self.layers)] = last
+        return last, torch.cat([recorded[i % (len(self.layers) + 1)] for i in hidden_layers], dim=-1)
+
+
+class LayerGraph:
+    """The compiled layer stack of one fast forward: built on first call, rebuilt when a weight changed in place."""
+
+    def __init__(self, fast: FastLlama) -> None:
+        self.fast = fast
+        self._compiled: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._versions: tuple[int, ...] = ()
+
+    def _sources(self) -> list[torch.Tensor]:
+        """The tensors the graph folds in; the HF parameters are views of these, sharing their version counters."""
+        fast = self.fast
+        tensors = [fast.embed, fast.norm]
+        for layer in fast.layers:
+            tensors += [t for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm) if t is not None]
+            for projection in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                tensors += [t for t in (projection.weight, projection.bias) if t is not None]
+        return tensors
+
+    def _current_versions(self) -> tuple[int, ...]:
+        return tuple(tensor._version for tensor in self._sources())
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, masks: dict, causal: bool,
+                 write: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+                 hidden_layers: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        self.fast.check_sources()
+        versions = self._current_versions()
+        if self._compiled is None or versions != self._versions:
+            self._compiled = torch.compile(_LayerStack(self.fast))
+            self._versions = versions
+        cos, signed_sin = self.fast.rotation(positions, self.fast.embed.dtype)
+        # the batch and the token count: ids [B, T], cos and sin [B, 1, T, head_dim]
+        for tensor, dims in ((input_ids, (0, 1)), (cos, (0, 2)), (signed_sin, (0, 2))):
+            for dim in dims:
+                if tensor.shape[dim] > 1:
+                    torch._dynamo.mark_dynamic(tensor, dim)
+        _CALL.forward = (self.fast, write, masks, causal)
+        try:  # inductor reads `freezing` when it compiles, which a call may do (a new shape); options= does not set it
+            with inductor_config.patch(freezing=True):
+                return self._compiled(input_ids, cos, signed_sin, tuple(hidden_layers))
+        finally:
+            _CALL.forward = None
