@@ -1,5 +1,6 @@
 """Serve's engine without Serve: the replica's `ContinuousBatcher` under a closed loop, in a process of its own with
-the replica's torch threads and OpenMP wait setting, for `serve_vs_vllm.py --engine-alone`. Not a test.
+the replica's torch threads, OpenMP wait setting and target forward (on a CPU under `target.compile: auto`, the
+layer graph, warmed up as the replica warms it), for `serve_vs_vllm.py --engine-alone`. Not a test.
 
 Why: vLLM's client times the whole served path, engine and serving stack together. This row times the engine
 alone on the same prompts, concurrency and dtype, in the same run, so a report shows how much of a served gap is
@@ -50,15 +51,19 @@ def _loops(request: dict) -> list[dict]:
     from taps_ray.decoding.continuous import ContinuousBatcher
     from taps_ray.drafting.proposers import PlainDecoding
     from taps_ray.models.target import load_target
+    from taps_ray.models.target_forward import target_forward
+    from taps_ray.serve.warm_up import warm_up
 
     config = load_config(request["config"])
-    target = load_target(config.target, request["dtype"])
+    target = load_target(config.target, request["dtype"], serving=True)  # the replica's forward, compiled or not
     prompts = mixed_prompts(config, target.tokenizer, request["prompts"])
 
     def batcher() -> ContinuousBatcher:
         return ContinuousBatcher(target.model, target.stop_token_ids, request["max_seqs"],
                                  prefill_tokens=config.serve.prefill_tokens)
 
+    if target_forward(target.model).compiled:  # as the replica does before it serves
+        warm_up(batcher(), PlainDecoding(), prompts[0])
     closed_loop(batcher(), prompts[:4], PlainDecoding(), 4, 8)  # warm-up: oneDNN's first calls, the allocator
     rows = []
     for concurrency in request["concurrencies"]:
