@@ -81,16 +81,19 @@ class TargetConfig(_Strict):
         "does not cover the architecture); hf, transformers' decoder (docs/targets.md: every family's forward, "
         "or why it is refused). Both compute the same tokens (fp32 greedy)")
     compile: Literal["auto", "none", "inductor", "step"] = Field(
-        "auto", description="auto: step on a GPU, none on a CPU, what measured fastest on each (reports/gpu.md, "
-        "reports/compiled_forward.md); none: the fast forward runs eager; inductor: its per-layer computation (norms, "
-        "projections, RoPE, MLP) runs through torch.compile (the cache write and attention stay eager), compiled "
-        "on first use (seconds to a minute; a batch or tree width change recompiles once); step: the whole decode "
+        "auto", description="auto: step on a GPU; on a CPU inductor in a Serve replica (compiled at its start-up) "
+        "and none elsewhere (runs too short to earn back the compiling), what measured fastest (reports/gpu.md, "
+        "docs/serve.md); none: the fast forward runs eager; inductor: its layers (norms, projections, RoPE, MLP) "
+        "as one torch.compile graph with the weights frozen in, the cache write and attention an eager op a layer, "
+        "compiled on first use of each shape class (a prefill, one token a row, several; batch 1 and 2+; 20-40 s "
+        "each for SmolLM2 on 2 cores); step: the whole decode "
         "step (verify forward, acceptance, the accepted slots' moves) as one graph over the cache's fixed-capacity "
         "buffers, compiled whole (fullgraph) per bucket of batch size, tree width (powers of two) and capacity, "
         "a CUDA graph on a GPU (mode reduce-overhead): one launch per step instead of ~35 per layer; steps it "
         "does not cover (rows with different sampling parameters, another acceptance rule) run eager. Both need a "
         "C++ compiler on a CPU, Triton on a GPU, else the forward runs eager with a log line saying what to "
-        "install. Same fp32 tokens as eager; on a CPU neither is faster (reports/compiled_forward.md); on an H200 "
+        "install. Same fp32 tokens as eager; on a CPU inductor's step ran 1.1-1.3x eager's at batch 1-16 in bf16 "
+        "(docs/serve.md), step was slower; on an H200 "
         "step ran 2.1x eager at batch 1 and 1.4x at 16 on the 8B shape, after ~40 s of compiling per bucket "
         "(reports/gpu.md; docs/algorithms.md, The cache and the forward)")
     device: Device = Field(

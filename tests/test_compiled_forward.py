@@ -120,8 +120,8 @@ def test_compile_falls_back_to_eager_with_a_line_naming_the_fix(tiny_config, mon
 
 
 def test_a_replica_warm_up_compiles_what_plain_serving_runs(tiny_config, tiny_target, prompts):
-    """serve/warm_up.py: after it, prefills and plain steps at any batch compile nothing new, and the compiled
-    forward decodes eager's greedy tokens under the replica's batcher."""
+    """serve/warm_up.py: after it, prefills, plain steps and tree steps at any batch compile nothing new, and the
+    compiled forward decodes eager's greedy tokens under the replica's batcher and under drafting."""
     from taps_ray.decoding.continuous import ContinuousBatcher, Request
     from taps_ray.drafting.proposers import PlainDecoding
     from taps_ray.serve.warm_up import warm_up
@@ -143,6 +143,9 @@ def test_a_replica_warm_up_compiles_what_plain_serving_runs(tiny_config, tiny_ta
     warm_up(batcher, PlainDecoding(), prompts[0])
     graphs = counters["stats"]["unique_graphs"]
     assert served(target.model, batcher) == served(tiny_target.model)
+    drafted = _decode(target, prompts, SamplingParams(), [0, 1])  # trees of two rows, then of one
+    assert [g.tokens for g in drafted] == [g.tokens for g in _decode(tiny_target, prompts, SamplingParams(), [0, 1])]
+    assert max(step.accepted for g in drafted for step in g.steps) == 4
     assert counters["stats"]["unique_graphs"] == graphs
 
 

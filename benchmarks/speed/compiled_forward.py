@@ -7,7 +7,7 @@
 Two copies of the target (same weights) verify the same chains and binary trees of 1, 4 and 16 nodes against the
 same context, interleaved and repeated, with the cache cropped back after each (benchmarks/speed/forward_width.py's
 verifier); the median of each is reported, with the seconds the compiled copy's first verifications took to
-compile. The LM head (eager in both) is included. fp32, as the equality tests.
+compile. The LM head (eager in both) is included. `--dtype`: fp32 (the default, as the equality tests) or bf16.
 """
 
 from __future__ import annotations
@@ -34,13 +34,13 @@ from taps_ray.models.target_forward import target_forward  # noqa: E402
 MODES = ("none", "inductor")
 
 
-def measure(config: str, sizes: list[int], context: int, repetitions: int) -> list[str]:
+def measure(config: str, sizes: list[int], context: int, repetitions: int, dtype: str) -> list[str]:
     cfg = load_config(config)
     verifiers = {}
     prompt = torch.randint(100, 10_000, (context,), generator=torch.Generator().manual_seed(0)).tolist()
     trees = trees_of(sizes)
     for mode in MODES:
-        target = load_target(cfg.target.model_copy(update={"forward": "fast", "compile": mode}), dtype="float32")
+        target = load_target(cfg.target.model_copy(update={"forward": "fast", "compile": mode}), dtype=dtype)
         forward = target_forward(target.model)
         if forward.compiled != (mode == "inductor"):
             raise SystemExit(f"target.compile {mode} did not build that forward here (see the log line above)")
@@ -51,7 +51,7 @@ def measure(config: str, sizes: list[int], context: int, repetitions: int) -> li
     compile_s = time.perf_counter() - start
     median = interleaved_medians(verifiers, trees, repetitions)
     lines = [
-        f"## {cfg.target.name} (fp32); the first verification of every tree took {compile_s:.0f} s (compiling, or "
+        f"## {cfg.target.name} ({dtype}); the first verification of every tree took {compile_s:.0f} s (compiling, or "
         "loading inductor's on-disk cache of an earlier run)",
         "",
         "| nodes | shape | eager ms | compiled ms | eager / compiled |",
@@ -69,16 +69,17 @@ def main() -> int:
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--context", type=int, default=160, help="prompt tokens already in the cache")
     parser.add_argument("--repetitions", type=int, default=30)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--note", default="", help="a sentence on the machine's load, printed in the report")
     parser.add_argument("--out", default=None, help="write the markdown here (else print it)")
     args = parser.parse_args()
 
-    sections = [line for config in args.configs for line in measure(config, args.sizes, args.context, args.repetitions)]
+    sections = [line for config in args.configs for line in measure(config, args.sizes, args.context, args.repetitions, args.dtype)]
     lines = [
         "# The fast forward compiled (target.compile: inductor) against eager",
         "",
-        f"Regenerate: `nice python benchmarks/speed/compiled_forward.py --configs {' '.join(args.configs)} --out "
-        f"reports/compiled_forward.md`. {cpu_line()}; torch threads {torch.get_num_threads()}, torch "
+        f"Regenerate: `nice python benchmarks/speed/compiled_forward.py --configs {' '.join(args.configs)} "
+        f"--dtype {args.dtype} --out {args.out or 'reports/compiled_forward.md'}`. {cpu_line()}; torch threads {torch.get_num_threads()}, torch "
         f"{torch.__version__}. Context {args.context} tokens, median of {args.repetitions} interleaved verifications "
         "per forward and tree, LM head included (eager in both). `chain`: a chain (one node is plain decoding); "
         "`tree`: a binary tree. Ratios > 1 mean the compiled forward is faster. Read the ratios, which come from "

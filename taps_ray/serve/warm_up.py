@@ -1,10 +1,11 @@
 """A replica's warm-up: the target's layer graph compiled before the replica takes traffic.
 
 Why: with `target.compile` resolving to the layer graph (a CPU replica, models/layer_graph.py), the first forward
-of each shape class (a prefill, a step of one sequence, a step of several) compiles for 20-40 s on two cores; a
-request arriving first would wait that long, and the scheduler's stall watch could take it for a hung engine. So
-the replica decodes a few tokens of dummy prompts, alone and two at once, through its own batcher while it starts.
-Drafting models' trees (several tokens a row) compile on first use, with a log line.
+of each shape class (a prefill, a one-token step, a tree step; one row or several) compiles for 20-40 s on two
+cores; a request arriving first would wait that long, and the scheduler's stall watch could take it for a hung
+engine. So the replica decodes a few tokens of a dummy prompt, alone and two at once, through its own batcher,
+then verifies a small tree for one row and for two, with the batcher's feature layers (every forward of a
+replica with heads returns them, plain steps too).
 """
 
 from __future__ import annotations
@@ -12,9 +13,13 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
+
 from taps_ray.decoding.continuous import ContinuousBatcher, Request
+from taps_ray.decoding.target_batch import TargetBatch
 from taps_ray.decoding.verify import SamplingParams
 from taps_ray.drafting.proposer import Proposer
+from taps_ray.drafting.tree import build_tree, trees_to
 
 logger = logging.getLogger(__name__)
 
@@ -22,8 +27,8 @@ WARM_UP_TOKENS = 3
 
 
 def warm_up(batcher: ContinuousBatcher, plain: Proposer, prompt: list[int]) -> float:
-    """Decode `prompt` alone, then two copies at once, with `plain` (T = 0, no stop tokens); returns the seconds
-    it took. The batcher is left idle, as it was."""
+    """Compile what serving runs (see the module docstring); returns the seconds it took. The batcher is left
+    idle, as it was."""
     start = time.perf_counter()
     for copies in (1, 2):
         for _ in range(copies):
@@ -31,6 +36,11 @@ def warm_up(batcher: ContinuousBatcher, plain: Proposer, prompt: list[int]) -> f
                                    max_tokens=WARM_UP_TOKENS, seed=0, ignore_eos=True))
         while batcher.busy:
             batcher.step()
+    tree = build_tree(torch.tensor(prompt[:3]), torch.tensor([-1, 0, 0]))  # a root and two children: a mask
+    for rows in (1, 2):
+        batch = TargetBatch(batcher.model, feature_layers=batcher.feature_layers)
+        batch.prefill([list(prompt)] * rows)
+        batch.forward_trees(trees_to([tree] * rows, batch.device))
     seconds = time.perf_counter() - start
     logger.info("taps serve: the target's layer graph compiled in %.0f s (warm-up)", seconds)
     return seconds
