@@ -92,7 +92,7 @@ class TargetConfig(_Strict):
         "a CUDA graph on a GPU (mode reduce-overhead): one launch per step instead of ~35 per layer; steps it "
         "does not cover (rows with different sampling parameters, another acceptance rule) run eager. Both need a "
         "C++ compiler on a CPU, Triton on a GPU, else the forward runs eager with a log line saying what to "
-        "install. Same fp32 tokens as eager; on a CPU inductor's step ran 1.1-1.3x eager's at batch 1-16 in bf16 "
+        "install. Same fp32 tokens as eager; on a CPU inductor's step ran 1.1-1.2x eager's at batch 1-16 in bf16 "
         "(docs/serve.md), step was slower; on an H200 "
         "step ran 2.1x eager at batch 1 and 1.4x at 16 on the 8B shape, after ~40 s of compiling per bucket "
         "(reports/gpu.md; docs/algorithms.md, The cache and the forward)")

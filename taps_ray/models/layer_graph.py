@@ -22,15 +22,36 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._inductor import config as inductor_config
 
-if TYPE_CHECKING:  # annotations only: fast_llama imports this module
-    from taps_ray.models.fast_llama import FastLlama
+
+class LayeredForward(Protocol):
+    """What the graph reads from the forward it compiles (`FastLlama`): its weights and its per-layer code."""
+
+    embed: torch.Tensor
+    norm: torch.Tensor
+    layers: list[Any]  # each with input_norm, post_norm, q_norm, k_norm and the projections qkv, o, gate_up, down
+    windows: list[int | None]
+
+    def rotation(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def attention_inputs(self, x: torch.Tensor, layer: Any, cos: torch.Tensor, signed_sin: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def attend(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+               causal: bool) -> torch.Tensor: ...
+
+    def layer_output(self, x: torch.Tensor, attended: torch.Tensor, layer: Any) -> torch.Tensor: ...
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+
+    def check_sources(self) -> None: ...
+
 
 _CALL = threading.local()  # the forward the running graph belongs to: (fast forward, write, masks, causal)
 
@@ -82,7 +103,7 @@ class _FrozenLayer(nn.Module):
 class _LayerStack(nn.Module):
     """Embedding, every layer and the final norm of a fast forward, as one module for `torch.compile`."""
 
-    def __init__(self, fast: FastLlama) -> None:
+    def __init__(self, fast: LayeredForward) -> None:
         super().__init__()
         self.fast = [fast]  # a list: the forward's methods are code, not a submodule whose state the graph owns
         self.embed, self.norm = _parameter(fast.embed), _parameter(fast.norm)
@@ -108,7 +129,7 @@ class _LayerStack(nn.Module):
 class LayerGraph:
     """The compiled layer stack of one fast forward: built on first call, rebuilt when a weight changed in place."""
 
-    def __init__(self, fast: FastLlama) -> None:
+    def __init__(self, fast: LayeredForward) -> None:
         self.fast = fast
         self._compiled: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
         self._versions: tuple[int, ...] = ()
