@@ -19,7 +19,7 @@ from taps_ray.decoding.continuous import ContinuousBatcher, Request
 from taps_ray.decoding.target_batch import TargetBatch
 from taps_ray.decoding.verify import SamplingParams
 from taps_ray.drafting.proposer import Proposer
-from taps_ray.drafting.tree import build_tree, trees_to
+from taps_ray.drafting.tree import build_tree
 
 logger = logging.getLogger(__name__)
 
@@ -36,11 +36,12 @@ def warm_up(batcher: ContinuousBatcher, plain: Proposer, prompt: list[int]) -> f
                                    max_tokens=WARM_UP_TOKENS, seed=0, ignore_eos=True))
         while batcher.busy:
             batcher.step()
-    tree = build_tree(torch.tensor(prompt[:3]), torch.tensor([-1, 0, 0]))  # a root and two children: a mask
     for rows in (1, 2):
         batch = TargetBatch(batcher.model, feature_layers=batcher.feature_layers)
+        tree = build_tree(torch.tensor(prompt[:3], device=batch.device),  # a root and two children: a mask
+                          torch.tensor([-1, 0, 0], device=batch.device))
         batch.prefill([list(prompt)] * rows)
-        batch.forward_trees(trees_to([tree] * rows, batch.device))
+        batch.forward_trees([tree] * rows)
     seconds = time.perf_counter() - start
     logger.info("taps serve: the target's layer graph compiled in %.0f s (warm-up)", seconds)
     return seconds
