@@ -23,6 +23,8 @@ from torch._inductor import config as inductor_config
 from taps_ray.decoding.generate import run_loop
 from taps_ray.decoding.target_batch import TargetBatch
 from taps_ray.decoding.verify import SamplingParams
+from taps_ray.drafting.proposers import PlainDecoding
+from taps_ray.drafting.tree import root_only
 from taps_ray.models.fast_llama import FastLlama
 from taps_ray.models.hf_forward import HFForward
 from taps_ray.models.target import Target, load_target
@@ -49,9 +51,11 @@ def prompts(tiny_target) -> list[list[int]]:
     return [[bos] + tok.encode(text) for text in ("hi there", "a longer prompt about numbers 1 2 3 4 5")]
 
 
-def _decode(target: Target, prompts: list[list[int]], params: SamplingParams, seeds: list[int]) -> list:
-    oracle = GreedyOracle(target.model, first_token=prompts[0][0], depth=4)
-    return run_loop(TargetBatch(target.model), oracle, prompts, params, [24, 32], [], seeds=seeds)
+def _decode(target: Target, prompts: list[list[int]], params: SamplingParams, seeds: list[int],
+            plain: bool = False) -> list:
+    """Drafted by the oracle (trees: eager even when compiled), or `plain` (one-token steps: the layer graph)."""
+    proposer = PlainDecoding() if plain else GreedyOracle(target.model, first_token=prompts[0][0], depth=4)
+    return run_loop(TargetBatch(target.model), proposer, prompts, params, [24, 32], [], seeds=seeds)
 
 
 def _hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
@@ -63,15 +67,16 @@ def test_compiled_greedy_decoding_is_eager_and_transformers_greedy(tiny_target, 
     assert not target_forward(tiny_target.model).compiled
     compiled = _decode(compiled_target, prompts, SamplingParams(), [0, 1])
     eager = _decode(tiny_target, prompts, SamplingParams(), [0, 1])
-    for prompt, got, want, n in zip(prompts, compiled, eager, (24, 32), strict=True):
-        assert got.tokens == want.tokens == _hf_greedy(tiny_target.model, prompt, n)
+    plain = _decode(compiled_target, prompts, SamplingParams(), [0, 1], plain=True)
+    for prompt, got, want, one, n in zip(prompts, compiled, eager, plain, (24, 32), strict=True):
+        assert got.tokens == want.tokens == one.tokens == _hf_greedy(tiny_target.model, prompt, n)
         assert max(step.accepted for step in got.steps) == 4  # the oracle's drafts were accepted, whole chains too
     # dynamic shapes: other prompt lengths, a growing cache and one row leaving the batch compile nothing new
     graphs = counters["stats"]["unique_graphs"]
     assert graphs > 0
     longer = [prompts[1] + prompts[0][1:], prompts[0] + prompts[0][1:]]
-    assert [g.tokens for g in _decode(compiled_target, longer, SamplingParams(), [0, 1])] == \
-        [g.tokens for g in _decode(tiny_target, longer, SamplingParams(), [0, 1])]
+    assert [g.tokens for g in _decode(compiled_target, longer, SamplingParams(), [0, 1], plain=True)] == \
+        [g.tokens for g in _decode(tiny_target, longer, SamplingParams(), [0, 1], plain=True)]
     assert counters["stats"]["unique_graphs"] == graphs
 
 
@@ -80,6 +85,8 @@ def test_compiled_sampling_follows_the_seeds_as_eager_does(tiny_target, compiled
     compiled = _decode(compiled_target, prompts, params, [3, 7])
     eager = _decode(tiny_target, prompts, params, [3, 7])
     assert [g.tokens for g in compiled] == [g.tokens for g in eager]
+    assert [g.tokens for g in _decode(compiled_target, prompts, params, [3, 7], plain=True)] == \
+        [g.tokens for g in _decode(tiny_target, prompts, params, [3, 7], plain=True)]
     assert sum(step.accepted for g in compiled for step in g.steps) > 0
     other_seeds = _decode(compiled_target, prompts, params, [4, 8])
     assert [g.tokens for g in other_seeds] != [g.tokens for g in compiled]  # the seeds do choose the tokens
@@ -91,8 +98,10 @@ def test_a_copy_of_a_compiled_forward_computes_with_its_own_weights(tiny_config,
     copied along, the copies would compute with the original's layers)."""
     model = load_target(tiny_config.target.model_copy(update={"compile": "inductor"})).model
 
-    def logits(of: torch.nn.Module) -> torch.Tensor:
-        return TargetBatch(of).prefill(prompts[:1])[0].logits
+    def logits(of: torch.nn.Module) -> torch.Tensor:  # of a one-token step, which runs the layer graph
+        batch = TargetBatch(of)
+        batch.prefill(prompts[:1])
+        return batch.forward_trees([root_only(prompts[0][-1], "cpu")])[0]
 
     before = logits(model)
     copies = [copy.deepcopy(model), pickle.loads(pickle.dumps(model))]
@@ -120,14 +129,12 @@ def test_compile_falls_back_to_eager_with_a_line_naming_the_fix(tiny_config, mon
 
 
 def test_a_replica_warm_up_compiles_what_plain_serving_runs(tiny_config, tiny_target, prompts):
-    """serve/warm_up.py: after it, prefills, plain steps and tree steps at any batch compile nothing new, and the
-    compiled forward decodes eager's greedy tokens under the replica's batcher and under drafting."""
+    """serve/warm_up.py: after it, plain steps at any batch compile nothing new (prefills and trees run eager),
+    and the compiled forward decodes eager's greedy tokens under the replica's batcher and under drafting."""
     from taps_ray.decoding.continuous import ContinuousBatcher, Request
-    from taps_ray.drafting.proposers import PlainDecoding
     from taps_ray.serve.warm_up import warm_up
 
-    target = load_target(tiny_config.target.model_copy(update={"compile": "auto"}), serving=True)
-    assert target_forward(target.model).compiled  # auto, on a CPU, in a replica
+    target = load_target(tiny_config.target.model_copy(update={"compile": "inductor"}))
 
     def served(model: torch.nn.Module, batcher: ContinuousBatcher | None = None) -> list[list[int]]:
         batcher = batcher or ContinuousBatcher(model, [], 4)

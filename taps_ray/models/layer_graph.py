@@ -11,9 +11,11 @@ ad hoc): a bf16 decode step 19.6 / 21.9 / 37-39.5 ms at batch 1 / 4 / 16 against
 
 What stays outside the graph: the cache write and attention, one opaque op a layer (`taps::cached_attention`)
 that reads the forward's cache, masks and causality from the calling thread, so the graph never sees the cache's
-width (it grows every step; a graph over it would guard on it and recompile) nor a mask's shape. The batch and
-the token count become dynamic from 2 up (`mark_dynamic`; sizes 1 keep graphs of their own), so a decode (one
-token a row), a tree (several) and a prefill each compile once, whatever the batch. Frozen weights are the
+width (it grows every step; a graph over it would guard on it and recompile) nor a mask's shape. The forward
+runs it for one-token steps only (plain decoding, at any batch: the batch is dynamic from 2 up, `mark_dynamic`,
+batch 1 keeping a graph of its own); prefills and trees run eager, where it measured no faster (one sequence's
+tree of 4-16 nodes at 0.88-0.96x eager in bf16 through the graph, `benchmarks/speed/compiled_forward.py` in an
+ad-hoc run; reports/compiled_forward_bf16.md has the rule as kept). Frozen weights are the
 weights at compile time: `LayerGraph` rebuilds the graph when a source weight changes in place (its version
 counter moves), as an eager projection lays itself out again.
 """
@@ -156,11 +158,9 @@ class LayerGraph:
             self._compiled = torch.compile(_LayerStack(self.fast))
             self._versions = versions
         cos, signed_sin = self.fast.rotation(positions, self.fast.embed.dtype)
-        # the batch and the token count: ids [B, T], cos and sin [B, 1, T, head_dim]
-        for tensor, dims in ((input_ids, (0, 1)), (cos, (0, 2)), (signed_sin, (0, 2))):
-            for dim in dims:
-                if tensor.shape[dim] > 1:
-                    torch._dynamo.mark_dynamic(tensor, dim)
+        if input_ids.shape[0] > 1:  # the batch: ids [B, T], cos and sin [B, 1, T, head_dim]
+            for tensor in (input_ids, cos, signed_sin):
+                torch._dynamo.mark_dynamic(tensor, 0)
         _CALL.forward = (self.fast, write, masks, causal)
         try:  # inductor reads `freezing` when it compiles, which a call may do (a new shape); options= does not set it
             with inductor_config.patch(freezing=True):

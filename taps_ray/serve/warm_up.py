@@ -1,11 +1,10 @@
 """A replica's warm-up: the target's layer graph compiled before the replica takes traffic.
 
 Why: with `target.compile` resolving to the layer graph (a CPU replica, models/layer_graph.py), the first forward
-of each shape class (a prefill, a one-token step, a tree step; one row or several) compiles for 20-40 s on two
-cores; a request arriving first would wait that long, and the scheduler's stall watch could take it for a hung
-engine. So the replica decodes a few tokens of a dummy prompt, alone and two at once, through its own batcher,
-then verifies a small tree for one row and for two, with the batcher's feature layers (every forward of a
-replica with heads returns them, plain steps too).
+of each shape class (a one-token step of one row, of several) compiles for 20-40 s on two cores; a request
+arriving first would wait that long, and the scheduler's stall watch could take it for a hung engine. So the
+replica decodes a few tokens of a dummy prompt, alone and two at once, through its own batcher (with its
+feature layers: every forward of a replica with heads returns them, plain steps too).
 """
 
 from __future__ import annotations
@@ -13,13 +12,9 @@ from __future__ import annotations
 import logging
 import time
 
-import torch
-
 from taps_ray.decoding.continuous import ContinuousBatcher, Request
-from taps_ray.decoding.target_batch import TargetBatch
 from taps_ray.decoding.verify import SamplingParams
 from taps_ray.drafting.proposer import Proposer
-from taps_ray.drafting.tree import build_tree
 
 logger = logging.getLogger(__name__)
 
@@ -36,12 +31,6 @@ def warm_up(batcher: ContinuousBatcher, plain: Proposer, prompt: list[int]) -> f
                                    max_tokens=WARM_UP_TOKENS, seed=0, ignore_eos=True))
         while batcher.busy:
             batcher.step()
-    for rows in (1, 2):
-        batch = TargetBatch(batcher.model, feature_layers=batcher.feature_layers)
-        tree = build_tree(torch.tensor(prompt[:3], device=batch.device),  # a root and two children: a mask
-                          torch.tensor([-1, 0, 0], device=batch.device))
-        batch.prefill([list(prompt)] * rows)
-        batch.forward_trees([tree] * rows)
     seconds = time.perf_counter() - start
     logger.info("taps serve: the target's layer graph compiled in %.0f s (warm-up)", seconds)
     return seconds
