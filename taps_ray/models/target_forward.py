@@ -52,7 +52,7 @@ def resolved_compile(compile_mode: CompileMode, device: torch.device, fast: bool
     """`auto` as what measured fastest on the device: taps' fast forward's captured step on a GPU (2.1x eager at
     batch 1, 1.4x at 16 on the 8B shape, H200: reports/gpu.md); on a CPU its layer graph for a bf16 or fp16 Serve
     replica (`serving`: long-lived, it compiles once at start-up; 1.1-1.2x eager's step at batch 1-16 in bf16,
-    docs/serve.md; in fp32 0.91-0.95x, reports/compiled_forward.md), eager for everything else, whose runs are
+    docs/serve.md; in fp32 0.96x at batch 1, reports/compiled_forward.md), eager for everything else, whose runs are
     too short to earn back the compiling; transformers' forward eager; other modes as given."""
     if compile_mode != "auto" or not fast:
         return compile_mode if compile_mode != "auto" else "none"
