@@ -112,8 +112,7 @@ class Server:
 
         def used() -> float:
             total = 0.0
-            root = psutil.Process(self.proc.pid)
-            for process in (root, *root.children(recursive=True)):
+            for process in self._tree():
                 try:
                     times = process.cpu_times()
                     total += times.user + times.system
