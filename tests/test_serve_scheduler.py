@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -60,5 +61,43 @@ def test_queue_limit_stall_detection_and_shutdown(tiny_target):
         assert (await late.wait()).error == "RuntimeError: the replica shut down"
         with pytest.raises(Overloaded, match="shutting down"):
             loop.submit(_request(prompt, PlainDecoding(), 3), "plain")
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=120))
+
+
+class Slow(PlainDecoding):
+    """Plain decoding whose every step takes 50 ms."""
+
+    drafts = True
+
+    def propose(self, state, features, next_tokens):
+        time.sleep(0.05)
+        return super().propose(state, features, next_tokens)
+
+
+def test_steps_go_on_while_the_event_loop_is_busy(tiny_target):
+    """The compute thread steps back to back: a request decodes to its end while the event loop is blocked (a
+    slow stream), and its updates then arrive in step order, one a step."""
+    prompt = tiny_target.tokenizer.encode("Hello there")
+
+    async def scenario() -> None:
+        batcher = ContinuousBatcher(tiny_target.model, [], max_batch_size=2)
+        loop = DecodeLoop(batcher, max_queued=4, stall_timeout_s=60.0)
+        updates: asyncio.Queue = asyncio.Queue()
+        ticket = loop.submit(_request(prompt, Slow(), 12), "slow", updates)
+        await asyncio.sleep(0.01)  # the decode task hands the work to the compute thread
+        delivered = updates.qsize()
+        deadline = time.monotonic() + 10
+        while batcher.busy and time.monotonic() < deadline:
+            time.sleep(0.01)  # blocks the event loop itself: no coroutine runs meanwhile
+        assert not batcher.busy, "the compute thread stopped stepping while the event loop was busy"
+        assert updates.qsize() == delivered < 12  # updates are delivered on the loop, which has not run since
+        result = await ticket.wait()
+        streamed = []
+        while (item := updates.get_nowait())[1] is not None:
+            assert len(item[1].tokens) == 1  # plain decoding: a token a step
+            streamed += item[1].tokens
+        assert len(result.generation.tokens) == 12 and streamed == result.generation.tokens
+        await loop.shutdown(timeout_s=1.0)
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=120))

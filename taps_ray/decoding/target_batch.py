@@ -119,6 +119,7 @@ class TargetBatch:
         forward: TargetForward | None = None, acceptance: AcceptanceRule = POINT_MASS,
     ) -> None:
         self.model = model
+        self.device: torch.device = model.device  # read once: transformers' `device` walks the parameters
         self.acceptance = acceptance
         self.keep_logits = keep_logits
         self.feature_layers = tuple(feature_layers)
@@ -380,11 +381,6 @@ class TargetBatch:
         self.timings["forward"] += t1 - t0
         self.timings["accept"] += time.perf_counter() - t1
         return results
-
-    @property
-    def device(self) -> torch.device:
-        """Every tensor of the batch lives on the model's device."""
-        return self.model.device
 
     @property
     def batch_size(self) -> int:

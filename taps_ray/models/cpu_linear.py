@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from taps_ray.models.opaque_op import opaque_op
+
 
 def _onednn_available(dtype: torch.dtype) -> bool:
     """oneDNN can pack a `dtype` weight on this CPU: fp16 needs AVX512-FP16 or AVX-NE-CONVERT and bf16 AVX-512
@@ -43,7 +45,7 @@ def _onednn_available(dtype: torch.dtype) -> bool:
     return True
 
 
-def _version(tensor: torch.Tensor) -> int:
+def version_counter(tensor: torch.Tensor) -> int:
     """The tensor's in-place version counter; inference-mode tensors keep none (-1: treated as never changed)."""
     try:
         return tensor._version
@@ -133,7 +135,7 @@ class Projection:
     def _source_versions(self) -> tuple[tuple[int, int], ...]:
         """Each source's in-place version and storage: `module.to(...)` swaps a parameter's data under the same
         object without bumping its version, which the storage pointer sees."""
-        return tuple((_version(t), t.data_ptr()) for t in (*self._sources, *self._source_biases) if t is not None)
+        return tuple((version_counter(t), t.data_ptr()) for t in (*self._sources, *self._source_biases) if t is not None)
 
     def row_weight(self) -> torch.Tensor:
         """The weight as [out, in] (a view in the fp32 CPU layout): what `F.linear` and the checks read."""
@@ -173,16 +175,18 @@ class Projection:
 _BY_WEIGHT: weakref.WeakValueDictionary[int, Projection] = weakref.WeakValueDictionary()  # weight storage -> projection
 
 
-@torch.library.custom_op("taps::project", mutates_args=())
-def _project(x: torch.Tensor, weight: torch.Tensor, columns: bool) -> torch.Tensor:
+def _project_eagerly(x: torch.Tensor, weight: torch.Tensor, columns: bool) -> torch.Tensor:
     """The projection whose weight this is ([in, out] if `columns`), applied to x with the eager kernels (a
     compiled graph's call)."""
     return _BY_WEIGHT[weight.data_ptr()]._multiply(x)
 
 
-@_project.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, columns: bool) -> torch.Tensor:
+def _projected_shape(x: torch.Tensor, weight: torch.Tensor, columns: bool) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[1] if columns else weight.shape[0]), dtype=weight.dtype)
+
+
+_project = opaque_op("project", "(Tensor x, Tensor weight, bool columns) -> Tensor", _project_eagerly,
+                     _projected_shape)
 
 
 _CACHED = "taps_projection"

@@ -31,6 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch._inductor import config as inductor_config
 
+from taps_ray.models.cpu_linear import version_counter
+from taps_ray.models.opaque_op import opaque_op
+
 
 class LayeredForward(Protocol):
     """What the graph reads from the forward it compiles (`FastLlama`): its weights and its per-layer code."""
@@ -58,8 +61,7 @@ class LayeredForward(Protocol):
 _CALL = threading.local()  # the forward the running graph belongs to: (fast forward, write, masks, causal)
 
 
-@torch.library.custom_op("taps::cached_attention", mutates_args=())
-def cached_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layer: int) -> torch.Tensor:
+def _cached_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layer: int) -> torch.Tensor:
     """Layer `layer`'s keys and values appended to the calling forward's cache, then its attention: eager, as
     `FastLlama.decode` runs them between the two halves of a layer."""
     fast, write, masks, causal = _CALL.forward
@@ -68,9 +70,12 @@ def cached_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Te
     return attended.reshape(queries.shape)  # a causal prefill attends unfolded: the same rows, folded back
 
 
-@cached_attention.register_fake
-def _(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layer: int) -> torch.Tensor:
+def _attention_shape(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layer: int) -> torch.Tensor:
     return torch.empty_like(queries)
+
+
+cached_attention = opaque_op("cached_attention", "(Tensor queries, Tensor keys, Tensor values, int layer) -> Tensor",
+                             _cached_attention, _attention_shape)
 
 
 class _Linear(nn.Module):
@@ -118,7 +123,7 @@ class _LayerStack(nn.Module):
         recorded = {0: x}
         for index, layer in enumerate(self.layers):
             queries, keys, values = fast.attention_inputs(x, layer, cos, signed_sin)
-            attended = torch.ops.taps.cached_attention(queries, keys, values, index)
+            attended = cached_attention(queries, keys, values, index)
             x = fast.layer_output(x, attended, layer)
             recorded[index + 1] = x
         last = fast.rms_norm(x, self.norm)
@@ -147,7 +152,7 @@ class LayerGraph:
         return tensors
 
     def _current_versions(self) -> tuple[int, ...]:
-        return tuple(tensor._version for tensor in self._sources())
+        return tuple(version_counter(tensor) for tensor in self._sources())
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, masks: dict, causal: bool,
                  write: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],

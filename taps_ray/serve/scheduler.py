@@ -1,7 +1,9 @@
 """The replica's decode loop: asyncio around `ContinuousBatcher`, with backpressure, health and shutdown.
 
-One task runs `batcher.step()` in a single worker thread, one step at a time, so the event loop keeps
-answering (health checks, new requests, streams) while the target computes. Requests beyond
+The replica's compute thread runs `batcher.step()` back to back while there is work, and the event loop keeps
+answering (health checks, new requests, streams) meanwhile: it streams a step's tokens while the next step
+computes, as vLLM's engine core keeps stepping while its API server streams. Updates posted together take one
+wakeup of the loop (not one a sequence). Requests beyond
 `max_queued` waiting ones are refused with `Overloaded` (the app answers 503 + Retry-After);
 `check_health` raises when there is work but no step finished for `stall_timeout_s`.
 """
@@ -12,6 +14,7 @@ import asyncio
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -21,6 +24,7 @@ from taps_ray.compute_thread import compute_executor
 from taps_ray.serve.metrics import ServeMetrics
 from taps_ray.decoding.step import head_counts
 from taps_ray.decoding.continuous import ContinuousBatcher, Request, Result, TokenLogprob
+from taps_ray.decoding.draft_gate import StepRate
 
 if TYPE_CHECKING:  # an annotation only: the replica builds it when serve.adapt is on
     from taps_ray.adapt.replica import ReplicaAdaptation
@@ -88,6 +92,9 @@ class DecodeLoop:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._closing = False
+        self._stopping = False  # the compute thread ends its run of steps after the current one
+        self._posted: deque[tuple[Callable[..., None], tuple]] = deque()  # calls from the compute thread
+        self._flush_scheduled = False
         self.last_progress = time.monotonic()
         self.mean_step_s = 0.1
 
@@ -107,10 +114,10 @@ class DecodeLoop:
         ticket = Ticket(request, model, loop.create_future(), updates, index)
 
         def on_tokens(tokens: list[int], logprobs: list[TokenLogprob]) -> None:
-            loop.call_soon_threadsafe(self._tokens, ticket, Update(tokens, logprobs))
+            self._post(loop, self._tokens, ticket, Update(tokens, logprobs))
 
         def on_done(result: Result) -> None:
-            loop.call_soon_threadsafe(self._done, ticket, result)
+            self._post(loop, self._done, ticket, result)
 
         on_commit = self.adapt.on_submit(request) if self.adapt is not None else None
         ticket.leave = self.batcher.submit(request, on_tokens, on_done, on_commit)
@@ -137,6 +144,7 @@ class DecodeLoop:
     async def shutdown(self, timeout_s: float) -> None:
         """Refuse new requests, let the running and queued ones finish for up to `timeout_s`, fail the rest."""
         await self.drain(timeout_s)
+        self._stopping = True
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -159,15 +167,42 @@ class DecodeLoop:
                 await self._wake.wait()
                 self.last_progress = time.monotonic()  # idle time is not a stall
                 continue
+            await loop.run_in_executor(self._executor, self._steps, loop)
+
+    def _steps(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the compute thread: steps back to back while there is work. Awaiting each step from the event loop
+        made the loop's streaming of a step's tokens (chunks for 16 sequences) a pause of the compute threads
+        before the next step; here it overlaps that step."""
+        while self.batcher.busy and not self._stopping:
             if self.adapt is not None:  # a published head version is loaded here, between two steps
-                await loop.run_in_executor(self._executor, self.adapt.between_steps)
-            t0 = time.perf_counter()
-            await loop.run_in_executor(self._executor, self.batcher.step)
-            self.mean_step_s = 0.9 * self.mean_step_s + 0.1 * (time.perf_counter() - t0)
-            self.last_progress = time.monotonic()
-            if self.metrics is not None:
-                self.metrics.step(self.batcher.live, self.batcher.waiting)
-                self.metrics.gate_rates(self.batcher.gate.rates)
+                self.adapt.between_steps()
+            start = time.perf_counter()
+            try:
+                self.batcher.step()
+            finally:
+                seconds, live, waiting = time.perf_counter() - start, self.batcher.live, self.batcher.waiting
+                self._post(loop, self._stepped, seconds, live, waiting, dict(self.batcher.gate.rates))
+
+    def _post(self, loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: object) -> None:
+        """From the compute thread: run `callback(*args)` on the event loop, in the order posted. One wakeup of
+        the loop takes every call posted until it runs, not one wakeup a sequence's update."""
+        self._posted.append((callback, args))
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            loop.call_soon_threadsafe(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False  # before taking: a call posted from now on schedules a flush of its own
+        while self._posted:
+            callback, args = self._posted.popleft()
+            callback(*args)
+
+    def _stepped(self, seconds: float, live: int, waiting: int, rates: dict[tuple[int, bool], StepRate]) -> None:
+        self.mean_step_s = 0.9 * self.mean_step_s + 0.1 * seconds
+        self.last_progress = time.monotonic()
+        if self.metrics is not None:
+            self.metrics.step(live, waiting)
+            self.metrics.gate_rates(rates)
 
     def _tokens(self, ticket: Ticket, update: Update) -> None:
         now = time.perf_counter()
