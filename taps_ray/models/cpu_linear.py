@@ -135,7 +135,8 @@ class Projection:
     def _source_versions(self) -> tuple[tuple[int, int], ...]:
         """Each source's in-place version and storage: `module.to(...)` swaps a parameter's data under the same
         object without bumping its version, which the storage pointer sees."""
-        return tuple((version_counter(t), t.data_ptr()) for t in (*self._sources, *self._source_biases) if t is not None)
+        sources = (*self._sources, *self._source_biases)
+        return tuple((version_counter(t), t.data_ptr()) for t in sources if t is not None)
 
     def row_weight(self) -> torch.Tensor:
         """The weight as [out, in] (a view in the fp32 CPU layout): what `F.linear` and the checks read."""
