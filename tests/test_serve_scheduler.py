@@ -65,16 +65,6 @@ def test_queue_limit_stall_detection_and_shutdown(tiny_target):
     asyncio.run(asyncio.wait_for(scenario(), timeout=120))
 
 
-class Slow(PlainDecoding):
-    """Plain decoding whose every step takes 50 ms."""
-
-    drafts = True
-
-    def propose(self, state, features, next_tokens):
-        time.sleep(0.05)
-        return super().propose(state, features, next_tokens)
-
-
 def test_steps_go_on_while_the_event_loop_is_busy(tiny_target):
     """The compute thread steps back to back: a request decodes to its end while the event loop is blocked (a
     slow stream), and its updates then arrive in step order, one a step."""
@@ -84,7 +74,7 @@ def test_steps_go_on_while_the_event_loop_is_busy(tiny_target):
         batcher = ContinuousBatcher(tiny_target.model, [], max_batch_size=2)
         loop = DecodeLoop(batcher, max_queued=4, stall_timeout_s=60.0)
         updates: asyncio.Queue = asyncio.Queue()
-        ticket = loop.submit(_request(prompt, Slow(), 12), "slow", updates)
+        ticket = loop.submit(_request(prompt, Gated(timeout_s=0.05), 12), "gated", updates)  # 50 ms a step
         await asyncio.sleep(0.01)  # the decode task hands the work to the compute thread
         delivered = updates.qsize()
         deadline = time.monotonic() + 10
