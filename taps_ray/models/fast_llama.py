@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from taps_ray.models import decode_attention
 from taps_ray.models.attention_windows import UnsupportedLayers, causal_mask, layer_windows, windowed_masks
 from taps_ray.models.cpu_linear import Projection, module_projection
 from taps_ray.models.kv_cache import KVCache
@@ -135,6 +136,12 @@ class FastLlama:
         self.captured = captured
         self.layers = [self._layer(block) for block in inner.layers[: config.num_hidden_layers]]
         self.lm_head = module_projection(model.lm_head)
+        # one-token steps on the CPU attend over each row's own keys (models/decode_attention.py), built now so
+        # the first step does not wait; a captured step traces `decode` and keeps SDPA
+        self.decode_kernel = captured is None and decode_attention.covers(self.embed.device, self.embed.dtype,
+                                                                          self.head_dim)
+        if self.decode_kernel:
+            decode_attention.kernel()
 
     @staticmethod
     def _layer(block: nn.Module) -> _Layer:
@@ -158,6 +165,8 @@ class FastLlama:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.graph = LayerGraph(self) if self.compiled else None
+        if self.decode_kernel:
+            decode_attention.kernel()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's logits of post-norm hidden states [..., d] -> [..., V]."""
@@ -227,7 +236,11 @@ class FastLlama:
     def attend(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
                causal: bool) -> torch.Tensor:
         """SDPA of folded queries; a causal prefill unfolds them (the folding would break the causal alignment)
-        and lets SDPA share the key/value heads itself."""
+        and lets SDPA share the key/value heads itself; a one-token step on the CPU takes the decode kernel."""
+        one_token = queries.shape[2] == self.heads // self.kv_heads and (mask is None or mask.shape[2] == 1)
+        kernel = decode_attention.kernel() if self.decode_kernel and one_token and not causal else None
+        if kernel is not None:
+            return kernel(queries, keys, values, mask, self.scale)
         if causal and mask is None:
             batch, _, rows, _ = queries.shape
             unfolded = queries.reshape(batch, self.heads, rows * self.kv_heads // self.heads, self.head_dim)
