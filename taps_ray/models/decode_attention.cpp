@@ -14,6 +14,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -68,10 +70,13 @@ void attend(const at::Tensor& queries, const at::Tensor& keys, const at::Tensor&
   const T* m = mask.has_value() ? mask->data_ptr<T>() : nullptr;
   const int64_t m_row = m ? mask->stride(0) : 0;
   T* o = out.data_ptr<T>();
-  at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
+  // Rows differ in length, so the threads take (row, head) tasks one at a time rather than in equal halves.
+  const int64_t tasks = batch * heads;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(tasks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     thread_local Scratch scratch;
     scratch.fit(width, D);
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task = next++; task < tasks; task = next++) {
       const int64_t b = task / heads, h = task % heads;
       int64_t seen = 0;  // the slots row b may attend, their keys and values as float32, their mask's bias
       for (int64_t s = 0; s < width; ++s) {
