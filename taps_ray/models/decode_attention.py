@@ -9,9 +9,10 @@ attended keys once for the query heads that share them and computes over those a
 It does not pay for trees or prefills (each query row re-reads the keys: no faster than SDPA from 4 query
 positions up), so those keep SDPA (`models/sdpa.py`), as does CUDA.
 
-Built with `-march=native` into a directory named by the source, torch's version, the flags and the CPU's
-feature flags, so a cache shared between machines never runs code built for another CPU. Where it cannot be
-built (no C++ compiler or ninja), the forward warns once and keeps SDPA, which computes the same.
+Built by torch's extension builder with `-march=native`, as a library named by the source, torch's version, the
+flags and the CPU's feature flags, so a cache shared between machines never runs code built for another CPU.
+Where it cannot be built (no C++ compiler or ninja), the forward warns once and keeps SDPA, which computes the
+same.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -56,17 +59,41 @@ def build_name() -> str:
     return "taps_decode_attention_" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
+def build_directory() -> Path:
+    """Where built kernels are kept: torch's extension directory (`TORCH_EXTENSIONS_DIR`, by default
+    ~/.cache/torch_extensions), under taps/."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    return Path(root) / "taps"
+
+
+def _build_and_load(name: str) -> None:
+    """Load the built library, or build it in a directory of this process's own and move it into place
+    atomically: torch's builder locks a shared directory with a file that a process killed mid-build would leave
+    behind, and every later process would wait on it forever."""
+    from torch.utils.cpp_extension import load
+
+    library = build_directory() / f"{name}.so"
+    if library.exists():
+        torch.ops.load_library(str(library))
+        return
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=library.parent, prefix=f"{name}-build-") as private:
+        load(name=name, sources=[str(SOURCE)], extra_cflags=list(FLAGS), build_directory=private,
+             is_python_module=False)
+        os.replace(Path(private) / library.name, library)
+
+
 @functools.cache
 def kernel() -> Kernel | None:
     """`taps::decode_attention(queries [B, H, R, D], keys, values [B, H, S, D], additive mask [B, 1, 1, S] or
     None, scale)`, built and loaded once a process; None (with a warning) where it cannot be built."""
-    from torch.utils.cpp_extension import load
-
-    try:
-        load(name=build_name(), sources=[str(SOURCE)], extra_cflags=list(FLAGS), is_python_module=False)
-    except (OSError, RuntimeError, ImportError) as error:  # no compiler, no ninja, a failed build
-        log.warning("taps: the CPU decode-attention kernel could not be built (%s); decode steps use torch's "
-                    "SDPA, which computes the same, slower. Install a C++ compiler and ninja (Debian: "
-                    "apt-get install g++ ninja-build) to build it.", str(error).splitlines()[0] if str(error) else error)
-        return None
+    if not hasattr(torch.ops.taps, "decode_attention"):
+        try:
+            _build_and_load(build_name())
+        except (OSError, RuntimeError, ImportError) as error:  # no compiler, no ninja, a failed build
+            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+            log.warning("taps: the CPU decode-attention kernel could not be built (%s); decode steps use torch's "
+                        "SDPA, which computes the same, slower. Install a C++ compiler and ninja (Debian: "
+                        "apt-get install g++ ninja-build) to build it.", reason)
+            return None
     return torch.ops.taps.decode_attention

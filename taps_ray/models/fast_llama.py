@@ -29,7 +29,8 @@ The compiled path (`compiled=True`, `target.compile: inductor`) runs the same tw
 eager between them, an opaque op a layer. `target.compile: step` captures the whole step over a
 fixed-capacity cache instead (decoding/captured_step.py, through `decode` with its own cache write).
 Attention: one additive mask per forward (`attention_masks`), none for a one-token step, and SDPA's `is_causal`
-for a prefill of equal lengths, so the fused kernels can run.
+for a prefill of equal lengths, so the fused kernels can run; a one-token step on the CPU attends over each row's
+own keys instead of the padded width (models/decode_attention.py).
 """
 
 from __future__ import annotations
