@@ -50,8 +50,8 @@ inline void load_row(const T* source, float* row) {
 struct Scratch {
   std::vector<float> keys, values, scores, bias;
   std::vector<int64_t> slots;
-  void fit(int64_t width, int64_t head_dim) {
-    if (int64_t(slots.size()) >= width) return;
+  void fit(int64_t width, int64_t head_dim) {  // per instantiation, so one head size; the width only grows
+    if (int64_t(keys.size()) >= width * head_dim) return;
     keys.resize(width * head_dim);
     values.resize(width * head_dim);
     scores.resize(width);
