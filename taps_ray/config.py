@@ -81,8 +81,8 @@ class TargetConfig(_Strict):
         "does not cover the architecture); hf, transformers' decoder (docs/targets.md: every family's forward, "
         "or why it is refused). Both compute the same tokens (fp32 greedy)")
     compile: Literal["auto", "none", "inductor", "step"] = Field(
-        "auto", description="auto: step on a GPU; on a CPU inductor in a bf16 or fp16 Serve replica (compiled at "
-        "its start-up) and none elsewhere (fp32, or runs too short to earn back the compiling), what measured "
+        "auto", description="auto: step on a GPU; on a CPU inductor in a Serve replica (compiled at its start-up) "
+        "and none elsewhere (runs too short to earn back the compiling), what measured "
         "fastest (reports/gpu.md, docs/serve.md, reports/compiled_forward.md); none: the fast forward runs eager; "
         "inductor: its layers (norms, projections, RoPE, MLP) as one torch.compile graph with the weights frozen "
         "in, the cache write and attention an eager op a layer, for one-token steps (prefills and trees run "

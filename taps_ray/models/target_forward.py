@@ -47,20 +47,20 @@ def compile_unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
-def resolved_compile(compile_mode: CompileMode, device: torch.device, fast: bool, serving: bool = False,
-                     dtype: torch.dtype = torch.float32) -> CompileMode:
+def resolved_compile(compile_mode: CompileMode, device: torch.device, fast: bool, serving: bool = False
+                     ) -> CompileMode:
     """`auto` as what measured fastest on the device: taps' fast forward's captured step on a GPU (2.1x eager at
-    batch 1, 1.4x at 16 on the 8B shape, H200: reports/gpu.md); on a CPU its layer graph for a bf16 or fp16 Serve
-    replica (`serving`: long-lived, it compiles once at start-up; 1.1-1.2x eager's step at batch 1-16 in bf16,
-    docs/serve.md; in fp32 0.96x at batch 1, reports/compiled_forward.md), eager for everything else, whose runs are
-    too short to earn back the compiling; transformers' forward eager; other modes as given."""
+    batch 1, 1.4x at 16 on the 8B shape, H200: reports/gpu.md); on a CPU its layer graph for a Serve replica
+    (`serving`: long-lived, it compiles once at start-up; 1.1-1.2x eager's step at batch 1-16 in bf16; in fp32
+    served under vLLM's client 1.06x eager at 16 in flight, docs/serve.md), eager for everything else, whose runs
+    are too short to earn back the compiling; transformers' forward eager; other modes as given."""
     if compile_mode != "auto" or not fast:
         return compile_mode if compile_mode != "auto" else "none"
     if device.type == "cuda":
         log.info("target.compile auto: the captured decode step on the GPU (each shape bucket compiles on first "
                  "use, ~40 s on an H200; target.compile: none runs eager)")
         return "step"
-    return "inductor" if serving and device.type == "cpu" and dtype != torch.float32 else "none"
+    return "inductor" if serving and device.type == "cpu" else "none"
 
 
 def attach_forward(model: nn.Module, kind: ForwardKind, compile_mode: CompileMode = "none",
@@ -72,7 +72,7 @@ def attach_forward(model: nn.Module, kind: ForwardKind, compile_mode: CompileMod
     if reason is not None:
         log.info("target.forward fast does not cover this target (%s): using transformers' forward", reason)
     fast = kind == "fast" and reason is None
-    compile_mode = resolved_compile(compile_mode, model.device, fast, serving, model.dtype)
+    compile_mode = resolved_compile(compile_mode, model.device, fast, serving)
     compiled = compile_mode != "none"
     if compiled and not fast:
         log.warning("target.compile %s compiles taps' fast forward only: transformers' forward runs eager",
