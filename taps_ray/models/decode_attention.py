@@ -22,6 +22,7 @@ import hashlib
 import logging
 import os
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,6 +34,7 @@ HEAD_DIMS = (16, 32, 64, 128)  # the kernel's compiled head sizes
 DTYPES = (torch.float32, torch.bfloat16)
 
 log = logging.getLogger(__name__)
+_LOADING = threading.Lock()
 
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", float], torch.Tensor]
 
@@ -87,6 +89,11 @@ def _build_and_load(name: str) -> None:
 def kernel() -> Kernel | None:
     """`taps::decode_attention(queries [B, H, R, D], keys, values [B, H, S, D], additive mask [B, 1, 1, S] or
     None, scale)`, built and loaded once a process; None (with a warning) where it cannot be built."""
+    with _LOADING:  # two threads' first calls: one builds and loads, the other then finds the op
+        return _loaded()
+
+
+def _loaded() -> Kernel | None:
     if not hasattr(torch.ops.taps, "decode_attention"):
         try:
             _build_and_load(build_name())
