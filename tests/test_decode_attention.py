@@ -19,6 +19,8 @@ from taps_ray.models import decode_attention
 from taps_ray.models.fast_llama import FastLlama
 from taps_ray.models.target_forward import attach_forward
 
+from numerics import rounding_rtol
+
 
 def _kernel() -> decode_attention.Kernel:
     kernel = decode_attention.kernel()
@@ -64,7 +66,10 @@ def test_the_kernel_is_as_close_to_the_truth_as_sdpa(dtype, kv_heads, group, hea
     truth = _reference(queries, keys, values, allowed, scale)
     sdpa_error = (F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale).double()
                   - truth).abs().max().item()
-    assert (got.double() - truth).abs().max().item() <= 2 * max(sdpa_error, torch.finfo(dtype).eps)
+    # floored at one dot product's rounding (tests/numerics.py), not one eps: where SDPA rounds closer to the
+    # truth (another CPU family's kernel), the kernel's own float32 sums must not fail the test
+    floor = max(rounding_rtol(head_dim) * truth.abs().max().item(), torch.finfo(dtype).eps)
+    assert (got.double() - truth).abs().max().item() <= 2 * max(sdpa_error, floor)
     # not vacuous: the padding holds large values, which would change the answer if attended
     unmasked = _reference(queries, keys, values, torch.ones_like(allowed), scale)
     assert (unmasked - truth).abs().max().item() > 100 * torch.finfo(dtype).eps
