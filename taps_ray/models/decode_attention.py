@@ -1,5 +1,5 @@
 """A one-token decode step's attention on the CPU over each row's own keys: a small C++ kernel
-(`decode_attention.cpp`), built for this machine on first use and cached by torch's extension builder.
+(`decode_attention.cpp`), built for this machine on first use and kept in torch's extension directory.
 
 Why: at a batch of ragged sequences the cache is as wide as the longest one, and torch's CPU attention computes
 every padded key (the mask only zeroes them), after a fixed ~75 µs a call. The kernel gathers each row's
