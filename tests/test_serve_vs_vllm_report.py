@@ -78,3 +78,11 @@ def test_engine_alone_times_serves_engine_in_a_child_process():
         assert row["output_tokens"] == 4 * 6 and row["completed"] == 4 and row["output_tok_s"] > 0
         assert 0 < row["ttft_p50_ms"] <= row["ttft_p99_ms"] and 0 < row["itl_p50_ms"] <= row["itl_p99_ms"]
         assert row["tpot_p50_ms"] != row["tpot_p50_ms"]  # NaN: a closed loop has no TPOT of vLLM's definition
+
+
+def test_the_regenerate_line_names_the_target_that_trains_the_served_heads():
+    harness = _harness()
+    assert harness.prerequisites("configs/data_size.yaml", "plain", {}) == "make vllm-venv"
+    assert harness.prerequisites("runs/cpu-quick/config.yaml", "plain", {}) == "make vllm-venv"
+    assert harness.prerequisites("runs/cpu-quick/config.yaml", "plain,routed", {}) == "make vllm-venv sweep-quick"
+    assert harness.prerequisites("configs/interop.yaml", "plain", {"eagle3-math": {}}) == "make vllm-venv interop"

@@ -166,6 +166,18 @@ def vllm_server(venv: Path, dtype: str, max_seqs: int, port: int, log: Path, nam
     return Server("vLLM", command, env, port, log)
 
 
+# The make target that trains each config's heads, for a report's regenerate line.
+HEADS_MADE_BY = {"configs/cpu.yaml": "sweep", "runs/cpu-quick/config.yaml": "sweep-quick",
+                 "configs/interop.yaml": "interop"}
+
+
+def prerequisites(config_path: str, models: str, heads: dict) -> str:
+    """`make vllm-venv`, and the target that trains the config's heads when a drafting model or head is served."""
+    drafting = heads or any(model != "plain" for model in models.split(",") if model)
+    target = HEADS_MADE_BY.get(Path(config_path).as_posix()) if drafting else None
+    return "make vllm-venv" + (f" {target}" if target else "")
+
+
 def vllm_head_configs(config_path: str, heads: list[str], tokens: int) -> dict[str, dict]:
     """vLLM's speculative_config per head `<kind>-<mixture>` of the config's work dir, exported for vLLM."""
     cfg = load_config(config_path)
@@ -402,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
                 server.stop()
     command = "python benchmarks/serving/serve_vs_vllm.py " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = ["# taps serve vs vLLM's OpenAI server, by vLLM's benchmark client", "",
-             f"Regenerate: `make vllm-venv && {command}` ({(time.perf_counter() - start) / 60:.0f} min). "
+             f"Regenerate: `{prerequisites(args.config, args.models, heads)} && {command}` ({(time.perf_counter() - start) / 60:.0f} min). "
              f"Machine: {cpu_line()}.", "",
              f"{count} prompts (half GSM8K, half MT-Bench first turns, each sent as the user's message and "
              f"templated by the server), {args.max_tokens} new tokens, T = 0, streamed (`openai-chat`), at most "
