@@ -388,6 +388,25 @@ def test_cache_compaction_and_row_selection_match_a_naive_copy(dtype: torch.dtyp
     assert torch.equal(keys[:, :, :5], keys_before)  # the rows' committed slots, and the other row, untouched
 
 
+@pytest.mark.parametrize("head_dims", [(4, 4), (4, 6)], ids=["one-storage", "per-layer"])
+@pytest.mark.parametrize("keep", [[3, 0, 1, 2], [1, 0, 3], [0, 2, 3], [2, 2, 0]], ids=["rotation", "swap", "leave",
+                                                                                       "repeat"])
+def test_keeping_rows_in_any_order_equals_selecting_them(keep: list[int], head_dims: tuple[int, int]):
+    """Rows are copied one by one in place: a row overwritten before a later row reads it is read as it was."""
+    generator = torch.Generator().manual_seed(2)
+    cache = KVCache(num_layers=2)
+    cache.reset(4)
+    full = [torch.randn(4, 2, 7, d, generator=generator) for d in head_dims]
+    for layer in range(2):
+        cache.append(layer, full[layer], -full[layer])
+    cache.advance(7)
+    cache.keep_rows(keep, 5)
+    assert (cache.rows, cache.width) == (len(keep), 5)
+    for layer in range(2):
+        keys, values = cache.layer(layer)
+        assert torch.equal(keys, full[layer][keep, :, :5]) and torch.equal(values, -full[layer][keep, :, :5])
+
+
 def test_write_slots_writes_each_row_at_its_own_slots():
     buffer = torch.zeros(2, 3, 6, 4, dtype=torch.bfloat16)
     values = torch.arange(2 * 3 * 2 * 4, dtype=torch.bfloat16).view(2, 3, 2, 4)

@@ -82,6 +82,15 @@ class KVCache:
         self._values: list[torch.Tensor | None] = [None] * num_layers
         self._storage: torch.Tensor | None = None  # every layer's buffers, while they share one shape
 
+    def _block_ids(self, slots: torch.Tensor) -> torch.Tensor:
+        """Where row b's slots `slots[b]` ([rows, n]) lie in the storage viewed as [2 * layers, blocks, head_dim]:
+        one id per (row, head, slot), the same in every layer. Why blocks: indexing the storage with a row and a slot
+        index (two advanced indices) copied element by element, 2.7x slower at batch 16 (ad hoc, bf16, 1 thread)."""
+        heads, capacity = self._storage.shape[3], self._storage.shape[4]
+        rows = torch.arange(slots.shape[0], device=slots.device)[:, None, None]
+        head = torch.arange(heads, device=slots.device)[None, :, None]
+        return ((rows * heads + head) * capacity + slots[:, None, :]).reshape(-1)
+
     def reset(self, rows: int) -> None:
         """Empty the cache for `rows` new sequences; the buffers are reused when they have room for the rows."""
         for layer, buffer in enumerate(self._keys):
@@ -172,9 +181,9 @@ class KVCache:
         """Row b's slots `source[b]` go to its slots `target[b]` ([rows, n] each; a pair may repeat), in place for
         every layer, then the region is `width` slots wide. Only the moved slots are read and written: a batch of
         ragged sequences moves its few accepted tree slots, not the span between its shortest and longest."""
-        if self._storage is not None:  # every layer at once: the slot index is the storage's fifth dimension
-            row = torch.arange(self.rows, device=source.device)[:, None]
-            self._storage[:, :, row, :, target] = self._storage[:, :, row, :, source]  # the read is a copy
+        if self._storage is not None:  # every layer at once, as whole key/value vectors of the storage's blocks
+            blocks = self._storage.view(2 * self.num_layers, -1, self._storage.shape[-1])
+            blocks.index_copy_(1, self._block_ids(target), blocks.index_select(1, self._block_ids(source)))
         else:
             for buffer in (*self._keys, *self._values):
                 if buffer is not None:
@@ -202,14 +211,12 @@ class KVCache:
         change place are copied: a request leaving a batch of 16 moves the rows after it, not all 15, and the
         buffers keep their rows for the next request to join in place (`merge`)."""
         moved = [(to, row) for to, row in enumerate(keep) if to != row]
-        buffers = [b for b in (*self._keys, *self._values) if b is not None]
-        if moved and buffers:
-            to, rows = torch.tensor(moved, device=buffers[0].device).unbind(1)
-            if self._storage is not None:  # every layer at once
-                self._storage[:, :, to, :, :width] = self._storage[:, :, rows, :, :width]
-            else:
-                for buffer in buffers:
-                    buffer[to, :, :width] = buffer[rows, :, :width]  # the read is a copy: rows may overlap
+        if moved and self._storage is not None:  # every layer at once
+            _copy_rows(self._storage, 2, moved, width)
+        elif moved:
+            for buffer in (*self._keys, *self._values):
+                if buffer is not None:
+                    _copy_rows(buffer, 0, moved, width)
         self.rows, self.width = len(keep), width
 
     def take_rows(self, index: torch.Tensor, width: int) -> KVCache:
@@ -268,6 +275,25 @@ class KVCache:
         if keys is None or values is None:
             raise ValueError(f"layer {index} of the cache holds nothing yet (no forward has run)")
         return keys[: self.rows, :, : self.width], values[: self.rows, :, : self.width]
+
+
+def _copy_rows(buffer: torch.Tensor, row_dim: int, moved: list[tuple[int, int]], width: int) -> None:
+    """Copy row `row` of `buffer` (rows on `row_dim`, slots two dimensions later) onto row `to` for each pair
+    `(to, row)` of `moved` in order, over the first `width` slots; a row overwritten before a later pair reads it
+    is read from a copy taken first. One contiguous copy per row: an advanced index over the rows copied element
+    by element, 13x slower for 11 rows of 346 slots at batch 16 (ad hoc, bf16, 1 thread)."""
+    def row_slots(row: int) -> torch.Tensor:
+        return buffer.select(row_dim, row).narrow(row_dim + 1, 0, width)
+
+    written: set[int] = set()
+    overwritten: set[int] = set()
+    for to, row in moved:
+        if row in written:
+            overwritten.add(row)
+        written.add(to)
+    saved = {row: row_slots(row).clone() for row in overwritten}
+    for to, row in moved:
+        row_slots(to).copy_(saved.get(row, row_slots(row)))
 
 
 def move_slots(rows: torch.Tensor, source: torch.Tensor, target: torch.Tensor) -> None:
