@@ -25,6 +25,7 @@ from taps_ray.decoding.target_batch import TargetBatch
 from taps_ray.decoding.verify import SamplingParams
 from taps_ray.drafting.proposers import PlainDecoding
 from taps_ray.drafting.tree import root_only
+from taps_ray.models import layer_graph
 from taps_ray.models.fast_llama import FastLlama
 from taps_ray.models.hf_forward import HFForward
 from taps_ray.models.target import Target, load_target
@@ -80,6 +81,42 @@ def test_compiled_greedy_decoding_is_eager_and_transformers_greedy(tiny_target, 
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+def test_a_prompt_prefills_through_the_graph_padded_as_unpadded(compiled_target, prompts, monkeypatch):
+    """One prompt's prefill runs through the layer graph at its length rounded up to `PREFILL_BUCKET`: its
+    features, last logits and cache are exactly those of the same prefill unpadded (fp32), and every length runs
+    in one graph."""
+    graph = target_forward(compiled_target.model).graph
+    compiled, widths = graph._compiled, []
+
+    def spy(input_ids, *rest):
+        widths.append(input_ids.shape[1])
+        return compiled(input_ids, *rest)
+
+    def prefilled(prompt: list[int]) -> tuple:
+        batch = TargetBatch(compiled_target.model)
+        (out,) = batch.prefill([prompt])
+        keys, values = batch.cache.layer(0)
+        return out, keys[..., : batch.cache.width, :], values[..., : batch.cache.width, :], batch.cache.width
+
+    prompt = prompts[1] + prompts[0][1:]
+    lengths = [2, 7, 16, len(prompt)]
+    TargetBatch(compiled_target.model).prefill([prompt[:3]])  # the graph of a prefill, compiled before counting
+    graphs = counters["stats"]["unique_graphs"]
+    monkeypatch.setattr(graph, "_compiled", spy)
+    padded = [prefilled(prompt[:n]) for n in lengths]
+    assert widths == [layer_graph.PREFILL_BUCKET * -(-n // layer_graph.PREFILL_BUCKET) for n in lengths]
+    assert counters["stats"]["unique_graphs"] == graphs
+    monkeypatch.setattr(layer_graph, "PREFILL_BUCKET", 1)
+    widths.clear()
+    unpadded = [prefilled(prompt[:n]) for n in lengths]
+    assert widths == lengths and len(prompt) % 16 != 0
+    for n, (out, keys, values, width), (alone, alone_keys, alone_values, alone_width) in zip(
+            lengths, padded, unpadded, strict=True):
+        assert width == alone_width == n and out.hidden.shape[0] == n
+        assert torch.equal(out.hidden, alone.hidden) and torch.equal(out.logits, alone.logits)
+        assert torch.equal(keys, alone_keys) and torch.equal(values, alone_values)
+
+
 def test_compiled_sampling_follows_the_seeds_as_eager_does(tiny_target, compiled_target, prompts):
     params = SamplingParams(temperature=1.0, top_p=0.9)
     compiled = _decode(compiled_target, prompts, params, [3, 7])
@@ -129,7 +166,7 @@ def test_compile_falls_back_to_eager_with_a_line_naming_the_fix(tiny_config, mon
 
 
 def test_a_replica_warm_up_compiles_what_plain_serving_runs(tiny_config, tiny_target, prompts):
-    """serve/warm_up.py: after it, plain steps at any batch compile nothing new (prefills and trees run eager),
+    """serve/warm_up.py: after it, plain steps at any batch and prefills compile nothing new (trees run eager),
     and the compiled forward decodes eager's greedy tokens under the replica's batcher and under drafting."""
     from taps_ray.decoding.continuous import ContinuousBatcher, Request
     from taps_ray.serve.warm_up import warm_up

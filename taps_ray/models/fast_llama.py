@@ -288,7 +288,8 @@ class FastLlama:
         hidden_layers: Sequence[int] = (),
     ) -> tuple[torch.Tensor, torch.Tensor]:
         masks, causal = self.attention_masks(mask, positions, cache.width, self.embed.dtype)
-        if self.graph is not None and input_ids.shape[1] == 1:  # one-token steps; prefills and trees run eager
+        if self.graph is not None and (input_ids.shape[1] == 1 or (causal and input_ids.shape[0] == 1)):
+            # one-token steps, and one prompt's prefill; trees, joins and prefills of several prompts run eager
             return self.graph(input_ids, positions, masks, causal, cache.append, hidden_layers)
         return self.decode(input_ids, positions, masks, causal, cache.append, hidden_layers)
 

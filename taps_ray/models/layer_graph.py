@@ -12,10 +12,13 @@ ad hoc): a bf16 decode step 19.6 / 21.9 / 37-39.5 ms at batch 1 / 4 / 16 against
 What stays outside the graph: the cache write and attention, one opaque op a layer (`taps::cached_attention`)
 that reads the forward's cache, masks and causality from the calling thread, so the graph never sees the cache's
 width (it grows every step; a graph over it would guard on it and recompile) nor a mask's shape. The forward
-runs it for one-token steps only (plain decoding, at any batch: the batch is dynamic from 2 up, `mark_dynamic`,
-batch 1 keeping a graph of its own); prefills and trees run eager, where it measured no faster (one sequence's
-tree of 4-16 nodes at 0.88-0.96x eager in bf16 through the graph, `benchmarks/speed/compiled_forward.py` in an
-ad-hoc run; reports/compiled_forward_bf16.md has the rule as kept). Frozen weights are the
+runs it for one-token steps (plain decoding, at any batch: the batch is dynamic from 2 up, `mark_dynamic`,
+batch 1 keeping a graph of its own) and for one prompt's prefill (its length dynamic: one more graph; a
+150-token bf16 prefill of SmolLM2-135M in 58-60 ms against eager's 72-73, Intel Xeon with AMX, 2 threads, ad
+hoc: the time to first token of a request that finds the replica idle). Trees, and prefills of several prompts,
+run eager: a tree measured no faster (one sequence's tree of 4-16 nodes at 0.88-0.96x eager in bf16 through the
+graph, `benchmarks/speed/compiled_forward.py` in an ad-hoc run; reports/compiled_forward_bf16.md has the rule as
+kept), and a batch of prompts would be one more graph to compile at start-up. Frozen weights are the
 weights at compile time: `LayerGraph` rebuilds the graph when a source weight changes in place (its version
 counter moves), as an eager projection lays itself out again.
 """
@@ -29,6 +32,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._dynamo import config as dynamo_config
 from torch._inductor import config as inductor_config
 
 from taps_ray.models.cpu_linear import version_counter
@@ -58,16 +62,38 @@ class LayeredForward(Protocol):
     def check_sources(self) -> None: ...
 
 
-_CALL = threading.local()  # the forward the running graph belongs to: (fast forward, write, masks, causal)
+_CALL = threading.local()  # the running graph's forward: (fast forward, write, masks, causal, real length)
+
+# Prompt tokens a prefill through the graph is padded to a multiple of. Why: each new prompt length is a new
+# row count for oneDNN's matmuls, which build their kernels for it on first use: a one-prompt bf16 prefill of
+# SmolLM2-135M took ~15 ms more at a length not seen before than at one seen (~65 ms; Intel Xeon with AMX, 2
+# threads, ad hoc). Padded, the lengths fall in a few widths that a replica's warm-up runs once
+# (serve/warm_up.py); the padding costs 8 tokens' compute on average (~5% at 150 tokens), and the cache write
+# and attention, outside the graph, see the real tokens only (`_cached_attention`).
+PREFILL_BUCKET = 16
+# Graphs dynamo keeps for `_LayerStack.forward` before it runs the rest eager: each forward compiles three (a
+# one-token step of one row, of several, a prefill), guarded on its own module, so a process holding a few
+# compiled targets (tests, a copy of a replica's model) passes dynamo's default of 8.
+GRAPHS_PER_CODE = 64
 
 
 def _cached_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layer: int) -> torch.Tensor:
     """Layer `layer`'s keys and values appended to the calling forward's cache, then its attention: eager, as
-    `FastLlama.decode` runs them between the two halves of a layer."""
-    fast, write, masks, causal = _CALL.forward
+    `FastLlama.decode` runs them between the two halves of a layer. A padded prefill (`LayerGraph`) writes and
+    attends its first `length` tokens only, so the cache and every real token's output are the unpadded
+    prompt's; the padding's rows attend to nothing (zeros)."""
+    fast, write, masks, causal, length = _CALL.forward
+    shape, padded = queries.shape, keys.shape[2]
+    if length < padded:  # the folded queries' rows are head-major, then position: keep each head's first `length`
+        batch, kv_heads, rows, head_dim = shape
+        queries = queries.view(batch, kv_heads, rows // padded, padded, head_dim)[:, :, :, :length]
+        queries = queries.reshape(batch, kv_heads, rows // padded * length, head_dim)
+        keys, values = keys[:, :, :length], values[:, :, :length]
     cached_keys, cached_values = write(layer, keys, values)
     attended = fast.attend(queries, cached_keys, cached_values, masks[fast.windows[layer]], causal)
-    return attended.reshape(queries.shape)  # a causal prefill attends unfolded: the same rows, folded back
+    if length < padded:  # per query head: its `length` rows, then the padding's
+        attended = F.pad(attended.reshape(batch, -1, length, head_dim), (0, 0, 0, padded - length))
+    return attended.reshape(shape)  # a causal prefill attends unfolded: the same rows, folded back
 
 
 def _attention_shape(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layer: int) -> torch.Tensor:
@@ -162,13 +188,28 @@ class LayerGraph:
         if self._compiled is None or versions != self._versions:
             self._compiled = torch.compile(_LayerStack(self.fast))
             self._versions = versions
+        length = input_ids.shape[1]
+        if length > 1:  # a causal prefill (the forward's only call of several tokens): padded after its tokens
+            width = self.prefill_width(length)
+            input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(-1, width - length)], dim=1)
+            positions = torch.arange(width, device=positions.device).expand(input_ids.shape[0], -1)
         cos, signed_sin = self.fast.rotation(positions, self.fast.embed.dtype)
         if input_ids.shape[0] > 1:  # the batch: ids [B, T], cos and sin [B, 1, T, head_dim]
             for tensor in (input_ids, cos, signed_sin):
                 torch._dynamo.mark_dynamic(tensor, 0)
-        _CALL.forward = (self.fast, write, masks, causal)
+        if length > 1:  # one graph for every prompt width
+            torch._dynamo.mark_dynamic(input_ids, 1)
+            for tensor in (cos, signed_sin):
+                torch._dynamo.mark_dynamic(tensor, 2)
+        _CALL.forward = (self.fast, write, masks, causal, length)
         try:  # inductor reads `freezing` when it compiles, which a call may do (a new shape); options= does not set it
-            with inductor_config.patch(freezing=True):
-                return self._compiled(input_ids, cos, signed_sin, tuple(hidden_layers))
+            with inductor_config.patch(freezing=True), dynamo_config.patch(recompile_limit=GRAPHS_PER_CODE):
+                last, features = self._compiled(input_ids, cos, signed_sin, tuple(hidden_layers))
         finally:
             _CALL.forward = None
+        return (last, features) if length == input_ids.shape[1] else (last[:, :length], features[:, :length])
+
+    @staticmethod
+    def prefill_width(length: int) -> int:
+        """The width a prompt of `length` tokens runs at through the graph: `PREFILL_BUCKET`'s next multiple."""
+        return -(-length // PREFILL_BUCKET) * PREFILL_BUCKET

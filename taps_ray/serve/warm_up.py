@@ -5,6 +5,9 @@ of each shape class (a one-token step of one row, of several) compiles for 20-40
 arriving first would wait that long, and the scheduler's stall watch could take it for a hung engine. So the
 replica decodes a few tokens of a dummy prompt, alone and two at once, through its own batcher (with its
 feature layers: every forward of a replica with heads returns them, plain steps too).
+Then it prefills one prompt at each width the layer graph pads prompts to (`LayerGraph.prefill_width`) up to
+`WARM_PREFILL_TOKENS`: oneDNN builds a matmul's kernels for each row count on its first use, ~15 ms of a first
+request's prefill (models/fast_llama.py).
 """
 
 from __future__ import annotations
@@ -15,10 +18,13 @@ import time
 from taps_ray.decoding.continuous import ContinuousBatcher, Request
 from taps_ray.decoding.verify import SamplingParams
 from taps_ray.drafting.proposer import Proposer
+from taps_ray.models.fast_llama import FastLlama
+from taps_ray.models.target_forward import target_forward
 
 logger = logging.getLogger(__name__)
 
 WARM_UP_TOKENS = 3
+WARM_PREFILL_TOKENS = 512  # prompts up to this long find their prefill's kernels built (~4 s bf16, ~8 s fp32)
 
 
 def warm_up(batcher: ContinuousBatcher, plain: Proposer, prompt: list[int]) -> float:
@@ -26,11 +32,23 @@ def warm_up(batcher: ContinuousBatcher, plain: Proposer, prompt: list[int]) -> f
     idle, as it was."""
     start = time.perf_counter()
     for copies in (1, 2):
-        for _ in range(copies):
-            batcher.submit(Request(prompt=list(prompt), proposer=plain, params=SamplingParams(),
-                                   max_tokens=WARM_UP_TOKENS, seed=0, ignore_eos=True))
-        while batcher.busy:
-            batcher.step()
-    seconds = time.perf_counter() - start
-    logger.info("taps serve: the target's layer graph compiled in %.0f s (warm-up)", seconds)
-    return seconds
+        _decode(batcher, [Request(prompt=list(prompt), proposer=plain, params=SamplingParams(),
+                                  max_tokens=WARM_UP_TOKENS, seed=0, ignore_eos=True) for _ in range(copies)])
+    compiled = time.perf_counter()
+    logger.info("taps serve: the target's layer graph compiled in %.0f s (warm-up)", compiled - start)
+    forward = target_forward(batcher.model)
+    if isinstance(forward, FastLlama) and forward.graph is not None:
+        widths = sorted({forward.graph.prefill_width(n) for n in range(2, WARM_PREFILL_TOKENS + 1)})
+        for width in widths:
+            _decode(batcher, [Request(prompt=(prompt * width)[:width], proposer=plain, params=SamplingParams(),
+                                      max_tokens=1, seed=0, ignore_eos=True)])
+        logger.info("taps serve: prefills at %d widths up to %d tokens warmed in %.0f s (warm-up)", len(widths),
+                    WARM_PREFILL_TOKENS, time.perf_counter() - compiled)
+    return time.perf_counter() - start
+
+
+def _decode(batcher: ContinuousBatcher, requests: list[Request]) -> None:
+    for request in requests:
+        batcher.submit(request)
+    while batcher.busy:
+        batcher.step()
