@@ -24,6 +24,7 @@ from taps_ray.models.cpu_linear import DecodingLinear, Projection
 from taps_ray.models.fast_llama import SUPPORTED_MODEL_TYPES, FastLlama
 from taps_ray.models.hf_forward import HFForward
 from taps_ray.models.kv_cache import GROWTH, KVCache, write_slots
+from taps_ray.models.layer_graph import LayerGraph
 from taps_ray.models.target_forward import (attach_forward, compile_unavailable_reason, resolved_compile,
                                              target_forward)
 
@@ -503,19 +504,30 @@ def _two_rows(model: torch.nn.Module, feature_layers: tuple[int, ...]) -> Target
 
 
 @pytest.mark.parametrize("feature_layers", [(), (0, 2, -1)], ids=["last", "eagle3-layers"])
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_a_step_that_prefills_joining_prompts_computes_what_a_step_then_a_prefill_does(family, feature_layers):
+@pytest.mark.parametrize("family,compile_mode", [("llama", "none"), ("qwen2", "none"), ("qwen3", "none"),
+                                                 ("llama", "inductor")])
+def test_a_step_that_prefills_joining_prompts_computes_what_a_step_then_a_prefill_does(family, compile_mode,
+                                                                                      feature_layers, monkeypatch):
     """`step_joining` against `step` then `start` + `merge`: the same committed tokens, first tokens (one of
     them drawn at T > 0 from its seed), features, logits and cache, to fp32 rounding (the projections see more
-    rows at once); the next step from either batch then commits the same tokens."""
+    rows at once); the next step from either batch then commits the same tokens. Compiled (`inductor`), the
+    packed step runs through the layer graph, padded, as the prompts' own prefills do."""
+    if compile_mode != "none" and NO_INDUCTOR is not None:
+        pytest.skip(NO_INDUCTOR)
     model = _tiny(family)
-    attach_forward(model, "fast")
+    attach_forward(model, "fast", compile_mode)
+    graph_rows: list[int] = []  # the token count of each call of the layer graph
+    graph_call = LayerGraph.__call__
+    monkeypatch.setattr(LayerGraph, "__call__",
+                        lambda graph, ids, *rest: graph_rows.append(ids.shape[1]) or graph_call(graph, ids, *rest))
     prompts = [list(range(40, 49)), list(range(5, 35))]
     params = [SamplingParams(), SamplingParams(temperature=0.8)]
     joined, apart = _two_rows(model, feature_layers), _two_rows(model, feature_layers)
     assert joined.joins_in_step
     newcomer = TargetBatch(model, keep_logits=True, feature_layers=feature_layers)
+    graph_rows.clear()
     results, first = joined.step_joining([TREE, CHAIN], newcomer, prompts, params, [5, 6])
+    assert graph_rows == ([] if compile_mode == "none" else [2 * TREE.size + 9 + 30]), graph_rows  # one packed row
     joined.merge(newcomer)
     want = apart.step([TREE, CHAIN])
     alone = TargetBatch(model, keep_logits=True, feature_layers=feature_layers)

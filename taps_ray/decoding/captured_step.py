@@ -81,8 +81,8 @@ class StepGraph:
         def write(layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return keys[layer][:batch].index_copy_(2, slots, k), values[layer][:batch].index_copy_(2, slots, v)
 
-        hidden, features = self.forward.decode(tokens.clamp(min=0), positions, masks, False, write,
-                                               self.feature_layers)
+        hidden, features = self.forward.decode(tokens.clamp(min=0), positions,
+                                               self.forward.layer_attention(masks, False, write), self.feature_layers)
         logits = self.forward.logits(hidden)
         node_uniforms = None if uniforms is None else uniforms.gather(1, depth)
         packed = packed_paths(tokens, parents, depth, tree_mask, sizes, shared_choices(logits, self.params,

@@ -47,7 +47,7 @@ from taps_ray.models import decode_attention
 from taps_ray.models.attention_windows import UnsupportedLayers, causal_mask, layer_windows, windowed_masks
 from taps_ray.models.cpu_linear import Projection, module_projection
 from taps_ray.models.kv_cache import KVCache
-from taps_ray.models.layer_graph import LayerGraph
+from taps_ray.models.layer_graph import LayerAttention, LayerGraph
 from taps_ray.models.sdpa import attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -248,23 +248,30 @@ class FastLlama:
             return attention(unfolded, keys, values, causal=True, scale=self.scale, gqa=self.heads != self.kv_heads)
         return attention(queries, keys, values, mask=mask, scale=self.scale)
 
-    def decode(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, masks: dict[int | None, torch.Tensor | None],
-        causal: bool, write: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
-        hidden_layers: Sequence[int] = (),
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layers over a cache that `write(layer, k, v)` appends to (returning the layer's keys and values to
-        attend): the preallocated `KVCache` of a forward, or the fixed-capacity buffers of a captured step
-        (decoding/captured_step.py), which traces this whole."""
+    def layer_attention(self, masks: dict[int | None, torch.Tensor | None], causal: bool,
+                        write: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+                        ) -> LayerAttention:
+        """A layer's keys and values appended by `write(layer, k, v)` (which returns the keys and values to
+        attend: the preallocated `KVCache` of a forward, or the fixed-capacity buffers of a captured step), then
+        its attention under the forward's `masks` (`attention_masks`)."""
+
+        def attention(layer: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+            cached_keys, cached_values = write(layer, keys, values)
+            return self.attend(queries, cached_keys, cached_values, masks[self.windows[layer]], causal)
+
+        return attention
+
+    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: LayerAttention,
+               hidden_layers: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layers, eager, each attending through `attention` (`layer_attention`, or a packed step's); a
+        captured step (decoding/captured_step.py) traces this whole."""
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rotation(positions, x.dtype)
         wanted = {i % (self.num_layers + 1) for i in hidden_layers}
         recorded: dict[int, torch.Tensor] = {0: x} if 0 in wanted else {}
         for index, layer in enumerate(self.layers):
             queries, k, v = self.attention_inputs(x, layer, cos, sin)
-            keys, values = write(index, k, v)
-            attended = self.attend(queries, keys, values, masks[self.windows[index]], causal)
-            x = self.layer_output(x, attended, layer)
+            x = self.layer_output(x, attention(index, queries, k, v), layer)
             if index + 1 in wanted and index + 1 < self.num_layers:
                 recorded[index + 1] = x
         last = _rms_norm(x, self.norm, self.eps)
@@ -288,15 +295,16 @@ class FastLlama:
         hidden_layers: Sequence[int] = (),
     ) -> tuple[torch.Tensor, torch.Tensor]:
         masks, causal = self.attention_masks(mask, positions, cache.width, self.embed.dtype)
+        attention = self.layer_attention(masks, causal, cache.append)
         if self.graph is not None and (input_ids.shape[1] == 1 or (causal and input_ids.shape[0] == 1)):
-            # one-token steps, and one prompt's prefill; trees, joins and prefills of several prompts run eager
-            return self.graph(input_ids, positions, masks, causal, cache.append, hidden_layers)
-        return self.decode(input_ids, positions, masks, causal, cache.append, hidden_layers)
+            # one-token steps, and one prompt's prefill; trees and prefills of several prompts run eager
+            return self.graph(input_ids, positions, attention, hidden_layers)
+        return self.decode(input_ids, positions, attention, hidden_layers)
 
     @property
     def joins_prompts(self) -> bool:
-        """Whether `with_prompts` covers this target: not a captured step (the layer graph's forward may join: the
-        joining step runs eager), and no sliding-window layer (a prompt attends causally over itself there, with
+        """Whether `with_prompts` covers this target: not a captured step (the layer graph's forward may join: its
+        packed tokens run through the graph as one prompt's prefill does), and no sliding-window layer (a prompt attends causally over itself there, with
         no window)."""
         return self.captured is None and set(self.windows) == {None}
 
@@ -311,7 +319,8 @@ class FastLlama:
         the step's rows over their cache and each prompt causally over itself, its keys and values written into
         row i of `prompt_cache` (slots 0..len-1). Returns the step's (post-norm hidden [B, T, d], features) and
         each prompt's post-norm hidden and features [len, .]. Every op computes what the two separate forwards
-        compute, element by element, on the same kernels but for the projections' row count."""
+        compute, element by element, on the same kernels but for the projections' row count. With the layer graph
+        the packed tokens run through it as one row (models/layer_graph.py), as a prompt's prefill does."""
         batch, length = input_ids.shape
         step = batch * length
         sizes = [int(p.numel()) for p in prompts]
@@ -319,20 +328,17 @@ class FastLlama:
         device = input_ids.device
         ids = torch.cat([input_ids.reshape(-1), *prompts])[None]
         prompt_positions = torch.cat([torch.arange(n, device=device) for n in sizes])
-        x = F.embedding(ids, self.embed)
-        cos, sin = self.rotation(torch.cat([positions.reshape(-1), prompt_positions])[None], x.dtype)
+        packed_positions = torch.cat([positions.reshape(-1), prompt_positions])[None]
         masks, causal = self.attention_masks(mask, positions, cache.width, self.embed.dtype)
-        group, total = self.heads // self.kv_heads, ids.shape[1]
-        wanted = {i % (self.num_layers + 1) for i in hidden_layers}
-        recorded: dict[int, torch.Tensor] = {0: x} if 0 in wanted else {}
+        group = self.heads // self.kv_heads
 
         def step_rows(packed: torch.Tensor) -> torch.Tensor:
             """The step's keys or values [B, kv_heads, T, head_dim] of packed ones [1, kv_heads, total, head_dim]."""
             return packed[0, :, :step].reshape(self.kv_heads, batch, length, self.head_dim).transpose(0, 1)
 
-        for index, layer in enumerate(self.layers):
-            queries, k, v = self.attention_inputs(x, layer, cos, sin)
-            q = queries.reshape(self.heads, total, self.head_dim)
+        def attention(index: int, queries: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            """The step's rows over their cache, each prompt causally over itself (written into `prompt_cache`)."""
+            q = queries.reshape(self.heads, k.shape[2], self.head_dim)
             q_step = q[:, :step].reshape(self.heads, batch, length, self.head_dim).transpose(0, 1)
             keys, values = cache.append(index, step_rows(k), step_rows(v))
             parts = [self.attend(q_step.reshape(batch, self.kv_heads, group * length, self.head_dim), keys, values,
@@ -346,13 +352,11 @@ class FastLlama:
                 q_row = q[:, start:end].reshape(1, self.kv_heads, group * size, self.head_dim)
                 parts.append(self.attend(q_row, k_row, v_row, None, True)[0])
                 start = end
-            x = self.layer_output(x, torch.cat(parts, dim=1)[None], layer)
-            if index + 1 in wanted and index + 1 < self.num_layers:
-                recorded[index + 1] = x
-        last = _rms_norm(x, self.norm, self.eps)[0]
-        recorded[self.num_layers] = last[None]
-        features = (torch.cat([recorded[i % (self.num_layers + 1)] for i in hidden_layers], dim=-1)[0]
-                    if hidden_layers else last)
+            return torch.cat(parts, dim=1)[None]
+
+        forward = self.graph if self.graph is not None else self.decode
+        last, features = forward(ids, packed_positions, attention, hidden_layers)
+        last, features = last[0], features[0]
         return (last[:step].view(batch, length, -1), features[:step].view(batch, length, -1),
                 list(last[step:].split(sizes)), list(features[step:].split(sizes)))
 

@@ -10,13 +10,14 @@ ad hoc): a bf16 decode step 19.6 / 21.9 / 37-39.5 ms at batch 1 / 4 / 16 against
 35.7 / 53.4 against 38.1 / 59.6 at 4 / 16.
 
 What stays outside the graph: the cache write and attention, one opaque op a layer (`taps::cached_attention`)
-that reads the forward's cache, masks and causality from the calling thread, so the graph never sees the cache's
-width (it grows every step; a graph over it would guard on it and recompile) nor a mask's shape. The forward
-runs it for one-token steps (plain decoding, at any batch: the batch is dynamic from 2 up, `mark_dynamic`,
-batch 1 keeping a graph of its own) and for one prompt's prefill (its length dynamic: one more graph; a
-150-token bf16 prefill of SmolLM2-135M in 58-60 ms against eager's 72-73, Intel Xeon with AMX, 2 threads, ad
-hoc: the time to first token of a request that finds the replica idle). Trees, and prefills of several prompts,
-run eager: a tree measured no faster (one sequence's tree of 4-16 nodes at 0.88-0.96x eager in bf16 through the
+that runs the calling forward's `LayerAttention` (its cache, masks and causality) from the calling thread, so
+the graph never sees the cache's width (it grows every step; a graph over it would guard on it and recompile)
+nor a mask's shape. The forward runs it for one-token steps (plain decoding, at any batch: the batch is dynamic
+from 2 up, `mark_dynamic`, batch 1 keeping a graph of its own) and for one row of several tokens, its length
+dynamic (one more graph): one prompt's prefill (a 150-token bf16 prefill of SmolLM2-135M in 58-60 ms against
+eager's 72-73, Intel Xeon with AMX, 2 threads, ad hoc: the time to first token of a request that finds the
+replica idle), and a step packed with joining prompts (`FastLlama.with_prompts`, whose attention keeps the step's
+rows and each prompt apart). Trees, and prefills of several prompts, run eager: a tree measured no faster (one sequence's tree of 4-16 nodes at 0.88-0.96x eager in bf16 through the
 graph, `benchmarks/speed/compiled_forward.py` in an ad-hoc run; reports/compiled_forward_bf16.md has the rule as
 kept), and a batch of prompts would be one more graph to compile at start-up. Frozen weights are the
 weights at compile time: `LayerGraph` rebuilds the graph when a source weight changes in place (its version
@@ -52,9 +53,6 @@ class LayeredForward(Protocol):
     def attention_inputs(self, x: torch.Tensor, layer: Any, cos: torch.Tensor, signed_sin: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
-    def attend(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-               causal: bool) -> torch.Tensor: ...
-
     def layer_output(self, x: torch.Tensor, attended: torch.Tensor, layer: Any) -> torch.Tensor: ...
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
@@ -62,7 +60,12 @@ class LayeredForward(Protocol):
     def check_sources(self) -> None: ...
 
 
-_CALL = threading.local()  # the running graph's forward: (fast forward, write, masks, causal, real length)
+# A layer's cache write and attention, eager between the graph's halves of the layer: (layer, queries folded
+# [B, kv_heads, group*T, head_dim], keys and values [B, kv_heads, T, head_dim]) -> the attention's output, folded
+# as the queries (or unfolded [B, heads, T, head_dim]: the same memory order).
+LayerAttention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+_CALL = threading.local()  # the running graph's call: (its LayerAttention, its real token count)
 
 # Prompt tokens a prefill through the graph is padded to a multiple of. Why: each new prompt length is a new
 # row count for oneDNN's matmuls, which build their kernels for it on first use: a one-prompt bf16 prefill of
@@ -78,19 +81,17 @@ GRAPHS_PER_CODE = 64
 
 
 def _cached_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layer: int) -> torch.Tensor:
-    """Layer `layer`'s keys and values appended to the calling forward's cache, then its attention: eager, as
-    `FastLlama.decode` runs them between the two halves of a layer. A padded prefill (`LayerGraph`) writes and
-    attends its first `length` tokens only, so the cache and every real token's output are the unpadded
-    prompt's; the padding's rows attend to nothing (zeros)."""
-    fast, write, masks, causal, length = _CALL.forward
+    """Layer `layer`'s cache write and attention: the calling forward's `LayerAttention`, eager. A padded call
+    (`LayerGraph`) hands it its first `length` tokens only, so the cache and every real token's output are the
+    unpadded call's; the padding's rows attend to nothing (zeros)."""
+    attention, length = _CALL.forward
     shape, padded = queries.shape, keys.shape[2]
     if length < padded:  # the folded queries' rows are head-major, then position: keep each head's first `length`
         batch, kv_heads, rows, head_dim = shape
         queries = queries.view(batch, kv_heads, rows // padded, padded, head_dim)[:, :, :, :length]
         queries = queries.reshape(batch, kv_heads, rows // padded * length, head_dim)
         keys, values = keys[:, :, :length], values[:, :, :length]
-    cached_keys, cached_values = write(layer, keys, values)
-    attended = fast.attend(queries, cached_keys, cached_values, masks[fast.windows[layer]], causal)
+    attended = attention(layer, queries, keys, values)
     if length < padded:  # per query head: its `length` rows, then the padding's
         attended = F.pad(attended.reshape(batch, -1, length, head_dim), (0, 0, 0, padded - length))
     return attended.reshape(shape)  # a causal prefill attends unfolded: the same rows, folded back
@@ -180,19 +181,23 @@ class LayerGraph:
     def _current_versions(self) -> tuple[int, ...]:
         return tuple(version_counter(tensor) for tensor in self._sources())
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, masks: dict, causal: bool,
-                 write: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: LayerAttention,
                  hidden_layers: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layers over ids and positions [B, T], each attending through `attention`: one-token steps (T = 1)
+        at any batch, or B = 1 row of several tokens (a prompt's prefill, a step packed with joining prompts),
+        padded to `prefill_width`; returns the post-norm last layer and the `hidden_layers` (as `decode`)."""
         self.fast.check_sources()
         versions = self._current_versions()
         if self._compiled is None or versions != self._versions:
             self._compiled = torch.compile(_LayerStack(self.fast))
             self._versions = versions
         length = input_ids.shape[1]
-        if length > 1:  # a causal prefill (the forward's only call of several tokens): padded after its tokens
-            width = self.prefill_width(length)
-            input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(-1, width - length)], dim=1)
-            positions = torch.arange(width, device=positions.device).expand(input_ids.shape[0], -1)
+        if length > 1:  # one row of several tokens, padded after them (its last token and position, repeated)
+            if input_ids.shape[0] != 1:
+                raise ValueError(f"the layer graph runs several tokens in one row only, got {input_ids.shape[0]}")
+            pad = self.prefill_width(length) - length
+            input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(-1, pad)], dim=1)
+            positions = torch.cat([positions, positions[:, -1:].expand(-1, pad)], dim=1)
         cos, signed_sin = self.fast.rotation(positions, self.fast.embed.dtype)
         if input_ids.shape[0] > 1:  # the batch: ids [B, T], cos and sin [B, 1, T, head_dim]
             for tensor in (input_ids, cos, signed_sin):
@@ -201,7 +206,7 @@ class LayerGraph:
             torch._dynamo.mark_dynamic(input_ids, 1)
             for tensor in (cos, signed_sin):
                 torch._dynamo.mark_dynamic(tensor, 2)
-        _CALL.forward = (self.fast, write, masks, causal, length)
+        _CALL.forward = (attention, length)
         try:  # inductor reads `freezing` when it compiles, which a call may do (a new shape); options= does not set it
             with inductor_config.patch(freezing=True), dynamo_config.patch(recompile_limit=GRAPHS_PER_CODE):
                 last, features = self._compiled(input_ids, cos, signed_sin, tuple(hidden_layers))
