@@ -304,8 +304,8 @@ class FastLlama:
     @property
     def joins_prompts(self) -> bool:
         """Whether `with_prompts` covers this target: not a captured step (the layer graph's forward may join: its
-        packed tokens run through the graph as one prompt's prefill does), and no sliding-window layer (a prompt attends causally over itself there, with
-        no window)."""
+        packed tokens run through the graph as one prompt's prefill does), and no sliding-window layer (a prompt
+        attends causally over itself there, with no window)."""
         return self.captured is None and set(self.windows) == {None}
 
     @torch.no_grad()

@@ -17,9 +17,10 @@ from 2 up, `mark_dynamic`, batch 1 keeping a graph of its own) and for one row o
 dynamic (one more graph): one prompt's prefill (a 150-token bf16 prefill of SmolLM2-135M in 58-60 ms against
 eager's 72-73, Intel Xeon with AMX, 2 threads, ad hoc: the time to first token of a request that finds the
 replica idle), and a step packed with joining prompts (`FastLlama.with_prompts`, whose attention keeps the step's
-rows and each prompt apart). Trees, and prefills of several prompts, run eager: a tree measured no faster (one sequence's tree of 4-16 nodes at 0.88-0.96x eager in bf16 through the
-graph, `benchmarks/speed/compiled_forward.py` in an ad-hoc run; reports/compiled_forward_bf16.md has the rule as
-kept), and a batch of prompts would be one more graph to compile at start-up. Frozen weights are the
+rows and each prompt apart). Trees, and prefills of several prompts, run eager: a tree measured no faster (one
+sequence's tree of 4-16 nodes at 0.88-0.96x eager in bf16 through the graph, `benchmarks/speed/compiled_forward.py`
+in an ad-hoc run; reports/compiled_forward_bf16.md has the rule as kept), and a batch of prompts would be one more
+graph to compile at start-up. Frozen weights are the
 weights at compile time: `LayerGraph` rebuilds the graph when a source weight changes in place (its version
 counter moves), as an eager projection lays itself out again.
 """

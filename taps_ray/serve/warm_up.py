@@ -7,7 +7,7 @@ replica decodes a few tokens of a dummy prompt, alone and two at once, through i
 feature layers: every forward of a replica with heads returns them, plain steps too).
 Then it prefills one prompt at each width the layer graph pads prompts to (`LayerGraph.prefill_width`) up to
 `WARM_PREFILL_TOKENS`: oneDNN builds a matmul's kernels for each row count on its first use, ~15 ms of a first
-request's prefill (models/fast_llama.py).
+request's prefill (models/layer_graph.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from taps_ray.models.target_forward import target_forward
 logger = logging.getLogger(__name__)
 
 WARM_UP_TOKENS = 3
-WARM_PREFILL_TOKENS = 512  # prompts up to this long find their prefill's kernels built (~4 s bf16, ~8 s fp32)
+# prompts up to this long find their prefill's kernels built (SmolLM2 on 2 cores: ~4 s in bf16, ~10 s in fp32)
+WARM_PREFILL_TOKENS = 512
 
 
 def warm_up(batcher: ContinuousBatcher, plain: Proposer, prompt: list[int]) -> float:
