@@ -86,3 +86,23 @@ def test_the_regenerate_line_names_the_target_that_trains_the_served_heads():
     assert harness.prerequisites("runs/cpu-quick/config.yaml", "plain", {}) == "make vllm-venv"
     assert harness.prerequisites("runs/cpu-quick/config.yaml", "plain,routed", {}) == "make vllm-venv sweep-quick"
     assert harness.prerequisites("configs/interop.yaml", "plain", {"eagle3-math": {}}) == "make vllm-venv interop"
+
+
+def test_taps_servers_cross_listeners_with_openmp_waits_and_each_config_loads(tmp_path):
+    from taps_ray.config import load_config
+
+    harness = _harness()
+    variants = harness.taps_variants("proxy,replica", "default,passive")
+    assert variants == [{"listener": "proxy", "replica_omp_wait": "default"},
+                        {"listener": "proxy", "replica_omp_wait": "passive"},
+                        {"listener": "replica", "replica_omp_wait": "default"},
+                        {"listener": "replica", "replica_omp_wait": "passive"}]
+    assert harness.taps_variants("", "") == [{}] and harness.variant_name({}, 1) == "taps"
+    assert harness.variant_name(variants[1], 4) == "taps, proxy listener, OpenMP wait passive"
+    paths = {harness.taps_config(str(REPO / "configs" / "data_size.yaml"), "bfloat16", 16, 2, 8123, tmp_path, v)
+             for v in variants}
+    assert len(paths) == 4  # a file each: one server's config does not overwrite another's
+    for path in paths:
+        serve = load_config(path).serve
+        assert (serve.max_batch_size, serve.port, serve.replica_num_cpus) == (16, 8123, 2)
+        assert f"taps-bfloat16-{serve.listener}-{serve.replica_omp_wait}.yaml" == path.name

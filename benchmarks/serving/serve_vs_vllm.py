@@ -188,19 +188,42 @@ def vllm_head_configs(config_path: str, heads: list[str], tokens: int) -> dict[s
     return configs
 
 
-def taps_server(config_path: str, dtype: str, max_seqs: int, threads: int, port: int, folder: Path,
-                log: Path, listener: str | None = None) -> Server:
-    """`taps serve` on a copy of the config with the target's dtype, the batch cap, the replica's threads, the
-    port and (unless None) `serve.listener` set."""
+def taps_config(config_path: str, dtype: str, max_seqs: int, threads: int, port: int, folder: Path,
+                variant: dict[str, str]) -> Path:
+    """A copy of the config in `folder` with the target's dtype, the batch cap, the replica's threads, the port
+    and the `serve` fields of `variant` (e.g. listener, replica_omp_wait) set."""
     data = yaml.safe_load(Path(config_path).read_text())
     data.setdefault("target", {})["dtype"] = dtype
     data.setdefault("serve", {}).update(max_batch_size=max_seqs, port=port, host="127.0.0.1",
-                                        replica_num_cpus=threads, **({"listener": listener} if listener else {}))
+                                        replica_num_cpus=threads, **variant)
     data.setdefault("ray", {})["num_cpus"] = max(threads, int(data.get("ray", {}).get("num_cpus", 1)))
-    derived = folder / f"taps-{dtype}-{listener or 'config'}.yaml"
+    derived = folder / f"taps-{dtype}-{'-'.join(variant.values()) or 'config'}.yaml"
     derived.write_text(yaml.safe_dump(data))
+    return derived
+
+
+def taps_server(config_path: str, dtype: str, max_seqs: int, threads: int, port: int, folder: Path,
+                variant: dict[str, str]) -> Server:
+    """`taps serve` on `taps_config`'s copy of the config."""
+    derived = taps_config(config_path, dtype, max_seqs, threads, port, folder, variant)
     command = [sys.executable, "-m", "taps_ray.cli", "serve", "--config", str(derived)]
-    return Server("taps serve", command, {**os.environ, "PYTHONPATH": str(REPO)}, port, log)
+    return Server("taps serve", command, {**os.environ, "PYTHONPATH": str(REPO)}, port, derived.with_suffix(".log"))
+
+
+def taps_variants(listeners: str, omp_waits: str) -> list[dict[str, str]]:
+    """The taps servers to run: each `serve` override of --listeners crossed with each of --omp-waits ({}: the
+    config as it is)."""
+    listener_values = [{"listener": name} for name in listeners.split(",") if name] or [{}]
+    wait_values = [{"replica_omp_wait": name} for name in omp_waits.split(",") if name] or [{}]
+    return [{**listener, **wait} for listener in listener_values for wait in wait_values]
+
+
+def variant_name(variant: dict[str, str], count: int) -> str:
+    """A taps server's name in the report: "taps" when it is the only one, else what sets it apart."""
+    if count == 1:
+        return "taps"
+    labels = {"listener": "{} listener", "replica_omp_wait": "OpenMP wait {}"}
+    return "taps, " + ", ".join(labels[key].format(value) for key, value in variant.items())
 
 
 def run_client(venv: Path, port: int, model: str, dataset: Path, prompts: int, max_tokens: int, load: str,
@@ -312,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--listeners", default="",
                         help="taps serve's serve.listener, comma-separated (proxy,replica: a taps server each); "
                         "default: the config's")
+    parser.add_argument("--omp-waits", default="",
+                        help="taps serve's serve.replica_omp_wait, comma-separated (e.g. default,brief: a taps server "
+                        "each, crossed with --listeners); default: the config's")
     parser.add_argument("--servers", default="vLLM,taps", help="which servers to run (a quick look at one of them)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of every point; above 1, all servers stay up and take turns point by point")
@@ -340,14 +366,13 @@ def main(argv: list[str] | None = None) -> int:
                   lambda port, head=head, spec=spec: vllm_server(venv, dtype, args.max_seqs, port,
                                                                  folder / f"vllm-{head}-{dtype}.log", head, spec))
                  for head, spec in heads.items()]
-        listeners = [name for name in args.listeners.split(",") if name] or [None]
-        plan += [("taps" if len(listeners) == 1 else f"taps, {listener} listener", args.models.split(","),
+        variants = taps_variants(args.listeners, args.omp_waits)
+        plan += [(variant_name(variant, len(variants)), args.models.split(","),
                   f"{replica_threads} torch thread(s) (serve.replica_num_cpus)"
-                  + (f", serve.listener {listener}" if listener else ""),
-                  lambda port, listener=listener: taps_server(args.config, dtype, args.max_seqs, replica_threads,
-                                                              port, folder, folder / f"taps-{dtype}-{listener or 'config'}.log",
-                                                              listener))
-                 for listener in listeners]
+                  + "".join(f", serve.{key} {value}" for key, value in variant.items()),
+                  lambda port, variant=variant: taps_server(args.config, dtype, args.max_seqs, replica_threads,
+                                                            port, folder, variant))
+                 for variant in variants]
         plan = [entry for entry in plan if entry[0].split(",")[0] in args.servers.split(",")]
 
         engine_threads = f"{replica_threads} torch thread(s), no HTTP; taps' own timer"
