@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="taps serve's serve.listener, comma-separated (proxy,replica: a taps server each); "
                         "default: the config's")
     parser.add_argument("--omp-waits", default="",
-                        help="taps serve's serve.replica_omp_wait, comma-separated (e.g. default,brief: a taps server "
+                        help="taps serve's serve.replica_omp_wait, comma-separated (e.g. default,passive: a taps server "
                         "each, crossed with --listeners); default: the config's")
     parser.add_argument("--servers", default="vLLM,taps", help="which servers to run (a quick look at one of them)")
     parser.add_argument("--repeats", type=int, default=1,
