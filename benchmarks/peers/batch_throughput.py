@@ -145,7 +145,8 @@ def main() -> int:
         f"{args.max_new_tokens} new tokens, decoded in groups of `batch` prompts together; "
         f"{args.repetitions} repetition(s). `math`: our {args.kind} math head on the config's tree "
         f"{tree.total_token}/{tree.depth}/{tree.top_k}; `{chain}`: the same head on vLLM's chain; vLLM runs after ours "
-        "in its side venv (one process per configuration, max_num_seqs = the largest batch, its default "
+        "in its side venv (one process per configuration, its own thread choice: OMP_NUM_THREADS unset, "
+        "max_num_seqs = the largest batch, its default "
         f"torch.compile, no preloads), its head the same checkpoint exported, num_speculative_tokens {args.k}. "
         "tau: tokens per verification step, the prefill's token excluded (vLLM: 1 + accepted / drafts). `same as plain b1`: outputs equal to our "
         "plain loop's at the first batch size. vs vllm-plain: tokens/s over vLLM plain's at that batch.", "",
