@@ -52,5 +52,13 @@ def cpu_line() -> str:
     return f"CPU: {model}, {platform.machine()}, {os.cpu_count()} cores; {listed}; {amx}"
 
 
+def omp_wait_line() -> str:
+    """How this process's idle OpenMP threads wait between kernels, as libgomp read it when torch loaded: a
+    batch-1 step with them sleeping at once took up to 2x as long as with OpenMP's own spin
+    (reports/decode_threads.md), so a report that times our loop says which."""
+    policy = os.environ.get("OMP_WAIT_POLICY")
+    return f"OMP_WAIT_POLICY={policy}" if policy else "OpenMP's own wait, as a serve replica's"
+
+
 if __name__ == "__main__":
     print(cpu_line())

