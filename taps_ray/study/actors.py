@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import tempfile
 import time
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -64,8 +62,10 @@ def pack_heads(config: StudyConfig, kinds: list[str]) -> dict[str, dict[str, dic
     return packed
 
 
-def unpack_heads(config: StudyConfig, kind: str, packed: dict, dtype: torch.dtype, scratch: Path,
-                 device: torch.device) -> dict:
+def unpack_heads(config: StudyConfig, kind: str, packed: dict, dtype: torch.dtype, device: torch.device) -> dict:
+    """The shipped heads of `kind`, loaded. Each passes through a temporary folder removed once it is read: an
+    actor's own scratch folder outlived it whenever Ray killed it (a killed process runs no finaliser), and
+    every sweep left its heads' copies in the node's /tmp."""
     files = packed.get(kind)
     if not files:  # nothing shipped: read the (shared) work dir, as the in-process path does
         return load_heads(config, kind, dtype, device=device)
@@ -74,11 +74,10 @@ def unpack_heads(config: StudyConfig, kind: str, packed: dict, dtype: torch.dtyp
         raise FileNotFoundError(f"no trained {kind} head for mixtures {missing}; run the train stage first")
     heads = {}
     for mixture in files:  # train.mixtures, then the searched head when one was shipped
-        folder = scratch / kind / mixture
-        folder.mkdir(parents=True, exist_ok=True)
-        for name, data in files[mixture].items():
-            (folder / name).write_bytes(data)
-        heads[mixture] = DraftHead.load(folder, dtype=dtype, device=device).eval()
+        with tempfile.TemporaryDirectory(prefix="taps-heads-") as folder:
+            for name, data in files[mixture].items():
+                (Path(folder) / name).write_bytes(data)
+            heads[mixture] = DraftHead.load(folder, dtype=dtype, device=device).eval()
     return heads
 
 
@@ -175,8 +174,6 @@ class DrafterActor:
         self.packed = heads
         self.traces = None  # eval.runner.TraceCache, made on the first cell: replayed cells share greedy decodes
         self.heads: dict[str, dict] = {}
-        self.scratch = Path(tempfile.mkdtemp(prefix="taps-heads-"))
-        weakref.finalize(self, shutil.rmtree, self.scratch, True)  # also at interpreter exit, unlike __del__
         self.target = load_draft_target(self.config.target, dtype=self.config.eval.dtype)
         try:  # a restarted drafter clears the sessions its previous life left on the worker
             ray.get(self.worker.drop_owner.remote(self.name), timeout=600)
@@ -190,7 +187,7 @@ class DrafterActor:
         if kind not in self.heads:
             self.heads.clear()
             self.heads[kind] = unpack_heads(
-                self.config, kind, self.packed, eval_dtype(self.config), self.scratch / "heads", self.target.device
+                self.config, kind, self.packed, eval_dtype(self.config), self.target.device
             )
         return self.heads[kind]
 
