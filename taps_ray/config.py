@@ -409,7 +409,7 @@ class ServeConfig(_Strict):
         "small batches on a GPU; on a CPU only batch 1 (`benchmarks/serving/serve_load.py` measures it)")
     measure_drafting: bool = Field(
         True, description="below `draft_below`, a batch drafts only where drafting measures faster at its size: per "
-        "batch-size bucket (1, 2, 3-4, 5-8, ...) the replica keeps the running committed tokens per second of "
+        "batch-size bucket (1, 2, 3-4, 5-8, ...) the replica keeps the recent committed tokens per second of "
         "drafted and of undrafted steps, runs the faster and re-measures the other every 32nd step, backing off to "
         "every 256th while the probes confirm the choice (decoding/draft_gate.py); false: every batch below the cap "
         "drafts")

@@ -59,6 +59,20 @@ def test_the_measured_rule_follows_a_change_in_the_traffic():
     assert later[-8:].count(True) >= 6  # the probes saw it: drafting again, undrafted probes only
 
 
+def test_one_stalled_step_does_not_flip_a_bucket():
+    """Undrafted steps of 40 ms against drafted ones of 47 ms, both committing a token: one undrafted step stalled
+    for 0.7 s (a garbage collection, the OS) must not hand the bucket to drafting."""
+    gate = DraftGate(measured=True, warmup=3, probe_every=4)
+    for drafted in (True, False) * 3:  # the warm-up, in turn
+        assert gate.drafts(1) is drafted
+        gate.observe(1, drafted, 0.047 if drafted else 0.040, 1)
+    assert gate.winner(bucket(1)) is False
+    gate.observe(1, False, 0.7, 1)
+    assert gate.winner(bucket(1)) is False and gate.rates[(bucket(1), False)].tokens_per_s == pytest.approx(25.0)
+    gate.observe(1, False, 0.7, 1)  # a second stall among the last five is not one step's accident
+    assert gate.winner(bucket(1)) is True
+
+
 def test_a_cap_wins_over_measurement_and_bad_settings_are_refused():
     gate = DraftGate(draft_below=4, measured=True, warmup=1)
     assert _feed(gate, 4, 5, drafted_rate=100, plain_rate=1) == [False] * 5  # at the cap: never drafts

@@ -9,7 +9,7 @@ and cannot tell its tree from its neighbours'.
 `DraftGate` decides per step from the number of live sequences:
 * `draft_below`: never draft at or above this batch size (a fixed cap, every loop's rule);
 * `measured` (Serve's default): per batch-size bucket (1, 2, 3-4, 5-8, ...), the batch's committed tokens per
-  second over drafted steps and over undrafted ones, each a running average measured on the live traffic; the
+  second over drafted steps and over undrafted ones, each over its last few steps on the live traffic; the
   faster one runs, and every `probe_every`-th step of a bucket runs the other, so a change in the traffic (a head
   that stops matching, longer contexts) is seen. A probe that confirms the choice doubles the bucket's interval (up
   to `max_probe_every`), one that overturns it resets the interval. A bucket with no measurement of its own
@@ -27,9 +27,10 @@ position it missed when drafting resumes (`step.decode_step`).
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
-SMOOTHING = 0.25  # weight of the newest step in a bucket's running rate
+WINDOW = 5  # the steps of one kind a bucket's rate is taken over (the slowest left out)
 WARMUP = 3  # steps of each kind a bucket measures before it chooses
 PROBE_EVERY = 32  # a bucket runs the losing kind once every this many steps at first
 CLEAR_MARGIN = 2.0  # one kind this many times faster than the other settles a bucket before its warm-up ends
@@ -48,21 +49,25 @@ def bucket_label(key: int) -> str:
 
 @dataclass
 class StepRate:
-    """Running seconds and committed tokens of one kind of step in one bucket."""
+    """Committed tokens per second of one kind of step in one bucket, over its last `WINDOW` steps with the
+    slowest left out once there are three. Why not a running average: one stalled step (a garbage collection, the
+    OS taking a core) weighs in for as long as it takes later steps to dilute it, and in a losing bucket those
+    come only from probes, ever rarer. At 1 in flight (fp32, an ad-hoc run) slow undrafted steps pushed that
+    average from ~40 to 199 ms, so drafting (47 ms a token) looked faster, and it ran for 104 steps."""
 
-    seconds: float = 0.0
-    tokens: float = 0.0
+    recent: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # (seconds, tokens) per step
     steps: int = 0
 
     def add(self, seconds: float, tokens: int) -> None:
-        weight = 1.0 if self.steps == 0 else SMOOTHING
-        self.seconds += weight * (seconds - self.seconds)
-        self.tokens += weight * (tokens - self.tokens)
+        self.recent.append((seconds, tokens))
         self.steps += 1
 
     @property
     def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+        kept = sorted(tuple(self.recent))  # a snapshot: the metrics read it from the event loop's thread
+        kept = kept[:-1] if len(kept) >= 3 else kept
+        seconds = sum(s for s, _ in kept)
+        return sum(t for _, t in kept) / seconds if seconds > 0 else 0.0
 
 
 @dataclass

@@ -40,7 +40,7 @@ class ServeMetrics:
                               boundaries=LATENCY_S, tag_keys=("model",))
         self.itl = Histogram("taps_serve_inter_token_latency_s", "seconds between a request's decode steps divided "
                              "by the tokens the step added", boundaries=LATENCY_S, tag_keys=("model",))
-        self.step_rate = Gauge("taps_serve_step_tokens_per_s", "the drafting gate's running committed tokens per "
+        self.step_rate = Gauge("taps_serve_step_tokens_per_s", "the drafting gate's recent committed tokens per "
                                "second of drafted and undrafted steps, by batch-size bucket",
                                tag_keys=("batch", "drafted"))
         self.e2e = Histogram("taps_serve_request_latency_s", "seconds from arrival to the last token",
