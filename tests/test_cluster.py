@@ -27,7 +27,7 @@ from taps_ray.eval.commands import plan_cells
 from taps_ray.eval.runner import run_cell
 from taps_ray.eval.cell import Cell
 from taps_ray.eval.store import ResultsStore
-from taps_ray.models.draft_head import new_head
+from taps_ray.models.draft_head import DraftHead, new_head
 from taps_ray.drafting.setup import load_heads
 from taps_ray.decoding.generate import generate, run_loop
 from taps_ray.drafting.registry import build_proposer
@@ -143,7 +143,7 @@ def test_each_worker_and_its_drafters_share_one_placement_group(ray_session, cfg
 
 
 def test_shipped_heads_load_as_saved_and_leave_no_files(cfg, tmp_path, monkeypatch):
-    """A drafter's heads arrive as bytes; loading them must give the saved weights and leave nothing on the node's
+    """A drafter's heads arrive as bytes; loading them must give the saved weights and write nothing to the node's
     disk (a killed actor runs no clean-up, so a folder kept for its lifetime leaked)."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     heads = unpack_heads(cfg, "eagle2", pack_heads(cfg, ["eagle2"]), torch.float32, torch.device("cpu"))
@@ -153,6 +153,8 @@ def test_shipped_heads_load_as_saved_and_leave_no_files(cfg, tmp_path, monkeypat
         ours, theirs = head.trainable_state(), saved[mixture].trainable_state()
         assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
     assert not list(tmp_path.iterdir())
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        DraftHead.from_files({"config.json": b"{}"})
 
 
 # --- batching across sessions (no Ray: the worker's core) ------------------------------------------------------

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from pydantic import BaseModel, ConfigDict
+from safetensors.torch import load as load_bytes
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -279,8 +280,24 @@ class DraftHead(nn.Module):
                 "train one with `taps train` or point to an existing head"
             )
         config = DraftHeadConfig.model_validate_json((folder / CONFIG_FILE).read_text())
+        return cls._built(config, load_file(str(folder / WEIGHTS_FILE)), dtype, device)
+
+    @classmethod
+    def from_files(cls, files: dict[str, bytes], dtype: torch.dtype = torch.float32,
+                   device: torch.device | str = "cpu") -> "DraftHead":
+        """A head from its checkpoint's files as bytes (file name -> bytes, as a head travels through Ray's object
+        store), never written to disk: a folder written for loading outlives a process that Ray kills."""
+        missing = [name for name in (CONFIG_FILE, WEIGHTS_FILE) if name not in files]
+        if missing:
+            raise FileNotFoundError(f"a draft-head checkpoint needs {CONFIG_FILE} and {WEIGHTS_FILE}; {missing} not given")
+        config = DraftHeadConfig.model_validate_json(files[CONFIG_FILE])
+        return cls._built(config, load_bytes(files[WEIGHTS_FILE]), dtype, device)
+
+    @classmethod
+    def _built(cls, config: DraftHeadConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+               device: torch.device | str) -> "DraftHead":
         head = cls(config)
-        head.load_trainable(load_file(str(folder / WEIGHTS_FILE)))
+        head.load_trainable(tensors)
         return head.to(device=device, dtype=dtype)
 
     def load_trainable(self, tensors: dict[str, torch.Tensor]) -> None:

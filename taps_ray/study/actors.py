@@ -18,9 +18,7 @@ from __future__ import annotations
 import json
 import os
 import socket
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import psutil
@@ -63,9 +61,9 @@ def pack_heads(config: StudyConfig, kinds: list[str]) -> dict[str, dict[str, dic
 
 
 def unpack_heads(config: StudyConfig, kind: str, packed: dict, dtype: torch.dtype, device: torch.device) -> dict:
-    """The shipped heads of `kind`, loaded. Each passes through a temporary folder removed once it is read: an
-    actor's own scratch folder outlived it whenever Ray killed it (a killed process runs no finaliser), and
-    every sweep left its heads' copies in the node's /tmp."""
+    """The shipped heads of `kind`, loaded from their bytes. Nothing is written to disk: the actor's scratch folder
+    for them outlived it whenever Ray killed it (a killed process runs no finaliser), and every sweep left its
+    heads' copies in the node's /tmp."""
     files = packed.get(kind)
     if not files:  # nothing shipped: read the (shared) work dir, as the in-process path does
         return load_heads(config, kind, dtype, device=device)
@@ -74,10 +72,7 @@ def unpack_heads(config: StudyConfig, kind: str, packed: dict, dtype: torch.dtyp
         raise FileNotFoundError(f"no trained {kind} head for mixtures {missing}; run the train stage first")
     heads = {}
     for mixture in files:  # train.mixtures, then the searched head when one was shipped
-        with tempfile.TemporaryDirectory(prefix="taps-heads-") as folder:
-            for name, data in files[mixture].items():
-                (Path(folder) / name).write_bytes(data)
-            heads[mixture] = DraftHead.load(folder, dtype=dtype, device=device).eval()
+        heads[mixture] = DraftHead.from_files(files[mixture], dtype=dtype, device=device).eval()
     return heads
 
 
