@@ -127,3 +127,11 @@ def test_each_point_warms_the_server_at_its_load_before_the_client_measures(tmp_
     command = sent[0]
     assert command[command.index("--num-warmups") + 1] == "16"
     assert command[command.index("--max-concurrency") + 1] == "16"
+
+
+def test_each_run_rotates_which_model_a_server_measures_first():
+    harness = _harness()
+    models = ["plain", "math", "routed"]
+    orders = [harness.turn_order(models, repeat) for repeat in range(4)]
+    assert [order[0] for order in orders] == ["plain", "math", "routed", "plain"]
+    assert all(sorted(order) == sorted(models) for order in orders)

@@ -14,7 +14,8 @@ it on this machine: its serving defaults and its own thread choice (OMP_NUM_THRE
 torch thread here, its faster setting); every row says its thread setting. With `--repeats 1` each server is
 started, measured at every point, and stopped before the other starts. With `--repeats N` both servers of a dtype
 stay up and every point is measured N times, the servers taking turns point by point (the one that goes first
-alternates): this machine's speed drifts by +-25% over minutes, and a ratio of two runs minutes apart measures the
+alternates, and so does a server's first model: `turn_order`; each point starts with a wave of unmeasured
+requests at its load, `warm_up_requests`): this machine's speed drifts by +-25% over minutes, and a ratio of two runs minutes apart measures the
 drift as much as the servers; the report gives each point's median and its runs, and the ratio as the median of the
 paired ratios of one repetition. While one server is measured the others are paused (SIGSTOP to their whole
 process trees, SIGCONT after), so each has the machine to itself, as a deployment would: an idle neighbour's
@@ -229,10 +230,17 @@ def variant_name(variant: dict[str, str], count: int) -> str:
 def warm_up_requests(load: str, waves: int) -> int:
     """Requests the client sends, unmeasured, before a point (its `--num-warmups`): `waves` times what the load
     keeps in flight (`c<N>`: N; `r<R>`: R a second, rounded up). Why: without them the first model measured at a
-    load after the server's pause ran ~5% slower than the next one at 16 in flight, on the same compute (3 of 3
-    runs, taps alone, bf16, Intel Xeon with AMX, ad hoc), which biased the comparison of a server's models towards
-    the later ones."""
+    load after the server's pause ran at 0.86x / 0.96x / 0.96x the next one at 16 in flight, on the same compute
+    (taps alone, bf16, Intel Xeon with AMX, ad hoc); with one wave 0.93x / 0.98x / 1.03x. What is left of it is
+    spread over the models by `turn_order`."""
     return waves * (int(load[1:]) if load.startswith("c") else math.ceil(float(load[1:])))
+
+
+def turn_order(models: list[str], repeat: int) -> list[str]:
+    """A server's models in the order repetition `repeat` measures them: rotated by one each repetition, so no
+    model is always the first measured after the server's pause (`warm_up_requests`)."""
+    shift = repeat % len(models)
+    return models[shift:] + models[:shift]
 
 
 def run_client(venv: Path, port: int, model: str, dataset: Path, prompts: int, max_tokens: int, load: str,
@@ -445,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
                     for (server_name, models, threads, _), server in (turns if repeat % 2 == 0 else turns[::-1]):
                         server.resume()
                         try:
-                            measure(server_name, models, threads, server.port, [load], repeat)
+                            measure(server_name, turn_order(models, repeat), threads, server.port, [load], repeat)
                         finally:
                             server.pause()
                     measure_engine([load], repeat)
@@ -471,7 +479,8 @@ def main(argv: list[str] | None = None) -> int:
         lines += [f"## {dtype}", ""] + table(repeated(dtype_rows) if args.repeats > 1 else dtype_rows) + [""]
         if dtype in idle:
             lines += [f"{args.repeats} runs of every point, the servers taking turns point by point, all up "
-                      "throughout, each measured with the others paused (SIGSTOP); idle, before the first point, "
+                      "throughout, each measured with the others paused (SIGSTOP), a server's models in an order "
+                      "rotated by one each run; idle, before the first point, "
                       "they used "
                       + ", ".join(f"{name} {cores:.2f}" for name, cores in idle[dtype].items())
                       + " cores. Throughput and latencies are medians over the runs; the ratio is the median of each "
