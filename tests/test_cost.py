@@ -185,4 +185,3 @@ def test_the_inner_proposer_hears_what_was_accepted_of_its_own_trees():
         (state,) = proposer.observe([state], [Feedback(tree, list(range(len(committed))), committed)])
         tree, state = proposer.propose(state, torch.zeros(len(committed), 1), torch.tensor(committed))
     assert inner.heard == [2, 2, 2]  # the first step verified only its root: not the inner's tree
-
