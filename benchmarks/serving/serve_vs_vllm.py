@@ -17,11 +17,12 @@ stay up and every point is measured N times, the servers taking turns point by p
 alternates, and so does a server's first model: `turn_order`; each point starts with a wave of unmeasured
 requests at its load, `warm_up_requests`): this machine's speed drifts by +-25% over minutes, and a ratio of two
 runs minutes apart measures the drift as much as the servers; the report gives each point's median and its
-runs, and the ratio as the median of the paired ratios of one repetition. While one server is measured the others are paused (SIGSTOP to their whole
-process trees, SIGCONT after), so each has the machine to itself, as a deployment would: an idle neighbour's
-wakeups preempt a team of compute threads on a 2-core machine (an idle vLLM server beside Serve's engine alone cost
-it ~9% at 16 in flight, bf16, AMD EPYC, ad hoc), while vLLM's one-thread engine has a core to spare for them. The
-idle servers' CPU is sampled before the first point and printed in the report. Output: throughput, TTFT, TPOT and ITL at p50 and p99, per server and model, as a table with the ratio to
+runs, and the ratio as the median of the paired ratios of one repetition. While one server is measured the
+others are paused (SIGSTOP to their whole process trees, SIGCONT after), so each has the machine to itself, as a
+deployment would: an idle neighbour's wakeups preempt a team of compute threads on a 2-core machine (an idle vLLM
+server beside Serve's engine alone cost it ~9% at 16 in flight, bf16, AMD EPYC, ad hoc), while vLLM's one-thread
+engine has a core to spare for them. The idle servers' CPU is sampled before the first point and printed in the
+report. Output: throughput, TTFT, TPOT and ITL at p50 and p99, per server and model, as a table with the ratio to
 vLLM plain, and the raw client results beside the report (a .json). With `--engine-alone`, a `taps engine` row per
 concurrency times Serve's engine without Serve (benchmarks/serving/engine_alone.py: taps' own timer, not vLLM's
 client), in turn with the servers, which stay up and paused meanwhile: what the engine does and what serving adds.
