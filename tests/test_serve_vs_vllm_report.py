@@ -107,7 +107,17 @@ def test_taps_servers_cross_listeners_with_openmp_waits_and_each_config_loads(tm
     for path in paths:
         serve = load_config(path).serve
         assert (serve.max_batch_size, serve.port, serve.replica_num_cpus) == (16, 8123, 2)
-        assert f"taps-bfloat16-{serve.listener}-{serve.replica_omp_wait}.yaml" == path.name
+        assert f"taps-data-size-bfloat16-{serve.listener}-{serve.replica_omp_wait}.yaml" == path.name
+
+
+def test_plain_configs_are_servers_of_their_own_named_by_their_config(tmp_path):
+    harness = _harness()
+    quick, plain = str(REPO / "configs" / "cpu.yaml"), str(REPO / "configs" / "data_size.yaml")
+    assert harness.config_label(quick, 1) == ""
+    assert harness.config_label(plain, 2) == " (data-size)"
+    one = harness.taps_config(quick, "float32", 16, 2, 8123, tmp_path, {})
+    other = harness.taps_config(plain, "float32", 16, 2, 8124, tmp_path, {})
+    assert one != other  # two servers of two configs do not share a derived config file
 
 
 def test_each_point_warms_the_server_at_its_load_before_the_client_measures(tmp_path, monkeypatch):

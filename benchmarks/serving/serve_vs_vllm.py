@@ -199,7 +199,7 @@ def taps_config(config_path: str, dtype: str, max_seqs: int, threads: int, port:
     data.setdefault("serve", {}).update(max_batch_size=max_seqs, port=port, host="127.0.0.1",
                                         replica_num_cpus=threads, **variant)
     data.setdefault("ray", {})["num_cpus"] = max(threads, int(data.get("ray", {}).get("num_cpus", 1)))
-    derived = folder / f"taps-{dtype}-{'-'.join(variant.values()) or 'config'}.yaml"
+    derived = folder / f"taps-{data.get('name', 'config')}-{dtype}-{'-'.join(variant.values()) or 'config'}.yaml"
     derived.write_text(yaml.safe_dump(data))
     return derived
 
@@ -226,6 +226,11 @@ def variant_name(variant: dict[str, str], count: int) -> str:
         return "taps"
     labels = {"listener": "{} listener", "replica_omp_wait": "OpenMP wait {}"}
     return "taps, " + ", ".join(labels[key].format(value) for key, value in variant.items())
+
+
+def config_label(config_path: str, count: int) -> str:
+    """What sets a taps server's config apart in the report (`--plain-configs`): nothing when there is one."""
+    return f" ({load_config(config_path).name})" if count > 1 else ""
 
 
 def warm_up_requests(load: str, waves: int) -> int:
@@ -358,6 +363,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--omp-waits", default="",
                         help="taps serve's serve.replica_omp_wait, comma-separated (e.g. default,passive: a taps server "
                         "each, crossed with --listeners); default: the config's")
+    parser.add_argument("--plain-configs", default="",
+                        help="more taps servers, comma-separated configs, each measured on plain only, in turn "
+                        "with the others: e.g. a config without heads beside --config's heads, to see what serving "
+                        "heads costs a replica's plain")
     parser.add_argument("--warm-up-waves", type=int, default=1,
                         help="before each point, this many waves of unmeasured requests at its load (the client's "
                              "--num-warmups; 0: none)")
@@ -390,13 +399,15 @@ def main(argv: list[str] | None = None) -> int:
                                                                  folder / f"vllm-{head}-{dtype}.log", head, spec))
                  for head, spec in heads.items()]
         variants = taps_variants(args.listeners, args.omp_waits)
-        plan += [(variant_name(variant, len(variants)), args.models.split(","),
+        servers_of = [(args.config, args.models.split(","))]
+        servers_of += [(path, ["plain"]) for path in args.plain_configs.split(",") if path]
+        plan += [(variant_name(variant, len(variants)) + config_label(path, len(servers_of)), models,
                   f"{replica_threads} torch thread(s) (serve.replica_num_cpus)"
                   + "".join(f", serve.{key} {value}" for key, value in variant.items()),
-                  lambda port, variant=variant: taps_server(args.config, dtype, args.max_seqs, replica_threads,
-                                                            port, folder, variant))
-                 for variant in variants]
-        plan = [entry for entry in plan if entry[0].split(",")[0] in args.servers.split(",")]
+                  lambda port, variant=variant, path=path: taps_server(path, dtype, args.max_seqs, replica_threads,
+                                                                       port, folder, variant))
+                 for path, models in servers_of for variant in variants]
+        plan = [entry for entry in plan if entry[0].split(" ")[0].rstrip(",") in args.servers.split(",")]
 
         engine_threads = f"{replica_threads} torch thread(s), no HTTP; taps' own timer"
 
@@ -473,6 +484,8 @@ def main(argv: list[str] | None = None) -> int:
              "its own thread choice; taps serve with the config's replica threads. "
              + (f"vLLM also served this config's heads {', '.join(heads)} (exported by `taps export --engine "
                 f"vllm`) with its own EAGLE drafting of {args.vllm_spec_tokens} tokens, a server each. " if heads else "")
+             + (f"taps also served plain from {args.plain_configs.replace(',', ', ')}, a server each, named by "
+                "its config. " if args.plain_configs else "")
              + "Ratios are within this run, against vLLM plain at the same load and dtype."
              + (f" {ENGINE_ROWS}" if args.engine_alone else ""), ""]
     for dtype in args.dtypes.split(","):
