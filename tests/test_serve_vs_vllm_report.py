@@ -85,7 +85,9 @@ def test_engine_alone_times_serves_engine_in_a_child_process():
 def test_the_regenerate_line_names_the_target_that_trains_the_served_heads():
     harness = _harness()
     assert harness.prerequisites("configs/data_size.yaml", "plain", {}) == "make vllm-venv"
-    assert harness.prerequisites("runs/cpu-quick/config.yaml", "plain", {}) == "make vllm-venv"
+    assert harness.prerequisites("runs/cpu-quick/config.yaml", "plain", {}) == "make vllm-venv sweep-quick"
+    assert harness.prerequisites("configs/cpu.yaml", "plain", {}) == "make vllm-venv"
+    assert harness.prerequisites("configs/cpu.yaml", "plain", {}, "configs/data_size.yaml") == "make vllm-venv sweep"
     assert harness.prerequisites("runs/cpu-quick/config.yaml", "plain,routed", {}) == "make vllm-venv sweep-quick"
     assert harness.prerequisites("configs/interop.yaml", "plain", {"eagle3-math": {}}) == "make vllm-venv interop"
 

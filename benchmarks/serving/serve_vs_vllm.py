@@ -173,10 +173,13 @@ HEADS_MADE_BY = {"configs/cpu.yaml": "sweep", "runs/cpu-quick/config.yaml": "swe
                  "configs/interop.yaml": "interop"}
 
 
-def prerequisites(config_path: str, models: str, heads: dict) -> str:
-    """`make vllm-venv`, and the target that trains the config's heads when a drafting model or head is served."""
-    drafting = heads or any(model != "plain" for model in models.split(",") if model)
-    target = HEADS_MADE_BY.get(Path(config_path).as_posix()) if drafting else None
+def prerequisites(config_path: str, models: str, heads: dict, plain_configs: str = "") -> str:
+    """`make vllm-venv`, and the target that trains the config's heads when they are needed: a drafting model or
+    head is served, the replica's heads are what `--plain-configs` compares against, or the target writes the
+    config itself (runs/cpu-quick/config.yaml)."""
+    path = Path(config_path).as_posix()
+    drafting = heads or plain_configs or any(model != "plain" for model in models.split(",") if model)
+    target = HEADS_MADE_BY.get(path) if drafting or path.startswith("runs/") else None
     return "make vllm-venv" + (f" {target}" if target else "")
 
 
@@ -474,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
                 server.stop()
     command = "python benchmarks/serving/serve_vs_vllm.py " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = ["# taps serve vs vLLM's OpenAI server, by vLLM's benchmark client", "",
-             f"Regenerate: `{prerequisites(args.config, args.models, heads)} && {command}` ({(time.perf_counter() - start) / 60:.0f} min). "
+             f"Regenerate: `{prerequisites(args.config, args.models, heads, args.plain_configs)} && {command}` ({(time.perf_counter() - start) / 60:.0f} min). "
              f"Machine: {cpu_line()}.", "",
              f"{count} prompts (half GSM8K, half MT-Bench first turns, each sent as the user's message and "
              f"templated by the server), {args.max_tokens} new tokens, T = 0, streamed (`openai-chat`), at most "
