@@ -114,11 +114,11 @@ def test_taps_servers_cross_listeners_with_openmp_waits_and_each_config_loads(tm
 
 def test_plain_configs_are_servers_of_their_own_named_by_their_config(tmp_path):
     harness = _harness()
-    quick, plain = str(REPO / "configs" / "cpu.yaml"), str(REPO / "configs" / "data_size.yaml")
-    assert harness.config_label(quick, 1) == ""
-    assert harness.config_label(plain, 2) == " (data-size)"
-    one = harness.taps_config(quick, "float32", 16, 2, 8123, tmp_path, {})
-    other = harness.taps_config(plain, "float32", 16, 2, 8124, tmp_path, {})
+    cpu, data_size = str(REPO / "configs" / "cpu.yaml"), str(REPO / "configs" / "data_size.yaml")
+    assert harness.config_label(cpu, 1) == ""
+    assert harness.config_label(data_size, 2) == " (data-size)"
+    one = harness.taps_config(cpu, "float32", 16, 2, 8123, tmp_path, {})
+    other = harness.taps_config(data_size, "float32", 16, 2, 8124, tmp_path, {})
     assert one != other  # two servers of two configs do not share a derived config file
 
 
