@@ -414,15 +414,16 @@ class ServeConfig(_Strict):
         "every 256th while the probes confirm the choice (decoding/draft_gate.py); false: every batch below the cap "
         "drafts")
     prefill_tokens: int | None = Field(
-        512, gt=0, description="the most prompt tokens one scheduling iteration prefills (at least one request "
+        128, gt=0, description="the most prompt tokens one scheduling iteration prefills (at least one request "
         "joins), so a flood of joining requests is admitted over several steps and the first of them start "
         "decoding while the rest are prefilled (vLLM's per-step token budget, at request granularity); beside a "
         "running batch the joining prompts are prefilled inside its verification step's forward (taps' fast "
-        "forward), otherwise first, in groups of similar lengths (docs/serve.md#batching). 512 on a 2-core CPU: with 16 requests in flight the "
-        "first tokens came at p50 0.9-1.4 s against 3.0-4.4 s with 2048, and 512 was the fastest in the latest run "
-        "(110 against 95 tok/s; reports/prefill_budget.md); a GPU, where a "
-        "prefill of 2048 tokens costs little more than one of 512, takes a larger budget. None: admit every "
-        "request that fits the batch at once")
+        "forward), otherwise first, in groups of similar lengths (docs/serve.md#batching). 128 on a 2-core CPU, "
+        "about one chat prompt a step: a step that takes in a prompt costs its prefill (65-110 ms against a plain "
+        "step's 21-30 ms, bf16), so requests that arrive together get their first tokens a step apart instead of "
+        "all after one long step; served against 512, p50 TTFT fell 21-59% at 4 and 16 in flight for 0-11% less "
+        "throughput at 16 (docs/serve.md#batching). A GPU, where a prefill of 2048 tokens costs little more than "
+        "one of 512, takes a larger budget. None: admit every request that fits the batch at once")
     cost_model: bool = Field(
         True, description="every drafting model runs under the per-sequence cost model (`auto-<name>`, "
         "docs/algorithms.md#cost-model): a sequence drafts only while its measured drafting and verification pay "
