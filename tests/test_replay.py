@@ -281,7 +281,7 @@ def test_replay_equals_the_live_loop_on_smollm2_fp32(tiny_config, smollm2_fp32):
     differ = turns = 0
     same_path = {"chat", "chat+ngram", *(averaged_name(w) for w in AVERAGED_SWEEP if w != 0.5)}
     names = [n for n in proposer_names(tiny_config) if n not in same_path]
-    assert len(names) == len(proposer_names(tiny_config)) - len(same_path)  # the skipped names are all served ones
+    assert len(names) == len(proposer_names(tiny_config)) - len(same_path)  # each skipped name is a study name
     for name in names:
         proposer = build_proposer(name, target, heads, tree)
         live = run_loop(TargetBatch(target.model), proposer, prompts, GREEDY, 24, stops)
