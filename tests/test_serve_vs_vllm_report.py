@@ -147,3 +147,24 @@ def test_each_run_rotates_which_model_a_server_measures_first():
     orders = [harness.turn_order(models, repeat) for repeat in range(4)]
     assert [order[0] for order in orders] == ["plain", "math", "routed", "plain"]
     assert all(sorted(order) == sorted(models) for order in orders)
+
+
+def test_a_server_that_does_not_list_a_model_to_measure_stops_the_run_before_any_point(tmp_path, monkeypatch):
+    """`taps serve` leaves out a drafting model whose heads are untrained: the run stops at once, naming the model
+    and the server's log, instead of reporting its failed requests as 0 tok/s half an hour later."""
+    harness = _harness()
+
+    class Listing:
+        status_code = 200
+
+        @staticmethod
+        def json() -> dict:
+            return {"object": "list", "data": [{"id": "plain", "object": "model"}]}
+
+    monkeypatch.setattr(harness.httpx, "get", lambda *_, **__: Listing())
+    server = harness.Server("taps serve", ["sleep", "60"], {}, 8123, tmp_path / "taps.log")
+    server.wait_ready(5, ["plain"])  # everything asked for is served: no error
+    assert server.proc.poll() is None
+    with pytest.raises(SystemExit, match=r"does not serve \['math'\] \(it serves \['plain'\]\).*taps\.log"):
+        server.wait_ready(5, ["plain", "math"])
+    assert server.proc.poll() is not None  # stopped, not left running

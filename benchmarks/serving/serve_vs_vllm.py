@@ -93,19 +93,31 @@ class Server:
         self.proc = subprocess.Popen(command, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
                                      start_new_session=True, cwd=REPO)
 
-    def wait_ready(self, timeout_s: float) -> None:
+    def wait_ready(self, timeout_s: float, models: list[str]) -> None:
+        """Until /v1/models answers, then check that it lists every model to measure: `taps serve` leaves out a
+        drafting model whose heads are not trained, and a report of its failed requests would read 0 tok/s."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise SystemExit(f"{self.name} exited with {self.proc.returncode} before serving; see {self.log}")
             try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/v1/models", timeout=2).status_code == 200:
-                    return
+                response = httpx.get(f"http://127.0.0.1:{self.port}/v1/models", timeout=2)
             except httpx.HTTPError:
-                pass
+                response = None
+            if response is not None and response.status_code == 200:
+                self._check_models({entry["id"] for entry in response.json()["data"]}, models)
+                return
             time.sleep(1)
         self.stop()
         raise SystemExit(f"{self.name} did not answer /v1/models within {timeout_s:.0f} s; see {self.log}")
+
+    def _check_models(self, served: set[str], models: list[str]) -> None:
+        missing = [model for model in models if model not in served]
+        if missing:
+            self.stop()
+            raise SystemExit(f"{self.name} does not serve {missing} (it serves {sorted(served)}); its log says why "
+                             f"(for taps serve: the heads it found untrained, and the command that trains them): "
+                             f"{self.log}")
 
     def idle_cpu(self, seconds: float = 5.0) -> float:
         """The CPU (in cores) the server's processes use over `seconds` with no request: what an idle server
@@ -448,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
             for server_name, models, threads, start_server in plan:
                 server = start_server(port := free_port())
                 try:
-                    server.wait_ready(600)
+                    server.wait_ready(600, models)
                     measure(server_name, models, threads, port, loads, 0)
                 finally:
                     server.stop()
@@ -456,9 +468,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         servers = []
         try:
-            for server_name, _, _, start_server in plan:  # one at a time: two model loads at once would time out
+            for _, models, _, start_server in plan:  # one at a time: two model loads at once would time out
                 servers.append(start_server(free_port()))
-                servers[-1].wait_ready(600)
+                servers[-1].wait_ready(600, models)
             turns = list(zip(plan, servers))
             idle[dtype] = {f"{name} {models[0]}": server.idle_cpu() for (name, models, *_), server in turns}
             for server in servers:
