@@ -73,6 +73,25 @@ def test_one_stalled_step_does_not_flip_a_bucket():
     assert gate.winner(bucket(1)) is True
 
 
+def test_a_bucket_that_left_its_choice_for_a_few_slow_steps_measures_it_again_soon():
+    """At 16 in flight, undrafted steps commit 3x what drafted ones do per second; the probes have backed off to
+    every 256th step. Four undrafted steps slowed six-fold (a server resumed from a pause) hand the bucket to
+    drafting. The undrafted kind is measured again within a few steps: before, its window kept the slow steps
+    until the rare probes replaced them, and the bucket drafted for the next 126 of 130 steps."""
+    gate = DraftGate(measured=True)
+    _feed(gate, 16, 2000, drafted_rate=133, plain_rate=400)
+    assert gate.winner(bucket(16)) is False and gate.intervals[bucket(16)] == 256
+    chosen = []
+    for _ in range(4):
+        drafts = gate.drafts(16)
+        chosen.append(drafts)
+        gate.observe(16, drafts, 6.0 if not drafts else 1.0, 400 if not drafts else 133)
+    assert gate.winner(bucket(16)) is True  # the slow steps did hand it over
+    chosen += _feed(gate, 16, 126, drafted_rate=133, plain_rate=400)
+    assert chosen.count(True) <= 8 and chosen[-100:].count(True) <= 2  # then probes only, backing off
+    assert gate.winner(bucket(16)) is False
+
+
 def test_a_cap_wins_over_measurement_and_bad_settings_are_refused():
     gate = DraftGate(draft_below=4, measured=True, warmup=1)
     assert _feed(gate, 4, 5, drafted_rate=100, plain_rate=1) == [False] * 5  # at the cap: never drafts

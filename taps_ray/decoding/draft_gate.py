@@ -12,8 +12,10 @@ and cannot tell its tree from its neighbours'.
   second over drafted steps and over undrafted ones, each over its last few steps on the live traffic; the
   faster one runs, and every `probe_every`-th step of a bucket runs the other, so a change in the traffic (a head
   that stops matching, longer contexts) is seen. A probe that confirms the choice doubles the bucket's interval (up
-  to `max_probe_every`), one that overturns it resets the interval. A bucket with no measurement of its own
-  follows its neighbours (drafting that lost at a smaller batch loses at a larger one; drafting that won at a
+  to `max_probe_every`), one that overturns it resets the interval. When a bucket's choice changes, the kind it
+  left starts a new window and is probed again within `RECHECK_EVERY` steps: its last steps may have been slow
+  for a moment only (a server resumed from a pause), while the other kind's rate is as old as its last probe. A
+  bucket with no measurement of its own follows its neighbours (drafting that lost at a smaller batch loses at a larger one; drafting that won at a
   larger batch wins at a smaller one) while its probes measure it; with none to follow it runs the two kinds in
   turn, `warmup` steps each, or fewer when one kind is `CLEAR_MARGIN` times faster than the other. Why both
   economies: on a CPU a drafted step at batch 16 cost about three to five undrafted ones, so a drafting model
@@ -35,6 +37,7 @@ WARMUP = 3  # steps of each kind a bucket measures before it chooses
 PROBE_EVERY = 32  # a bucket runs the losing kind once every this many steps at first
 CLEAR_MARGIN = 2.0  # one kind this many times faster than the other settles a bucket before its warm-up ends
 MAX_PROBE_EVERY = 256  # ... and at most this rarely, once probes keep confirming the choice
+RECHECK_EVERY = 4  # after a bucket's choice changes, the kind it left is probed this soon (then backing off)
 
 
 def bucket(batch: int) -> int:
@@ -137,8 +140,20 @@ class DraftGate:
         if not self.measured or seconds <= 0:
             return
         key = bucket(batch)
+        before = self._measured(key)
         self.rates.setdefault((key, drafted), StepRate()).add(seconds, tokens)
         if key in self.probing and drafted != self.probing[key]:  # the probe's step: did it overturn the choice?
             confirmed = self.winner(key) == self.probing.pop(key)
             interval = self.intervals.get(key, self.probe_every)
             self.intervals[key] = min(2 * interval, self.max_probe_every) if confirmed else self.probe_every
+        after = self._measured(key)
+        if None not in (before, after) and before != after:
+            self._measure_again(key, before)
+
+    def _measure_again(self, key: int, demoted: bool) -> None:
+        """Bucket `key` left the kind `demoted` because that kind's recent steps were slower. They may have been
+        slow for a while only (a core taken away, a server resumed from a pause), while the other kind's rate is as
+        old as its last probe; its window then held the slow steps until probes, backed off to up to
+        `max_probe_every` steps apart, replaced them. So its window restarts, and it is probed again soon."""
+        self.rates[(key, demoted)].recent.clear()
+        self.intervals[key], self.decided[key] = min(RECHECK_EVERY, self.probe_every), 0
