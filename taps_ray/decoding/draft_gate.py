@@ -8,20 +8,20 @@ and cannot tell its tree from its neighbours'.
 
 `DraftGate` decides per step from the number of live sequences:
 * `draft_below`: never draft at or above this batch size (a fixed cap, every loop's rule);
-* `measured` (Serve's default): per batch-size bucket (1, 2, 3-4, 5-8, ...), the batch's committed tokens per
-  second over drafted steps and over undrafted ones, each over its last few steps on the live traffic; the
-  faster one runs, and every `probe_every`-th step of a bucket runs the other, so a change in the traffic (a head
-  that stops matching, longer contexts) is seen. A probe that confirms the choice doubles the bucket's interval (up
-  to `max_probe_every`), one that overturns it resets the interval. When a bucket's choice changes, the kind it
-  left starts a new window and is probed again within `RECHECK_EVERY` steps: its last steps may have been slow
-  for a moment only (a server resumed from a pause), while the other kind's rate is as old as its last probe. A
-  bucket with no measurement of its own follows its neighbours (drafting that lost at a smaller batch loses at a larger one; drafting that won at a
-  larger batch wins at a smaller one) while its probes measure it; with none to follow it runs the two kinds in
-  turn, `warmup` steps each, or fewer when one kind is `CLEAR_MARGIN` times faster than the other. Why both
-  economies: on a CPU a drafted step at batch 16 cost about three to five undrafted ones, so a drafting model
-  lost ~6% to probes every 32nd step and ~18% to three drafted warm-up steps in each bucket the batch grew
-  through. The anchors: vLLM's dynamic speculative decoding (speculation off above a batch size, decided from
-  measured goodput) and TensorRT-LLM's draft length by batch size.
+* `measured` (Serve's default): per batch-size bucket (1, 2, 3-4, 5-8, ...), the batch's committed tokens per second
+  over drafted steps and over undrafted ones, each over its last few steps on the live traffic; the faster one runs,
+  and every `probe_every`-th step of a bucket runs the other, so a change in the traffic (a head that stops matching,
+  longer contexts) is seen. A probe that confirms the choice doubles the bucket's interval (up to `max_probe_every`),
+  one that overturns it resets the interval. When a bucket's choice changes, the kind it left starts a new window and
+  is probed again within `RECHECK_EVERY` steps: its last steps may have been slow for a moment only (a server resumed
+  from a pause), while the other kind's rate is as old as its last probe. A bucket with no measurement of its own
+  follows its neighbours (drafting that lost at a smaller batch loses at a larger one; drafting that won at a larger
+  batch wins at a smaller one) while its probes measure it; with none to follow it runs the two kinds in turn,
+  `warmup` steps each, or fewer when one kind is `CLEAR_MARGIN` times faster than the other. Why both economies: on a
+  CPU a drafted step at batch 16 cost about three to five undrafted ones, so a drafting model lost ~6% to probes
+  every 32nd step and ~18% to three drafted warm-up steps in each bucket the batch grew through. The anchors: vLLM's
+  dynamic speculative decoding (speculation off above a batch size, decided from measured goodput) and TensorRT-LLM's
+  draft length by batch size.
 
 Lossless either way: an undrafted step verifies each sequence's root, and a paused proposer is handed every
 position it missed when drafting resumes (`step.decode_step`).
