@@ -178,6 +178,34 @@ def test_the_measured_gate_keeps_the_batch_exact_and_learns_from_every_step(setu
     assert {(2, True), (2, False)} <= measured  # three live sequences: bucket 3-4, both kinds measured
 
 
+class _PausedEverywhere(PlainDecoding):
+    """A drafting model whose cost model has paused drafting on every sequence: root-only trees, no head."""
+
+    name = "paused"
+    drafts = True
+
+    def head_of(self, state: None) -> int:
+        return NOT_DRAFTED
+
+
+def test_a_step_the_gate_lets_draft_counts_as_drafted_only_where_a_sequence_drafted(setup):
+    """A step where every sequence verified its root only costs what an undrafted step does: the gate hears it as
+    one, so the drafted kind's rate is only ever steps that drafted (at 16 in flight they cost several undrafted
+    ones, and paused steps counted as drafted had made the two kinds look level)."""
+    model, _, prompts = setup
+    gate = DraftGate(measured=True, warmup=2, probe_every=4)
+    batcher = ContinuousBatcher(model, stop_ids=[], max_batch_size=4, gate=gate)
+    results: dict = {}
+    for key in range(3):
+        _submit(batcher, results, key, prompts[key], _PausedEverywhere(), 12)
+    _drain(batcher)
+    for key in range(3):
+        assert results[key].generation.tokens == _hf_greedy(model, prompts[key], 12), key
+    assert all(s.head == NOT_DRAFTED for s in results[0].generation.steps)
+    assert gate.rates and all(not drafted for _, drafted in gate.rates)  # the gate let it draft; none did
+    assert gate.rates[(2, False)].steps >= 8
+
+
 def test_ignore_eos_decodes_past_the_stop_tokens_to_the_budget(setup):
     model, _, prompts = setup
     greedy = _hf_greedy(model, prompts[0], 8)
