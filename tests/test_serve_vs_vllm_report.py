@@ -4,8 +4,12 @@ each run listed and the ratio to vLLM taken within each repetition, not across t
 from __future__ import annotations
 
 import importlib.util
+import os
+import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -168,3 +172,31 @@ def test_a_server_that_does_not_list_a_model_to_measure_stops_the_run_before_any
     with pytest.raises(SystemExit, match=r"does not serve \['math'\] \(it serves \['plain'\]\).*taps\.log"):
         server.wait_ready(5, ["plain", "math"])
     assert server.proc.poll() is not None  # stopped, not left running
+
+
+def test_stopping_a_paused_server_resumes_children_in_process_groups_of_their_own(tmp_path):
+    """Ray runs Serve's controller and replica in process groups of their own; `taps serve` drains through them
+    on SIGINT. A SIGCONT to the server's group left them stopped, so every paused server's stop waited a minute
+    for its SIGKILL. Here the server's SIGINT handler waits for such a child, as the drain does."""
+    harness = _harness()
+    server_code = ("import signal, subprocess, sys, time\n"
+                   "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], process_group=0)\n"
+                   "def stop(*_):\n"
+                   "    child.terminate(); child.wait(); sys.exit(0)\n"
+                   "signal.signal(signal.SIGINT, stop)\n"
+                   "print('ready', flush=True)\n"
+                   "time.sleep(600)\n")
+    log = tmp_path / "server.log"
+    server = harness.Server("server", [sys.executable, "-c", server_code], {}, 8123, log)
+    deadline = time.monotonic() + 30
+    while "ready" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    child = server._tree()[1]
+    assert os.getpgid(child.pid) != os.getpgid(server.proc.pid)  # the case Ray's workers are in
+    server.pause()
+    assert child.status() == psutil.STATUS_STOPPED
+    started = time.monotonic()
+    server.stop()
+    assert server.proc.returncode == 0  # the handler ran to its end: no SIGKILL
+    assert time.monotonic() - started < 30
+    assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE

@@ -152,13 +152,21 @@ class Server:
     def resume(self, settle_s: float = 2.0) -> None:
         """SIGCONT every process of the server, children first (a replica answers the health check its controller
         sent before the pause before the controller times it out), then let the timers that fell due run."""
+        import psutil
+
         for process in reversed(self._tree()):
-            process.resume()
+            try:
+                process.resume()
+            except psutil.NoSuchProcess:  # a worker that exited since the listing (a stop's resume)
+                pass
         time.sleep(settle_s)
 
     def stop(self) -> None:
+        """SIGINT, as Ctrl-C in a terminal; SIGKILL after a minute. A paused server is resumed process by process
+        first: Ray runs its workers (Serve's controller and replica) in process groups of their own, so a SIGCONT to
+        the server's group left them stopped, and `taps serve` waited for its drain until the SIGKILL, 60 s a server."""
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGCONT)  # a paused server would not hear the SIGINT
+            self.resume(settle_s=0.0)
             os.killpg(self.proc.pid, signal.SIGINT)
             try:
                 self.proc.wait(timeout=60)
