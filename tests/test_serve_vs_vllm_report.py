@@ -116,6 +116,19 @@ def test_taps_servers_cross_listeners_with_openmp_waits_and_each_config_loads(tm
         assert f"taps-data-size-bfloat16-{serve.listener}-{serve.replica_omp_wait}.yaml" == path.name
 
 
+def test_taps_servers_cross_head_kinds_and_each_serves_its_kind(tmp_path):
+    """--head-kinds: our server on each kind's heads, as vLLM serves one exported head (--vllm-heads)."""
+    from taps_ray.config import load_config
+
+    harness = _harness()
+    variants = harness.taps_variants("replica", "", "eagle2,eagle3")
+    assert variants == [{"listener": "replica", "head_kind": "eagle2"}, {"listener": "replica", "head_kind": "eagle3"}]
+    assert harness.variant_name(variants[1], 2) == "taps, replica listener, eagle3 heads"
+    kinds = {load_config(harness.taps_config(str(REPO / "configs" / "interop.yaml"), "float32", 16, 2, 8123,
+                                             tmp_path, variant)).serve.head_kind for variant in variants}
+    assert kinds == {"eagle2", "eagle3"}
+
+
 def test_plain_configs_are_servers_of_their_own_named_by_their_config(tmp_path):
     harness = _harness()
     cpu, data_size = str(REPO / "configs" / "cpu.yaml"), str(REPO / "configs" / "data_size.yaml")

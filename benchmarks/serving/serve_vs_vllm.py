@@ -235,19 +235,21 @@ def taps_server(config_path: str, dtype: str, max_seqs: int, threads: int, port:
     return Server("taps serve", command, {**os.environ, "PYTHONPATH": str(REPO)}, port, derived.with_suffix(".log"))
 
 
-def taps_variants(listeners: str, omp_waits: str) -> list[dict[str, str]]:
-    """The taps servers to run: each `serve` override of --listeners crossed with each of --omp-waits ({}: the
-    config as it is)."""
-    listener_values = [{"listener": name} for name in listeners.split(",") if name] or [{}]
-    wait_values = [{"replica_omp_wait": name} for name in omp_waits.split(",") if name] or [{}]
-    return [{**listener, **wait} for listener in listener_values for wait in wait_values]
+def taps_variants(listeners: str, omp_waits: str, head_kinds: str = "") -> list[dict[str, str]]:
+    """The taps servers to run: each `serve` override of --listeners crossed with each of --omp-waits and each of
+    --head-kinds ({}: the config as it is)."""
+    crossed: list[dict[str, str]] = [{}]
+    for key, values in (("listener", listeners), ("replica_omp_wait", omp_waits), ("head_kind", head_kinds)):
+        options = [{key: name} for name in values.split(",") if name] or [{}]
+        crossed = [{**variant, **option} for variant in crossed for option in options]
+    return crossed
 
 
 def variant_name(variant: dict[str, str], count: int) -> str:
     """A taps server's name in the report: "taps" when it is the only one, else what sets it apart."""
     if count == 1:
         return "taps"
-    labels = {"listener": "{} listener", "replica_omp_wait": "OpenMP wait {}"}
+    labels = {"listener": "{} listener", "replica_omp_wait": "OpenMP wait {}", "head_kind": "{} heads"}
     return "taps, " + ", ".join(labels[key].format(value) for key, value in variant.items())
 
 
@@ -386,6 +388,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--omp-waits", default="",
                         help="taps serve's serve.replica_omp_wait, comma-separated (e.g. default,passive: a taps server "
                         "each, crossed with --listeners); default: the config's")
+    parser.add_argument("--head-kinds", default="",
+                        help="taps serve's serve.head_kind, comma-separated (e.g. eagle2,eagle3: a taps server each, "
+                        "crossed with the above, its drafting models on that kind's heads); default: the config's")
     parser.add_argument("--plain-configs", default="",
                         help="more taps servers, comma-separated configs, each measured on plain only, in turn "
                         "with the others: e.g. a config without heads beside --config's heads, to see what serving "
@@ -421,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
                   lambda port, head=head, spec=spec: vllm_server(venv, dtype, args.max_seqs, port,
                                                                  folder / f"vllm-{head}-{dtype}.log", head, spec))
                  for head, spec in heads.items()]
-        variants = taps_variants(args.listeners, args.omp_waits)
+        variants = taps_variants(args.listeners, args.omp_waits, args.head_kinds)
         servers_of = [(args.config, args.models.split(","))]
         servers_of += [(path, ["plain"]) for path in args.plain_configs.split(",") if path]
         plan += [(variant_name(variant, len(variants)) + config_label(path, len(servers_of)), models,
