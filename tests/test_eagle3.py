@@ -10,7 +10,8 @@ import torch
 
 from taps_ray.config import TrainConfig, TreeConfig
 from taps_ray.models.draft_head import DraftHead, eagle3_layers, new_head
-from taps_ray.drafting.combine import average_heads
+from taps_ray.drafting.combine import Merged, average_heads, with_ngram
+from taps_ray.drafting.cost import CostAware
 from taps_ray.decoding.generate import generate
 from taps_ray.drafting.proposers import SingleHead
 from taps_ray.drafting.eagle2 import DraftContext, HeadCache, extend_batch, head_context
@@ -121,6 +122,29 @@ def test_target_batch_hands_fused_layers_and_an_accepting_oracle_stays_lossless(
         assert generation.tokens == _hf_greedy(model, prompt, 24, [])
         assert max(s.accepted for s in generation.steps) == 4 and generation.tau > 1.5
     assert sum(n > 1 for n in oracle.checked) > len(prompts)  # accepted blocks were checked, not only prompts
+
+
+
+def test_an_eagle3_head_combines_with_prompt_lookup_and_stays_lossless(tiny_target):
+    """`<head>+ngram` on an EAGLE-3 head (what `taps serve` builds for every head): prompt lookup reads tokens
+    only, so the merged proposer drafts from the head's fused layers. Serving EAGLE-3 heads failed to start here
+    ("cannot combine heads that draft from different target layers"). Two parts that read different features
+    still cannot combine."""
+    model, tok = tiny_target.model, tiny_target.tokenizer
+    bos = tok.encode("<|im_start|>")[0]
+    prompts = [[bos] + tok.encode(t) for t in ("numbers 1 2 3 4 5 6 7 8", "math: 12*7=")]
+    layers = tuple(eagle3_layers(model.config.num_hidden_layers))
+    oracle = FusedOracle(model, first_token=bos, depth=4, layers=layers)
+    merged = with_ngram(oracle, TREE, "oracle+ngram")
+    assert merged.feature_layers == layers and CostAware(merged).feature_layers == layers
+    generations = generate(model, merged, prompts, GREEDY, 24, [])
+    for prompt, generation in zip(prompts, generations):
+        assert generation.tokens == _hf_greedy(model, prompt, 24, [])
+        assert generation.tau > 1.5  # drafts were accepted
+    assert sum(n > 1 for n in oracle.checked) > len(prompts)  # the head got the fused layers of accepted blocks
+    last_layer_head = FusedOracle(model, first_token=bos, depth=4, layers=())
+    with pytest.raises(ValueError, match="different target layers"):
+        Merged([oracle, last_layer_head], mode="rank", budget=7).feature_layers
 
 
 def _batch(target, texts: list[str], layers) -> Batch:

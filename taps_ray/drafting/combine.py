@@ -125,9 +125,14 @@ class OverParts(Proposer):
         return [n for p in self.parts for n in p.head_names]
 
     @property
+    def reads_features(self) -> bool:
+        return any(p.reads_features for p in self.parts)
+
+    @property
     def feature_layers(self) -> tuple[int, ...]:
-        """The parts' target layers; parts read the same committed features, so they must agree."""
-        layers = {p.feature_layers for p in self.parts}
+        """The target layers of the parts that read features (an n-gram part reads tokens only); they read the
+        same committed features, so they must agree."""
+        layers = {p.feature_layers for p in self.parts if p.reads_features}
         if len(layers) > 1:
             raise ValueError(f"cannot combine heads that draft from different target layers: {sorted(layers)}")
         return layers.pop() if layers else ()

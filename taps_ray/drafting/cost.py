@@ -135,6 +135,10 @@ class CostAware(Proposer):
     def feature_layers(self) -> tuple[int, ...]:
         return self.inner.feature_layers
 
+    @property
+    def reads_features(self) -> bool:
+        return self.inner.reads_features
+
     def init_state(self) -> CostState:
         return CostState(inner=self.inner.init_state())
 

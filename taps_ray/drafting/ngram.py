@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -75,6 +76,7 @@ class NgramProposer(Proposer):
     name: str = "ngram"
     max_ngram: int = MAX_NGRAM
     num_tokens: int = NUM_TOKENS
+    reads_features: ClassVar[bool] = False  # prompt lookup: tokens only, so it combines with an EAGLE-3 head
 
     @property
     def head_names(self) -> list[str]:

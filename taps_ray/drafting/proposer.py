@@ -58,6 +58,7 @@ class Proposer(ABC):
     feature_layers: tuple[int, ...] = ()  # target layers to fuse for `propose` (EAGLE-3); (): the post-norm last
     replay_refusal: ClassVar[str | None] = None  # why replay cannot stand in for live decoding, if it cannot
     drafts: ClassVar[bool] = True  # False: only root-only trees (plain decoding), so a loop's DraftGate ignores it
+    reads_features: ClassVar[bool] = True  # False: drafts from tokens alone (plain, n-gram): any feature_layers fit
 
     @abstractmethod
     def init_state(self) -> Any:

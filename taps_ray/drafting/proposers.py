@@ -45,6 +45,7 @@ class PlainDecoding(Proposer):
     name = "plain"
     head_names: list[str] = []
     drafts = False
+    reads_features = False
 
     def init_state(self) -> None:
         return None

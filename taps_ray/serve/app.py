@@ -172,7 +172,7 @@ class TapsService:
         self.created = int(time.time())
         self._openapi: dict[str, Any] | None = None
         self.output = TextOutput(self.tokenizer, self.stop_ids)
-        layers = {p.feature_layers for p in self.proposers.values()} - {()}  # plain drafts from no feature
+        layers = {p.feature_layers for p in self.proposers.values() if p.reads_features}
         if len(layers) > 1:
             raise ValueError(f"the served heads draft from different target layers: {sorted(layers)}")
         gate = DraftGate(serve_cfg.draft_below, measured=serve_cfg.measure_drafting)
