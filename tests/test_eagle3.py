@@ -124,7 +124,6 @@ def test_target_batch_hands_fused_layers_and_an_accepting_oracle_stays_lossless(
     assert sum(n > 1 for n in oracle.checked) > len(prompts)  # accepted blocks were checked, not only prompts
 
 
-
 def test_an_eagle3_head_combines_with_prompt_lookup_and_stays_lossless(tiny_target):
     """`<head>+ngram` on an EAGLE-3 head (what `taps serve` builds for every head): prompt lookup reads tokens
     only, so the merged proposer drafts from the head's fused layers. Serving EAGLE-3 heads failed to start here
