@@ -211,6 +211,13 @@ class TreeConfig(_Strict):
         "is below this (docs/algorithms.md#draft-confidence-stop); 0 = always draft `depth` levels"
     )
 
+    @property
+    def passes(self) -> int:
+        """Head passes a draft runs past the root's children: `depth`, or fewer where the tree's total_token-1
+        nodes cannot reach it (a kept node's parent is always kept, so S nodes reach depth S at most and a
+        deeper pass's candidates are never selected: a chain of 3 needs 2 passes, not `depth`)."""
+        return min(self.depth, self.total_token - 2)
+
     @model_validator(mode="after")
     def _fits(self) -> "TreeConfig":
         most = self.top_k + self.depth * self.top_k**2

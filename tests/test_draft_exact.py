@@ -71,7 +71,7 @@ def test_drafts_equal_the_reference_bit_for_bit_over_a_sequence(tiny_target):
     head = new_head(tiny_target.model.config, seed=3)
     ctx = DraftContext(tiny_target.model.get_input_embeddings(), tiny_target.model.lm_head)
     d = head.config.hidden_size
-    for total, depth, k in [(16, 4, 4), (8, 3, 2), (3, 2, 2)]:
+    for total, depth, k in [(16, 4, 4), (8, 3, 2), (3, 2, 2), (4, 3, 1), (2, 3, 2)]:  # the last 3: passes skipped
         cache, kv, length = HeadCache(), None, 0
         for m in (7, 1, 3, 2, 300, 1):  # 300: the slots outgrow their first capacity
             features, tokens = torch.randn(m, d), torch.randint(0, 1000, (m,))
@@ -79,6 +79,23 @@ def test_drafts_equal_the_reference_bit_for_bit_over_a_sequence(tiny_target):
             expected, kv, length = reference_draft(head, ctx, kv, length, features, tokens, total, depth, k)
             assert _same(tree, expected), (total, depth, k, m)
             assert torch.equal(cache.kv[0], kv[0]) and torch.equal(cache.kv[1], kv[1]) and cache.length == length
+
+
+def test_a_tree_too_small_for_its_depth_skips_the_passes_it_cannot_keep(tiny_target, monkeypatch):
+    """A chain of 3 (total 4, top 1) drafts in 2 head passes past the root's children, not depth 3: the third
+    pass's nodes would sit at depth 4 (the reference above runs every pass and gets the same trees). One more
+    head call reads the committed positions."""
+    head = new_head(tiny_target.model.config, seed=6)
+    ctx = DraftContext(tiny_target.model.get_input_embeddings(), tiny_target.model.lm_head)
+    calls = []
+    step = head.step
+    monkeypatch.setattr(head, "step", lambda *a, **kw: calls.append(1) or step(*a, **kw))
+    features, tokens = torch.randn(5, head.config.hidden_size), torch.arange(5)
+    for (total, depth, k), passes in [((4, 3, 1), 2), ((16, 4, 4), 4), ((2, 4, 2), 0)]:
+        calls.clear()
+        tree, _ = _draft(head, ctx, HeadCache(), features, tokens, total, depth, k)
+        assert len(calls) == 1 + passes and tree.size == total, (total, depth, k, len(calls))  # 1: the context
+        assert TreeConfig(total_token=total, depth=depth, top_k=k).passes == passes
 
 
 def test_a_state_drafted_from_twice_keeps_its_own_cache(tiny_target):

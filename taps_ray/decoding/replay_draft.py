@@ -215,8 +215,8 @@ def _draft_group(
         return blocks.forward(head, ctx, tokens, frontier, ancestors, level, dtype)  # [R, k, d]
 
     stop = ConfidenceStop(tree.min_confidence, rows, device)  # as live drafting stops
-    # as live drafting and EAGLE's topK_genrate: every pass, whatever the tree's size
-    expand_levels(ctx, candidates, tree.depth, stop, forward)
+    # as live drafting: every pass the tree's size can reach (`TreeConfig.passes`)
+    expand_levels(ctx, candidates, tree.passes, stop, forward)
 
     tokens, scores, parents, entropy = candidates.flat()
     drafted = select_nodes(tokens, stop.scores(scores), parents, entropy, n_draft)

@@ -376,9 +376,9 @@ def draft_eagle2(
     (docs/algorithms.md#draft-confidence-stop); deciding to stop reads the frontier once per level.
     """
     n_draft, k = tree.total_token - 1, tree.top_k
-    # Every pass, even for a tree no wider than one level (n_draft <= k): a deep node can outscore a root child,
-    # and EAGLE's topK_genrate keeps the n_draft best of all k + depth*k^2 candidates.
-    passes = tree.depth
+    # Every pass the tree's size can reach, even for a tree no wider than one level (n_draft <= k): a deep node
+    # can outscore a root child, and EAGLE's topK_genrate keeps the n_draft best of all k + depth*k^2 candidates.
+    passes = tree.passes
     hidden, caches, roots = extend_batch(head, ctx, caches, features, next_tokens, reserve=passes * k)
     sequences, n = len(caches), head.stacked
     candidates = Candidates(ctx, hidden, k)
