@@ -389,6 +389,20 @@ class AdaptConfig(_Strict):
         return self
 
 
+class ServedTree(_Strict):
+    """The fields of the study's `tree` that `taps serve` drafts with instead (each None: the study's). The heads
+    and the draft vocabulary stay the study's; only the shape a served head drafts changes."""
+
+    total_token: int | None = Field(None, gt=1)
+    depth: int | None = Field(None, gt=0)
+    top_k: int | None = Field(None, gt=0)
+    min_confidence: float | None = Field(None, ge=0.0, lt=1.0)
+
+    def over(self, tree: TreeConfig) -> TreeConfig:
+        """`tree` with these fields set (validated as a whole: the shape must fit its top_k and depth)."""
+        return TreeConfig.model_validate({**tree.model_dump(), **self.model_dump(exclude_none=True)})
+
+
 class ServeConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, gt=0, lt=65536)
@@ -450,6 +464,11 @@ class ServeConfig(_Strict):
         "Serve proxy: each decode step's streamed chunks leave from the replica's event loop instead of one Ray "
         "message per token and request, whose wakeups slowed a CPU replica's step by 13-16% (docs/serve.md); "
         "one replica only")
+    tree: ServedTree = Field(
+        default_factory=ServedTree, description="the tree shape the served heads draft, over the study's `tree` "
+        "(unset fields: the study's). On a CPU a small target's step costs about as much as drafting a 16-node, "
+        "depth-4 tree, so a short chain serves faster at few sequences: {total_token: 4, depth: 3, top_k: 1}, vLLM's "
+        "3 speculative tokens (docs/serve.md#the-served-tree)")
     adapt: AdaptConfig = AdaptConfig()
 
     @model_validator(mode="after")
@@ -530,6 +549,19 @@ class StudyConfig(_Strict):
         if both:
             raise ValueError(f"train.compare names {both}, which train.mixtures trains already; list each mixture once")
         return self
+
+    @model_validator(mode="after")
+    def _served_tree_fits(self) -> "StudyConfig":
+        try:
+            self.serve.tree.over(self.tree)
+        except ValidationError as error:
+            problems = "; ".join(item["msg"].removeprefix("Value error, ") for item in error.errors())
+            raise ValueError(f"serve.tree over the study's tree: {problems}") from None
+        return self
+
+    def served(self) -> "StudyConfig":
+        """This config as `taps serve` drafts: `tree` with `serve.tree`'s fields set."""
+        return self.model_copy(update={"tree": self.serve.tree.over(self.tree)})
 
     def head_pairs(self) -> list[tuple[str, str]]:
         """(kind, mixture) of every head the study trains: train.kinds x train.mixtures, then train.compare's."""

@@ -7,14 +7,15 @@ import pytest
 from taps_ray.decoding.draft_gate import DraftGate, bucket, bucket_label
 
 
-def _feed(gate: DraftGate, batch: int, steps: int, drafted_rate: int, plain_rate: int) -> list[bool]:
+def _feed(gate: DraftGate, batch: int, steps: int, drafted_rate: int, plain_rate: int,
+          self_timed: bool = False) -> list[bool]:
     """Run `steps` steps at `batch` where a drafted step commits `drafted_rate` tokens in one second and an
     undrafted one `plain_rate`; returns what the gate chose at each."""
     chosen = []
     for _ in range(steps):
-        drafts = gate.drafts(batch)
+        drafts = gate.drafts(batch, self_timed)
         chosen.append(drafts)
-        gate.observe(batch, drafts, 1.0, drafted_rate if drafts else plain_rate)
+        gate.observe(batch, drafts, 1.0, drafted_rate if drafts else plain_rate, self_timed)
     return chosen
 
 
@@ -90,6 +91,18 @@ def test_a_bucket_that_left_its_choice_for_a_few_slow_steps_measures_it_again_so
     chosen += _feed(gate, 16, 126, drafted_rate=133, plain_rate=400)
     assert chosen.count(True) <= 8 and chosen[-100:].count(True) <= 2  # then probes only, backing off
     assert gate.winner(bucket(16)) is False
+
+
+def test_a_lone_self_timing_proposer_decides_for_itself():
+    """At batch 1 a cost-aware proposer's own timings hold no neighbour's tree: the gate lets it draft and keeps no
+    rate there; from batch 2 on the measured rule decides as for any proposer."""
+    gate = DraftGate(measured=True, warmup=1, probe_every=4)
+    assert _feed(gate, 1, 12, drafted_rate=1, plain_rate=3, self_timed=True) == [True] * 12
+    assert not gate.rates
+    assert _feed(gate, 2, 12, drafted_rate=1, plain_rate=3, self_timed=True)[2:] == [i in (3, 11) for i in range(10)]
+    assert _feed(gate, 1, 4, drafted_rate=1, plain_rate=3)[2:] == [False, False]  # not self-timed: measured
+    assert gate.rates[(bucket(1), True)].steps == 1
+    assert not _feed(DraftGate(draft_below=1, measured=True), 1, 3, 3, 1, self_timed=True)[0]  # the cap still holds
 
 
 def test_a_cap_wins_over_measurement_and_bad_settings_are_refused():

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, settings
 from pydantic import ValidationError
 from schemathesis.checks import not_a_server_error
 
-from taps_ray.config import ServeConfig, load_config
+from taps_ray.config import ConfigError, ServeConfig, ServedTree, load_config, parse_config
 from taps_ray.data.chat import render_ids
 from taps_ray.models.draft_head import new_head
 from taps_ray.ray_runtime import start_serve
@@ -57,6 +57,7 @@ def _serve_config(tiny_config, work: Path, **serve_update):
         draft_below=3,  # batches of 3-4 start undrafted and resume drafting as their sequences finish
         measure_drafting=False,  # below the cap every batch drafts (one test: the measured rule)
         cost_model=False,  # the proposers as they are: these tests check what each one drafts (one test: the default)
+        tree=ServedTree(total_token=6),  # the served heads draft 6 of the study's 8 nodes (tiny.yaml: 8/3/3)
     )
     update.update(serve_update)
     return tiny_config.model_copy(update={"work_dir": str(work), "serve": tiny_config.serve.model_copy(update=update)})
@@ -134,6 +135,7 @@ def _spec_models(service) -> list[str]:
 def test_healthz_and_models(service):
     health = httpx.get(f"{service.url}/healthz").json()
     assert health["status"] == "ok" and health["heads"] == ["chat", "math"] and health["missing_heads"] == []
+    assert health["tree"] == {"total_token": 6, "depth": 3, "top_k": 3, "min_confidence": 0.0}  # serve.tree
     listed = httpx.get(f"{service.url}/v1/models").json()
     assert listed["object"] == "list"
     ids = [card["id"] for card in listed["data"]]
@@ -515,6 +517,15 @@ def test_replica_listener_takes_one_replica():
         ServeConfig(listener="replica", num_replicas=2)
     with pytest.raises(ValidationError, match="serve.listener=proxy"):
         ServeConfig(listener="replica", autoscaling_config={"min_replicas": 1, "max_replicas": 2})
+
+
+def test_serve_tree_sets_the_shape_served_heads_draft_and_must_fit():
+    data = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
+    chain = parse_config({**data, "serve": {"tree": {"total_token": 4, "top_k": 1}}})
+    assert chain.served().tree.model_dump() == {**chain.tree.model_dump(), "total_token": 4, "top_k": 1}
+    assert chain.tree.top_k == 3 and chain.served().tree.passes == 2  # the study's own tree is left as it is
+    with pytest.raises(ConfigError, match="serve.tree over the study's tree: total_token-1=39 exceeds"):
+        parse_config({**data, "serve": {"tree": {"total_token": 40, "top_k": 1}}})
 
 
 def test_openapi_schema_publishes_live_limits(service):

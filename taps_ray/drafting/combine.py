@@ -43,7 +43,7 @@ from taps_ray.config import TreeConfig
 from taps_ray.models.draft_head import DraftHead
 from taps_ray.models.stacked_head import StackedHead
 from taps_ray.drafting.ngram import NgramProposer
-from taps_ray.drafting.proposer import Proposer
+from taps_ray.drafting.proposer import Proposer, shared_feature_layers
 from taps_ray.drafting.proposers import SingleHead, stackable
 from taps_ray.drafting.eagle2 import DraftContext, HeadCache, draft_eagle2
 from taps_ray.drafting.tree import DraftTree
@@ -130,12 +130,8 @@ class OverParts(Proposer):
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
-        """The target layers of the parts that read features (an n-gram part reads tokens only); they read the
-        same committed features, so they must agree."""
-        layers = {p.feature_layers for p in self.parts if p.reads_features}
-        if len(layers) > 1:
-            raise ValueError(f"cannot combine heads that draft from different target layers: {sorted(layers)}")
-        return layers.pop() if layers else ()
+        """The target layers of the parts that read features (an n-gram part reads tokens only)."""
+        return shared_feature_layers(self.parts, "cannot combine heads that")
 
     def init_state(self) -> RouterState:
         return RouterState(parts=tuple(p.init_state() for p in self.parts), last_head=self.initial_head)

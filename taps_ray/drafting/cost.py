@@ -121,6 +121,7 @@ class CostAware(Proposer):
     name: str = ""
     clock: Callable[[], float] = time.perf_counter
     margin: float = MARGIN
+    times_itself: ClassVar[bool] = True
     replay_refusal: ClassVar[str] = ("decides from measured step times, which a replay does not have: run it live "
                                      "(eval.replay leaves auto-* cells live)")
 

@@ -7,7 +7,7 @@ lets a Ray actor hold the states of many sequences.
 A new proposer subclasses `Proposer`, implements `init_state` and `propose`, and overrides only the capabilities
 it has: each has a default that is right for a proposer without it, so the loop and replay call them all without
 probing (`drafts`: whether it ever drafts beyond the root; `propose_batch`: batched drafting; `feature_layers`:
-EAGLE-3's fused target layers; `head_of`: a router's choice; `observe`: what verification accepted, for proposers
+EAGLE-3's fused target layers; `times_itself`: the cost model's own judgement; `head_of`: a router's choice; `observe`: what verification accepted, for proposers
 that learn online; `map_heads` and `replay_refusal`: how replay swaps in precomputed trees, and online adaptation a
 new version of one head; `with_part`: a head added to a router).
 """
@@ -15,7 +15,7 @@ new version of one head; `with_part`: a head added to a router).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -50,6 +50,15 @@ def join_pending(pending: Pending) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([f for f, _ in pending]), torch.cat([t for _, t in pending])
 
 
+def shared_feature_layers(proposers: Iterable[Proposer], what: str) -> tuple[int, ...]:
+    """The target layers every feature-reading proposer of `proposers` drafts from (token-only ones, plain and
+    n-gram, fit any): they read the same committed features, so they must agree; `what` names them in the error."""
+    layers = {p.feature_layers for p in proposers if p.reads_features}
+    if len(layers) > 1:
+        raise ValueError(f"{what} draft from different target layers: {sorted(layers)}")
+    return layers.pop() if layers else ()
+
+
 class Proposer(ABC):
     """Drafts a token tree per sequence from the target's committed features and tokens."""
 
@@ -59,6 +68,7 @@ class Proposer(ABC):
     replay_refusal: ClassVar[str | None] = None  # why replay cannot stand in for live decoding, if it cannot
     drafts: ClassVar[bool] = True  # False: only root-only trees (plain decoding), so a loop's DraftGate ignores it
     reads_features: ClassVar[bool] = True  # False: drafts from tokens alone (plain, n-gram): any feature_layers fit
+    times_itself: ClassVar[bool] = False  # True: drafts only where its own step timings say it pays (the cost model)
 
     @abstractmethod
     def init_state(self) -> Any:

@@ -60,6 +60,7 @@ from taps_ray.decoding.draft_gate import DraftGate
 from taps_ray.decoding.verify import MIN_TEMPERATURE, SamplingParams
 from taps_ray.drafting.cost import CostAware
 from taps_ray.drafting.names import ALIASES, PLAIN, UnknownProposer, parse_proposer
+from taps_ray.drafting.proposer import shared_feature_layers
 from taps_ray.drafting.registry import combination, combination_names, single_names
 from taps_ray.drafting.setup import load_heads, load_proposers
 from taps_ray.models.target import load_target
@@ -132,7 +133,7 @@ class TapsService:
 
     def __init__(self, config: dict[str, Any]) -> None:
         bind_replica_grpc_to_node()  # before Serve starts the replica's gRPC server, right after this constructor
-        self.cfg = parse_config(config, "<serve deployment>")
+        self.cfg = parse_config(config, "<serve deployment>").served()  # drafting serve.tree's shape
         # the decode thread, with the replica's threads; it loads everything too (compute_thread.py says why)
         self.compute = compute_executor("taps-decode", max(1, math.ceil(self.cfg.serve.replica_num_cpus)))
         self.compute.submit(self._load).result()
@@ -172,12 +173,10 @@ class TapsService:
         self.created = int(time.time())
         self._openapi: dict[str, Any] | None = None
         self.output = TextOutput(self.tokenizer, self.stop_ids)
-        layers = {p.feature_layers for p in self.proposers.values() if p.reads_features}
-        if len(layers) > 1:
-            raise ValueError(f"the served heads draft from different target layers: {sorted(layers)}")
+        layers = shared_feature_layers(self.proposers.values(), "the served heads")
         gate = DraftGate(serve_cfg.draft_below, measured=serve_cfg.measure_drafting)
         self.batcher = ContinuousBatcher(self.target.model, self.stop_ids, serve_cfg.max_batch_size,
-                                         gate, layers.pop() if layers else (),
+                                         gate, layers,
                                          prefill_tokens=serve_cfg.prefill_tokens)
         if target_forward(self.target.model).compiled:
             warm_up(self.batcher, self.proposers[PLAIN], self.tokenizer.encode("Warm up the target's graph."))
@@ -364,6 +363,7 @@ class TapsService:
             "running": self.batcher.live,
             "waiting": self.batcher.waiting,
             "head_versions": self.adapt.versions() if self.adapt else {},
+            "tree": self.cfg.tree.model_dump(include={"total_token", "depth", "top_k", "min_confidence"}),
         }
 
     @api.get("/v1/models", response_model=ModelList, summary="the models (proposers) this service can use")
