@@ -4,10 +4,13 @@ decoding, at several concurrencies. Not a test.
 
     python benchmarks/serving/draft_gate.py --config configs/data_size.yaml --models math,confidence-routed \
         --concurrency 1,4,16 --out reports/draft_gate.md
+    python benchmarks/serving/draft_gate.py --config configs/interop.yaml --dtype float32 --models math \
+        --trees 16/4/4,4/3/1 --concurrency 1,4 --repetitions 2 --out reports/served_tree.md
 
 Serve's engine without HTTP (`ContinuousBatcher`, as a replica builds it: every drafting model under the
 per-sequence cost model), a closed loop of `--concurrency` requests in flight over `--prompts` prompts (half GSM8K,
-half MT-Bench first turns), `--max-tokens` tokens each, greedy. Each drafting model runs twice: with the drafting
+half MT-Bench first turns), `--max-tokens` tokens each, greedy; the heads draft the config's served tree
+(serve.tree) or each of `--trees`. Each drafting model and tree runs twice: with the drafting
 gate off (`serve.measure_drafting: false`, no `draft_below`: every batch drafts) and on (the default: a batch
 drafts only where drafted steps measured faster at its size). Per concurrency the runs are interleaved (plain,
 then each model and gate) `--repetitions` times in one process: read the ratios to plain, not absolute speeds.
@@ -28,12 +31,12 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from taps_ray.bench.closed_loop import LoopTimes, closed_loop, mixed_prompts, percentile  # noqa: E402
-from taps_ray.config import load_config  # noqa: E402
+from taps_ray.config import TreeConfig, load_config  # noqa: E402
 from taps_ray.decoding.continuous import ContinuousBatcher  # noqa: E402
 from taps_ray.decoding.draft_gate import DraftGate  # noqa: E402
 from taps_ray.drafting.cost import CostAware  # noqa: E402
 from taps_ray.drafting.proposers import PlainDecoding  # noqa: E402
-from taps_ray.drafting.setup import load_proposers  # noqa: E402
+from taps_ray.drafting.setup import heads_needed, load_heads, load_proposers  # noqa: E402
 from taps_ray.fsio import atomic_write_text  # noqa: E402
 from taps_ray.machine import cpu_line  # noqa: E402
 from taps_ray.markdown import md_table  # noqa: E402
@@ -51,53 +54,72 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repetitions", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--trees", default="", help="tree shapes the drafting models draft, T/D/K (total_token/depth/"
+                        "top_k), comma-separated; default: the config's served tree (serve.tree over its tree)")
+    parser.add_argument("--dtype", default="", help="the target's dtype (default: the config's)")
     parser.add_argument("--out", default="reports/draft_gate.md")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    config = load_config(args.config)
+    config = load_config(args.config).served()
+    if args.dtype:
+        config = config.model_copy(update={"target": config.target.model_copy(update={"dtype": args.dtype})})
     target = load_target(config.target)
     names = args.models.split(",")
-    proposers = load_proposers(config, names, target=target, kind=args.kind)
+    trees = {shape: tree_shape(config.tree, shape) for shape in args.trees.split(",")} if args.trees else {
+        "{0.total_token}/{0.depth}/{0.top_k}".format(config.tree): config.tree}
+    heads = load_heads(config, args.kind, target.dtype, heads_needed(config, names), target.device)
+    proposers = {(name, shape): proposer for shape, tree in trees.items() for name, proposer in load_proposers(
+        config.model_copy(update={"tree": tree}), names, target=target, heads=heads).items()}
     prompts = mixed_prompts(config, target.tokenizer, args.prompts)
     layers = {p.feature_layers for p in proposers.values()}.pop()
-    runs = [("plain", "-", False)] + [(name, gate, gate == "on") for name in names for gate in ("off", "on")]
+    runs = [("plain", "-", "-", False)] + [(name, shape, gate, gate == "on") for name in names for shape in trees
+                                           for gate in ("off", "on")]
     rows, results = [], {}
     for concurrency in (int(c) for c in args.concurrency.split(",")):
         for repetition in range(args.repetitions):
-            for name, label, measured in runs:
-                proposer = PlainDecoding() if name == "plain" else CostAware(proposers[name], name=name)
+            for name, shape, label, measured in runs:
+                proposer = PlainDecoding() if name == "plain" else CostAware(proposers[name, shape], name=name)
                 gate = DraftGate(measured=measured)
                 batcher = ContinuousBatcher(target.model, target.stop_token_ids, concurrency, gate=gate,
                                             feature_layers=layers)
                 times = closed_loop(batcher, prompts, proposer, concurrency, args.max_tokens)
-                results.setdefault((concurrency, name, label), []).append(times)
-                print(f"c={concurrency} rep {repetition} {name} gate {label}: {times.tokens_per_s:.1f} tok/s",
-                      flush=True)
-        plain = results[(concurrency, "plain", "-")]
+                results.setdefault((concurrency, name, shape, label), []).append(times)
+                print(f"c={concurrency} rep {repetition} {name} tree {shape} gate {label}: "
+                      f"{times.tokens_per_s:.1f} tok/s", flush=True)
+        plain = results[(concurrency, "plain", "-", "-")]
         plain_rate = statistics.mean(t.tokens_per_s for t in plain)
-        for name, label, _ in runs:
-            timed: list[LoopTimes] = results[(concurrency, name, label)]
+        for name, shape, label, _ in runs:
+            timed: list[LoopTimes] = results[(concurrency, name, shape, label)]
             rate = statistics.mean(t.tokens_per_s for t in timed)
             same = sum(a == b for t in timed for a, b in zip(t.outputs, plain[0].outputs))
-            rows.append([str(concurrency), name, label, f"{rate:.1f}", f"{rate / plain_rate:.2f}x",
+            rows.append([str(concurrency), name, shape, label, f"{rate:.1f}", f"{rate / plain_rate:.2f}x",
+                         " / ".join(f"{t.tokens_per_s:.1f}" for t in timed),
                          f"{statistics.mean(percentile(t.first, 0.5) for t in timed) * 1000:.0f}",
                          f"{same}/{len(prompts) * len(timed)}"])
     command = "python benchmarks/serving/draft_gate.py " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = ["# Speculation in Serve, with and without the measured drafting gate", "",
              f"Regenerate: `{command}`. Machine: {cpu_line()}; {args.threads} torch threads; target "
-             f"{config.target.name} in {config.target.dtype}; {args.kind} heads of `{args.config}`; load average "
+             f"{config.target.name} in {config.target.dtype}; {args.kind} heads of `{args.config}` drafting the "
+             "trees named (total_token/depth/top_k); load average "
              "at the end {:.1f} / {:.1f} / {:.1f} (1 / 5 / 15 min; above 2, other work shared the cores and the "
              "ratios are noisy).".format(*os.getloadavg()), "",
              f"Serve's engine (`ContinuousBatcher`, no HTTP; drafting models under the per-sequence cost model, as "
              f"a replica serves them), a closed loop of N requests in flight over {len(prompts)} prompts (half "
              f"GSM8K, half MT-Bench first turns), {args.max_tokens} tokens each, T = 0; `gate off`: every batch "
              "drafts; `gate on`: `serve.measure_drafting` (the default), a batch drafts only where drafted steps "
-             f"measured faster at its size. Runs interleaved per concurrency, {args.repetitions} repetition(s); "
+             f"measured faster at its size (a lone request: where its cost model says drafting pays). Runs interleaved per concurrency, {args.repetitions} repetition(s); "
              "`same as plain`: outputs equal to plain decoding's, token for token.", "",
-             md_table(["in flight", "model", "gate", "tok/s", "vs plain", "TTFT p50 ms", "same as plain"], rows), ""]
+             md_table(["in flight", "model", "tree T/D/K", "gate", "tok/s (mean)", "vs plain", "runs",
+                       "TTFT p50 ms", "same as plain"], rows), ""]
     atomic_write_text(Path(args.out), "\n".join(lines))
     print("\n".join(lines))
     return 0
+
+
+def tree_shape(tree: TreeConfig, shape: str) -> TreeConfig:
+    """`tree` drafting the shape "T/D/K" (total_token/depth/top_k)."""
+    total, depth, top_k = (int(v) for v in shape.split("/"))
+    return TreeConfig.model_validate({**tree.model_dump(), "total_token": total, "depth": depth, "top_k": top_k})
 
 
 if __name__ == "__main__":

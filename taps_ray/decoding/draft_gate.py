@@ -12,7 +12,7 @@ and cannot tell its tree from its neighbours'.
   proposer decides: its timings hold no neighbour's tree, and its expected tokens (from the tree's confidences)
   are steadier than a few steps' committed ones. At 1 in flight (fp32, AMD EPYC, a chain of 3 from the interop
   math head) the measured rule below ran 3-4 drafted steps per request, the first paying the head's catch-up
-  over the prompt, saw 15 tok/s against 23, and stopped drafting that gained ~10% when left to the cost model;
+  over the prompt, saw 15 tok/s against 23, and stopped drafting that gained ~8% when left to the cost model;
 * `measured` (Serve's default): per batch-size bucket (1, 2, 3-4, 5-8, ...), the batch's committed tokens per second
   over drafted steps and over undrafted ones, each over its last few steps on the live traffic; the faster one runs,
   and every `probe_every`-th step of a bucket runs the other, so a change in the traffic (a head that stops matching,

@@ -7,9 +7,9 @@ lets a Ray actor hold the states of many sequences.
 A new proposer subclasses `Proposer`, implements `init_state` and `propose`, and overrides only the capabilities
 it has: each has a default that is right for a proposer without it, so the loop and replay call them all without
 probing (`drafts`: whether it ever drafts beyond the root; `propose_batch`: batched drafting; `feature_layers`:
-EAGLE-3's fused target layers; `times_itself`: the cost model's own judgement; `head_of`: a router's choice; `observe`: what verification accepted, for proposers
-that learn online; `map_heads` and `replay_refusal`: how replay swaps in precomputed trees, and online adaptation a
-new version of one head; `with_part`: a head added to a router).
+EAGLE-3's fused target layers; `times_itself`: the cost model's own judgement; `head_of`: a router's choice;
+`observe`: what verification accepted, for proposers that learn online; `map_heads` and `replay_refusal`: how replay
+swaps in precomputed trees, and online adaptation a new version of one head; `with_part`: a head added to a router).
 """
 
 from __future__ import annotations
