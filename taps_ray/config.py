@@ -211,6 +211,19 @@ class TreeConfig(_Strict):
         "is below this (docs/algorithms.md#draft-confidence-stop); 0 = always draft `depth` levels"
     )
 
+    def updated(self, **fields: Any) -> TreeConfig:
+        """This tree with `fields` set, validated as a whole (the shape must fit its top_k and depth)."""
+        return TreeConfig.model_validate({**self.model_dump(), **fields})
+
+    def with_shape(self, spec: str) -> TreeConfig:
+        """This tree drafting the shape `spec`, "T/D/K" (total_token/depth/top_k; the draft vocabulary and
+        min_confidence kept), as a benchmark's `--trees 8/3/2` spells it."""
+        try:
+            total, depth, top_k = (int(x) for x in spec.split("/"))
+        except ValueError:
+            raise ValueError(f"tree setting {spec!r} is not total_token/depth/top_k, e.g. 8/3/2") from None
+        return self.updated(total_token=total, depth=depth, top_k=top_k)
+
     @property
     def passes(self) -> int:
         """Head passes a draft runs past the root's children: `depth`, or fewer where the tree's total_token-1
@@ -399,8 +412,8 @@ class ServedTree(_Strict):
     min_confidence: float | None = Field(None, ge=0.0, lt=1.0)
 
     def over(self, tree: TreeConfig) -> TreeConfig:
-        """`tree` with these fields set (validated as a whole: the shape must fit its top_k and depth)."""
-        return TreeConfig.model_validate({**tree.model_dump(), **self.model_dump(exclude_none=True)})
+        """`tree` with these fields set."""
+        return tree.updated(**self.model_dump(exclude_none=True))
 
 
 class ServeConfig(_Strict):

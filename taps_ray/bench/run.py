@@ -75,14 +75,7 @@ class BenchOptions:
 
     def tree_configs(self, base: TreeConfig) -> dict[str, TreeConfig]:
         """`--trees 8/3/2 ...` as TreeConfigs (the config's draft vocabulary kept), keyed by their spelling."""
-        out = {}
-        for spec in self.trees:
-            try:
-                total, depth, top_k = (int(x) for x in spec.split("/"))
-                out[spec] = base.model_copy(update={"total_token": total, "depth": depth, "top_k": top_k})
-            except ValueError:
-                raise ValueError(f"tree setting {spec!r} is not total_token/depth/top_k, e.g. 8/3/2") from None
-        return out
+        return {spec: base.with_shape(spec) for spec in self.trees}
 
 
 @dataclass
