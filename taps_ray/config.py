@@ -482,6 +482,12 @@ class ServeConfig(_Strict):
         "(unset fields: the study's). On a CPU a small target's step costs about as much as drafting a 16-node, "
         "depth-4 tree, so a short chain serves faster at few sequences: {total_token: 4, depth: 3, top_k: 1}, vLLM's "
         "3 speculative tokens (docs/serve.md#the-served-tree)")
+    draft_dtype: DType | Literal["auto"] | None = Field(
+        None, description="the dtype the served heads draft in, with the target's LM head rows they read (None: the "
+        "target's; `auto`: bfloat16 under a float32 target on a CPU that multiplies bf16 natively, AVX512-BF16 or "
+        "AMX, else the target's). A draft pass reads the head and its LM head rows from memory, so bfloat16 halves "
+        "that. The target still verifies in its own dtype: outputs are unchanged, only which drafts are accepted "
+        "may differ (docs/serve.md#the-draft-dtype)")
     adapt: AdaptConfig = AdaptConfig()
 
     @model_validator(mode="after")

@@ -39,6 +39,11 @@ def has_amx() -> bool:
     return "amx_bf16" in _cpuinfo()[1]
 
 
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), rather than converting to fp32 first."""
+    return bool({"avx512_bf16", "amx_bf16"} & _cpuinfo()[1])
+
+
 def cpu_model() -> str:
     return _cpuinfo()[0]
 

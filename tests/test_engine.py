@@ -525,6 +525,65 @@ def test_reduced_draft_vocabulary_drafts_only_its_ids_and_stays_lossless(device_
     assert sum(s.accepted for s in generation.steps) > 0
 
 
+def test_a_head_drafting_in_bf16_under_an_fp32_target_stays_lossless_and_gets_drafts_accepted(device_target):
+    """serve.draft_dtype: heads loaded in bfloat16 under an fp32 target draft through a bf16 copy of the LM head's
+    draft-vocabulary rows; the target still verifies in fp32, so greedy output is its own, token for token."""
+    from taps_ray.drafting.registry import build_proposer
+
+    model, tok = device_target.model, device_target.tokenizer
+    prompt = tok.encode("The answer is")
+    expected = _hf_greedy(model, prompt, 20, device_target.stop_token_ids)
+    vocab = torch.tensor(sorted({*device_target.stop_token_ids, *expected, *range(40)}))
+    head = fit_head(device_target, [prompt + expected]).to(torch.bfloat16)
+    tree = TreeConfig(total_token=8, depth=3, top_k=3)
+    proposer = build_proposer("fitted", device_target, {"fitted": head}, tree, vocab)
+    rows = proposer.context._projection.row_weight()
+    assert rows.dtype == torch.bfloat16 and model.lm_head.weight.dtype == torch.float32
+    assert torch.equal(rows, model.lm_head.weight[vocab.to(rows.device)].to(torch.bfloat16))
+    generation = generate(model, proposer, [prompt], GREEDY, 20, device_target.stop_token_ids)[0]
+    assert generation.tokens == expected
+    assert sum(s.accepted for s in generation.steps) > 0
+    whole = build_proposer("fitted", device_target, {"fitted": head}, tree)  # the full vocabulary, cast too
+    assert whole.context._projection.row_weight().dtype == torch.bfloat16
+    assert generate(model, whole, [prompt], GREEDY, 20, device_target.stop_token_ids)[0].tokens == expected
+    with pytest.raises(ValueError, match="one dtype"):
+        build_proposer("merged", device_target, {"fitted": head, "other": fit_head(device_target, [prompt])}, tree)
+
+
+def test_draft_dtype_auto_halves_only_an_fp32_target_on_a_cpu_that_multiplies_bf16_natively(monkeypatch):
+    from types import SimpleNamespace
+
+    import taps_ray.drafting.setup as setup
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    fp32_cpu, bf16_cpu, fp32_gpu = (SimpleNamespace(dtype=d, device=v) for d, v in
+                                    ((torch.float32, cpu), (torch.bfloat16, cpu), (torch.float32, cuda)))
+    for native, want in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(setup, "native_bf16", lambda native=native: native)
+        assert setup.draft_dtype("auto", fp32_cpu) == want
+        assert setup.draft_dtype("auto", bf16_cpu) == torch.bfloat16
+        assert setup.draft_dtype("auto", fp32_gpu) == torch.float32
+    assert setup.draft_dtype(None, fp32_cpu) == torch.float32  # unset: the target's
+    assert setup.draft_dtype("bfloat16", fp32_gpu) == torch.bfloat16
+
+
+def test_sampling_with_a_bf16_head_under_an_fp32_target_is_lossless_chi_square(small_vocab_target):
+    """At T > 0 the draft probabilities a bf16 head proposes with are the ones verification corrects by: the
+    committed tokens keep the target's distribution."""
+    from taps_ray.drafting.registry import build_proposer
+
+    model = small_vocab_target.model
+    head = new_head(model.config, seed=1).to(torch.bfloat16)
+    proposer = build_proposer("random", small_vocab_target, {"random": head}, TreeConfig(total_token=4, depth=2,
+                                                                                         top_k=2))
+    params, prompt = SamplingParams(temperature=1.0), [1, 2, 3]
+    counts = _sampled_pairs(model, proposer, prompt, params, runs=600)
+    accepted = sum(s.accepted for seed in range(20) for s in
+                   generate(model, proposer, [prompt], params, 3, [], seeds=[seed])[0].steps)
+    assert accepted > 0
+    assert _chi_square_pvalue(counts, _exact_pair_distribution(model, prompt, params)) > 1e-3
+
+
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1e-300), SamplingParams(temperature=1.0, top_p=5e-324)])
 def test_processed_probs_stay_finite_at_extreme_settings(params):
     probs = processed_probs(torch.tensor([2.0, 1.0, 0.5, -1.0]), params)

@@ -201,6 +201,24 @@ def test_a_decoding_linear_follows_its_module_when_cast_after_first_use():
         torch.testing.assert_close(out, F.linear(x.bfloat16(), linear.weight, linear.bias), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("pack_one_row", [True, False])
+def test_an_fp32_projection_multiplies_one_row_through_the_layout_chosen_and_equals_f_linear(pack_one_row):
+    """`FP32_ONE_ROW_PACKED` (by CPU) or the caller picks oneDNN's packed weight or the plain [in, out] layout for
+    one fp32 row; several rows always go through oneDNN's. Either way the result is F.linear's to fp32 rounding,
+    and the HF parameters stay views of the projection's weight."""
+    linears = [torch.nn.Linear(64, 96, bias=True) for _ in range(2)]
+    want_weight = torch.cat([linear.weight.detach().clone() for linear in linears])
+    want_bias = torch.cat([linear.bias.detach().clone() for linear in linears])
+    projection = Projection.fused(linears, pack_one_row=pack_one_row)
+    assert projection.columns == (not pack_one_row)  # the [in, out] layout only where one row is not packed
+    assert projection.packed is not None
+    torch.testing.assert_close(torch.cat([linear.weight for linear in linears]), want_weight, rtol=0, atol=0)
+    with torch.no_grad():
+        for rows in (1, 5):
+            x = torch.randn(rows, 64)
+            torch.testing.assert_close(projection(x), F.linear(x, want_weight, want_bias), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_a_half_precision_projection_runs_unpacked_where_onednn_cannot_pack_it(monkeypatch, dtype):
     """oneDNN refuses to reorder an fp16 weight on a CPU without AVX512-FP16 or AVX-NE-CONVERT (an AVX-512 Xeon

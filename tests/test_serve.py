@@ -136,6 +136,7 @@ def test_healthz_and_models(service):
     health = httpx.get(f"{service.url}/healthz").json()
     assert health["status"] == "ok" and health["heads"] == ["chat", "math"] and health["missing_heads"] == []
     assert health["tree"] == {"total_token": 6, "depth": 3, "top_k": 3, "min_confidence": 0.0}  # serve.tree
+    assert health["draft_dtype"] == "float32"  # serve.draft_dtype unset: the target's
     listed = httpx.get(f"{service.url}/v1/models").json()
     assert listed["object"] == "list"
     ids = [card["id"] for card in listed["data"]]

@@ -6,11 +6,14 @@ decoding, at several concurrencies. Not a test.
         --concurrency 1,4,16 --out reports/draft_gate.md
     python benchmarks/serving/draft_gate.py --config configs/interop.yaml --dtype float32 --models math \
         --trees 16/4/4,4/3/1 --concurrency 1,4 --repetitions 2 --out reports/served_tree.md
+    python benchmarks/serving/draft_gate.py --config configs/interop.yaml --dtype float32 --models math \
+        --draft-dtypes float32,bfloat16 --concurrency 1,4 --repetitions 2 --out reports/draft_dtype.md
 
 Serve's engine without HTTP (`ContinuousBatcher`, as a replica builds it: every drafting model under the
 per-sequence cost model), a closed loop of `--concurrency` requests in flight over `--prompts` prompts (half GSM8K,
 half MT-Bench first turns), `--max-tokens` tokens each, greedy; the heads draft the config's served tree
-(serve.tree) or each of `--trees`. Each drafting model and tree runs twice: with the drafting
+(serve.tree) or each of `--trees`, in the config's serve.draft_dtype or each of `--draft-dtypes`. Each drafting
+model, tree and draft dtype runs twice: with the drafting
 gate off (`serve.measure_drafting: false`, no `draft_below`: every batch drafts) and on (the default: a batch
 drafts only where drafted steps measured faster at its size). Per concurrency the runs are interleaved (plain,
 then each model and gate) `--repetitions` times in one process: read the ratios to plain, not absolute speeds.
@@ -36,7 +39,7 @@ from taps_ray.decoding.continuous import ContinuousBatcher  # noqa: E402
 from taps_ray.decoding.draft_gate import DraftGate  # noqa: E402
 from taps_ray.drafting.cost import CostAware  # noqa: E402
 from taps_ray.drafting.proposers import PlainDecoding  # noqa: E402
-from taps_ray.drafting.setup import heads_needed, load_heads, load_proposers  # noqa: E402
+from taps_ray.drafting.setup import draft_dtype, heads_needed, load_heads, load_proposers  # noqa: E402
 from taps_ray.fsio import atomic_write_text  # noqa: E402
 from taps_ray.machine import cpu_line  # noqa: E402
 from taps_ray.markdown import md_table  # noqa: E402
@@ -57,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trees", default="", help="tree shapes the drafting models draft, T/D/K (total_token/depth/"
                         "top_k), comma-separated; default: the config's served tree (serve.tree over its tree)")
     parser.add_argument("--dtype", default="", help="the target's dtype (default: the config's)")
+    parser.add_argument("--draft-dtypes", default="", help="dtypes the heads draft in (or auto), comma-separated; "
+                        "default: the config's serve.draft_dtype (unset: the target's)")
     parser.add_argument("--out", default="reports/draft_gate.md")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -68,32 +73,37 @@ def main(argv: list[str] | None = None) -> int:
     served = config.tree
     trees = ({shape: served.with_shape(shape) for shape in args.trees.split(",")} if args.trees else
              {f"{served.total_token}/{served.depth}/{served.top_k}": served})
-    heads = load_heads(config, args.kind, target.dtype, heads_needed(config, names), target.device)
-    proposers = {(name, shape): proposer for shape, tree in trees.items() for name, proposer in load_proposers(
-        config.model_copy(update={"tree": tree}), names, target=target, heads=heads).items()}
+    draft_dtypes = {str(dtype).removeprefix("torch."): dtype for dtype in (
+        draft_dtype(choice, target) for choice in (args.draft_dtypes.split(",") if args.draft_dtypes else
+                                                   [config.serve.draft_dtype]))}
+    drafts = [(shape, dtype) for shape in trees for dtype in draft_dtypes]
+    heads = {name: load_heads(config, args.kind, dtype, heads_needed(config, names), target.device)
+             for name, dtype in draft_dtypes.items()}
+    proposers = {(name, shape, dtype): proposer for shape, dtype in drafts for name, proposer in load_proposers(
+        config.model_copy(update={"tree": trees[shape]}), names, target=target, heads=heads[dtype]).items()}
     prompts = mixed_prompts(config, target.tokenizer, args.prompts)
     layers = {p.feature_layers for p in proposers.values()}.pop()
-    runs = [("plain", "-", "-", False)] + [(name, shape, gate, gate == "on") for name in names for shape in trees
-                                           for gate in ("off", "on")]
+    runs = [("plain", ("-", "-"), "-", False)] + [(name, draft, gate, gate == "on") for name in names
+                                                  for draft in drafts for gate in ("off", "on")]
     rows, results = [], {}
     for concurrency in (int(c) for c in args.concurrency.split(",")):
         for repetition in range(args.repetitions):
-            for name, shape, label, measured in runs:
-                proposer = PlainDecoding() if name == "plain" else CostAware(proposers[name, shape], name=name)
+            for name, draft, label, measured in runs:
+                proposer = PlainDecoding() if name == "plain" else CostAware(proposers[(name, *draft)], name=name)
                 gate = DraftGate(measured=measured)
                 batcher = ContinuousBatcher(target.model, target.stop_token_ids, concurrency, gate=gate,
                                             feature_layers=layers)
                 times = closed_loop(batcher, prompts, proposer, concurrency, args.max_tokens)
-                results.setdefault((concurrency, name, shape, label), []).append(times)
-                print(f"c={concurrency} rep {repetition} {name} tree {shape} gate {label}: "
+                results.setdefault((concurrency, name, draft, label), []).append(times)
+                print(f"c={concurrency} rep {repetition} {name} tree {draft[0]} draft {draft[1]} gate {label}: "
                       f"{times.tokens_per_s:.1f} tok/s", flush=True)
-        plain = results[(concurrency, "plain", "-", "-")]
+        plain = results[(concurrency, "plain", ("-", "-"), "-")]
         plain_rate = statistics.mean(t.tokens_per_s for t in plain)
-        for name, shape, label, _ in runs:
-            timed: list[LoopTimes] = results[(concurrency, name, shape, label)]
+        for name, draft, label, _ in runs:
+            timed: list[LoopTimes] = results[(concurrency, name, draft, label)]
             rate = statistics.mean(t.tokens_per_s for t in timed)
             same = sum(a == b for t in timed for a, b in zip(t.outputs, plain[0].outputs))
-            rows.append([str(concurrency), name, shape, label, f"{rate:.1f}", f"{rate / plain_rate:.2f}x",
+            rows.append([str(concurrency), name, *draft, label, f"{rate:.1f}", f"{rate / plain_rate:.2f}x",
                          " / ".join(f"{t.tokens_per_s:.1f}" for t in timed),
                          f"{statistics.mean(percentile(t.first, 0.5) for t in timed) * 1000:.0f}",
                          f"{same}/{len(prompts) * len(timed)}"])
@@ -101,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = ["# Speculation in Serve, with and without the measured drafting gate", "",
              f"Regenerate: `{command}`. Machine: {cpu_line()}; {args.threads} torch threads; target "
              f"{config.target.name} in {config.target.dtype}; {args.kind} heads of `{args.config}` drafting the "
-             "trees named (total_token/depth/top_k); load average "
+             "trees named (total_token/depth/top_k) in the draft dtypes named; load average "
              "at the end {:.1f} / {:.1f} / {:.1f} (1 / 5 / 15 min; above 2, other work shared the cores and the "
              "ratios are noisy).".format(*os.getloadavg()), "",
              f"Serve's engine (`ContinuousBatcher`, no HTTP; drafting models under the per-sequence cost model, as "
@@ -111,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
              "measured faster at its size (a lone request: where its cost model says drafting pays). Runs "
              f"interleaved per concurrency, {args.repetitions} repetition(s); "
              "`same as plain`: outputs equal to plain decoding's, token for token.", "",
-             md_table(["in flight", "model", "tree T/D/K", "gate", "tok/s (mean)", "vs plain", "runs",
+             md_table(["in flight", "model", "tree T/D/K", "draft dtype", "gate", "tok/s (mean)", "vs plain", "runs",
                        "TTFT p50 ms", "same as plain"], rows), ""]
     atomic_write_text(Path(args.out), "\n".join(lines))
     print("\n".join(lines))

@@ -32,20 +32,23 @@ class DraftContext:
     are mapped back to the full vocabulary, so verification, and therefore losslessness, is unchanged.
     `norm` (an EAGLE-3 head's own, see `head_context`): the LM head is the head's, already one row per id of
     `vocab`, and reads norm(hidden).
+    `dtype` (optional): the dtype the target's LM head drafts in when its heads draft in another than the
+    target's (`serve.draft_dtype`); its rows are then a copy in that dtype.
     """
 
     embed: torch.nn.Module
     lm_head: torch.nn.Module
     vocab: torch.Tensor | None = None
     norm: torch.nn.Module | None = None
+    dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
-        # the LM head laid out for the device's fastest matmul (models/cpu_linear.py); the whole-vocabulary one is
-        # shared with the target's forward and every drafter of the same target
-        if self.vocab is None or self.norm is not None:
+        # the LM head laid out for the device's fastest matmul (models/cpu_linear.py); the whole-vocabulary one in
+        # the target's dtype is shared with the target's forward and every drafter of the same target
+        if self.norm is not None or (self.vocab is None and self.dtype is None):
             self._projection = module_projection(self.lm_head)
         else:
-            self._projection = vocab_projection(self.lm_head, self.vocab)
+            self._projection = vocab_projection(self.lm_head, self.vocab, self.dtype)
         if self.vocab is not None:
             self.vocab = self.vocab.to(self._projection.weight.device)  # drafted indices map to ids on that device
 
@@ -73,14 +76,23 @@ def vocab_rows(lm_head: torch.nn.Module, vocab: torch.Tensor) -> torch.Tensor:
 _VOCAB_PROJECTION = "taps_vocab_projection"
 
 
-def vocab_projection(lm_head: torch.nn.Module, vocab: torch.Tensor) -> Projection:
-    """The projection onto the rows `vocab` of `lm_head`, kept on the module: every draft context over the same
-    draft vocabulary shares one laid-out copy (a drafter actor holds several contexts)."""
+def vocab_projection(lm_head: torch.nn.Module, vocab: torch.Tensor | None,
+                     dtype: torch.dtype | None = None) -> Projection:
+    """The projection onto the rows `vocab` (None: all) of `lm_head`, cast to `dtype` (None: kept as they are),
+    kept on the module: every draft context over the same draft vocabulary shares one laid-out copy (a drafter
+    actor holds several contexts)."""
     kept = getattr(lm_head, _VOCAB_PROJECTION, None)
-    if kept is None or kept[0].shape != vocab.shape or not torch.equal(kept[0], vocab.to(kept[0].device)):
-        kept = (vocab.clone(), Projection([vocab_rows(lm_head, vocab)]))
+    if kept is None or kept[1] != dtype or not _same_ids(kept[0], vocab):
+        rows = lm_head.weight.detach() if vocab is None else vocab_rows(lm_head, vocab)
+        kept = (None if vocab is None else vocab.clone(), dtype, Projection([rows.to(dtype or rows.dtype)]))
         object.__setattr__(lm_head, _VOCAB_PROJECTION, kept)  # a plain attribute: not in the state dict
-    return kept[1]
+    return kept[2]
+
+
+def _same_ids(kept: torch.Tensor | None, vocab: torch.Tensor | None) -> bool:
+    if kept is None or vocab is None:
+        return kept is vocab
+    return kept.shape == vocab.shape and torch.equal(kept, vocab.to(kept.device))
 
 
 def head_context(head: DraftHead, ctx: DraftContext) -> DraftContext:

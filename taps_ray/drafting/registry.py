@@ -60,8 +60,14 @@ class Ingredients:
 
     @functools.cached_property
     def context(self) -> DraftContext:
-        """Made on first use: only a proposer that drafts with a head reads the LM head (a CPU drafter copies it)."""
-        return DraftContext(self.target.model.get_input_embeddings(), self.target.model.lm_head, self.vocab)
+        """Made on first use: only a proposer that drafts with a head reads the LM head (a CPU drafter copies it).
+        Heads loaded in another dtype than the target's (`serve.draft_dtype`) draft through the LM head in theirs."""
+        dtypes = {next(head.parameters()).dtype for head in self.heads.values()}
+        if len(dtypes) > 1:
+            raise ValueError(f"the heads draft in one dtype, not {sorted(map(str, dtypes))}: load them alike")
+        dtype = next(iter(dtypes), self.target.dtype)
+        return DraftContext(self.target.model.get_input_embeddings(), self.target.model.lm_head, self.vocab,
+                            dtype=None if dtype == self.target.dtype else dtype)
 
 
 Builder = Callable[[Ingredients], Proposer]

@@ -13,7 +13,8 @@ import torch
 from taps_ray.config import StudyConfig
 from taps_ray.data.draft_vocab import draft_vocabulary
 from taps_ray.models.draft_head import DraftHead
-from taps_ray.models.target import Target
+from taps_ray.machine import native_bf16
+from taps_ray.models.target import Target, torch_dtype
 from taps_ray.drafting.proposer import Proposer
 from taps_ray.drafting.registry import build_proposer, check_name, heads_used
 from taps_ray.workdir import SEARCHED, head_checkpoint, searched_head
@@ -42,6 +43,15 @@ def load_heads(cfg: StudyConfig, kind: str, dtype: torch.dtype, mixtures: Sequen
     check_heads(cfg, kind, mixtures)
     return {mixture: DraftHead.load(head_checkpoint(cfg, kind, mixture), dtype=dtype, device=device).eval()
             for mixture in mixtures}
+
+
+def draft_dtype(choice: str | None, target: Target) -> torch.dtype:
+    """The dtype heads draft in for `serve.draft_dtype`: None is the target's; `auto` is bfloat16 under a float32
+    target on a CPU that multiplies bf16 natively (a draft pass reads half the bytes), else the target's."""
+    if choice == "auto":
+        halved = target.dtype == torch.float32 and target.device.type == "cpu" and native_bf16()
+        return torch.bfloat16 if halved else target.dtype
+    return torch_dtype(choice) if choice else target.dtype
 
 
 def check_heads(cfg: StudyConfig, kind: str, mixtures: Sequence[str]) -> None:

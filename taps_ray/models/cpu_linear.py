@@ -4,7 +4,8 @@ Why: at decoding sizes a CPU forward is the weights' matmuls (a 135M target at b
 `aten::mm`), and which kernel torch picks depends on the weight's layout, not only on the shapes:
 * fp32, one row (plain decoding): `x @ W^T` with W stored as [in, out] (W^T contiguous) runs faster than
   `F.linear(x, W)` over W stored [out, in] for a widening projection (gate/up ~1.2x, the LM head ~1.75x on an AMD
-  EPYC), not for a narrowing one (down ~0.9x), which keeps transformers' layout;
+  EPYC), not for a narrowing one (down ~0.9x), which keeps transformers' layout; oneDNN's weight packed for 32
+  rows is faster still on that EPYC, and is what one row uses where there is no AMX (`FP32_ONE_ROW_PACKED`);
 * several rows (tree verification, prefill) and every bf16/fp16 matmul: oneDNN's linear over a weight reordered
   once into its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's CPU freezing pass
   uses) runs up to ~2.7x faster than `F.linear` (fp32 LM head at 4 rows; bf16 ~1.2-2x at 1-16 rows: without AMX
@@ -30,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from taps_ray.machine import has_amx
 from taps_ray.models.opaque_op import opaque_op
 
 
@@ -53,6 +55,13 @@ def version_counter(tensor: torch.Tensor) -> int:
         return -1
 
 
+# Whether an fp32 projection multiplies one row (plain decoding) through oneDNN's weight packed for 32 rows rather
+# than a plain layout. On an AMD EPYC (AVX-512, no AMX, 2 threads) it measured faster for SmolLM2-135M's wide
+# projections and slower by a few µs for its small ones (reports/cpu_linear.md: the LM head 4.0 against 4.9 ms,
+# gate/up 90 against 136 µs, o 37 against 31), about 2.3 ms less a 30-layer step; plain decoding 1.04x (ad hoc). With AMX it is not measured since the packing for 32 rows, so the plain
+# [in, out] layout, measured faster than oneDNN packed for one row before that, stays there.
+FP32_ONE_ROW_PACKED = not has_amx()
+
 # The batch size oneDNN lays a reordered weight out for: 32, as vLLM's CPU linear asks. For 1 row (the value
 # before) oneDNN keeps the plain fp32 layout; 32 blocks it for several rows. Decode step of SmolLM2-135M at batch
 # 16, 2 threads (reports/decode_threads.md, Intel Xeon, no AMX): fp32 1.16x faster, bf16 1.03x; batch 1 within
@@ -68,25 +77,29 @@ class Projection:
     head, a draft vocabulary's rows) it lays out a copy. Copies follow their sources: an in-place change to them
     (a test scaling the embeddings, say) bumps their version counters and the copy is made again before use."""
 
-    def __init__(self, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None] = ()) -> None:
+    def __init__(self, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None] = (),
+                 pack_one_row: bool | None = None) -> None:
         self._sources = list(weights)
         self._source_biases = list(biases) or [None] * len(self._sources)
         first = self._sources[0]
         self.cpu = first.device.type == "cpu"
         self.in_features = first.shape[1]
         self.out_features = sum(weight.shape[0] for weight in self._sources)
-        # fp32 on a CPU, a widening projection (q/k/v, gate/up, an LM head): store [in, out], the fast one-row
-        # layout; otherwise [out, in] as transformers does (a narrowing one, o and down, is no faster as [in, out])
         fp32 = first.dtype == torch.float32
-        self.columns = self.cpu and fp32 and self.out_features > self.in_features
-        self._pack_one_row = not fp32  # fp32 one row: oneDNN is slower than either plain layout
+        # one row through oneDNN's reordered weight: bf16/fp16 always, fp32 as `FP32_ONE_ROW_PACKED` says
+        self._pack_one_row = not fp32 or (FP32_ONE_ROW_PACKED if pack_one_row is None else pack_one_row)
+        # fp32 one row not packed, a widening projection (q/k/v, gate/up, an LM head): store [in, out], the fast
+        # plain one-row layout; otherwise [out, in] as transformers does (a narrowing one, o and down, is no
+        # faster as [in, out])
+        unpacked = not (self._pack_one_row and _onednn_available(first.dtype))
+        self.columns = self.cpu and fp32 and unpacked and self.out_features > self.in_features
         self.shared = False
         self._lay_out()
 
     @classmethod
-    def fused(cls, linears: Sequence[nn.Linear]) -> Projection:
+    def fused(cls, linears: Sequence[nn.Linear], pack_one_row: bool | None = None) -> Projection:
         """One projection for `linears`, whose parameters then view its storage."""
-        projection = cls([linear.weight for linear in linears], [linear.bias for linear in linears])
+        projection = cls([linear.weight for linear in linears], [linear.bias for linear in linears], pack_one_row)
         start = 0
         for linear in linears:
             rows = linear.weight.shape[0]

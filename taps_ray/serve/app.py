@@ -62,7 +62,7 @@ from taps_ray.drafting.cost import CostAware
 from taps_ray.drafting.names import ALIASES, PLAIN, UnknownProposer, parse_proposer
 from taps_ray.drafting.proposer import shared_feature_layers
 from taps_ray.drafting.registry import combination, combination_names, single_names
-from taps_ray.drafting.setup import load_heads, load_proposers
+from taps_ray.drafting.setup import draft_dtype, load_heads, load_proposers
 from taps_ray.models.target import load_target
 from taps_ray.models.target_forward import target_forward
 from taps_ray.ray_runtime import OMP_WAIT_ENV, bind_replica_grpc_to_node, process_runtime_env, start_serve
@@ -155,6 +155,7 @@ class TapsService:
         self.stop_ids = self.target.stop_token_ids
         self.vocab_size = int(self.target.model.get_input_embeddings().weight.shape[0])
         self.kind = serve_cfg.head_kind
+        self.draft_dtype = draft_dtype(serve_cfg.draft_dtype, self.target)
         self.heads, self.missing = self._load_heads()
         names = single_names(list(self.heads))  # plain, every head, ngram, every head + ngram
         self.proposers: dict[str, Any] = load_proposers(self.cfg, names, target=self.target, heads=self.heads)
@@ -193,7 +194,7 @@ class TapsService:
 
         def build(model: str, head: Any) -> Any:
             proposer = load_proposers(self.cfg, [model], target=self.target,
-                                      heads={**self.heads, model: head.to(self.target.device, self.target.dtype)})[model]
+                                      heads={**self.heads, model: head.to(self.target.device, self.draft_dtype)})[model]
             return CostAware(proposer, name=model) if self.cfg.serve.cost_model else proposer
 
         def install(model: str, proposer: Any) -> None:
@@ -207,7 +208,7 @@ class TapsService:
         mixtures = self.cfg.train.mixtures
         missing = [m for m in mixtures if not head_checkpoint(self.cfg, self.kind, m).is_dir()]
         heads = load_heads(
-            self.cfg, self.kind, self.target.dtype, [m for m in mixtures if m not in missing], self.target.device
+            self.cfg, self.kind, self.draft_dtype, [m for m in mixtures if m not in missing], self.target.device
         )
         if missing:
             logger.warning(
@@ -364,6 +365,7 @@ class TapsService:
             "waiting": self.batcher.waiting,
             "head_versions": self.adapt.versions() if self.adapt else {},
             "tree": self.cfg.tree.model_dump(include={"total_token", "depth", "top_k", "min_confidence"}),
+            "draft_dtype": str(self.draft_dtype).removeprefix("torch."),
         }
 
     @api.get("/v1/models", response_model=ModelList, summary="the models (proposers) this service can use")
