@@ -5,9 +5,9 @@ the layouts `models/cpu_linear.py` picks, for SmolLM2-135M's projection shapes. 
     python benchmarks/speed/cpu_linear.py --out reports/cpu_linear.md
 
 Rows: 1 (plain decoding), 4-64 (tree verification), 256 (prefill); fp32 at one row also times the layout
-`FP32_ONE_ROW_PACKED` does not pick (oneDNN's packed weight or the plain [in, out] one). Each candidate is timed in rounds that
-alternate with the others (median of the rounds), so a shared machine slows them alike; outputs are compared
-with `F.linear`'s (max abs difference: the kernels sum in other orders).
+`FP32_ONE_ROW_PACKED` does not pick (oneDNN's packed weight or the plain [in, out] one). Each candidate is timed
+in rounds that alternate with the others (median of the rounds), so a shared machine slows them alike; outputs
+are compared with `F.linear`'s (max abs difference: the kernels sum in other orders).
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ def main() -> int:
              "oneDNN's at every size); `other one-row layout`: fp32 one row "
              f"{ONE_ROW[not FP32_ONE_ROW_PACKED]}. Median µs per call of alternating rounds; `diff`: max abs "
              "difference from `F.linear`'s output.", "",
-             "| dtype | rows | projection [out×in] | F.linear µs | taps µs | speedup | other one-row layout µs | diff |",
+             "| dtype | rows | projection [out×in] | F.linear µs | taps µs | speedup | other one-row layout µs "
+             "| diff |",
              "|---|---:|---|---:|---:|---:|---:|---:|"]
     with torch.no_grad():
         for dtype_name in args.dtypes:

@@ -58,8 +58,10 @@ def version_counter(tensor: torch.Tensor) -> int:
 # Whether an fp32 projection multiplies one row (plain decoding) through oneDNN's weight packed for 32 rows rather
 # than a plain layout. On an AMD EPYC (AVX-512, no AMX, 2 threads) it measured faster for SmolLM2-135M's wide
 # projections and slower by a few µs for its small ones (reports/cpu_linear.md: the LM head 4.0 against 4.9 ms,
-# gate/up 90 against 136 µs, o 37 against 31), about 2.3 ms less a 30-layer step; plain decoding 1.04x (ad hoc). With AMX it is not measured since the packing for 32 rows, so the plain
-# [in, out] layout, measured faster than oneDNN packed for one row before that, stays there.
+# gate/up 90 against 136 µs, o 37 against 31), about 2.3 ms less a 30-layer step; Serve's engine decoding plainly
+# at 1 in flight made 23.1 / 24.1 tok/s against 21.3 / 22.3 (fp32, alternating processes, ad hoc). With AMX it is
+# not measured since the packing for 32 rows, so the plain [in, out] layout, measured faster than oneDNN packed for
+# one row before that, stays there.
 FP32_ONE_ROW_PACKED = not has_amx()
 
 # The batch size oneDNN lays a reordered weight out for: 32, as vLLM's CPU linear asks. For 1 row (the value
