@@ -43,7 +43,7 @@ from taps_ray.drafting.setup import draft_dtype, heads_needed, load_heads, load_
 from taps_ray.fsio import atomic_write_text  # noqa: E402
 from taps_ray.machine import cpu_line  # noqa: E402
 from taps_ray.markdown import md_table  # noqa: E402
-from taps_ray.models.target import load_target  # noqa: E402
+from taps_ray.models.target import dtype_name, load_target  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     served = config.tree
     trees = ({shape: served.with_shape(shape) for shape in args.trees.split(",")} if args.trees else
              {f"{served.total_token}/{served.depth}/{served.top_k}": served})
-    draft_dtypes = {str(dtype).removeprefix("torch."): dtype for dtype in (
+    draft_dtypes = {dtype_name(dtype): dtype for dtype in (
         draft_dtype(choice, target) for choice in (args.draft_dtypes.split(",") if args.draft_dtypes else
                                                    [config.serve.draft_dtype]))}
     drafts = [(shape, dtype) for shape in trees for dtype in draft_dtypes]

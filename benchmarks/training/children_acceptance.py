@@ -46,7 +46,7 @@ from taps_ray.drafting.setup import load_proposers  # noqa: E402
 from taps_ray.eval.children import children_acceptance  # noqa: E402
 from taps_ray.fsio import atomic_write_json, atomic_write_text  # noqa: E402
 from taps_ray.machine import cpu_line  # noqa: E402
-from taps_ray.models.target import Target, load_target  # noqa: E402
+from taps_ray.models.target import Target, dtype_name, load_target  # noqa: E402
 from taps_ray.models.target_forward import target_forward  # noqa: E402
 from taps_ray.relpaths import shown_path  # noqa: E402
 from taps_ray.report.uncertainty import pooled_mean  # noqa: E402
@@ -188,7 +188,7 @@ def main() -> int:
             print(f"{name} on {benchmark}: {results[-1]}", flush=True)
     meta = {
         "command": shown_command(sys.argv[1:], cfg.resolved_data_dir()), "machine": cpu_line(),
-        "target": target.name, "dtype": str(target.dtype).removeprefix("torch."), "kind": args.kind,
+        "target": target.name, "dtype": dtype_name(target.dtype), "kind": args.kind,
         "config": cfg.name, "work_dir": shown_path(cfg.work_dir, cfg.resolved_data_dir()),
         "temperature": args.temperature, "top_k": cfg.tree.top_k, "max_new_tokens": args.max_new_tokens,
         "questions": args.questions, "torch_threads": torch.get_num_threads(),

@@ -30,7 +30,7 @@ from taps_ray.data.chat import build_prompt_ids
 from taps_ray.interop.bench_peer import VLLM_PREFIX, run_peer, speculative_configs
 from taps_ray.interop.side import side_vllm
 from taps_ray.models.device import resolve_device
-from taps_ray.models.target import Target, load_target
+from taps_ray.models.target import Target, dtype_name, load_target
 from taps_ray.drafting.setup import check_proposers, load_proposers
 from taps_ray.decoding.generate import run_loop
 from taps_ray.decoding.target_batch import TargetBatch
@@ -237,7 +237,7 @@ def run_dtype(config: StudyConfig, options: BenchOptions, dtype: str | None) -> 
                     runs[name].add(i, decoded, time.perf_counter() - start)
             runs[name].peak_rss_mb = max(runs[name].peak_rss_mb, rss.peak / 2**20)
     if options.vllm_venv:
-        runs.update(vllm_runs(config, target, [ids for _, ids in prompts], options, str(target.dtype).removeprefix("torch.")))
+        runs.update(vllm_runs(config, target, [ids for _, ids in prompts], options, dtype_name(target.dtype)))
     return labels, runs
 
 

@@ -28,7 +28,7 @@ from taps_ray.eval.metrics import summarize
 from taps_ray.eval.runner import TraceCache, cell_questions, eval_dtype, is_replayed, run_cell
 from taps_ray.eval.store import ResultsStore
 from taps_ray.fsio import atomic_write_parquet
-from taps_ray.models.target import load_target
+from taps_ray.models.target import dtype_name, load_target
 from taps_ray.workdir import SEARCHED, results_dir
 
 
@@ -158,7 +158,7 @@ def cmd_generate(
     ratios = [(len(generation.tokens) / w) / (len(plain_generation.tokens) / p)
               for w, p in zip(walls[proposer_name], walls[PLAIN])]
     identical = generation.tokens == plain_generation.tokens
-    dtype_name = str(target.dtype).removeprefix("torch.")
+    dtype_label = dtype_name(target.dtype)
     result = {
         "proposer": proposer_name,
         "text": target.tokenizer.decode(generation.tokens, skip_special_tokens=True).strip(),
@@ -172,9 +172,9 @@ def cmd_generate(
         "speedup_range": [min(ratios), max(ratios)],
         "repetitions": repetitions,
         "identical_to_plain": identical,
-        "note": _mismatch_note(identical, dtype_name),
+        "note": _mismatch_note(identical, dtype_label),
         "temperature": temperature,
-        "dtype": dtype_name,
+        "dtype": dtype_label,
     }
     if as_json:
         print(json.dumps(result))

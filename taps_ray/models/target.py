@@ -84,6 +84,11 @@ def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The config's spelling of `dtype` ("bfloat16"), the inverse of `torch_dtype`."""
+    return str(dtype).removeprefix("torch.")
+
+
 def _smollm2_gguf() -> Path:
     try:
         path = Path(importlib.metadata.distribution(SMOLLM2_PACKAGE).locate_file(SMOLLM2_GGUF))

@@ -63,7 +63,7 @@ from taps_ray.drafting.names import ALIASES, PLAIN, UnknownProposer, parse_propo
 from taps_ray.drafting.proposer import shared_feature_layers
 from taps_ray.drafting.registry import combination, combination_names, single_names
 from taps_ray.drafting.setup import draft_dtype, load_heads, load_proposers
-from taps_ray.models.target import load_target
+from taps_ray.models.target import dtype_name, load_target
 from taps_ray.models.target_forward import target_forward
 from taps_ray.ray_runtime import OMP_WAIT_ENV, bind_replica_grpc_to_node, process_runtime_env, start_serve
 from taps_ray.serve.api_errors import ERROR_RESPONSES, ApiError, install_error_handlers
@@ -365,7 +365,7 @@ class TapsService:
             "waiting": self.batcher.waiting,
             "head_versions": self.adapt.versions() if self.adapt else {},
             "tree": self.cfg.tree.model_dump(include={"total_token", "depth", "top_k", "min_confidence"}),
-            "draft_dtype": str(self.draft_dtype).removeprefix("torch."),
+            "draft_dtype": dtype_name(self.draft_dtype),
         }
 
     @api.get("/v1/models", response_model=ModelList, summary="the models (proposers) this service can use")
