@@ -144,10 +144,23 @@ class Server:
         root = psutil.Process(self.proc.pid)
         return [root, *root.children(recursive=True)]
 
-    def pause(self) -> None:
-        """SIGSTOP every process of the server, children first: it takes no CPU until `resume`."""
-        for process in reversed(self._tree()):
+    def pause(self, timeout_s: float = 10.0) -> None:
+        """SIGSTOP every process of the server, children first: it takes no CPU until `resume`. A signal lands
+        asynchronously, so this waits until each process is seen stopped: the other server is timed only then."""
+        import psutil
+
+        processes = list(reversed(self._tree()))
+        for process in processes:
             process.suspend()
+        deadline = time.monotonic() + timeout_s
+        for process in processes:
+            try:
+                while process.status() not in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE):
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{self.name}: process {process.pid} did not stop within {timeout_s} s")
+                    time.sleep(0.01)
+            except psutil.NoSuchProcess:  # exited since the listing
+                pass
 
     def resume(self, settle_s: float = 2.0) -> None:
         """SIGCONT every process of the server, children first (a replica answers the health check its controller
