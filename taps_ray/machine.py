@@ -34,8 +34,9 @@ def _cpuinfo() -> tuple[str, set[str]]:
 
 
 def has_amx() -> bool:
-    """Whether this CPU has AMX's bf16 tiles: where bf16 matmuls outrun fp32 ones (without AMX, AVX512-BF16
-    included, torch's bf16 paths measured slower than fp32 here)."""
+    """Whether this CPU has AMX's bf16 tiles. It picks `train.precision: auto` (bf16-mixed training with AMX; without
+    it autocast's bf16 training measured slower than fp32) and the one-row fp32 kernel (models/cpu_linear.py). Bf16
+    inference through oneDNN's packed weights outruns fp32 on AVX512-BF16 as well: that is `native_bf16`."""
     return "amx_bf16" in _cpuinfo()[1]
 
 
@@ -61,7 +62,9 @@ def omp_wait_line() -> str:
     """How this process's idle OpenMP threads wait between kernels, as libgomp read it when torch loaded: a
     batch-1 step with them sleeping at once took up to 2x as long as with OpenMP's own spin
     (reports/decode_threads.md), so a report that times our loop says which."""
-    policy = os.environ.get("OMP_WAIT_POLICY")
+    policy, spins = os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT")
+    if spins is not None:  # libgomp spins this many times before sleeping, whatever the policy says
+        return f"GOMP_SPINCOUNT={spins}" + (f" (OMP_WAIT_POLICY={policy})" if policy else "")
     return f"OMP_WAIT_POLICY={policy}" if policy else "OpenMP's own wait, as a serve replica's"
 
 

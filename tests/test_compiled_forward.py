@@ -54,7 +54,8 @@ def prompts(tiny_target) -> list[list[int]]:
 
 def _decode(target: Target, prompts: list[list[int]], params: SamplingParams, seeds: list[int],
             plain: bool = False) -> list:
-    """Drafted by the oracle (trees: eager even when compiled), or `plain` (one-token steps: the layer graph)."""
+    """Drafted by the oracle (trees: through the layer graph's row, packed side by side at 2+ rows), or `plain`
+    (one-token steps)."""
     proposer = PlainDecoding() if plain else GreedyOracle(target.model, first_token=prompts[0][0], depth=4)
     return run_loop(TargetBatch(target.model), proposer, prompts, params, [24, 32], [], seeds=seeds)
 
@@ -82,7 +83,7 @@ def test_compiled_greedy_decoding_is_eager_and_transformers_greedy(tiny_target, 
 
 
 def test_a_prompt_prefills_through_the_graph_padded_as_unpadded(compiled_target, prompts, monkeypatch):
-    """One prompt's prefill runs through the layer graph at its length rounded up to `PREFILL_BUCKET`: its
+    """One prompt's prefill runs through the layer graph at its length rounded up (`LayerGraph.prefill_width`): its
     features, last logits and cache are exactly those of the same prefill unpadded (fp32), and every length runs
     in one graph."""
     graph = target_forward(compiled_target.model).graph
@@ -104,7 +105,7 @@ def test_a_prompt_prefills_through_the_graph_padded_as_unpadded(compiled_target,
     graphs = counters["stats"]["unique_graphs"]
     monkeypatch.setattr(graph, "_compiled", spy)
     padded = [prefilled(prompt[:n]) for n in lengths]
-    assert widths == [layer_graph.PREFILL_BUCKET * -(-n // layer_graph.PREFILL_BUCKET) for n in lengths]
+    assert widths == [2, 8, 16, 16 * -(-len(prompt) // 16)]  # powers of two up to 16, then multiples of 16
     assert counters["stats"]["unique_graphs"] == graphs
     monkeypatch.setattr(layer_graph, "PREFILL_BUCKET", 1)
     widths.clear()
@@ -166,7 +167,7 @@ def test_compile_falls_back_to_eager_with_a_line_naming_the_fix(tiny_config, mon
 
 
 def test_a_replica_warm_up_compiles_what_plain_serving_runs(tiny_config, tiny_target, prompts):
-    """serve/warm_up.py: after it, plain steps at any batch and prefills compile nothing new (trees run eager),
+    """serve/warm_up.py: after it, plain steps at any batch, prefills and trees compile nothing new,
     and the compiled forward decodes eager's greedy tokens under the replica's batcher and under drafting."""
     from taps_ray.decoding.continuous import ContinuousBatcher, Request
     from taps_ray.serve.warm_up import warm_up

@@ -8,6 +8,8 @@ Two copies of the target (same weights) verify the same chains and binary trees 
 same context, interleaved and repeated, with the cache cropped back after each (benchmarks/speed/forward_width.py's
 verifier); the median of each is reported, with the seconds the compiled copy's first verifications took to
 compile. The LM head (eager in both) is included. `--dtype`: fp32 (the default, as the equality tests) or bf16.
+`--rows`: how many sequences verify a tree each in one step (a Serve replica's batch; compiled, the trees are
+packed side by side into one row of the layer graph).
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP's idle threads wait as a Serve replica's do (serve.replica_omp_wait: default), the forward this compares
+# being the replica's: with them sleeping at once, the graph's fewer, larger kernels gained less over eager
+os.environ.setdefault("GOMP_SPINCOUNT", "300000")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -27,14 +31,14 @@ import torch  # noqa: E402
 from forward_width import batch_verifier, interleaved_medians, trees_of  # noqa: E402
 from taps_ray.config import load_config  # noqa: E402
 from taps_ray.fsio import report_lines  # noqa: E402
-from taps_ray.machine import cpu_line  # noqa: E402
+from taps_ray.machine import cpu_line, omp_wait_line  # noqa: E402
 from taps_ray.models.target import load_target  # noqa: E402
 from taps_ray.models.target_forward import target_forward  # noqa: E402
 
 MODES = ("none", "inductor")
 
 
-def measure(config: str, sizes: list[int], context: int, repetitions: int, dtype: str) -> list[str]:
+def measure(config: str, sizes: list[int], context: int, repetitions: int, dtype: str, rows: int) -> list[str]:
     cfg = load_config(config)
     verifiers = {}
     prompt = torch.randint(100, 10_000, (context,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -44,15 +48,15 @@ def measure(config: str, sizes: list[int], context: int, repetitions: int, dtype
         forward = target_forward(target.model)
         if forward.compiled != (mode == "inductor"):
             raise SystemExit(f"target.compile {mode} did not build that forward here (see the log line above)")
-        verifiers[mode] = batch_verifier(target.model, prompt, forward)
+        verifiers[mode] = batch_verifier(target.model, prompt, forward, rows)
     start = time.perf_counter()
     for tree in trees.values():  # every shape family compiles on its first verification
         verifiers["inductor"](tree)
     compile_s = time.perf_counter() - start
     median = interleaved_medians(verifiers, trees, repetitions)
     lines = [
-        f"## {cfg.target.name} ({dtype}); the first verification of every tree took {compile_s:.0f} s (compiling, or "
-        "loading inductor's on-disk cache of an earlier run)",
+        f"## {cfg.target.name} ({dtype}), {rows} row(s); the first verification of every tree took {compile_s:.0f} s "
+        "(compiling, or loading inductor's on-disk cache of an earlier run)",
         "",
         "| nodes | shape | eager ms | compiled ms | eager / compiled |",
         "|---|---|---|---|---|",
@@ -69,17 +73,22 @@ def main() -> int:
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--context", type=int, default=160, help="prompt tokens already in the cache")
     parser.add_argument("--repetitions", type=int, default=30)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1],
+                        help="sequences verifying a tree each in one step (a batch of trees is packed into one row)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--note", default="", help="a sentence on the machine's load, printed in the report")
     parser.add_argument("--out", default=None, help="write the markdown here (else print it)")
     args = parser.parse_args()
 
-    sections = [line for config in args.configs for line in measure(config, args.sizes, args.context, args.repetitions, args.dtype)]
+    sections = [line for config in args.configs for rows in args.rows
+                for line in measure(config, args.sizes, args.context, args.repetitions, args.dtype, rows)]
     lines = [
         "# The fast forward compiled (target.compile: inductor) against eager",
         "",
         f"Regenerate: `nice python benchmarks/speed/compiled_forward.py --configs {' '.join(args.configs)} "
-        f"--dtype {args.dtype} --out {args.out or 'reports/compiled_forward.md'}`. {cpu_line()}; torch threads {torch.get_num_threads()}, torch "
+        f"--dtype {args.dtype} --rows {' '.join(map(str, args.rows))} "
+        f"--out {args.out or 'reports/compiled_forward.md'}`. "
+        f"{cpu_line()}; torch threads {torch.get_num_threads()}, {omp_wait_line()}, torch "
         f"{torch.__version__}. Context {args.context} tokens, median of {args.repetitions} interleaved verifications "
         "per forward and tree, LM head included (eager in both). `chain`: a chain (one node is plain decoding); "
         "`tree`: a binary tree. Ratios > 1 mean the compiled forward is faster. Read the ratios, which come from "

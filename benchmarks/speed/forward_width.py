@@ -99,14 +99,15 @@ def old_verifier(model: torch.nn.Module, prompt: list[int]) -> Callable[[DraftTr
     return verify
 
 
-def batch_verifier(model: torch.nn.Module, prompt: list[int], forward: FastLlama | HFForward
+def batch_verifier(model: torch.nn.Module, prompt: list[int], forward: FastLlama | HFForward, rows: int = 1
                    ) -> Callable[[DraftTree], None]:
+    """Verify a tree in each of `rows` sequences holding the prompt, as one step, then keep nothing."""
     batch = TargetBatch(model, forward=forward)
-    batch.start([prompt], SamplingParams(), [0])
+    batch.start([prompt] * rows, SamplingParams(), list(range(rows)))
 
     def verify(tree: DraftTree) -> None:
-        batch.forward_trees([tree])
-        batch.commit([[]])  # keep nothing: the cache is back to the prompt
+        batch.forward_trees([tree] * rows)
+        batch.commit([[]] * rows)  # keep nothing: the cache is back to the prompt
 
     return verify
 

@@ -294,10 +294,15 @@ class FastLlama:
         self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache: KVCache,
         hidden_layers: Sequence[int] = (),
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, length = input_ids.shape
+        if self.graph is not None and batch > 1 and length > 1 and self.joins_prompts:
+            # several rows of trees (or chains): packed side by side into one row of the graph, as joining prompts
+            last, features, _, _ = self.with_prompts(input_ids, positions, mask, cache, [], None, hidden_layers)
+            return last, features
         masks, causal = self.attention_masks(mask, positions, cache.width, self.embed.dtype)
         attention = self.layer_attention(masks, causal, cache.append)
-        if self.graph is not None and (input_ids.shape[1] == 1 or (causal and input_ids.shape[0] == 1)):
-            # one-token steps, and one prompt's prefill; trees and prefills of several prompts run eager
+        if self.graph is not None and (length == 1 or batch == 1):
+            # one-token steps, one row's step or tree and one prompt's prefill; prefills of several prompts run eager
             return self.graph(input_ids, positions, attention, hidden_layers)
         return self.decode(input_ids, positions, attention, hidden_layers)
 
@@ -311,7 +316,7 @@ class FastLlama:
     @torch.no_grad()
     def with_prompts(
         self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache: KVCache,
-        prompts: Sequence[torch.Tensor], prompt_cache: KVCache, hidden_layers: Sequence[int] = (),
+        prompts: Sequence[torch.Tensor], prompt_cache: KVCache | None, hidden_layers: Sequence[int] = (),
     ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         """A step's forward (as `__call__`) and the prefill of new sequences' `prompts` (1-D ids) in one pass: the
         step's tokens and the prompts' are packed side by side, so every projection, norm and MLP reads its weights
@@ -320,15 +325,16 @@ class FastLlama:
         row i of `prompt_cache` (slots 0..len-1). Returns the step's (post-norm hidden [B, T, d], features) and
         each prompt's post-norm hidden and features [len, .]. Every op computes what the two separate forwards
         compute, element by element, on the same kernels but for the projections' row count. With the layer graph
-        the packed tokens run through it as one row (models/layer_graph.py), as a prompt's prefill does."""
+        the packed tokens run through it as one row (models/layer_graph.py), as a prompt's prefill does. Without
+        prompts (`prompt_cache` None) it is a step of several rows of trees through the graph (`__call__`)."""
         batch, length = input_ids.shape
         step = batch * length
         sizes = [int(p.numel()) for p in prompts]
-        widest = max(sizes)
+        widest = max(sizes, default=0)
         device = input_ids.device
         ids = torch.cat([input_ids.reshape(-1), *prompts])[None]
-        prompt_positions = torch.cat([torch.arange(n, device=device) for n in sizes])
-        packed_positions = torch.cat([positions.reshape(-1), prompt_positions])[None]
+        prompt_positions = [torch.arange(n, device=device) for n in sizes]
+        packed_positions = torch.cat([positions.reshape(-1), *prompt_positions])[None]
         masks, causal = self.attention_masks(mask, positions, cache.width, self.embed.dtype)
         group = self.heads // self.kv_heads
 

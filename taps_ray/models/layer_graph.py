@@ -12,15 +12,17 @@ ad hoc): a bf16 decode step 19.6 / 21.9 / 37-39.5 ms at batch 1 / 4 / 16 against
 What stays outside the graph: the cache write and attention, one opaque op a layer (`taps::cached_attention`)
 that runs the calling forward's `LayerAttention` (its cache, masks and causality) from the calling thread, so
 the graph never sees the cache's width (it grows every step; a graph over it would guard on it and recompile)
-nor a mask's shape. The forward runs it for one-token steps (plain decoding, at any batch: the batch is dynamic
-from 2 up, `mark_dynamic`, batch 1 keeping a graph of its own) and for one row of several tokens, its length
-dynamic (one more graph): one prompt's prefill (a 150-token bf16 prefill of SmolLM2-135M in 58-60 ms against
-eager's 72-73, Intel Xeon with AMX, 2 threads, ad hoc: the time to first token of a request that finds the
-replica idle), and a step packed with joining prompts (`FastLlama.with_prompts`, whose attention keeps the step's
-rows and each prompt apart). Trees, and prefills of several prompts, run eager: a tree measured no faster (one
-sequence's tree of 4-16 nodes at 0.88-0.96x eager in bf16 through the graph, `benchmarks/speed/compiled_forward.py`
-in an ad-hoc run; reports/compiled_forward_bf16.md has the rule as kept), and a batch of prompts would be one more
-graph to compile at start-up. Frozen weights are the
+nor a mask's shape. Two graphs cover a step: one-token steps of 2+ rows (plain decoding; the batch dynamic,
+`mark_dynamic`), and one row of any tokens, its width dynamic. The row is one prompt's prefill (a 150-token bf16
+prefill of SmolLM2-135M in 58-60 ms against eager's 72-73, Intel Xeon with AMX, 2 threads, ad hoc: the time to
+first token of a request that finds the replica idle), a step packed with joining prompts or with several rows'
+trees (`FastLlama.with_prompts`, whose attention keeps each row and prompt apart), one sequence's tree, or its
+one-token step (padded to 2: dynamo specialises a width or batch of 1, and a graph of its own for batch 1 ran
+fp32 steps at 0.94x eager, packed for one row by inductor, against 1.0x at width 2; AMD EPYC, ad hoc). Trees
+through the graph, against eager (reports/compiled_forward.md, AMD EPYC, 2 threads spinning as a replica's): one
+sequence's chain or tree of 4-16 nodes 1.20-1.25x in bf16 and 1.14-1.20x in fp32; four sequences' 1.02-1.10x and
+1.00-1.05x. Prefills of several prompts run eager: a batch of prompts would be one more graph to compile at
+start-up. Frozen weights are the
 weights at compile time: `LayerGraph` rebuilds the graph when a source weight changes in place (its version
 counter moves), as an eager projection lays itself out again.
 """
@@ -75,8 +77,8 @@ _CALL = threading.local()  # the running graph's call: (its LayerAttention, its 
 # (serve/warm_up.py); the padding costs 8 tokens' compute on average (~5% at 150 tokens), and the cache write
 # and attention, outside the graph, see the real tokens only (`_cached_attention`).
 PREFILL_BUCKET = 16
-# Graphs dynamo keeps for `_LayerStack.forward` before it runs the rest eager: each forward compiles three (a
-# one-token step of one row, of several, a prefill), guarded on its own module, so a process holding a few
+# Graphs dynamo keeps for `_LayerStack.forward` before it runs the rest eager: each forward compiles two (one-token
+# steps of several rows, one row of any width), guarded on its own module, so a process holding a few
 # compiled targets (tests, a copy of a replica's model) passes dynamo's default of 8.
 GRAPHS_PER_CODE = 64
 
@@ -185,25 +187,27 @@ class LayerGraph:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: LayerAttention,
                  hidden_layers: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The layers over ids and positions [B, T], each attending through `attention`: one-token steps (T = 1)
-        at any batch, or B = 1 row of several tokens (a prompt's prefill, a step packed with joining prompts),
-        padded to `prefill_width`; returns the post-norm last layer and the `hidden_layers` (as `decode`)."""
+        of 2+ rows, or one row (B = 1) of any tokens (a one-row step, a tree, a prefill, a step packed with trees or
+        joining prompts), padded to `prefill_width`; returns the post-norm last layer and the `hidden_layers` (as
+        `decode`)."""
         self.fast.check_sources()
         versions = self._current_versions()
         if self._compiled is None or versions != self._versions:
             self._compiled = torch.compile(_LayerStack(self.fast))
             self._versions = versions
         length = input_ids.shape[1]
-        if length > 1:  # one row of several tokens, padded after them (its last token and position, repeated)
-            if input_ids.shape[0] != 1:
-                raise ValueError(f"the layer graph runs several tokens in one row only, got {input_ids.shape[0]}")
+        one_row = input_ids.shape[0] == 1
+        if not one_row and length > 1:
+            raise ValueError(f"the layer graph runs several tokens in one row only, got {input_ids.shape[0]} rows")
+        if one_row:  # padded after its tokens (the last token and position, repeated)
             pad = self.prefill_width(length) - length
             input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(-1, pad)], dim=1)
             positions = torch.cat([positions, positions[:, -1:].expand(-1, pad)], dim=1)
         cos, signed_sin = self.fast.rotation(positions, self.fast.embed.dtype)
-        if input_ids.shape[0] > 1:  # the batch: ids [B, T], cos and sin [B, 1, T, head_dim]
+        if not one_row:  # a batch of one-token steps: ids [B, 1], cos and sin [B, 1, 1, head_dim]
             for tensor in (input_ids, cos, signed_sin):
                 torch._dynamo.mark_dynamic(tensor, 0)
-        if length > 1:  # one graph for every prompt width
+        else:  # one graph for every width of a row
             torch._dynamo.mark_dynamic(input_ids, 1)
             for tensor in (cos, signed_sin):
                 torch._dynamo.mark_dynamic(tensor, 2)
@@ -217,5 +221,9 @@ class LayerGraph:
 
     @staticmethod
     def prefill_width(length: int) -> int:
-        """The width a prompt of `length` tokens runs at through the graph: `PREFILL_BUCKET`'s next multiple."""
+        """The width a row of `length` tokens runs at through the graph: the next power of two from 2 up to
+        `PREFILL_BUCKET` (a tree of 4 nodes pays for 4 rows, not 16; a dynamic width cannot be 1, which dynamo
+        specialises), else `PREFILL_BUCKET`'s next multiple."""
+        if length <= PREFILL_BUCKET:
+            return max(2, 1 << (length - 1).bit_length())
         return -(-length // PREFILL_BUCKET) * PREFILL_BUCKET
