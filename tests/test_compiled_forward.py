@@ -82,6 +82,27 @@ def test_compiled_greedy_decoding_is_eager_and_transformers_greedy(tiny_target, 
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+@pytest.mark.parametrize("as_row", [True, False])
+def test_a_batch_1_step_decodes_greedy_as_a_row_or_in_its_own_graph(tiny_target, compiled_target, prompts,
+                                                                      monkeypatch, as_row):
+    """`LayerGraph.one_token_as_row` picks, by CPU and dtype, how a batch-1 one-token step runs; both ways give the
+    target's greedy tokens, and the row way runs the step at width 2."""
+    graph = target_forward(compiled_target.model).graph
+    monkeypatch.setattr(type(graph), "one_token_as_row", lambda self: as_row)
+    compiled, widths = graph._compiled, []
+
+    def spy(input_ids, *rest):
+        widths.append(tuple(input_ids.shape))
+        return compiled(input_ids, *rest)
+
+    monkeypatch.setattr(graph, "_compiled", spy)
+    (alone,) = run_loop(TargetBatch(compiled_target.model), PlainDecoding(), prompts[:1], SamplingParams(), 24, [],
+                        seeds=[0])
+    assert alone.tokens == _hf_greedy(tiny_target.model, prompts[0], 24)
+    steps = widths[1:]  # after the prefill
+    assert len(steps) == 23 and set(steps) == {(1, 2) if as_row else (1, 1)}
+
+
 def test_a_prompt_prefills_through_the_graph_padded_as_unpadded(compiled_target, prompts, monkeypatch):
     """One prompt's prefill runs through the layer graph at its length rounded up (`LayerGraph.prefill_width`): its
     features, last logits and cache are exactly those of the same prefill unpadded (fp32), and every length runs

@@ -12,17 +12,15 @@ ad hoc): a bf16 decode step 19.6 / 21.9 / 37-39.5 ms at batch 1 / 4 / 16 against
 What stays outside the graph: the cache write and attention, one opaque op a layer (`taps::cached_attention`)
 that runs the calling forward's `LayerAttention` (its cache, masks and causality) from the calling thread, so
 the graph never sees the cache's width (it grows every step; a graph over it would guard on it and recompile)
-nor a mask's shape. Two graphs cover a step: one-token steps of 2+ rows (plain decoding; the batch dynamic,
-`mark_dynamic`), and one row of any tokens, its width dynamic. The row is one prompt's prefill (a 150-token bf16
-prefill of SmolLM2-135M in 58-60 ms against eager's 72-73, Intel Xeon with AMX, 2 threads, ad hoc: the time to
-first token of a request that finds the replica idle), a step packed with joining prompts or with several rows'
-trees (`FastLlama.with_prompts`, whose attention keeps each row and prompt apart), one sequence's tree, or its
-one-token step (padded to 2: dynamo specialises a width or batch of 1, and a graph of its own for batch 1 ran
-fp32 steps at 0.94x eager, packed for one row by inductor, against 1.0x at width 2; AMD EPYC, ad hoc). Trees
-through the graph, against eager (reports/compiled_forward.md, AMD EPYC, 2 threads spinning as a replica's): one
-sequence's chain or tree of 4-16 nodes 1.20-1.25x in bf16 and 1.14-1.20x in fp32; four sequences' 1.02-1.10x and
-1.00-1.05x. Prefills of several prompts run eager: a batch of prompts would be one more graph to compile at
-start-up. Frozen weights are the
+nor a mask's shape. Graphs cover a step: one-token steps of 2+ rows (plain decoding; the batch dynamic,
+`mark_dynamic`), one row of any tokens, its width dynamic, and a batch-1 one-token step (a graph of its own, a
+batch of 1 being static: in fp32 on CPUs without AMX it runs as a row instead, `one_token_as_row`). The row is one
+prompt's prefill (a 150-token bf16 prefill of SmolLM2-135M in 58-60 ms against eager's 72-73, Intel Xeon with
+AMX, 2 threads, ad hoc: the time to first token of a request that finds the replica idle), a step packed with
+joining prompts or with several rows' trees (`FastLlama.with_prompts`, whose attention keeps each row and prompt
+apart), or one sequence's tree. Trees through the graph, against eager (reports/compiled_forward.md and
+compiled_forward_bf16.md, AMD EPYC, 2 threads spinning as a replica's): TREES_FIGURES. Prefills of several
+prompts run eager: a batch of prompts would be one more graph to compile at start-up. Frozen weights are the
 weights at compile time: `LayerGraph` rebuilds the graph when a source weight changes in place (its version
 counter moves), as an eager projection lays itself out again.
 """
@@ -39,7 +37,7 @@ from torch import nn
 from torch._dynamo import config as dynamo_config
 from torch._inductor import config as inductor_config
 
-from taps_ray.models.cpu_linear import version_counter
+from taps_ray.models.cpu_linear import FP32_ONE_ROW_PACKED, version_counter
 from taps_ray.models.opaque_op import opaque_op
 
 
@@ -77,9 +75,9 @@ _CALL = threading.local()  # the running graph's call: (its LayerAttention, its 
 # (serve/warm_up.py); the padding costs 8 tokens' compute on average (~5% at 150 tokens), and the cache write
 # and attention, outside the graph, see the real tokens only (`_cached_attention`).
 PREFILL_BUCKET = 16
-# Graphs dynamo keeps for `_LayerStack.forward` before it runs the rest eager: each forward compiles two (one-token
-# steps of several rows, one row of any width), guarded on its own module, so a process holding a few
-# compiled targets (tests, a copy of a replica's model) passes dynamo's default of 8.
+# Graphs dynamo keeps for `_LayerStack.forward` before it runs the rest eager: each forward compiles two or three
+# (one-token steps of several rows, of one unless `one_token_as_row`, one row of any width), guarded on its own
+# module, so a process holding a few compiled targets (tests, a copy of a replica's model) passes dynamo's 8.
 GRAPHS_PER_CODE = 64
 
 
@@ -196,18 +194,19 @@ class LayerGraph:
             self._compiled = torch.compile(_LayerStack(self.fast))
             self._versions = versions
         length = input_ids.shape[1]
-        one_row = input_ids.shape[0] == 1
-        if not one_row and length > 1:
-            raise ValueError(f"the layer graph runs several tokens in one row only, got {input_ids.shape[0]} rows")
+        batch = input_ids.shape[0]
+        if batch > 1 and length > 1:
+            raise ValueError(f"the layer graph runs several tokens in one row only, got {batch} rows")
+        one_row = batch == 1 and (length > 1 or self.one_token_as_row())
         if one_row:  # padded after its tokens (the last token and position, repeated)
             pad = self.prefill_width(length) - length
             input_ids = torch.cat([input_ids, input_ids[:, -1:].expand(-1, pad)], dim=1)
             positions = torch.cat([positions, positions[:, -1:].expand(-1, pad)], dim=1)
         cos, signed_sin = self.fast.rotation(positions, self.fast.embed.dtype)
-        if not one_row:  # a batch of one-token steps: ids [B, 1], cos and sin [B, 1, 1, head_dim]
+        if batch > 1:  # a batch of one-token steps: ids [B, 1], cos and sin [B, 1, 1, head_dim]
             for tensor in (input_ids, cos, signed_sin):
                 torch._dynamo.mark_dynamic(tensor, 0)
-        else:  # one graph for every width of a row
+        if one_row:  # one graph for every width of a row
             torch._dynamo.mark_dynamic(input_ids, 1)
             for tensor in (cos, signed_sin):
                 torch._dynamo.mark_dynamic(tensor, 2)
@@ -218,6 +217,14 @@ class LayerGraph:
         finally:
             _CALL.forward = None
         return (last, features) if length == input_ids.shape[1] else (last[:, :length], features[:, :length])
+
+    def one_token_as_row(self) -> bool:
+        """Whether a batch-1 one-token step runs as a row padded to 2 rather than through a graph of its own (a
+        static batch of 1: inductor packs the weights for one row). In fp32 where one-row matmuls run faster
+        through weights packed for 32 rows (`FP32_ONE_ROW_PACKED`: CPUs without AMX): Serve's engine, plain, 1 in
+        flight, AMD EPYC, ad hoc, 4 alternating runs: 25.0-26.8 tok/s against 21.7-24.8; in bf16 the graph of its
+        own ran faster (43.1-47.1 against 40.3-42.1), as it stays."""
+        return FP32_ONE_ROW_PACKED and self.fast.embed.dtype == torch.float32
 
     @staticmethod
     def prefill_width(length: int) -> int:
