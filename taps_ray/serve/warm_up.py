@@ -1,10 +1,10 @@
 """A replica's warm-up: the target's layer graph compiled before the replica takes traffic.
 
 Why: with `target.compile` resolving to the layer graph (a CPU replica, models/layer_graph.py), the first forward
-of each shape class (one row of any width, one-token steps of several rows) compiles for 20-40 s on two cores; a request
-arriving first would wait that long, and the scheduler's stall watch could take it for a hung engine. So the
-replica decodes a few tokens of a dummy prompt, alone and two at once, through its own batcher (with its
-feature layers: every forward of a replica with heads returns them, plain steps too).
+of each shape class (a one-token step of one row, of several; a row of any width) compiles for 20-40 s on two
+cores; a request arriving first would wait that long, and the scheduler's stall watch could take it for a hung
+engine. So the replica decodes a few tokens of a dummy prompt, alone and two at once, through its own batcher
+(with its feature layers: every forward of a replica with heads returns them, plain steps too).
 Then it prefills one prompt at each width the layer graph pads a row to (`LayerGraph.prefill_width`) up to
 `WARM_PREFILL_TOKENS`: oneDNN builds a matmul's kernels for each row count on its first use, ~15 ms of a first
 request's prefill (models/layer_graph.py); the batch's trees, packed into a row, run at those widths too.
