@@ -205,8 +205,9 @@ def test_a_replica_warm_up_compiles_what_plain_serving_runs(tiny_config, tiny_ta
             batcher.step()
         return sorted(r.generation.tokens for r in results)
 
-    batcher = ContinuousBatcher(target.model, [], 4)
-    warm_up(batcher, PlainDecoding(), prompts[0])
+    # the replica's prefill budget, here one prompt a step: the warm-up's two requests cannot start together
+    batcher = ContinuousBatcher(target.model, [], 4, prefill_tokens=len(prompts[1]))
+    warm_up(batcher, PlainDecoding(), prompts[1])
     graphs = counters["stats"]["unique_graphs"]
     assert served(target.model, batcher) == served(tiny_target.model)
     drafted = _decode(target, prompts, SamplingParams(), [0, 1])  # trees of two rows, then of one

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+import pytest
 import torch
 
 from taps_ray.config import TreeConfig
@@ -185,3 +186,38 @@ def test_the_inner_proposer_hears_what_was_accepted_of_its_own_trees():
         (state,) = proposer.observe([state], [Feedback(tree, list(range(len(committed))), committed)])
         tree, state = proposer.propose(state, torch.zeros(len(committed), 1), torch.tensor(committed))
     assert inner.heard == [2, 2, 2]  # the first step verified only its root: not the inner's tree
+
+
+def test_the_drafting_sequences_of_a_batch_draft_in_one_call_of_the_wrapped_proposer():
+    """Serve's batch shares one `CostAware`: its drafting sequences draft in one `propose_batch` of the wrapped
+    proposer (one draft pass for the batch), its paused ones verify their roots, and every one is charged the
+    batch's draft time (its step waits for all of it). One by one, 16 sequences cost 16 draft passes."""
+    clock = FakeClock()
+
+    @dataclass
+    class Batched(ChainDrafter):
+        calls: list[int] = field(default_factory=list)
+
+        def propose_batch(self, states, features, next_tokens):
+            self.calls.append(len(states))
+            start = self.clock.now
+            out = [self.propose(s, f, t) for s, f, t in zip(states, features, next_tokens)]
+            self.clock.now = start + DRAFT_S  # one pass, whatever the batch
+            return [tree for tree, _ in out], [state for _, state in out]
+
+    inner = Batched(clock)
+    proposer = CostAware(inner, clock=clock)
+    trees, states = proposer.propose_batch([proposer.init_state() for _ in range(3)], [torch.zeros(2, 1)] * 3,
+                                           [torch.tensor([7, 8])] * 3)
+    assert inner.calls == [] and [t.size for t in trees] == [1, 1, 1]  # the first step of each: plain, measured
+    clock.now += PLAIN_STEP_S
+    states = proposer.observe(states, [Feedback(tree, [0], [9]) for tree in trees])
+    states[2] = replace(states[2], paused_left=2)  # the third sequence is in a pause
+    start = clock.now
+    trees, states = proposer.propose_batch(states, [torch.zeros(1, 1)] * 3, [torch.tensor([9])] * 3)
+    assert inner.calls == [2]  # the two drafting sequences, in one call
+    assert [t.size for t in trees] == [4, 4, 1] and [s.last_head for s in states] == [0, 0, NOT_DRAFTED]
+    assert [s.draft_s for s in states] == [pytest.approx(DRAFT_S)] * 2 + [None]
+    assert clock.now == pytest.approx(start + DRAFT_S)
+    assert states[2].paused_left == 1 and len(states[2].pending) == 2  # the pause counts down; nothing is lost
+    assert inner.seen == [7, 8, 9] * 2  # each drafting sequence handed its whole backlog, the prompt on

@@ -93,6 +93,22 @@ def test_a_bucket_that_left_its_choice_for_a_few_slow_steps_measures_it_again_so
     assert gate.winner(bucket(16)) is False
 
 
+def test_a_step_the_gate_cannot_time_runs_the_known_winner_and_neither_warms_up_nor_probes():
+    """A request joining a step makes its time the prefill's, so the gate does not observe it. Such a step drafts
+    only where drafting is known to win: not in a bucket still warming up (Serve's ramp of a closed loop of 16
+    joined one request a step, each at a new batch size, and every such step drafted), and it is never a probe."""
+    gate = DraftGate(measured=True, warmup=2, probe_every=4)
+    assert not any(gate.drafts(batch, timed=False) for batch in range(2, 17))  # nothing known: undrafted
+    assert not gate.rates and not gate.decided  # no warm-up step counted, no probe interval advanced
+    _feed(gate, 16, 8, drafted_rate=5, plain_rate=16)  # plain wins at 16, the probe interval runs
+    decided = dict(gate.decided)
+    assert not any(gate.drafts(16, timed=False) for _ in range(20)) and gate.decided == decided  # no probe
+    winning = DraftGate(measured=True, warmup=2)
+    _feed(winning, 4, 4, drafted_rate=30, plain_rate=16)
+    assert winning.drafts(4, timed=False) and winning.drafts(2, timed=False)  # known (or followed) winners draft
+    assert winning.drafts(1, self_timed=True, timed=False)  # a lone self-timing proposer still decides itself
+
+
 def test_a_lone_self_timing_proposer_decides_for_itself():
     """At batch 1 a cost-aware proposer's own timings hold no neighbour's tree: the gate lets it draft and keeps no
     rate there; from batch 2 on the measured rule decides as for any proposer."""

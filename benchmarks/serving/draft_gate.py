@@ -9,15 +9,18 @@ decoding, at several concurrencies. Not a test.
     python benchmarks/serving/draft_gate.py --config configs/interop.yaml --dtype float32 --models math \
         --draft-dtypes float32,bfloat16 --concurrency 1,4 --repetitions 2 --out reports/draft_dtype.md
 
-Serve's engine without HTTP (`ContinuousBatcher`, as a replica builds it: every drafting model under the
-per-sequence cost model), a closed loop of `--concurrency` requests in flight over `--prompts` prompts (half GSM8K,
-half MT-Bench first turns), `--max-tokens` tokens each, greedy; the heads draft the config's served tree
-(serve.tree) or each of `--trees`, in the config's serve.draft_dtype or each of `--draft-dtypes`. Each drafting
-model, tree and draft dtype runs twice: with the drafting
-gate off (`serve.measure_drafting: false`, no `draft_below`: every batch drafts) and on (the default: a batch
-drafts only where drafted steps measured faster at its size). Per concurrency the runs are interleaved (plain,
-then each model and gate) `--repetitions` times in one process: read the ratios to plain, not absolute speeds.
-Every output is checked against plain decoding's (fp32: token for token).
+Serve's engine without HTTP (`ContinuousBatcher`, as a replica builds it: the replica's target forward, on a
+CPU under `target.compile: auto` the layer graph, warmed up as the replica warms it; its prefill budget and its
+OpenMP spin; every drafting model under the per-sequence cost model), a closed loop of `--concurrency` requests
+in flight over `--prompts` prompts (half GSM8K, half MT-Bench first turns), `--max-tokens` tokens each, greedy;
+the heads draft the config's served tree (serve.tree) or each of `--trees`, in the config's serve.draft_dtype or
+each of `--draft-dtypes`. Each drafting model, tree and draft dtype runs twice: with the drafting gate off
+(`serve.measure_drafting: false`, no `draft_below`: every batch drafts) and on (the default: a batch drafts only
+where drafted steps measured faster at its size). Per concurrency the runs are interleaved (plain, then each model
+and gate) `--repetitions` times in one process, after an unmeasured wave at that load: read the ratios to plain,
+not absolute speeds.
+Every output is checked against plain decoding's (fp32: token for token). `drafted` is the share of the steps
+the gate timed (no request joining) that drafted: how often the gate let the batch draft.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import statistics
 import sys
 from pathlib import Path
 
+# OpenMP's idle threads wait as a Serve replica's do (serve.replica_omp_wait: default; libgomp reads it at load)
+os.environ.setdefault("GOMP_SPINCOUNT", "300000")
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
@@ -44,6 +49,8 @@ from taps_ray.fsio import atomic_write_text  # noqa: E402
 from taps_ray.machine import cpu_line  # noqa: E402
 from taps_ray.markdown import md_table  # noqa: E402
 from taps_ray.models.target import dtype_name, load_target  # noqa: E402
+from taps_ray.models.target_forward import target_forward  # noqa: E402
+from taps_ray.serve.warm_up import warm_up  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(args.config).served()
     if args.dtype:
         config = config.model_copy(update={"target": config.target.model_copy(update={"dtype": args.dtype})})
-    target = load_target(config.target)
+    target = load_target(config.target, serving=True)  # the replica's forward, compiled or not
     names = args.models.split(",")
     served = config.tree
     trees = ({shape: served.with_shape(shape) for shape in args.trees.split(",")} if args.trees else
@@ -85,16 +92,24 @@ def main(argv: list[str] | None = None) -> int:
     layers = {p.feature_layers for p in proposers.values()}.pop()
     runs = [("plain", ("-", "-"), "-", False)] + [(name, draft, gate, gate == "on") for name in names
                                                   for draft in drafts for gate in ("off", "on")]
-    rows, results = [], {}
+
+    def batcher(concurrency: int, gate: DraftGate) -> ContinuousBatcher:
+        return ContinuousBatcher(target.model, target.stop_token_ids, concurrency, gate=gate, feature_layers=layers,
+                                 prefill_tokens=config.serve.prefill_tokens)
+
+    if target_forward(target.model).compiled:  # as the replica does before it serves
+        warm_up(batcher(1, DraftGate()), PlainDecoding(), prompts[0])
+    rows, results, drafted = [], {}, {}
     for concurrency in (int(c) for c in args.concurrency.split(",")):
+        warm = batcher(concurrency, DraftGate())  # an unmeasured wave at this load: its first steps build kernels
+        closed_loop(warm, prompts[:concurrency], PlainDecoding(), concurrency, 8)
         for repetition in range(args.repetitions):
             for name, draft, label, measured in runs:
                 proposer = PlainDecoding() if name == "plain" else CostAware(proposers[(name, *draft)], name=name)
-                gate = DraftGate(measured=measured)
-                batcher = ContinuousBatcher(target.model, target.stop_token_ids, concurrency, gate=gate,
-                                            feature_layers=layers)
-                times = closed_loop(batcher, prompts, proposer, concurrency, args.max_tokens)
+                gate = DraftGate(config.serve.draft_below if measured else None, measured=measured)
+                times = closed_loop(batcher(concurrency, gate), prompts, proposer, concurrency, args.max_tokens)
                 results.setdefault((concurrency, name, draft, label), []).append(times)
+                drafted.setdefault((concurrency, name, draft, label), []).append(drafted_share(gate))
                 print(f"c={concurrency} rep {repetition} {name} tree {draft[0]} draft {draft[1]} gate {label}: "
                       f"{times.tokens_per_s:.1f} tok/s", flush=True)
         plain = results[(concurrency, "plain", ("-", "-"), "-")]
@@ -103,8 +118,10 @@ def main(argv: list[str] | None = None) -> int:
             timed: list[LoopTimes] = results[(concurrency, name, draft, label)]
             rate = statistics.mean(t.tokens_per_s for t in timed)
             same = sum(a == b for t in timed for a, b in zip(t.outputs, plain[0].outputs))
+            shares = [share for share in drafted[(concurrency, name, draft, label)] if share is not None]
             rows.append([str(concurrency), name, *draft, label, f"{rate:.1f}", f"{rate / plain_rate:.2f}x",
                          " / ".join(f"{t.tokens_per_s:.1f}" for t in timed),
+                         f"{statistics.mean(shares):.0%}" if shares else "-",
                          f"{statistics.mean(percentile(t.first, 0.5) for t in timed) * 1000:.0f}",
                          f"{same}/{len(prompts) * len(timed)}"])
     command = "python benchmarks/serving/draft_gate.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -122,10 +139,17 @@ def main(argv: list[str] | None = None) -> int:
              f"interleaved per concurrency, {args.repetitions} repetition(s); "
              "`same as plain`: outputs equal to plain decoding's, token for token.", "",
              md_table(["in flight", "model", "tree T/D/K", "draft dtype", "gate", "tok/s (mean)", "vs plain", "runs",
-                       "TTFT p50 ms", "same as plain"], rows), ""]
+                       "drafted", "TTFT p50 ms", "same as plain"], rows), ""]
     atomic_write_text(Path(args.out), "\n".join(lines))
     print("\n".join(lines))
     return 0
+
+
+def drafted_share(gate: DraftGate) -> float | None:
+    """The share of the steps `gate` timed that drafted (None: it timed none, e.g. gate off or plain)."""
+    drafted = sum(rate.steps for (_, kind), rate in gate.rates.items() if kind)
+    total = sum(rate.steps for rate in gate.rates.values())
+    return drafted / total if total else None
 
 
 if __name__ == "__main__":

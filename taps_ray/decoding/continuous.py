@@ -297,7 +297,7 @@ class ContinuousBatcher:
         rows = list(range(len(self._running)))
         gated = any(seq.drafting.proposer.drafts for seq in self._running)
         self_timed = all(seq.drafting.proposer.times_itself for seq in self._running)
-        drafting = gated and self.gate.drafts(len(rows), self_timed)
+        drafting = gated and self.gate.drafts(len(rows), self_timed, timed=not joining)
         newcomer = self._new_batch() if joining else None  # a batch for the joiners only when there are some
         started: list[Committed] = []
 

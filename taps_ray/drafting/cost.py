@@ -154,22 +154,43 @@ class CostAware(Proposer):
         return state.last_head
 
     def propose(self, state: CostState, features: torch.Tensor, next_tokens: torch.Tensor) -> tuple[DraftTree, CostState]:
+        (tree,), (state,) = self.propose_batch([state], [features], [next_tokens])
+        return tree, state
+
+    def propose_batch(self, states: list[CostState], features: list[torch.Tensor], next_tokens: list[torch.Tensor]
+                      ) -> tuple[list[DraftTree], list[CostState]]:
+        """Each sequence's step: a paused one verifies its root, the drafting ones draft in ONE `propose_batch` of
+        the wrapped proposer (one draft pass over the batch, as it runs unwrapped). Drafted one by one, a batch of
+        16 took 200-260 ms to draft against a 33 ms undrafted step (bf16, AMD EPYC, ad hoc), so the measured
+        drafting gate let Serve's batches draft even less. Every sequence's draft time is the batch's: its
+        step waits for all of it."""
         now = self.clock()
-        state = replace(state, pending=(*state.pending, (features, next_tokens)))
-        if state.plain_s is None or state.paused_left > 0:
-            tree = root_only(int(next_tokens[-1]), next_tokens.device)
-            return tree, replace(state, kept=0, promised=0.0, draft_s=None, paused_left=max(state.paused_left - 1, 0),
-                                 returned_at=self.clock(), last_head=NOT_DRAFTED)
-        all_features, all_tokens = join_pending(state.pending)
-        drafted, inner = self.inner.propose(state.inner, all_features, all_tokens)
+        states = [replace(s, pending=(*s.pending, (f, t))) for s, f, t in zip(states, features, next_tokens, strict=True)]
+        drafting = [i for i, s in enumerate(states) if s.plain_s is not None and s.paused_left == 0]
+        drafted: dict[int, tuple[DraftTree, Any]] = {}
+        if drafting:
+            joined = [join_pending(states[i].pending) for i in drafting]
+            trees, inners = self.inner.propose_batch([states[i].inner for i in drafting], [f for f, _ in joined],
+                                                     [t for _, t in joined])
+            drafted = dict(zip(drafting, zip(trees, inners, strict=True), strict=True))
+        done = self.clock()
+        out = [self._kept(state, *drafted[i], done - now, done) if i in drafted else
+               (root_only(int(tokens[-1]), tokens.device),
+                replace(state, kept=0, promised=0.0, draft_s=None, paused_left=max(state.paused_left - 1, 0),
+                        returned_at=done, last_head=NOT_DRAFTED))
+               for i, (state, tokens) in enumerate(zip(states, next_tokens, strict=True))]
+        return [tree for tree, _ in out], [state for _, state in out]
+
+    def _kept(self, state: CostState, drafted: DraftTree, inner: Any, draft_s: float, done: float
+              ) -> tuple[DraftTree, CostState]:
+        """The part of a drafted tree that pays (`best_size`), and the state that remembers what it promised."""
         order, scores = ranked_nodes(drafted), path_scores(drafted)
         ranked = [scores[j] for j in order]
         probe = state.pause > 0  # the drafted step after a pause trusts the confidences (κ = 1): it measures κ
         kept = best_size(ranked, state.verify_cost, 1.0 if probe else state.calibration)
         tree = drafted if kept == len(order) else subtree(drafted, order[:kept])
-        done = self.clock()
         return tree, replace(state, inner=inner, pending=(), kept=kept, promised=sum(ranked[:kept]),
-                             draft_s=done - now, returned_at=done,
+                             draft_s=draft_s, returned_at=done,
                              last_head=self.inner.head_of(inner) if kept else NOT_DRAFTED)
 
     def observe(self, states: list[CostState], feedback: list[Feedback]) -> list[CostState]:

@@ -23,7 +23,11 @@ from taps_ray.models.target_forward import target_forward
 
 logger = logging.getLogger(__name__)
 
-WARM_UP_TOKENS = 3
+# under a prefill budget the second of two requests joins the first's second step; with 4 tokens the first is
+# still decoding after it, so a step of two rows runs and compiles. With 3, a warm-up prompt over half the
+# budget (the benchmarks' real prompts; not the replica's short one) ran none, and the first two requests to
+# overlap waited ~30 s for that graph (bf16, AMD EPYC)
+WARM_UP_TOKENS = 4
 # prompts up to this long find their prefill's kernels built (SmolLM2 on 2 cores: ~4 s in bf16, ~10 s in fp32)
 WARM_PREFILL_TOKENS = 512
 
