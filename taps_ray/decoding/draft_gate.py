@@ -26,12 +26,12 @@ and cannot tell its tree from its neighbours'.
   cannot time (a request joins it: its prefill is most of the step) runs the bucket's known winner, undrafted
   when none is known, and is neither a warm-up step nor a probe: what it would measure is lost. Serve admits one
   prompt a step under its prefill budget, so a closed loop of 16 ramps up through 15 join steps, one at each
-  batch size; in buckets not yet measured each drafted, at 159 against 124 ms (bf16, AMD EPYC, the interop
-  config's math head, ad hoc), and `math` ran at 0.93x plain at 16 in flight. Why both economies: on a
-  CPU a drafted step at batch 16 cost about three to five undrafted ones, so a drafting model lost ~6% to probes
-  every 32nd step and ~18% to three drafted warm-up steps in each bucket the batch grew through. The anchors: vLLM's
-  dynamic speculative decoding (speculation off above a batch size, decided from measured goodput) and TensorRT-LLM's
-  draft length by batch size.
+  batch size, in buckets not yet measured: all 15 drafted, at 159 ms a step against 124 ms for the undrafted join
+  steps of 15 sequences that followed (bf16, AMD EPYC, the interop config's math head, ad hoc). Why both economies:
+  on a CPU a drafted step at batch 16 cost about three to five undrafted ones, so a drafting model lost ~6% to
+  probes every 32nd step and ~18% to three drafted warm-up steps in each bucket the batch grew through. The
+  anchors: vLLM's dynamic speculative decoding (speculation off above a batch size, decided from measured goodput)
+  and TensorRT-LLM's draft length by batch size.
 
 Lossless either way: an undrafted step verifies each sequence's root, and a paused proposer is handed every
 position it missed when drafting resumes (`step.decode_step`).
