@@ -49,7 +49,6 @@ from taps_ray.fsio import atomic_write_text  # noqa: E402
 from taps_ray.machine import cpu_line  # noqa: E402
 from taps_ray.markdown import md_table  # noqa: E402
 from taps_ray.models.target import dtype_name, load_target  # noqa: E402
-from taps_ray.models.target_forward import target_forward  # noqa: E402
 from taps_ray.serve.warm_up import warm_up  # noqa: E402
 
 
@@ -97,8 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         return ContinuousBatcher(target.model, target.stop_token_ids, concurrency, gate=gate, feature_layers=layers,
                                  prefill_tokens=config.serve.prefill_tokens)
 
-    if target_forward(target.model).compiled:  # as the replica does before it serves
-        warm_up(batcher(1, DraftGate()), PlainDecoding(), prompts[0])
+    warm_up(batcher(1, DraftGate()), PlainDecoding(), prompts[0])  # as the replica does before it serves
     rows, results, drafted = [], {}, {}
     for concurrency in (int(c) for c in args.concurrency.split(",")):
         warm = batcher(concurrency, DraftGate())  # an unmeasured wave at this load: its first steps build kernels

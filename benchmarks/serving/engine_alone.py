@@ -51,7 +51,6 @@ def _loops(request: dict) -> list[dict]:
     from taps_ray.decoding.continuous import ContinuousBatcher
     from taps_ray.drafting.proposers import PlainDecoding
     from taps_ray.models.target import load_target
-    from taps_ray.models.target_forward import target_forward
     from taps_ray.serve.warm_up import warm_up
 
     config = load_config(request["config"])
@@ -62,8 +61,7 @@ def _loops(request: dict) -> list[dict]:
         return ContinuousBatcher(target.model, target.stop_token_ids, request["max_seqs"],
                                  prefill_tokens=config.serve.prefill_tokens)
 
-    if target_forward(target.model).compiled:  # as the replica does before it serves
-        warm_up(batcher(), PlainDecoding(), prompts[0])
+    warm_up(batcher(), PlainDecoding(), prompts[0])  # as the replica does before it serves
     closed_loop(batcher(), prompts[:4], PlainDecoding(), 4, 8)  # warm-up: oneDNN's first calls, the allocator
     rows = []
     for concurrency in request["concurrencies"]:

@@ -175,12 +175,16 @@ class CostAware(Proposer):
                                                      [t for _, t in joined])
             drafted = dict(zip(drafting, zip(trees, inners, strict=True), strict=True))
         done = self.clock()
-        out = [self._kept(state, *drafted[i], done - now, done) if i in drafted else
-               (root_only(int(tokens[-1]), tokens.device),
-                replace(state, kept=0, promised=0.0, draft_s=None, paused_left=max(state.paused_left - 1, 0),
-                        returned_at=done, last_head=NOT_DRAFTED))
+        out = [self._kept(state, *drafted[i], done - now, done) if i in drafted else self._root(state, tokens, done)
                for i, (state, tokens) in enumerate(zip(states, next_tokens, strict=True))]
         return [tree for tree, _ in out], [state for _, state in out]
+
+    @staticmethod
+    def _root(state: CostState, next_tokens: torch.Tensor, done: float) -> tuple[DraftTree, CostState]:
+        """A root-only step (the plain first step, or a step of a pause, which it counts down)."""
+        return root_only(int(next_tokens[-1]), next_tokens.device), replace(
+            state, kept=0, promised=0.0, draft_s=None, paused_left=max(state.paused_left - 1, 0), returned_at=done,
+            last_head=NOT_DRAFTED)
 
     def _kept(self, state: CostState, drafted: DraftTree, inner: Any, draft_s: float, done: float
               ) -> tuple[DraftTree, CostState]:

@@ -64,7 +64,6 @@ from taps_ray.drafting.proposer import shared_feature_layers
 from taps_ray.drafting.registry import combination, combination_names, single_names
 from taps_ray.drafting.setup import draft_dtype, load_heads, load_proposers
 from taps_ray.models.target import dtype_name, load_target
-from taps_ray.models.target_forward import target_forward
 from taps_ray.ray_runtime import OMP_WAIT_ENV, bind_replica_grpc_to_node, process_runtime_env, start_serve
 from taps_ray.serve.api_errors import ERROR_RESPONSES, ApiError, install_error_handlers
 from taps_ray.serve.api_schemas import (
@@ -179,8 +178,7 @@ class TapsService:
         self.batcher = ContinuousBatcher(self.target.model, self.stop_ids, serve_cfg.max_batch_size,
                                          gate, layers,
                                          prefill_tokens=serve_cfg.prefill_tokens)
-        if target_forward(self.target.model).compiled:
-            warm_up(self.batcher, self.proposers[PLAIN], self.tokenizer.encode("Warm up the target's graph."))
+        warm_up(self.batcher, self.proposers[PLAIN], self.tokenizer.encode("Warm up the target's graph."))
         self.adapt = self._start_adapting() if serve_cfg.adapt.enabled else None
         self.loop = DecodeLoop(self.batcher, serve_cfg.max_queued_requests, serve_cfg.stall_timeout_s, serve_metrics(),
                                self.adapt, self.compute)
