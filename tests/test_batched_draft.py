@@ -15,7 +15,7 @@ from taps_ray.drafting.combine import ConfidenceRouted, Merged, merge_trees
 from taps_ray.drafting.ngram import NgramProposer
 from taps_ray.drafting.proposers import Recording, SingleHead
 from taps_ray.drafting.registry import build_proposer
-from taps_ray.drafting.eagle2 import DraftContext, HeadCache, draft_eagle2
+from taps_ray.drafting.eagle2 import DraftContext, HeadCache, draft_eagle2, extend_batch
 from taps_ray.drafting.tree import DraftTree
 from taps_ray.models.draft_head import new_head
 from taps_ray.models.stacked_head import StackedHead, stack_mismatch
@@ -198,3 +198,44 @@ def test_routers_draft_a_batch_of_sequences_as_each_alone(tiny_target, fitted, p
             assert proposer.head_of(state) == proposer.head_of(want_state)
             compared += 1
     assert compared >= 4 and near_ties <= compared // 4
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_ragged_extension_runs_the_layer_on_real_tokens_and_matches_each_sequence_alone(tiny_target, fitted, prompts,
+                                                                                          expected, stacked):
+    """Sequences handing over different numbers of committed positions (a catch-up after the gate paused drafting:
+    one row's whole prompt beside another's few tokens) extend their caches in one forward whose MLP sees only the
+    real positions, not the padded rows; every row's output, root and cache are what it gets extended alone. Twice:
+    the second extension starts from caches of different lengths."""
+    model = tiny_target.model
+    context = DraftContext(model.get_input_embeddings(), model.lm_head)
+    head = StackedHead([fitted["math"], fitted["chat"]]) if stacked else fitted["math"]
+    sequences = [p + e for p, e in zip(prompts, expected)] + [prompts[1] + expected[1][:2]]
+    features = [model.model(torch.tensor([seq])).last_hidden_state[0].detach() for seq in sequences]
+    ends = [len(seq) - 1 for seq in sequences]
+    cuts = [[3, ends[0]], [ends[1] - 3, ends[1]], [1, ends[2]]]  # where each extension ends: both ragged
+    mlp_tokens: list[int] = []
+    handle = head.layer.mlp.register_forward_hook(lambda _m, args, _out: mlp_tokens.append(args[0].shape[-2]))
+    batch = [HeadCache() for _ in sequences]
+    alone = [[HeadCache()] for _ in sequences]
+    rtol = rounding_rtol(model.config.hidden_size, chained=4)
+    try:
+        for call in range(2):
+            spans = [(0 if call == 0 else cut[0], cut[call]) for cut in cuts]
+            feats = [f[a:b] for f, (a, b) in zip(features, spans)]
+            tokens = [torch.tensor(seq[a + 1:b + 1]) for seq, (a, b) in zip(sequences, spans)]
+            counts = [len(t) for t in tokens]
+            assert len(set(counts)) > 1
+            mlp_tokens.clear()
+            hidden, batch, roots = extend_batch(head, context, batch, feats, tokens, reserve=4)
+            assert mlp_tokens == [sum(counts)]  # one forward, over the real positions only
+            for s in range(len(sequences)):
+                one, alone[s], root = extend_batch(head, context, alone[s], [feats[s]], [tokens[s]], reserve=4)
+                rows = hidden.view(head.stacked, len(sequences), -1)[:, s]
+                torch.testing.assert_close(rows, one, rtol=rtol, atol=rtol)
+                assert int(roots[s]) == int(root[0]) == int(tokens[s][-1])
+                assert batch[s].length == alone[s][0].length == spans[s][1]
+                for got, want in zip(batch[s].kv, alone[s][0].kv):
+                    torch.testing.assert_close(got, want, rtol=rtol, atol=rtol)
+    finally:
+        handle.remove()

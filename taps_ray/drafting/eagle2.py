@@ -5,6 +5,7 @@ per sequence; `draft_eagle2` is the one drafting entry, for a batch of sequences
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -172,10 +173,10 @@ def extend_batch(
     next_tokens: list[torch.Tensor], reserve: int = 0,
 ) -> tuple[torch.Tensor, list[HeadCache], torch.Tensor]:
     """Step A for S sequences in one forward: feed each sequence's (h_p, x_{p+1}) pairs of newly committed
-    positions (their counts may differ: right-padded, each row writing its own slots). Returns the last output
-    of every stacked head of every sequence [N*S, d] (row n*S + s), the new caches, whose slots hold `reserve`
-    more positions after the longest for the trees drafted next, and the last next token of each sequence [S]
-    (the trees' roots).
+    positions (their counts may differ: the head's linear layers run on the real ones only, `DraftHead.step`'s
+    `packed`, and each row writes its own slots). Returns the last output of every stacked head of every sequence
+    [N*S, d] (row n*S + s), the new caches, whose slots hold `reserve` more positions after the longest for the
+    trees drafted next, and the last next token of each sequence [S] (the trees' roots).
 
     The committed tensors may come from another device (a target worker hands back CPU tensors); they move
     to the head's."""
@@ -186,8 +187,11 @@ def extend_batch(
     lengths = [c.length for c in caches]
     widest, most = max(lengths), max(counts)
     slots = reserve_slots(head, caches, widest + most + reserve)
-    tokens = torch.nn.utils.rnn.pad_sequence([t.to(device) for t in next_tokens], batch_first=True)  # [S, M]
-    feats = torch.nn.utils.rnn.pad_sequence([f.to(device=device, dtype=dtype) for f in features], batch_first=True)
+    tokens = torch.cat([t.to(device) for t in next_tokens])  # [P]: every sequence's tokens in turn, unpadded
+    feats = torch.cat([f.to(device=device, dtype=dtype) for f in features])
+    # where each of them sits in the padded [S, M] layout (None when no row is padded: the same layout)
+    packed = None if len(set(counts)) == 1 else to_device(
+        [s * most + m for s, count in enumerate(counts) for m in range(count)], device)
     offsets = torch.arange(most, device=device)
     uniform = len(set(lengths)) == 1
     start_of = to_device(lengths, device)[:, None]  # [S, 1]
@@ -196,19 +200,19 @@ def extend_batch(
     seen = columns <= slot[:, :, None]  # [S, M, widest + M]: a row's committed slots and its new ones up to itself
     mask = seen[None].expand(n, -1, -1, -1).reshape(n * sequences, 1, most, widest + most)
     out = head.step(
-        ctx.embed(tokens).to(dtype).reshape(1, sequences * most, -1).expand(n, -1, -1),
-        feats.reshape(1, sequences * most, -1).expand(n, -1, -1),
+        ctx.embed(tokens).to(dtype)[None].expand(n, -1, -1),
+        feats[None].expand(n, -1, -1),
         slot.reshape(1, -1),  # positions = slots: a sequence's draft positions are contiguous
         mask,
         slots.kv,
         widest,
         sequences=sequences,
         write_index=None if uniform else slot[None].expand(n, -1, -1).reshape(n * sequences, most),
+        packed=packed,
     )
-    last = to_device([c - 1 for c in counts], device)
-    rows = torch.arange(sequences, device=device)
-    hidden = out.view(n, sequences, most, -1)[:, rows, last].reshape(n * sequences, -1)
-    roots = tokens[rows, last]
+    last = to_device(list(itertools.accumulate(counts, initial=-1))[1:], device)  # each sequence's last token
+    hidden = out[:, last].reshape(n * sequences, -1)
+    roots = tokens[last]
     new = [c + m for c, m in zip(lengths, counts)]
     slots.stable = list(new)
     return hidden, [HeadCache(slots, length, s) for s, length in enumerate(new)], roots

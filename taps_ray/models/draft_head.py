@@ -234,6 +234,7 @@ class DraftHead(nn.Module):
         start: int,
         sequences: int = 1,
         write_index: torch.Tensor | None = None,
+        packed: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`forward` over preallocated keys and values `kv` [B,kvh,capacity,hd] (drafting): this call's K/V are
         written at slots start..start+T-1 and the attention reads slots 0..start+T-1, so a draft pass copies
@@ -242,8 +243,16 @@ class DraftHead(nn.Module):
         `sequences` S > 1 drafts S sequences in one call: the inputs are [B, S*T, d] (each sequence's T
         tokens in turn, so every linear layer runs once for all of them), the cache and mask have B*S rows
         (row b*S + s: batch row b of sequence s) and the output is [B, S*T, d]. `write_index` [B*S, T] writes
-        each row's K/V at its own slots (sequences of different lengths) instead of start..start+T-1."""
+        each row's K/V at its own slots (sequences of different lengths) instead of start..start+T-1.
+
+        `packed` [P] (sequences of different token counts): the inputs hold only the P real tokens, `packed` their
+        places in the padded S*T layout of `positions`, and so does the output [B, P, d]. The embedding mix, o_proj
+        and the MLP (most of the layer's work) then skip the padding; queries, keys and values are projected and
+        attend padded. A catch-up of 16 sequences after a pause (34-176 positions each) drafted in 0.67x the padded
+        call's time (reports/catch_up.md)."""
         x, residual = self.inputs(token_embeddings, features)
+        if packed is not None:
+            x = x.new_zeros(x.shape[0], positions.shape[-1], x.shape[-1]).index_copy_(1, packed, x)
         q, k, v = self.project(x, positions)
         if sequences > 1:
             q, k, v = (_unfold(t, sequences) for t in (q, k, v))
@@ -257,6 +266,8 @@ class DraftHead(nn.Module):
         attended = self.attend(q, kv[0][:, :, :end], kv[1][:, :, :end], mask)
         if sequences > 1:
             attended = _fold(attended, sequences)
+        if packed is not None:
+            attended = attended.index_select(2, packed)
         return self.finish(residual, attended)
 
     # --- persistence -------------------------------------------------------------------------------------
