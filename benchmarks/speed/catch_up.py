@@ -37,22 +37,17 @@ from draft_profile import _git_module  # noqa: E402
 from taps_ray.config import load_config  # noqa: E402
 from taps_ray.machine import cpu_line  # noqa: E402
 
-Inputs = tuple[list[torch.Tensor], list[torch.Tensor]]  # per sequence: features, next tokens
+Pair = tuple[torch.Tensor, torch.Tensor]  # one sequence's features and next tokens
 
 
-def _joined(calls: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.cat([f for f, _ in calls]), torch.cat([t for _, t in calls])
+def batches(recorded: list[list[Pair]], pause: int) -> dict[str, tuple[list[Pair | None], list[Pair]]]:
+    """Per scenario, (what each sequence's cache holds before, None: nothing; what the timed call hands over)."""
+    from taps_ray.drafting.proposer import join_pending
 
-
-def batches(recorded: list[list[tuple[torch.Tensor, torch.Tensor]]], pause: int) -> dict[str, tuple[Inputs, Inputs]]:
-    """Per scenario, (what the sequences' caches hold before, what the timed call hands over)."""
     half = len(recorded) // 2
 
-    def split(cached: list[list], handed: list[list]) -> tuple[Inputs, Inputs]:
-        before = [_joined(c) if c else None for c in cached]
-        after = [_joined(h) for h in handed]
-        return ([b[0] if b else None for b in before], [b[1] if b else None for b in before]), (
-            [a[0] for a in after], [a[1] for a in after])
+    def split(cached: list[list[Pair]], handed: list[list[Pair]]) -> tuple[list[Pair | None], list[Pair]]:
+        return [join_pending(c) if c else None for c in cached], [join_pending(h) for h in handed]
 
     return {
         "joined": split([[] for _ in recorded], [calls[:1] for calls in recorded]),
@@ -63,20 +58,21 @@ def batches(recorded: list[list[tuple[torch.Tensor, torch.Tensor]]], pause: int)
     }
 
 
-def timed_draft(module, proposer, before: Inputs, handed: Inputs, tree) -> tuple[float, list]:
+def timed_draft(module, proposer, before: list[Pair | None], handed: list[Pair], tree) -> tuple[float, list]:
     """Seconds of `module.draft_eagle2` over `handed`, from fresh caches holding `before` (built untimed, by this
     tree's extension), and its trees."""
     from taps_ray.drafting.eagle2 import HeadCache, extend_batch
 
-    caches = [HeadCache() for _ in handed[0]]
-    cached = [s for s, f in enumerate(before[0]) if f is not None]
+    caches = [HeadCache() for _ in handed]
+    cached = [s for s, pair in enumerate(before) if pair is not None]
     if cached:
         _, fresh, _ = extend_batch(proposer.head, proposer.context, [HeadCache() for _ in cached],
-                                   [before[0][s] for s in cached], [before[1][s] for s in cached])
+                                   [before[s][0] for s in cached], [before[s][1] for s in cached])
         for s, cache in zip(cached, fresh):
             caches[s] = cache
     start = time.perf_counter()
-    trees, _ = module.draft_eagle2(proposer.head, proposer.context, caches, *handed, tree)
+    trees, _ = module.draft_eagle2(proposer.head, proposer.context, caches, [f for f, _ in handed],
+                                   [t for _, t in handed], tree)
     return time.perf_counter() - start, trees
 
 
@@ -138,7 +134,7 @@ def main() -> int:
                         timed[side].append(seconds)
             same = sum(all(torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents) for a, b in zip(x, y))
                        for x, y in zip(outputs["baseline"], outputs["this tree"]))
-            counts = [int(t.numel()) for t in handed[1]]
+            counts = [int(t.numel()) for _, t in handed]
             base, new = (1000 * statistics.median(timed[k]) for k in ("baseline", "this tree"))
             lines.append(f"| {kind}-{head_name} | {scenario} | {min(counts)} / {max(counts)} / {sum(counts)} | "
                          f"{max(counts) * len(counts)} | {base:.1f} | {new:.1f} | {new / base:.2f} | "
